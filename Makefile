@@ -1,0 +1,37 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export MPLBACKEND := Agg
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export WANDB_MODE ?= offline
+
+.PHONY: install test test-all test-slow demo clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch is bounded in pyproject.toml so pip takes the CPU wheel on disk, never a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)  ## the CI set: fast tests plus one end-to-end smoke run
+	$(BIN)/python -m pytest -m "not slow" -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)  ## what exists end to end on a CPU (see README)
+	$(BIN)/python -m ckv.smoke
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

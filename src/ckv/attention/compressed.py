@@ -1,0 +1,190 @@
+"""Chunked KV compression with joint attention (science.md, docs/attention.md).
+
+Each window of ``window`` tokens, moved by ``stride``, is pooled into one key and one value per KV head by a
+learned softmax gate or a uniform mean; a query attends in one softmax to every visible entry plus the exact
+keys of its local window. ``impl`` picks the PyTorch reference (the oracle) or the Triton kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ckv.attention.base import AttentionBackend
+from ckv.attention.reference import joint_attention_reference, pool_reference
+from ckv.cache import CompressedLayerCache
+from ckv.config import ConfigError, ModelConfig
+from ckv.geometry import (
+    LocalWindow,
+    entry_rope_position,
+    local_keep,
+    num_entries,
+    pending_keep,
+    window_positions,
+)
+from ckv.norm import RMSNorm
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere."""
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    return impl
+
+
+def _triton_available() -> bool:
+    try:
+        import ckv_kernels  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
+def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor, impl: str = "torch") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Dispatch of ``reference.pool_reference`` (see there for shapes)."""
+    if resolve_impl(impl, payload.device) == "triton":
+        from ckv_kernels import pool as pool_triton
+
+        return pool_triton(payload, logits, present), None
+    return pool_reference(payload, logits, present)
+
+
+def joint_attention(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    stride: int, local_window: LocalWindow, q_start: int = 0, impl: str = "torch",
+) -> torch.Tensor:
+    """Dispatch of ``reference.joint_attention_reference`` (see there for shapes); returns the output only."""
+    if resolve_impl(impl, q.device) == "triton":
+        from ckv_kernels import joint_attention as joint_attention_triton
+
+        return joint_attention_triton(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start)[0]
+    return joint_attention_reference(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start)[0]
+
+
+class Compressor(nn.Module):
+    """One branch (keys or values) of the chunked compressor.
+
+    Offset-specific maps (``offset_maps="specific"``): gate logits ``s_i = Z_i h_i + b_i`` and payload
+    ``C_i h_i`` with one ``Z_i``, ``C_i`` per offset ``i``; shared maps (DeepSeek style): one ``Z`` and ``C`` for
+    all offsets and an offset-specific bias ``b_i`` only. Parameters are stacked offset-first so that gate
+    cycling is ``torch.roll(..., dims=0)``.
+    """
+
+    def __init__(self, config: ModelConfig, norm: Optional[nn.Module] = None) -> None:
+        super().__init__()
+        a = config.attention
+        d, W = config.d_model, a.window
+        self.kv_heads, self.head_dim, self.window = config.kv_heads, config.head_dim, W
+        out = self.kv_heads * self.head_dim
+        self.gate_dim = self.kv_heads if a.gate == "scalar" else out
+        self.specific = a.offset_maps == "specific"
+        lead = (W,) if self.specific else ()
+        self.payload = nn.Parameter(torch.empty(*lead, d, out))  # C_i: (W, d, KV*D) or C: (d, KV*D)
+        self.gate_weight = nn.Parameter(torch.empty(*lead, d, self.gate_dim)) if a.pooling == "gate" else None
+        self.gate_bias = nn.Parameter(torch.zeros(W, self.gate_dim)) if a.pooling == "gate" and a.gate_bias else None
+        self.norm = norm  # RMSNorm applied to each token's payload before pooling ("pre"), or None
+        self.record_gates = False  # analyses set this to keep the last weights in ``last_alpha``
+        self.last_alpha: Optional[torch.Tensor] = None
+
+    def _map(self, hw: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.specific:
+            return torch.einsum("bewd,wdo->bewo", hw, weight)
+        return hw @ weight
+
+    def forward(self, hw: torch.Tensor, present: torch.Tensor, impl: str = "torch") -> torch.Tensor:
+        """hw: (B, E, W, d) hidden states of each entry's window (zeros where absent); present: (E, W).
+        Returns the pooled payload (B, E, KV, D)."""
+        B, E, W, _ = hw.shape
+        payload = self._map(hw, self.payload).view(B, E, W, self.kv_heads, self.head_dim)
+        if self.norm is not None:
+            payload = self.norm(payload)
+        logits = None
+        if self.gate_weight is not None:
+            logits = self._map(hw, self.gate_weight)  # (B, E, W, G)
+            if self.gate_bias is not None:
+                logits = logits + self.gate_bias
+            logits = logits.view(B, E, W, self.kv_heads, self.gate_dim // self.kv_heads)
+        pooled, alpha = pool(payload, logits, present, impl=impl)
+        if self.record_gates:
+            self.last_alpha = alpha.detach() if alpha is not None else None
+        return pooled
+
+
+class CompressedAttention(AttentionBackend):
+    """Joint attention over chunk-compressed entries and an exact local window."""
+
+    kind = "compressed"
+    impls = ("auto", "torch", "triton")
+    features = (
+        "gqa", "qk_norm", "rope_full", "rope_partial", "rope_none", "kv_cache", "gate_scalar", "gate_vector",
+        "gate_bias", "pooling_mean", "offset_maps_shared", "kv_tied", "post_norm", "local_tail", "window_gt_stride",
+    )
+
+    @classmethod
+    def check(cls, config: ModelConfig) -> None:
+        super().check(config)
+        a = config.attention
+        if a.impl == "triton" and not _triton_available():
+            raise ConfigError("attention.impl='triton' needs the ckv_kernels package and triton (pip install '.[gpu]')")
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        a = config.attention
+        self.window, self.stride, self.local_window = a.window, a.stride, a.local_window
+        self.impl, self.entry_rope = a.impl, a.entry_rope_position
+        normed = a.qk_norm
+        self.ck_norm = RMSNorm(config.head_dim, config.norm_eps) if normed else None
+        pre = self.ck_norm if a.compressed_norm == "pre" else None
+        self.post_norm = self.ck_norm if a.compressed_norm == "post" else None
+        self.k_compressor = Compressor(config, norm=pre)
+        self.v_compressor = None if a.tied_kv else Compressor(config)
+
+    def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool entries ``first .. first+n-1`` from hidden states h (B, Th, d) at positions ``h_start..``.
+        Returns kc, vc (B, n, KV, D): keys normalised and rotated; vc is kc with tied K/V."""
+        pos, present = window_positions(first, n, self.window, self.stride, device=h.device)  # (n, W)
+        idx = pos - h_start
+        if bool((present & (idx < 0)).any()):
+            raise ValueError("hidden states do not reach back to the start of a window being pooled")
+        hw = h[:, idx.clamp(min=0)] * present[None, :, :, None].to(h.dtype)  # (B, n, W, d)
+        kc = self.k_compressor(hw, present, impl=self.impl)
+        if self.post_norm is not None:
+            kc = self.post_norm(kc)
+        j = torch.arange(first, first + n, device=h.device)
+        kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope))
+        vc = kc if self.v_compressor is None else self.v_compressor(hw, present, impl=self.impl)
+        return kc, vc
+
+    def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        start = cache.length if cache is not None else 0
+        q, k, v = self.project(x, torch.arange(start, start + T, device=x.device))  # (B, T, H|KV, D)
+        tied = self.v_compressor is None
+        first, end = num_entries(start, self.stride), num_entries(start + T, self.stride)
+        if cache is None:
+            kc, vc = self.entries(x, 0, 0, end)
+            k_all, v_all = k, v
+        else:
+            h = x if cache.pending is None else torch.cat([cache.pending, x], dim=1)
+            h_start = start + T - h.shape[1]
+            kc_new, vc_new = self.entries(h, h_start, first, end - first)
+            kc = kc_new if cache.kc is None else torch.cat([cache.kc, kc_new], dim=1)
+            vc = kc if tied else (vc_new if cache.vc is None else torch.cat([cache.vc, vc_new], dim=1))
+            k_all = k if cache.k is None else torch.cat([cache.k, k], dim=1)
+            v_all = k_all if tied else (v if cache.v is None else torch.cat([cache.v, v], dim=1))
+            n = start + T
+            keep_l, keep_p = local_keep(n, self.local_window, self.stride), pending_keep(n, self.window, self.stride)
+            cache.kc, cache.vc = kc, (None if tied else vc)
+            cache.k = k_all[:, k_all.shape[1] - keep_l:]
+            cache.v = cache.k if tied else v_all[:, v_all.shape[1] - keep_l:]
+            cache.pending = h[:, h.shape[1] - keep_p:]
+            cache.length = n
+        out = joint_attention(q, kc, vc, k_all, v_all, stride=self.stride, local_window=self.local_window,
+                              q_start=start, impl=self.impl)  # (B, T, H, D)
+        return self.o_proj(out.reshape(B, T, -1))
+
+    def new_cache(self, batch_size: int) -> CompressedLayerCache:
+        return CompressedLayerCache()

@@ -1,0 +1,83 @@
+"""Pure-PyTorch reference of the compressed KV path: the oracle the Triton kernels, the decoding cache and
+every analysis are tested against. Vectorised; memory O(T * (T/stride + local)), never (T, T)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ckv.geometry import LocalWindow, compressed_mask, local_span, local_start
+
+
+def pool_reference(
+    payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool each window's payloads into one entry.
+
+    payload: (B, E, W, KV, D); logits: (B, E, W, KV, G) with G = 1 (scalar gate) or D (vector gate), or None for
+    uniform averaging; present: (E, W) bool, False for positions before 0 (never all False in a row).
+    Returns pooled (B, E, KV, D) and weights alpha (B, E, W, KV, G) (G = 1 for the mean), summing to 1 over W.
+    """
+    mask = present[None, :, :, None, None]  # (1, E, W, 1, 1)
+    if logits is None:
+        alpha = (mask / present.sum(-1).clamp_min(1)[None, :, None, None, None]).to(payload.dtype)
+    else:
+        scores = logits.float().masked_fill(~mask, float("-inf"))
+        alpha = torch.softmax(scores, dim=2).to(payload.dtype)
+    pooled = (alpha * payload).sum(dim=2)  # (B, E, KV, D)
+    return pooled, alpha
+
+
+def joint_attention_reference(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    stride: int,
+    local_window: LocalWindow,
+    q_start: int = 0,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over visible compressed entries and the exact keys of each query's local window.
+
+    q: (B, Tq, H, D) at positions ``q_start .. q_start+Tq-1``; kc, vc: (B, E, KV, D) entries ``0..E-1``;
+    k, v: (B, Tk, KV, D) exact keys at positions ``q_start+Tq-Tk .. q_start+Tq-1`` (they must reach back as far
+    as any query's local window). H % KV == 0 (grouped-query attention).
+    Returns out (B, Tq, H, D) in q's dtype and the log-sum-exp (B, Tq, H) in fp32 (-inf where a query sees
+    nothing, in which case its output is 0).
+    """
+    B, Tq, H, D = q.shape
+    E, KV, Tk = kc.shape[1], k.shape[2], k.shape[1]
+    G = H // KV
+    scale = D**-0.5 if scale is None else scale
+    dev = q.device
+    q_pos = torch.arange(q_start, q_start + Tq, device=dev)
+    k_start = q_start + Tq - Tk
+
+    qg = q.reshape(B, Tq, KV, G, D).float()
+    mask_c = compressed_mask(q_pos, E, stride)  # (Tq, E)
+    s_c = torch.einsum("btkgd,bekd->bkgte", qg, kc.float()) * scale  # (B, KV, G, Tq, E)
+
+    L = local_span(local_window, stride)
+    band = q_pos[:, None] - L + 1 + torch.arange(L, device=dev)[None, :]  # (Tq, L) key positions
+    mask_l = (band >= local_start(q_pos, local_window, stride)[:, None]) & (band >= 0)
+    if bool((mask_l & (band < k_start)).any()):
+        raise ValueError(f"exact keys start at position {k_start}, but a local window reaches further back")
+    idx = (band - k_start).clamp(0, max(Tk - 1, 0))
+    k_l = k[:, idx] if Tk else k.new_zeros(B, Tq, L, KV, D)  # (B, Tq, L, KV, D)
+    v_l = v[:, idx] if Tk else v.new_zeros(B, Tq, L, KV, D)
+    s_l = torch.einsum("btkgd,btlkd->bkgtl", qg, k_l.float()) * scale  # (B, KV, G, Tq, L)
+
+    mask = torch.cat([mask_c, mask_l], dim=-1)  # (Tq, E + L)
+    scores = torch.cat([s_c, s_l], dim=-1).masked_fill(~mask, torch.finfo(torch.float32).min)
+    m = scores.amax(dim=-1, keepdim=True).detach()
+    p = torch.exp(scores - m) * mask  # masked columns are exactly 0, also where a row is all masked
+    denom = p.sum(dim=-1)  # (B, KV, G, Tq)
+    o = torch.einsum("bkgte,bekd->btkgd", p[..., :E], vc.float())
+    o = o + torch.einsum("bkgtl,btlkd->btkgd", p[..., E:], v_l.float())
+    o = o / denom.clamp_min(1e-30).permute(0, 3, 1, 2)[..., None]
+    lse = torch.where(denom > 0, m.squeeze(-1) + denom.clamp_min(1e-30).log(), float("-inf"))
+    return o.reshape(B, Tq, H, D).to(q.dtype), lse.permute(0, 3, 1, 2).reshape(B, Tq, H)

@@ -1,0 +1,188 @@
+"""Validated model and attention configuration (plain dataclasses: library code never sees Hydra objects)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from ckv.geometry import ENTRY_ROPE_POSITIONS
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "kind": ("full", "compressed"),
+    "impl": ("auto", "torch", "triton"),
+    "pooling": ("gate", "mean"),
+    "gate": ("scalar", "vector"),
+    "offset_maps": ("specific", "shared"),
+    "kv": ("separate", "tied"),
+    "compressed_norm": ("pre", "post"),
+    "rope": ("full", "partial", "none"),
+    "entry_rope_position": ENTRY_ROPE_POSITIONS,
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and what is allowed."""
+
+
+def _choice(owner: str, name: str, value: Any) -> None:
+    allowed = _CHOICES[name]
+    if value not in allowed:
+        raise ConfigError(f"{owner}.{name}={value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def _positive(owner: str, name: str, value: Any, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{owner}.{name}={value!r} must be an integer >= {minimum}")
+
+
+@dataclass
+class AttentionConfig:
+    """Which attention backend a model uses and every knob of the chunked compressor.
+
+    ``window`` and ``stride`` follow docs/attention.md: entry ``j`` pools positions
+    ``[(j+1)*stride - window, (j+1)*stride - 1]``. ``local_window`` is the number of exact recent tokens a query
+    keeps (including itself) or ``"tail"`` (the tokens of the current unfinished stride block).
+    ``kv_heads=None`` takes the model's ``n_kv_heads``.
+    """
+
+    kind: str = "full"
+    impl: str = "auto"
+    # RoPE and Q/K norm apply to both backends
+    rope: str = "full"
+    rope_dims: Optional[int] = None  # for rope="partial": how many leading dims of each head rotate
+    qk_norm: bool = True
+    kv_heads: Optional[int] = None
+    # compressed backend
+    window: int = 8
+    stride: int = 8
+    pooling: str = "gate"
+    gate: str = "scalar"
+    gate_bias: bool = True
+    offset_maps: str = "specific"  # offset-specific gate/payload maps, or shared maps + offset bias (DeepSeek)
+    kv: str = "separate"  # separate K and V branches, or V reuses the normalised, rotated keys
+    compressed_norm: str = "pre"  # RMSNorm of compressed keys before pooling (per token) or after (post-norm)
+    entry_rope_position: str = "block_start"
+    local_window: Union[int, str] = 16
+
+    def __post_init__(self) -> None:
+        o = "attention"
+        for name in ("kind", "impl", "rope", "pooling", "gate", "offset_maps", "kv", "compressed_norm", "entry_rope_position"):
+            _choice(o, name, getattr(self, name))
+        for name in ("qk_norm", "gate_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{o}.{name}={getattr(self, name)!r} must be true or false")
+        _positive(o, "stride", self.stride)
+        _positive(o, "window", self.window)
+        if self.window < self.stride:
+            raise ConfigError(f"{o}.window={self.window} must be >= attention.stride={self.stride}")
+        if self.kv_heads is not None:
+            _positive(o, "kv_heads", self.kv_heads)
+        if isinstance(self.local_window, str):
+            if self.local_window != "tail":
+                raise ConfigError(f"{o}.local_window={self.local_window!r} must be an integer >= 0 or 'tail'")
+        elif not isinstance(self.local_window, int) or isinstance(self.local_window, bool) or self.local_window < 0:
+            raise ConfigError(f"{o}.local_window={self.local_window!r} must be an integer >= 0 or 'tail'")
+        if self.rope == "partial":
+            if self.rope_dims is None:
+                raise ConfigError(f"{o}.rope='partial' needs attention.rope_dims (an even number of dims per head)")
+        elif self.rope_dims is not None:
+            raise ConfigError(f"{o}.rope_dims={self.rope_dims} is only used with attention.rope='partial' (got rope={self.rope!r})")
+
+    @property
+    def compressed(self) -> bool:
+        return self.kind == "compressed"
+
+    @property
+    def tied_kv(self) -> bool:
+        return self.kind == "compressed" and self.kv == "tied"
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen3-0.6B: 596,049,920 parameters with full attention and tied embeddings
+    "qwen3_0.6b": dict(vocab_size=151936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
+                       mlp_dim=3072, rope_theta=1e6, max_seq_len=40960),
+    "small": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, mlp_dim=768,
+                  rope_theta=1e4, max_seq_len=2048),
+    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
+                 rope_theta=1e4, max_seq_len=512),
+}
+
+
+@dataclass
+class ModelConfig:
+    """A Qwen3-style decoder: pre-norm RMSNorm, per-head Q/K RMSNorm, GQA, SwiGLU, RoPE, no biases."""
+
+    vocab_size: int = 256
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 16
+    mlp_dim: int = 128
+    rope_theta: float = 1e4
+    max_seq_len: int = 512
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attention, dict):
+            self.attention = AttentionConfig(**self.attention)
+        o = "model"
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
+            _positive(o, name, getattr(self, name))
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of dims)")
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} is not divisible by the number of KV heads ({self.kv_heads}); "
+                "grouped-query attention needs n_heads % kv_heads == 0"
+            )
+        if self.rope_theta <= 0:
+            raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
+        a = self.attention
+        if a.rope == "partial":
+            if not isinstance(a.rope_dims, int) or a.rope_dims < 2 or a.rope_dims % 2 or a.rope_dims > self.head_dim:
+                raise ConfigError(
+                    f"attention.rope_dims={a.rope_dims!r} must be an even integer in [2, head_dim={self.head_dim}]"
+                )
+
+    @property
+    def kv_heads(self) -> int:
+        """Effective number of KV heads (the attention config may override the model's)."""
+        return self.attention.kv_heads if self.attention.kv_heads is not None else self.n_kv_heads
+
+    @property
+    def rope_dims(self) -> int:
+        a = self.attention
+        return {"full": self.head_dim, "partial": a.rope_dims or 0, "none": 0}[a.rope]
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+        """A preset (``qwen3_0.6b``, ``small``, ``tiny``) with fields overridden; ``attention`` may be a dict."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - fields
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s) {sorted(unknown)}; valid fields: {sorted(fields)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s) {sorted(unknown)}")
+        att = d.pop("attention", {}) or {}
+        afields = {f.name for f in dataclasses.fields(AttentionConfig)}
+        bad = set(att) - afields
+        if bad:
+            raise ConfigError(f"unknown AttentionConfig field(s) {sorted(bad)}; valid fields: {sorted(afields)}")
+        return cls(**d, attention=AttentionConfig(**att))

@@ -1,0 +1,129 @@
+"""A Qwen3-style decoder with a pluggable attention backend.
+
+embed -> n_layers x [RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU -> +residual] -> RMSNorm -> head
+Module names follow transformers' Qwen3 so that weights convert by renaming (see ckv.hf).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ckv.attention import build_attention
+from ckv.cache import KVCache
+from ckv.config import ModelConfig
+from ckv.norm import RMSNorm
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.mlp_dim, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.mlp_dim, bias=False)
+        self.down_proj = nn.Linear(config.mlp_dim, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.self_attn = build_attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """The ckv decoder. ``Transformer(config)(input_ids) -> logits (B, T, V)``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for every matrix (residual outputs scaled by 1/sqrt(2 * n_layers)), gate biases 0,
+        norm gains 1."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("gate_bias"):
+                p.zero_()
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
+            else:
+                p.normal_(0.0, std)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def new_cache(self, batch_size: int = 1) -> KVCache:
+        """An empty decoding cache, one layer cache per layer, matching each layer's backend."""
+        return KVCache([block.self_attn.new_cache(batch_size) for block in self.layers])
+
+    def _check_input(self, input_ids: torch.Tensor, start: int) -> None:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got min {lo}, max {hi}")
+        if start + input_ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence of {start + input_ids.shape[1]} tokens exceeds model.max_seq_len={self.config.max_seq_len}"
+            )
+
+    def hidden_states(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Final-norm hidden states (B, T, d)."""
+        self._check_input(input_ids, cache.length if cache is not None else 0)
+        x = self.embed_tokens(input_ids)  # (B, T, d)
+        for i, block in enumerate(self.layers):
+            x = block(x, None if cache is None else cache.layers[i])
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, V). With a cache, the tokens continue the cached sequence."""
+        return self.lm_head(self.hidden_states(input_ids, cache))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: Optional[int] = None) -> torch.Tensor:
+        """Greedy decoding with the KV cache. Returns (B, T + generated) token ids."""
+        cache = self.new_cache(input_ids.shape[0])
+        logits = self(input_ids, cache)
+        out = [input_ids]
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for _ in range(max_new_tokens):
+            nxt = logits[:, -1].argmax(-1)  # (B,)
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            out.append(nxt[:, None])
+            if eos_token_id is not None and bool(done.all()):
+                break
+            logits = self(nxt[:, None], cache)
+        return torch.cat(out, dim=1)
