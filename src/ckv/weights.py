@@ -1,0 +1,60 @@
+"""Plain consolidated weights: ``<dir>/model.safetensors`` + ``<dir>/config.json`` (the ModelConfig).
+
+This is the exchange format between training (export), evaluation, the analyses and the HF converter."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Union
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckv.config import ModelConfig
+from ckv.model import Transformer
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+PathLike = Union[str, os.PathLike]
+
+
+def save_weights(model: Transformer, directory: PathLike) -> Path:
+    """Write the model's fp32 weights and config atomically (temp files, then rename). Returns the directory."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    tmp_w, tmp_c = d / (WEIGHTS_FILE + ".tmp"), d / (CONFIG_FILE + ".tmp")
+    save_file(state, str(tmp_w))
+    tmp_c.write_text(json.dumps(model.config.to_dict(), indent=2))
+    os.replace(tmp_w, d / WEIGHTS_FILE)
+    os.replace(tmp_c, d / CONFIG_FILE)
+    return d
+
+
+def load_config(directory: PathLike) -> ModelConfig:
+    path = Path(directory) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}: not a ckv weights folder")
+    return ModelConfig.from_dict(json.loads(path.read_text()))
+
+
+def load_weights(directory: PathLike, device: Union[str, torch.device] = "cpu", **attention_overrides) -> Transformer:
+    """Build the model from ``config.json`` and load ``model.safetensors``. ``attention_overrides`` may change
+    fields that do not change parameters (e.g. ``impl``)."""
+    config = load_config(directory)
+    if attention_overrides:
+        config = ModelConfig.from_dict({**config.to_dict(), "attention": {**config.to_dict()["attention"], **attention_overrides}})
+    path = Path(directory) / WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
+    model = Transformer(config)
+    state = load_file(str(path))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"weights in {directory} do not match their config: missing {missing}, unexpected {unexpected}")
+    return model.to(device)
