@@ -112,10 +112,9 @@ def influence_mask(seq_len: int, window: int, stride: int, local_window: LocalWi
 
 
 def local_keep(seq_len: int, local_window: LocalWindow, stride: int) -> int:
-    """Exact keys a decoding cache must keep after ``seq_len`` tokens for the next query's local window."""
-    if local_window == "tail":
-        return seq_len % stride  # the tokens of the unfinished stride block
-    return min(seq_len, max(int(local_window) - 1, 0))
+    """Exact keys a decoding cache must keep after ``seq_len`` tokens: those in the next query's local window
+    (later queries' windows start no earlier)."""
+    return max(0, seq_len - max(local_start(seq_len, local_window, stride), 0))
 
 
 def pending_keep(seq_len: int, window: int, stride: int) -> int:

@@ -62,6 +62,8 @@ def joint_attention_reference(
     s_c = torch.einsum("btkgd,bekd->bkgte", qg, kc.float()) * scale  # (B, KV, G, Tq, E)
 
     L = local_span(local_window, stride)
+    if E + L == 0:  # nothing can ever be visible (no entries yet, no local window)
+        return torch.zeros_like(q), q.new_full((B, Tq, H), float("-inf"), dtype=torch.float32)
     band = q_pos[:, None] - L + 1 + torch.arange(L, device=dev)[None, :]  # (Tq, L) key positions
     mask_l = (band >= local_start(q_pos, local_window, stride)[:, None]) & (band >= 0)
     if bool((mask_l & (band < k_start)).any()):

@@ -1,0 +1,65 @@
+"""The geometry module against brute-force readings of the definitions in science.md."""
+
+import pytest
+import torch
+
+from ckv import geometry as g
+
+
+def brute_covers(j, p, window, stride):
+    return (j + 1) * stride - window <= p <= (j + 1) * stride - 1 and p >= 0
+
+
+def brute_influence(t, p, window, stride, local):
+    if p > t:
+        return False
+    via_entry = any(brute_covers(j, p, window, stride) for j in range(t + 1) if (j + 1) * stride - 1 <= t)
+    if local == "tail":
+        in_local = p >= ((t + 1) // stride) * stride
+    else:
+        in_local = t - local + 1 <= p
+    return via_entry or in_local
+
+
+GEOMETRIES = [(4, 4), (8, 4), (8, 6), (5, 2), (3, 1)]
+
+
+@pytest.mark.parametrize("window, stride", GEOMETRIES)
+@pytest.mark.parametrize("local", [0, 3, 16, "tail"])
+def test_influence_mask_matches_definition(window, stride, local):
+    T = 27
+    m = g.influence_mask(T, window, stride, local)
+    expected = torch.tensor([[brute_influence(t, p, window, stride, local) for p in range(T)] for t in range(T)])
+    assert torch.equal(m, expected)
+
+
+@pytest.mark.parametrize("window, stride", GEOMETRIES)
+def test_entries_and_windows(window, stride):
+    T = 30
+    assert g.num_entries(T, stride) == len([j for j in range(T) if (j + 1) * stride - 1 <= T - 1])
+    pos, present = g.window_positions(0, g.num_entries(T, stride), window, stride)
+    for j in range(pos.shape[0]):
+        assert pos[j, -1] == (j + 1) * stride - 1  # every entry ends on a stride boundary
+        assert present[j].tolist() == [p >= 0 for p in pos[j].tolist()]
+        assert present[j, -1]  # never an entry without a present token
+
+
+def test_phase_and_rope_positions():
+    assert [g.phase(p, 4) for p in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
+    j = torch.arange(4)
+    assert g.entry_rope_position(j, 8, 4, "block_start").tolist() == [0, 4, 8, 12]
+    assert g.entry_rope_position(j, 8, 4, "window_end").tolist() == [3, 7, 11, 15]
+    assert g.entry_rope_position(j, 8, 4, "window_start").tolist() == [0, 0, 4, 8]
+
+
+@pytest.mark.parametrize("window, stride", GEOMETRIES)
+@pytest.mark.parametrize("local", [0, 1, 5, "tail"])
+def test_cache_keeps_exactly_what_future_queries_need(window, stride, local):
+    for n in range(0, 25):
+        future = range(n, n + 3 * window + 20)
+        # positions before n that some future query holds as exact keys
+        local_need = {p for t in future for p in range(n)
+                      if (p >= ((t + 1) // stride) * stride if local == "tail" else t - local + 1 <= p)}
+        assert g.local_keep(n, local, stride) == len(local_need)
+        pending_need = {p for p in range(n) for j in range(n // stride, n // stride + 3) if brute_covers(j, p, window, stride)}
+        assert g.pending_keep(n, window, stride) == len(pending_need)
