@@ -1,0 +1,127 @@
+"""Training data: packed text, synthetic key->value lookups, and mixtures of the two.
+
+``build_batches(cfg, batch_size=..., seed=...)`` returns a ``BatchStream``: an endless, deterministic,
+resumable iterator of ``{"input_ids", "labels"}`` batches (labels already shifted, ``-100`` = no loss).
+Different ranks get disjoint data; ``split="val"`` gives held-out text documents and a different lookup seed
+stream.
+
+Vocabulary of a mixture: the lookup layout must sit inside the text vocabulary. By default (``lookup.offset:
+null``) ckv's own BPE reserves one special token per layout id right after the end-of-document token
+(``<|endoftext|>`` = 0, ``<|lookup_i|>`` = 1 + i), so text never produces lookup ids. With a user tokenizer,
+``lookup.offset`` must place the layout on ordinary ids that text then shares; it is validated to fit the
+vocabulary and to avoid the end-of-document id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from tokenizers import Tokenizer
+
+from ckv.config import ConfigError
+from ckv.data.config import DataConfig, LookupConfig, TextConfig
+from ckv.data.corpus import DataError
+from ckv.data.lookup import LookupExample, LookupFormat, make_lookup_example
+from ckv.data.mixture import Mixture
+from ckv.data.stream import IGNORE, SPLITS, BatchStream
+from ckv.data.synthetic import LookupSequences
+from ckv.data.text import build_text_source
+from ckv.data.tokenizer import lookup_special_tokens
+
+__all__ = [
+    "IGNORE", "BatchStream", "DataConfig", "DataError", "LookupConfig", "LookupExample", "LookupFormat",
+    "TextConfig", "build_batches", "default_cache_dir", "lookup_format_for", "make_lookup_example",
+]
+
+
+def default_cache_dir() -> str:
+    """``$CKV_CACHE`` or ``~/.cache/ckv``: where trained tokenizers are kept."""
+    return os.environ.get("CKV_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ckv")
+
+
+def _flat(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def lookup_format_for(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None) -> Optional[LookupFormat]:
+    """Where the lookup records of ``cfg`` live in the vocabulary (``None`` for pure text), validated.
+
+    A mixture's layout depends on its tokenizer (the run's ``tokenizer.json``): with ``lookup.offset: null`` it
+    starts at the reserved ``<|lookup_0|>`` token, whose ``layout_size`` reserved tokens must have consecutive
+    ids; it must fit the vocabulary and avoid the end-of-document id. Evaluation calls this too, so a trained
+    model is always probed with the layout it was trained on.
+    """
+    if cfg.kind == "text":
+        return None
+    if cfg.kind == "lookup":
+        return cfg.lookup.format(cfg.lookup.offset or 0)
+    if tokenizer is None:
+        raise ValueError("the lookup layout of a mixture depends on its tokenizer: pass the run's tokenizer")
+    offset = cfg.lookup.offset
+    if offset is None:
+        names = lookup_special_tokens(cfg.lookup.format(0).layout_size)
+        ids = [tokenizer.token_to_id(name) for name in names]
+        if ids[0] is None or ids != list(range(ids[0], ids[0] + len(ids))):
+            raise DataError(f"the tokenizer does not hold the reserved lookup tokens {names[0]}..{names[-1]} with "
+                            "consecutive ids; was it trained by ckv for this data.lookup layout?")
+        offset = ids[0]
+    fmt = cfg.lookup.format(offset)
+    eod = tokenizer.token_to_id(cfg.text.eod_token)
+    fmt.validate(tokenizer.get_vocab_size(with_added_tokens=True), reserved_ids=[] if eod is None else [eod])
+    return fmt
+
+
+def build_batches(
+    cfg: DataConfig,
+    *,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    split: str = "train",
+    cache_dir: Optional[str] = None,
+) -> BatchStream:
+    """The batch stream of one rank for ``cfg``; see the module docstring."""
+    if split not in SPLITS:
+        raise ConfigError(f"split={split!r} is not allowed; choose one of {list(SPLITS)}")
+    if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
+        raise ConfigError(f"rank={rank!r} must be in [0, world_size={world_size!r})")
+    if not isinstance(seed, int) or seed < 0:
+        raise ConfigError(f"seed={seed!r} must be an integer >= 0")
+    cache_dir = cache_dir or default_cache_dir()
+    where = dict(seed=seed, split=SPLITS[split], rank=rank, world_size=world_size)
+    used = {k: v for k, v in json.loads(json.dumps(cfg.to_dict())).items()  # the fields this kind reads
+            if k in ("kind", "seq_len") or k == cfg.kind or cfg.kind == "mixture"}
+    identity = {"seed": seed, "rank": rank, "world_size": world_size, "split": split, **_flat(used, "data.")}
+
+    if cfg.kind == "lookup":
+        fmt = lookup_format_for(cfg)
+        source = LookupSequences(cfg.lookup, fmt, cfg.seq_len, **where)
+        return BatchStream(source, batch_size=batch_size, identity=identity, vocab_size=fmt.vocab_size,
+                           lookup_format=fmt)
+
+    reserve = cfg.kind == "mixture" and cfg.lookup.offset is None
+    if reserve and cfg.text.tokenizer is not None:
+        raise ConfigError(
+            "data.lookup.offset is null (reserve ids for lookups in ckv's own BPE) but data.text.tokenizer is "
+            "given; with a user tokenizer set data.lookup.offset to the first id of the lookup layout"
+        )
+    extra = lookup_special_tokens(cfg.lookup.format(0).layout_size) if reserve else []
+    text = build_text_source(cfg.text, cfg.seq_len, extra_special_tokens=extra, cache_dir=cache_dir, **where)
+    if cfg.kind == "text":
+        return BatchStream(text, batch_size=batch_size, identity=identity, vocab_size=text.vocab_size,
+                           tokenizer_path=text.tokenizer_path)
+
+    fmt = lookup_format_for(cfg, text.tok)
+    lookups = LookupSequences(cfg.lookup, fmt, cfg.seq_len, **where)
+    source = Mixture(text, lookups, cfg.mixture_ratio)
+    return BatchStream(source, batch_size=batch_size, identity=identity, vocab_size=text.vocab_size,
+                       tokenizer_path=text.tokenizer_path, lookup_format=fmt)

