@@ -20,13 +20,18 @@ CONFIG_FILE = "config.json"
 PathLike = Union[str, os.PathLike]
 
 
+def _aliases(model: Transformer) -> set[str]:
+    """Names of parameters that another name already holds (tied embeddings, a norm shared by two modules)."""
+    return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+
+
 def save_weights(model: Transformer, directory: PathLike) -> Path:
-    """Write the model's fp32 weights and config atomically (temp files, then rename). Returns the directory."""
+    """Write the model's fp32 weights and config atomically (temp files, then rename). Returns the directory.
+    A shared parameter is stored once, under its first name."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:
-        state.pop("lm_head.weight", None)
+    aliases = _aliases(model)
+    state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items() if k not in aliases}
     tmp_w, tmp_c = d / (WEIGHTS_FILE + ".tmp"), d / (CONFIG_FILE + ".tmp")
     save_file(state, str(tmp_w))
     tmp_c.write_text(json.dumps(model.config.to_dict(), indent=2))
@@ -54,7 +59,7 @@ def load_weights(directory: PathLike, device: Union[str, torch.device] = "cpu", 
     model = Transformer(config)
     state = load_file(str(path))
     missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (config.tie_embeddings and k == "lm_head.weight")]
+    missing = [k for k in missing if k not in _aliases(model)]
     if missing or unexpected:
         raise ValueError(f"weights in {directory} do not match their config: missing {missing}, unexpected {unexpected}")
     return model.to(device)

@@ -1,0 +1,234 @@
+"""The position-matched lookup task (the paper's design, tokenizer-agnostic).
+
+N records (key immediately followed by value), D demonstrations (queries of other records with their answers),
+then the target query; score: full-vocabulary top-1 of the target's (first) answer token. Every base example
+is evaluated at shifts ``k = 0..M-1`` (see ``ckv.eval.design``), so each target is scored in every residue group
+``target position mod M``; the query position is fixed and the target-position moments are equal across groups.
+Phase = target position mod S (S = the model's stride). The target position is that of the target record's
+first token.
+
+``LookupTask`` holds the built prompts; ``evaluate`` scores them with any logits callable (so an analysis can
+re-run the same prompts on a modified model) and ``report`` computes every statistic.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ckv.config import ConfigError
+from ckv.data.config import LookupConfig
+from ckv.eval.codec import RecordCodec, assemble
+from ckv.eval.design import PADDINGS, base_offsets, choose_targets, make_design, slot_pads
+from ckv.eval.scoring import LogitsFn, score_next_token
+from ckv.eval.stats import StatsOptions, summarize_groups
+from ckv.eval.vocab import VocabSpec
+from ckv.geometry import phase
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LookupSpec:
+    """Settings of the position-matched lookup.
+
+    ``n_records``/``n_demos``: ``None`` takes the model's training settings (records; queries minus one) when
+    it trained on synthetic lookups (else ``n_records`` is required and ``n_demos`` is 8, the paper's). ``n_base``: base examples (key->value mappings), each evaluated at all
+    ``modulus`` shifts; a multiple of ``modulus**2`` matches mean and variance of the target position across
+    residue groups exactly (a multiple of ``modulus`` the means). ``stride``: phase period; ``None`` takes the
+    model's stride (or ``modulus`` for models without one). ``padding``: ``prefix`` or ``in_sequence``.
+    ``fixed_query``: keep the query position fixed (the pads a shift adds before the target are taken from
+    after it); ``False`` only adds pads, so the query moves with the target. ``distinct_values``: values
+    drawn without replacement (else with replacement, as ckv's training data).
+    """
+
+    name: str = "lookup"
+    n_records: Optional[int] = None
+    n_demos: Optional[int] = None
+    n_base: int = 576
+    modulus: int = 24
+    stride: Optional[int] = None
+    padding: str = "prefix"
+    fixed_query: bool = True
+    distinct_values: bool = False
+    seed: int = 0
+    vocab: VocabSpec = field(default_factory=VocabSpec)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.vocab, dict):
+            object.__setattr__(self, "vocab", VocabSpec(**self.vocab))
+        if self.padding not in PADDINGS:
+            raise ConfigError(f"task.padding={self.padding!r} is not allowed; choose one of {list(PADDINGS)}")
+        for name, low in (("n_base", 1), ("modulus", 1), ("seed", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"task.{name}={v!r} must be an integer >= {low}")
+        for name, low in (("n_records", 2), ("n_demos", 0), ("stride", 1)):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+                raise ConfigError(f"task.{name}={v!r} must be null or an integer >= {low}")
+
+
+def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulus: int) -> int:
+    """The phase period: the task's, else the model's, else ``modulus``; it must divide ``modulus``."""
+    stride = requested or model_stride or modulus
+    if modulus < stride:
+        raise ConfigError(f"task.modulus={modulus} is smaller than the stride {stride}: residues mod {modulus} cannot "
+                          f"separate the {stride} phases; use a multiple of {stride} (the paper uses 24)")
+    if modulus % stride:
+        raise ConfigError(f"task.modulus={modulus} is not a multiple of the stride {stride}: phase groups would "
+                          f"not be balanced; use a common multiple (the paper uses 24)")
+    return stride
+
+
+@dataclass
+class LookupOutcome:
+    """Per-prompt results of one evaluation: the task's ``table`` columns plus ``predicted`` (top-1 id),
+    ``correct`` (0/1) and ``p_answer`` (probability of the answer token); all arrays (P,)."""
+
+    table: dict[str, np.ndarray]
+    predicted: np.ndarray
+    correct: np.ndarray
+    p_answer: np.ndarray
+
+    def rows(self) -> list[dict]:
+        cols = {**self.table, "predicted_id": self.predicted, "correct": self.correct, "p_answer": self.p_answer}
+        return [{k: v[i].item() for k, v in cols.items()} for i in range(len(self.correct))]
+
+
+class LookupTask:
+    """The built prompts of one lookup task. ``table`` columns (P,): base (the key->value mapping), shift,
+    target_record, target_position, residue, phase, query_position, key, value, answer_id."""
+
+    def __init__(self, spec: LookupSpec, codec: RecordCodec, *, max_len: int, model_stride: Optional[int] = None,
+                 training: Optional[LookupConfig] = None, limit: Optional[int] = None) -> None:
+        self.spec, self.codec = spec, codec
+        self.n_records = spec.n_records or (training.n_records if training else None)
+        if self.n_records is None:
+            raise ConfigError("task.n_records is null and the model did not train on lookups; set task.n_records")
+        self.n_demos = spec.n_demos if spec.n_demos is not None else (training.n_queries - 1 if training else 8)
+        self.modulus = spec.modulus
+        self.stride = resolve_stride(spec.stride, model_stride, spec.modulus)
+        self.n_base = min(spec.n_base, limit) if limit else spec.n_base
+        self.design = make_design(spec.modulus, self.n_records, codec.record_len, len(codec.prefix))
+        self._check(training)
+        self._check_length(max_len)
+        self.prompts, self.table = self._build()
+
+    # ---- validation ----------------------------------------------------------------------------------------
+    def _check(self, training: Optional[LookupConfig]) -> None:
+        c, n = self.codec, self.n_records
+        if n > c.n_keys:
+            raise ConfigError(f"task.n_records={n} exceeds the {c.n_keys} available keys (records use distinct keys)")
+        if self.spec.distinct_values and n > c.n_values:
+            raise ConfigError(f"task.n_records={n} exceeds the {c.n_values} values with task.distinct_values=true")
+        if self.n_demos > n - 1:
+            raise ConfigError(f"task.n_demos={self.n_demos} needs more than {n} records (demos ask other records)")
+        if not len(c.gap_ids) and (self.spec.padding == "in_sequence" or self.spec.fixed_query):
+            raise ConfigError("this layout has no filler ids to put between or after records (lookup n_filler=0); "
+                              "use task.padding=prefix with task.fixed_query=false")
+        if self.spec.n_base % self.modulus:
+            log.warning("task.n_base=%d is not a multiple of modulus=%d: target-position means differ slightly "
+                        "between residue groups", self.spec.n_base, self.modulus)
+        if training is None:
+            return
+        if training.filler[1] == 0 and (self.spec.fixed_query or self.spec.padding == "in_sequence"):
+            log.warning("the model trained without filler tokens between records, but this task puts filler "
+                        "tokens after/between records; consider task.fixed_query=false with prefix padding")
+        most_pads = self.design.max_base_pad + self.modulus - 1
+        if self.spec.padding == "prefix" and most_pads > training.prefix_pad[1]:
+            log.warning("this task puts up to %d prefix pad tokens before the records; the model trained with at most "
+                        "%d", most_pads, training.prefix_pad[1])
+        if self.n_demos + 1 > training.n_queries:
+            log.warning("this task asks %d queries; the model trained with %d", self.n_demos + 1, training.n_queries)
+
+    def _check_length(self, max_len: int) -> None:
+        c = self.codec
+        query, answer = len(c.query_tokens(0)), len(c.answer_tokens(0))
+        longest = (len(c.prefix) + self.n_records * c.record_len + self.design.pad_budget + len(c.separator)
+                   + self.n_demos * (query + answer) + query)
+        if longest > max_len:
+            raise ConfigError(
+                f"lookup prompts need {longest} tokens ({self.n_records} records x {self.codec.record_len} tokens, "
+                f"{self.design.pad_budget} pad tokens, {self.n_demos} demonstrations) but the model's context is "
+                f"{max_len}: lower task.n_records or task.n_demos (or task.modulus)")
+
+    # ---- prompt construction ------------------------------------------------------------------------------
+    def _build(self) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+        s, c, d, m = self.spec, self.codec, self.design, self.modulus
+        offsets = base_offsets(self.n_base, d)
+        targets, base_pads = choose_targets(offsets, d, np.random.default_rng([s.seed, 0]))
+        prompts: list[np.ndarray] = []
+        rows: list[dict[str, int]] = []
+        n = self.n_records
+        for i in range(self.n_base):
+            rng = np.random.default_rng([s.seed, 1, i])  # per base example: a limit keeps the same prefix
+            keys = rng.choice(c.n_keys, n, replace=False)
+            values = rng.choice(c.n_values, n, replace=False) if s.distinct_values else rng.integers(0, c.n_values, n)
+            t = int(targets[i])
+            others = np.delete(np.arange(n), t)
+            queried = np.append(rng.choice(others, self.n_demos, replace=False), t)
+            for k in range(m):
+                pre = int(base_pads[i]) + k
+                post = d.pad_budget - pre if s.fixed_query else 0
+                prompt = assemble(c, keys, values, slot_pads(t, pre, post, n, s.padding, rng), queried, rng)
+                position = int(prompt.record_starts[t])
+                prompts.append(prompt.tokens)
+                rows.append(dict(base=i, shift=k, target_record=t, target_position=position, residue=position % m,
+                                 phase=int(phase(position, self.stride)), query_position=len(prompt.tokens) - 1,
+                                 key=int(keys[t]), value=int(values[t]), answer_id=prompt.answer_id))
+        return prompts, {col: np.array([r[col] for r in rows], dtype=np.int64) for col in rows[0]}
+
+    # ---- evaluation ---------------------------------------------------------------------------------------
+    def evaluate(self, model: LogitsFn, *, batch_size: int = 64, device: torch.device | str = "cpu",
+                 progress: bool = True) -> LookupOutcome:
+        """Score every prompt with ``model`` (``input_ids -> logits``)."""
+        scores = score_next_token(model, self.prompts, self.table["answer_id"][:, None], batch_size=batch_size,
+                                  device=device, progress=progress, desc=self.spec.name)
+        correct = (scores.top1 == self.table["answer_id"]).astype(np.int64)
+        return LookupOutcome(self.table, scores.top1, correct, scores.probs[:, 0])
+
+    def position_moments(self) -> list[dict]:
+        """Mean and variance of the target position in each residue group (the design's balance check)."""
+        out = []
+        for r in range(self.modulus):
+            pos = self.table["target_position"][self.table["residue"] == r].astype(np.float64)
+            out.append({"residue": r, "n": len(pos), "mean": float(pos.mean()) if len(pos) else None,
+                        "var": float(pos.var()) if len(pos) else None})
+        return out
+
+    def describe(self) -> dict:
+        """The resolved settings and the design, for results.json."""
+        q = np.unique(self.table["query_position"])
+        return {
+            "spec": {**asdict(self.spec), "n_records": self.n_records, "n_demos": self.n_demos,
+                     "stride": self.stride, "n_base": self.n_base},
+            "codec": self.codec.describe(),
+            "design": {**asdict(self.design), "pad_budget": self.design.pad_budget,
+                       "query_position": int(q[0]) if len(q) == 1 else None,
+                       "prompt_length": [int(min(map(len, self.prompts))), int(max(map(len, self.prompts)))],
+                       "target_position_by_residue": self.position_moments()},
+        }
+
+    def report(self, outcome: LookupOutcome, options: StatsOptions = StatsOptions()) -> dict:
+        """Every statistic of one evaluation (residue groups mod M, phase groups mod S) plus a headline."""
+        t = outcome.table
+        residue = summarize_groups(outcome.correct, t["residue"], self.modulus, t["base"], options, period=self.stride)
+        phases = summarize_groups(outcome.correct, t["phase"], self.stride, t["base"], options)
+        per = residue.get("periodicity", {})
+        headline = {
+            "mean": phases["mean"]["value"], "mean_lower": phases["mean"]["lower"], "mean_upper": phases["mean"]["upper"],
+            "phase_gap": phases["gap"]["value"], "phase_gap_lower": phases["gap"]["lower"],
+            "phase_gap_upper": phases["gap"]["upper"], "phase_p_value": phases["gap"]["p_value"],
+            "phase_noise_floor": phases["gap"]["noise_floor"], "worst_phase": phases["gap"]["worst_group"],
+            "worst_phase_accuracy": phases["gap"]["worst_accuracy"],
+            "residue_gap": residue["gap"]["value"], "residue_noise_floor": residue["gap"]["noise_floor"],
+            "periodicity_score": per.get("score"), "dominant_period": per.get("dominant_period"),
+        }
+        return {"task": "lookup", "name": self.spec.name, "modulus": self.modulus, "stride": self.stride,
+                "n_prompts": len(outcome.correct), "headline": headline, "residue": residue, "phase": phases,
+                **self.describe()}

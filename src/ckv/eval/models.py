@@ -1,0 +1,197 @@
+"""Models as evaluation sees them: a last-position logits callable plus what the tasks need to know about it.
+
+``load_ckv_model`` reads ckv weights (a run folder, its final ``model/`` or any checkpoint's ``weights/``) and
+the run's ``config.yaml`` (the lookup layout it trained on, and a check that the weights match the run).
+``ckv.eval.audit.load_hf_model`` does the same for any local transformers causal LM.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+import yaml
+from safetensors import SafetensorError
+from tokenizers import Tokenizer
+
+from ckv.config import ConfigError, ModelConfig
+from ckv.data.config import DataConfig, LookupConfig
+from ckv.data.lookup import LookupFormat
+from ckv.data.tokenizer import lookup_special_tokens
+from ckv.eval.scoring import LogitsFn
+from ckv.eval.vocab import TextTokenizer, TokenizersTokenizer
+from ckv.model import Transformer
+from ckv.train.checkpoint import TOKENIZER_FILE, WEIGHTS_DIR, latest_checkpoint, list_checkpoints
+from ckv.train.config import ModelSpec
+from ckv.train.export import MODEL_DIR
+from ckv.train.run import CONFIG_FILE
+from ckv.weights import CONFIG_FILE as WEIGHTS_CONFIG
+from ckv.weights import WEIGHTS_FILE, load_config, load_weights
+
+PathLike = Union[str, Path]
+
+
+class CheckpointMismatchError(ConfigError):
+    """Weights that do not match their config, their run, or the task's layout."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for evaluation.
+
+    ``logits``: ``input_ids (B, T) -> (B, V)`` logits at the last position; ``module``: the underlying
+    ``nn.Module`` (analyses hook into it); ``max_len``: the longest prompt it accepts; ``stride``: its
+    compression stride (``None`` for full attention or an unknown HF model); ``lookup``: the lookup settings
+    its run trained on, if any; ``out_dir``: where results go by default; ``info``: a JSON description.
+    """
+
+    name: str
+    logits: LogitsFn
+    module: torch.nn.Module
+    device: torch.device
+    vocab_size: int
+    max_len: int
+    stride: Optional[int] = None
+    tokenizer: Optional[TextTokenizer] = None
+    lookup: Optional[LookupConfig] = None
+    lookup_format: Optional[LookupFormat] = None
+    out_dir: Optional[Path] = None
+    info: dict = field(default_factory=dict)
+
+
+class CkvLastLogits:
+    """Last-position logits of a ckv ``Transformer``: the LM head runs on one position only."""
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.model.hidden_states(input_ids)[:, -1])  # (B, V)
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _is_weights_dir(p: Path) -> bool:
+    return (p / WEIGHTS_CONFIG).is_file() and (p / WEIGHTS_FILE).is_file()
+
+
+def find_weights(path: PathLike, step: Union[int, str, None] = None) -> tuple[Path, Optional[Path]]:
+    """``(weights_dir, run_dir)`` for a run folder or a weights folder.
+
+    For a run folder, ``step=None`` takes ``model/`` (else the latest checkpoint), ``"latest"`` the latest
+    checkpoint, an integer that checkpoint. A weights folder inside a run finds its run (for ``config.yaml``).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"model.path={str(p)!r} does not exist")
+    if _is_weights_dir(p):
+        if step is not None:
+            raise ConfigError(f"model.step={step!r} is for run folders; {p} is already a weights folder")
+        run = next((a for a in list(p.parents)[:3] if (a / CONFIG_FILE).is_file()), None)
+        return p, run
+    if not ((p / CONFIG_FILE).is_file() or (p / MODEL_DIR).is_dir() or (p / "checkpoints").is_dir()):
+        raise FileNotFoundError(f"{p} is neither a ckv run folder (config.yaml, model/, checkpoints/) nor a weights "
+                                f"folder ({WEIGHTS_CONFIG} + {WEIGHTS_FILE})")
+    if step is None and _is_weights_dir(p / MODEL_DIR):
+        return p / MODEL_DIR, p
+    if step is None or step == "latest":
+        ckpt = latest_checkpoint(p)
+        if ckpt is None:
+            raise FileNotFoundError(f"run {p} has neither {MODEL_DIR}/ weights nor a complete checkpoint")
+    else:
+        found = dict(list_checkpoints(p))
+        if not isinstance(step, int) or step not in found:
+            raise FileNotFoundError(f"model.step={step!r}: run {p} has checkpoints at steps {sorted(found)}")
+        ckpt = found[step]
+    if not _is_weights_dir(ckpt / WEIGHTS_DIR):
+        raise FileNotFoundError(f"checkpoint {ckpt} has no consolidated {WEIGHTS_DIR}/ folder")
+    return ckpt / WEIGHTS_DIR, p
+
+
+def _read_run_config(run_dir: Optional[Path]) -> dict[str, Any]:
+    if run_dir is None:
+        return {}
+    cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) if (run_dir / CONFIG_FILE).is_file() else None
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def check_against_run(config: ModelConfig, run_cfg: dict[str, Any], where: Path) -> None:
+    """Raise ``CheckpointMismatchError`` when the weights' config differs from what the run's config.yaml builds
+    (``attention.impl`` may differ: it changes no parameter)."""
+    if "model" not in run_cfg or "attention" not in run_cfg:
+        return
+    expected = ModelSpec.from_dict(run_cfg["model"]).build(run_cfg["attention"], config.vocab_size).to_dict()
+    actual = config.to_dict()
+    expected["attention"].pop("impl", None)
+    actual["attention"].pop("impl", None)
+    diff = [f"{k}: run {expected[k]!r} vs checkpoint {actual.get(k)!r}" for k in expected if expected[k] != actual.get(k)]
+    if diff:
+        raise CheckpointMismatchError(f"the checkpoint {where} does not match its run's config.yaml: " + "; ".join(diff))
+
+
+def _run_lookup(run_cfg: dict[str, Any], tokenizer: Optional[Tokenizer]) -> tuple[Optional[LookupConfig], Optional[LookupFormat]]:
+    """The lookup settings and id layout a run trained on (``None`` for pure text runs)."""
+    data = run_cfg.get("data")
+    if not isinstance(data, dict) or data.get("kind") not in ("lookup", "mixture"):
+        return None, None
+    dc = DataConfig.from_dict(data)
+    offset = dc.lookup.offset
+    if offset is None and dc.kind == "mixture":  # ckv's BPE reserved one special token per layout id
+        first = lookup_special_tokens(1)[0]
+        offset = tokenizer.token_to_id(first) if tokenizer is not None else None
+        if offset is None:
+            raise CheckpointMismatchError(f"the run mixes text and lookups but its tokenizer has no {first!r} token")
+    return dc.lookup, dc.lookup.format(offset or 0)
+
+
+def _default_out_dir(weights: Path, run_dir: Optional[Path]) -> Path:
+    if run_dir is not None and weights == run_dir / MODEL_DIR:
+        return run_dir / "eval"
+    if weights.name == WEIGHTS_DIR:  # checkpoints/step_X/weights -> checkpoints/step_X/eval
+        return weights.parent / "eval"
+    return weights / "eval"
+
+
+def load_ckv_model(
+    path: PathLike, step: Union[int, str, None] = None, device: str = "auto", impl: Optional[str] = None
+) -> LoadedModel:
+    """Load ckv weights from a run folder or weights folder (see ``find_weights``), in eval mode.
+    ``impl`` overrides ``attention.impl`` (e.g. ``torch`` for the reference)."""
+    weights, run_dir = find_weights(path, step)
+    config = load_config(weights)
+    run_cfg = _read_run_config(run_dir)
+    check_against_run(config, run_cfg, weights)
+    dev = resolve_device(device)
+    try:
+        model = load_weights(weights, device=dev, **({"impl": impl} if impl else {}))
+    except (ValueError, RuntimeError, SafetensorError) as e:
+        raise CheckpointMismatchError(f"cannot load {weights}: {e}") from e
+    model.eval()
+    tok_path = weights / TOKENIZER_FILE
+    raw_tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+    lookup, fmt = _run_lookup(run_cfg, raw_tok)
+    a = config.attention
+    info = {
+        "kind": "ckv", "path": str(Path(path).resolve()), "weights": str(weights.resolve()),
+        "run_dir": str(run_dir.resolve()) if run_dir else None, "step": step,
+        "run_name": run_cfg.get("name"), "seed": run_cfg.get("seed"), "config": config.to_dict(),
+        "attention": {"kind": a.kind, "window": a.window if a.compressed else None,
+                      "stride": a.stride if a.compressed else None, "pooling": a.pooling if a.compressed else None},
+    }
+    trainer_state = weights.parent / "trainer_state.json"
+    if trainer_state.is_file():
+        info["trainer_state"] = json.loads(trainer_state.read_text())
+    return LoadedModel(
+        name=run_cfg.get("name") or (run_dir.name if run_dir else weights.name), logits=CkvLastLogits(model),
+        module=model, device=dev, vocab_size=config.vocab_size, max_len=config.max_seq_len,
+        stride=a.stride if a.compressed else None, tokenizer=TokenizersTokenizer(raw_tok) if raw_tok else None,
+        lookup=lookup, lookup_format=fmt, out_dir=_default_out_dir(weights, run_dir), info=info,
+    )

@@ -1,0 +1,69 @@
+"""Result files: ``results.json`` (strict JSON: NaN becomes null) and per-sample ``results.csv``."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+RESULTS_JSON = "results.json"
+RESULTS_CSV = "results.csv"
+PathLike = Union[str, Path]
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Numpy scalars/arrays, tuples, paths and dataclasses to plain JSON values; NaN and inf to ``None``."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, range)):
+        return [to_jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, np.generic):
+        return to_jsonable(obj.item())
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    return str(obj)  # paths, dtypes and other oddities of model configs
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_json(path: PathLike, obj: Any) -> Path:
+    p = Path(path)
+    _atomic_write(p, json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n")
+    return p
+
+
+def read_json(path: PathLike) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def write_csv(path: PathLike, rows: list[dict]) -> Path:
+    """One row per sample; the columns are the union of the rows' keys in first-seen order."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    columns: dict[str, None] = {}
+    for r in rows:
+        columns.update(dict.fromkeys(r))
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns))
+        w.writeheader()
+        w.writerows(to_jsonable(rows))
+    os.replace(tmp, p)
+    return p

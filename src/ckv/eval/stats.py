@@ -1,0 +1,384 @@
+"""Statistics of phase-grouped accuracy: pure functions on numpy arrays, no model, no I/O.
+
+Conventions: ``correct`` (n,) is 0/1 per scored target; ``groups`` (n,) its group in ``0..n_groups-1`` (a residue
+``position mod M`` or a phase ``position mod S``); ``clusters`` (n,) says which samples share a key->value mapping
+(in the paired design, every shifted copy of one base example). Accuracies are fractions in [0, 1]; a group
+with no samples has accuracy NaN. Randomised statistics take an explicit ``seed`` and are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+Z95 = 1.959963984540054  # two-sided 95% standard-normal quantile
+_CHUNK_ELEMENTS = 4_000_000  # bounds the memory of vectorised resampling (replicates x samples)
+
+
+# ---- intervals and group accuracy ------------------------------------------------------------------------------
+def wilson_interval(successes: np.ndarray | int, n: np.ndarray | int, z: float = Z95) -> tuple[np.ndarray, np.ndarray]:
+    """Wilson score interval of a binomial proportion (vectorised). ``n == 0`` gives ``[0, 1]``."""
+    k = np.asarray(successes, dtype=np.float64)
+    m = np.asarray(n, dtype=np.float64)
+    safe = np.maximum(m, 1.0)
+    p = k / safe
+    denom = 1.0 + z * z / safe
+    centre = (p + z * z / (2 * safe)) / denom
+    half = z * np.sqrt(p * (1 - p) / safe + z * z / (4 * safe * safe)) / denom
+    lo = np.where((m > 0) & (k > 0), np.clip(centre - half, 0.0, 1.0), 0.0)  # exact ends at 0/n and n/n
+    hi = np.where((m > 0) & (k < m), np.clip(centre + half, 0.0, 1.0), 1.0)
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class GroupAccuracy:
+    """Per-group accuracy with Wilson 95% intervals; arrays of shape (n_groups,)."""
+
+    n: np.ndarray
+    correct: np.ndarray
+    accuracy: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.n)
+
+
+def _check_inputs(correct: np.ndarray, groups: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    c = np.asarray(correct, dtype=np.float64).reshape(-1)
+    g = np.asarray(groups, dtype=np.int64).reshape(-1)
+    if c.shape != g.shape:
+        raise ValueError(f"correct {c.shape} and groups {g.shape} must have the same length")
+    if n_groups < 1:
+        raise ValueError(f"n_groups={n_groups} must be >= 1")
+    if len(g) and (g.min() < 0 or g.max() >= n_groups):
+        raise ValueError(f"groups must lie in [0, {n_groups}); got [{g.min()}, {g.max()}]")
+    return c, g
+
+
+def group_accuracy(correct: np.ndarray, groups: np.ndarray, n_groups: int, z: float = Z95) -> GroupAccuracy:
+    """Accuracy of each group with its Wilson interval."""
+    c, g = _check_inputs(correct, groups, n_groups)
+    n = np.bincount(g, minlength=n_groups)
+    k = np.bincount(g, weights=c, minlength=n_groups)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        acc = np.where(n > 0, k / np.maximum(n, 1), np.nan)
+    lo, hi = wilson_interval(k, n, z)
+    return GroupAccuracy(n=n, correct=k.round().astype(np.int64), accuracy=acc, lower=lo, upper=hi)
+
+
+def best_minus_worst(accuracy: np.ndarray) -> np.ndarray:
+    """Best-minus-worst gap over the last axis, ignoring empty (NaN) groups. (..., G) -> (...)."""
+    a = np.asarray(accuracy, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        return np.nanmax(a, axis=-1) - np.nanmin(a, axis=-1)
+
+
+# ---- bootstrap over clusters -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a two-sided interval."""
+
+    value: float
+    lower: float
+    upper: float
+
+
+def _cluster_index(clusters: Optional[np.ndarray], n: int) -> tuple[np.ndarray, int]:
+    if clusters is None:
+        return np.arange(n), n
+    cl = np.asarray(clusters).reshape(-1)
+    if len(cl) != n:
+        raise ValueError(f"clusters has {len(cl)} entries, expected {n}")
+    _, idx = np.unique(cl, return_inverse=True)
+    return idx.reshape(-1), int(idx.max()) + 1 if n else 0
+
+
+def bootstrap_group_accuracy(
+    correct: np.ndarray,
+    groups: np.ndarray,
+    n_groups: int,
+    clusters: Optional[np.ndarray] = None,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cluster bootstrap: resample whole clusters (key->value mappings) with replacement.
+
+    Returns ``(group_acc, mean_acc)``: (n_resamples, n_groups) per-group accuracies and (n_resamples,) overall
+    accuracies of the replicates. ``clusters=None`` resamples single samples.
+    """
+    c, g = _check_inputs(correct, groups, n_groups)
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples={n_resamples} must be >= 1")
+    idx, n_clusters = _cluster_index(clusters, len(c))
+    if n_clusters == 0:
+        raise ValueError("cannot bootstrap an empty sample")
+    hits = np.zeros((n_clusters, n_groups))
+    counts = np.zeros((n_clusters, n_groups))
+    np.add.at(hits, (idx, g), c)
+    np.add.at(counts, (idx, g), 1.0)
+    rng = np.random.default_rng(seed)
+    chunk = max(1, _CHUNK_ELEMENTS // n_clusters)
+    group_acc, mean_acc = [], []
+    for start in range(0, n_resamples, chunk):
+        b = min(chunk, n_resamples - start)
+        weights = rng.multinomial(n_clusters, np.full(n_clusters, 1.0 / n_clusters), size=b)  # (b, C)
+        h, m = weights @ hits, weights @ counts  # (b, G)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            group_acc.append(np.where(m > 0, h / m, np.nan))
+        mean_acc.append(h.sum(1) / m.sum(1))
+    return np.concatenate(group_acc), np.concatenate(mean_acc)
+
+
+def percentile_interval(replicates: np.ndarray, value: float, level: float = 0.95) -> Interval:
+    """Percentile interval of bootstrap ``replicates`` around the point estimate ``value``."""
+    if not 0 < level < 1:
+        raise ValueError(f"level={level} must lie in (0, 1)")
+    r = np.asarray(replicates, dtype=np.float64)
+    r = r[np.isfinite(r)]
+    if not len(r):
+        return Interval(float(value), math.nan, math.nan)
+    lo, hi = np.quantile(r, [(1 - level) / 2, (1 + level) / 2])
+    return Interval(float(value), float(lo), float(hi))
+
+
+# ---- permutation test ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PermutationResult:
+    """Permutation test of "accuracy does not depend on the group".
+
+    ``p_value``: share of label permutations whose gap is at least the observed gap (with the +1 correction);
+    ``noise_floor``: the ``quantile`` (95th percentile) of the gap under no group effect, i.e. the gap that
+    sampling noise alone produces; ``observed_gap``: the data's best-minus-worst gap.
+    """
+
+    p_value: float
+    noise_floor: float
+    observed_gap: float
+    n_permutations: int
+
+
+def permutation_test(
+    correct: np.ndarray,
+    groups: np.ndarray,
+    n_groups: int,
+    clusters: Optional[np.ndarray] = None,
+    n_permutations: int = 2000,
+    quantile: float = 0.95,
+    seed: int = 0,
+) -> PermutationResult:
+    """Shuffle group labels within each cluster (a paired test when each cluster holds one sample per group;
+    ``clusters=None`` shuffles over all samples) and compare the best-minus-worst gap with the observed one."""
+    c, g = _check_inputs(correct, groups, n_groups)
+    if n_permutations < 1:
+        raise ValueError(f"n_permutations={n_permutations} must be >= 1")
+    idx, _ = _cluster_index(clusters, len(c))
+    order = np.argsort(idx, kind="stable")
+    c, g, idx = c[order], g[order], idx[order].astype(np.float64)
+    observed = float(best_minus_worst(group_accuracy(c, g, n_groups).accuracy))
+    rng = np.random.default_rng(seed)
+    n = len(c)
+    chunk = max(1, _CHUNK_ELEMENTS // max(n, 1))
+    gaps = []
+    for start in range(0, n_permutations, chunk):
+        b = min(chunk, n_permutations - start)
+        # cluster index + U[0, 1) sorts clusters as blocks and shuffles inside each block
+        perm = np.argsort(idx[None, :] + rng.random((b, n)), axis=1)  # (b, n)
+        shuffled = g[perm] + n_groups * np.arange(b)[:, None]  # (b, n) group ids offset per replicate
+        hits = np.bincount(shuffled.ravel(), weights=np.broadcast_to(c, (b, n)).ravel(), minlength=b * n_groups)
+        counts = np.bincount(shuffled.ravel(), minlength=b * n_groups)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            acc = np.where(counts > 0, hits / np.maximum(counts, 1), np.nan).reshape(b, n_groups)
+        gaps.append(best_minus_worst(acc))
+    null = np.concatenate(gaps)
+    p = (1 + int(np.sum(null >= observed - 1e-12))) / (1 + n_permutations)
+    return PermutationResult(p_value=p, noise_floor=float(np.quantile(null, quantile)), observed_gap=observed,
+                             n_permutations=n_permutations)
+
+
+# ---- periodicity -----------------------------------------------------------------------------------------------
+def periodicity_score(curve: np.ndarray, period: int) -> Optional[float]:
+    """Share of the curve's variance that repeats with ``period``: the variance of the period-folded means over
+    the total variance (``R^2`` of a model with one level per ``index mod period``).
+
+    When ``period`` divides the length this is exactly the spectral power at frequency ``1/period`` and its
+    harmonics over the power at all non-zero frequencies (Parseval). 1 = the curve repeats every ``period``
+    points; for pure noise its expectation is ``(period - 1) / (n - 1)`` (``periodicity_chance``). ``None`` for
+    a flat curve.
+    """
+    x = np.asarray(curve, dtype=np.float64).reshape(-1)
+    if period < 1 or period > len(x):
+        raise ValueError(f"period={period} must lie in [1, {len(x)}]")
+    total = float(np.sum((x - x.mean()) ** 2))
+    if total <= 1e-12 * max(1.0, float(np.sum(x * x))):
+        return None
+    folded = np.arange(len(x)) % period
+    means = np.bincount(folded, weights=x) / np.bincount(folded)
+    between = float(np.sum((means[folded] - x.mean()) ** 2))
+    return between / total
+
+
+def periodicity_chance(n: int, period: int) -> float:
+    """Expected ``periodicity_score`` of a curve of ``n`` i.i.d. noise points."""
+    return (period - 1) / (n - 1) if n > 1 else math.nan
+
+
+def _beta_fraction(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz)."""
+    tiny, eps = 1e-300, 3e-14
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 500):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < eps:
+            break
+    return h
+
+
+def regularized_beta(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function ``I_x(a, b)``."""
+    if x <= 0:
+        return 0.0
+    if x >= 1:
+        return 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1) / (a + b + 2):
+        return math.exp(log_front) * _beta_fraction(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_fraction(b, a, 1 - x) / b
+
+
+def f_survival(f: float, d1: int, d2: int) -> float:
+    """``P(F > f)`` for an F distribution with ``(d1, d2)`` degrees of freedom."""
+    if f <= 0:
+        return 1.0
+    if math.isinf(f):
+        return 0.0
+    return regularized_beta(d2 / 2, d1 / 2, d2 / (d2 + d1 * f))
+
+
+def period_pvalue(curve: np.ndarray, period: int) -> float:
+    """ANOVA F-test of "the curve repeats with ``period``" (one level per ``index mod period``) against a flat
+    curve with i.i.d. noise. Needs ``period < len(curve)``."""
+    n = len(curve)
+    d1, d2 = period - 1, n - period
+    if d1 < 1 or d2 < 1:
+        raise ValueError(f"period={period} needs 2 <= period < {n}")
+    r2 = periodicity_score(curve, period)
+    if r2 is None:
+        return 1.0
+    if r2 >= 1 - 1e-12:
+        return 0.0
+    return f_survival((r2 / d1) / ((1 - r2) / d2), d1, d2)
+
+
+@dataclass(frozen=True)
+class DominantPeriod:
+    """The period that best explains a curve: ``period`` (``None`` when no period is significant or the curve
+    is flat), its Bonferroni-adjusted F-test ``p_value`` and its ``score`` (``periodicity_score``)."""
+
+    period: Optional[int]
+    p_value: Optional[float]
+    score: Optional[float]
+
+
+def dominant_period(curve: np.ndarray, alpha: float = 0.05) -> DominantPeriod:
+    """Among periods ``2..n//2`` (at least two full repeats), the one whose period-folded model is most
+    significant (ties: the shortest, so a period-4 curve is period 4, not 8 or 12); kept when its p-value,
+    multiplied by the number of candidate periods, is below ``alpha``. Unlike the strongest Fourier
+    component, this finds the period of a curve whose second harmonic dominates (e.g. 0.9, 0.6, 0.95, 0.2)."""
+    x = np.asarray(curve, dtype=np.float64).reshape(-1)
+    candidates = list(range(2, len(x) // 2 + 1))
+    if not candidates or float(np.ptp(x)) <= 1e-12:
+        return DominantPeriod(None, None, None)
+    pvals = [period_pvalue(x, p) for p in candidates]
+    best = int(np.argmin(pvals))
+    adjusted = min(1.0, pvals[best] * len(candidates))
+    period = candidates[best]
+    return DominantPeriod(period if adjusted < alpha else None, adjusted, periodicity_score(x, period))
+
+
+# ---- everything one grouping reports ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StatsOptions:
+    """Resampling settings shared by every statistic of a report."""
+
+    n_bootstrap: int = 2000
+    n_permutations: int = 2000
+    level: float = 0.95
+    alpha: float = 0.05
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_bootstrap", "n_permutations"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"stats.{name}={v!r} must be an integer >= 1")
+        if not 0 < self.level < 1 or not 0 < self.alpha < 1:
+            raise ValueError(f"stats.level={self.level} and stats.alpha={self.alpha} must lie in (0, 1)")
+
+
+def _finite(x: float) -> Optional[float]:
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
+def summarize_groups(
+    correct: np.ndarray,
+    groups: np.ndarray,
+    n_groups: int,
+    clusters: Optional[np.ndarray] = None,
+    options: StatsOptions = StatsOptions(),
+    period: Optional[int] = None,
+) -> dict:
+    """The full report of one grouping, as plain JSON-ready values (NaN becomes ``None``).
+
+    Keys: ``groups`` (per group: n, correct, accuracy and Wilson interval), ``mean`` (overall accuracy with a
+    cluster-bootstrap interval), ``gap`` (best minus worst group with a cluster-bootstrap interval, the best and
+    worst groups, the permutation p-value and noise floor) and, when ``period`` is given, ``periodicity``
+    (score at ``period`` with its chance level, and the dominant period of the group curve; only for
+    ``2 <= period < n_groups``).
+    """
+    acc = group_accuracy(correct, groups, n_groups)
+    boot_groups, boot_mean = bootstrap_group_accuracy(correct, groups, n_groups, clusters, options.n_bootstrap, options.seed)
+    perm = permutation_test(correct, groups, n_groups, clusters, options.n_permutations, 1 - options.alpha, options.seed)
+    c = np.asarray(correct, dtype=np.float64)
+    gap = percentile_interval(best_minus_worst(boot_groups), perm.observed_gap, options.level)
+    mean = percentile_interval(boot_mean, float(c.mean()) if len(c) else math.nan, options.level)
+    filled = np.where(np.isnan(acc.accuracy), np.inf, acc.accuracy)
+    worst = int(np.argmin(filled))
+    best = int(np.argmax(np.where(np.isnan(acc.accuracy), -np.inf, acc.accuracy)))
+    out: dict = {
+        "groups": [
+            {"group": i, "n": int(acc.n[i]), "correct": int(acc.correct[i]), "accuracy": _finite(acc.accuracy[i]),
+             "lower": float(acc.lower[i]), "upper": float(acc.upper[i])}
+            for i in range(n_groups)
+        ],
+        "mean": {"value": _finite(mean.value), "lower": _finite(mean.lower), "upper": _finite(mean.upper), "n": len(c)},
+        "gap": {
+            "value": _finite(gap.value), "lower": _finite(gap.lower), "upper": _finite(gap.upper),
+            "best_group": best, "worst_group": worst,
+            "best_accuracy": _finite(acc.accuracy[best]), "worst_accuracy": _finite(acc.accuracy[worst]),
+            "worst_lower": float(acc.lower[worst]), "worst_upper": float(acc.upper[worst]),
+            "p_value": perm.p_value, "noise_floor": perm.noise_floor, "n_permutations": perm.n_permutations,
+            "n_bootstrap": options.n_bootstrap, "level": options.level,
+        },
+    }
+    curve = acc.accuracy
+    if period is not None and 2 <= period < n_groups and np.all(np.isfinite(curve)):
+        dom = dominant_period(curve, options.alpha)
+        out["periodicity"] = {
+            "period": period, "score": periodicity_score(curve, period),
+            "chance": periodicity_chance(n_groups, period),
+            "dominant_period": dom.period, "dominant_p_value": dom.p_value, "dominant_score": dom.score,
+        }
+    return out

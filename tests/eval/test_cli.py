@@ -1,0 +1,65 @@
+"""eval.py end to end through Hydra (subprocesses, as users run it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .helpers import make_run, png_ok
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["progress=false", "stats.n_bootstrap=50", "stats.n_permutations=50", "device=cpu"]
+
+
+def _eval(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args, *FAST], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_eval_run_then_summary(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    gate = make_run(sweep, attention=dict(kind="compressed", window=4, stride=4, local_window=4), name="gate,seed=0")
+    make_run(sweep, attention=dict(kind="full"), name="full,seed=0")
+    p = _eval(f"model.path='{gate}'", "task.modulus=8", "limit=4")  # quoted: the folder name holds ',' and '='
+
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads((gate / "eval" / "lookup" / "results.json").read_text())
+    assert results["results"]["n_prompts"] == 32 and '"phase_gap"' in p.stdout
+    # the summary evaluates the run that has no results yet, with the same task settings
+    p = _eval(f"summary='{sweep}'", "task.modulus=8", "task.stride=4", "limit=4")
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads((sweep / "summary" / "lookup" / "summary.json").read_text())
+    assert sorted(r["run"] for r in summary["runs"]) == ["full,seed=0", "gate,seed=0"]
+    assert png_ok(sweep / "summary" / "lookup" / "summary_grid.png")
+
+
+@pytest.mark.slow
+def test_bad_input_fails_with_a_clear_message(tmp_path: Path) -> None:
+    run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4))
+    p = _eval(f"model.path={run}", "task.modulus=2")
+    assert p.returncode != 0 and "task.modulus=2 is smaller than the stride 4" in p.stderr
+
+
+@pytest.mark.slow
+def test_audit_mode_cli(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "pad", ":", *[f"k{i}" for i in range(20)], *[f"v{i}" for i in range(20)]])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    cfg = transformers.Qwen3Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "hf")
+    p = _eval("model=hf", f"model.path={tmp_path / 'hf'}", "model.stride=4", "task=lookup_ids", "task.modulus=8",
+              "task.n_records=12", "task.n_demos=3", "task.vocab.keys=[3,23]", "task.vocab.values=[23,43]",
+              "task.vocab.pad=1", "task.vocab.separator=[2]", "limit=2")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert png_ok(tmp_path / "hf" / "eval" / "lookup_ids" / "lookup_ids.png")
