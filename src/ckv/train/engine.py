@@ -1,0 +1,179 @@
+"""The DeepSpeed engine behind the few operations the training loop needs.
+
+One code path for a laptop CPU (fp32, gloo, one process) and a GPU cluster (bf16, NCCL, ZeRO 0-3). DeepSpeed is
+imported lazily. On CPU, DeepSpeed's shared-memory collective op is marked unavailable so that a fresh machine
+does not compile it (~50 s) before its first run: every collective goes through gloo, which is all that CPU
+smoke and test runs need.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ckv.config import ConfigError
+from ckv.model import Transformer
+from ckv.train.config import TrainConfig
+from ckv.train.schedule import build_scheduler
+
+if TYPE_CHECKING:
+    from ckv.train.distributed import DistEnv
+
+IGNORE_INDEX = -100
+ENGINE_TAG = "engine"  # the DeepSpeed tag (sub-folder) inside a ckv checkpoint folder
+# DeepSpeed config keys that ckv fills in from the trainer and optim sections
+RESERVED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                 "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler")
+
+
+def import_deepspeed(device: str) -> ModuleType:
+    """Import DeepSpeed with the accelerator for ``device`` (``cpu`` or ``cuda``); a clear error when missing."""
+    want = "cpu" if device == "cpu" else "cuda"
+    chosen = os.environ.setdefault("DS_ACCELERATOR", want)
+    if chosen != want:
+        raise ConfigError(f"DS_ACCELERATOR={chosen} does not match trainer.device={device}; unset DS_ACCELERATOR")
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as e:
+        raise ImportError("training needs DeepSpeed: pip install 'ckv[deepspeed]' (deepspeed>=0.15)") from e
+    if get_accelerator().device_name() != want:
+        raise RuntimeError(f"DeepSpeed already runs on {get_accelerator().device_name()!r} in this process; "
+                           f"a {want} run needs a fresh process")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if want == "cpu":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """``auto`` -> bf16 on GPU, fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return precision
+
+
+def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step; a clear error when the global batch cannot be split."""
+    per_pass = micro_batch * world_size
+    if global_batch % per_pass:
+        raise ConfigError(
+            f"trainer.global_batch_size={global_batch} cannot be split into micro-batches of "
+            f"trainer.micro_batch_size={micro_batch} on {world_size} rank(s): it must be a multiple of "
+            f"micro_batch_size * world_size = {per_pass}"
+        )
+    return global_batch // per_pass
+
+
+def deepspeed_config(cfg: TrainConfig, world_size: int, precision: str) -> dict[str, Any]:
+    """The full DeepSpeed config: ``cfg.deepspeed`` (ZeRO etc.) plus batch sizes, clipping and precision."""
+    clash = sorted(set(RESERVED_KEYS) & set(cfg.deepspeed))
+    if clash:
+        raise ConfigError(f"deepspeed.{clash[0]} is set by ckv (batch sizes in trainer.*, clipping in "
+                          f"optim.grad_clip, precision in trainer.precision, optimizer in optim.*): remove {clash}")
+    t = cfg.trainer
+    return {
+        **cfg.deepspeed,
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": accumulation_steps(t.global_batch_size, t.micro_batch_size, world_size),
+        "gradient_clipping": cfg.optim.grad_clip,
+        "bf16": {"enabled": precision == "bf16"},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices only; norm gains and gate biases (vectors) are not decayed."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the labels that are not ``-100`` (0 when there are none)."""
+    flat = labels.reshape(-1)
+    total = F.cross_entropy(logits.float().reshape(flat.numel(), -1), flat, ignore_index=IGNORE_INDEX, reduction="sum")
+    return total / (flat != IGNORE_INDEX).sum().clamp(min=1)
+
+
+class Engine:
+    """A DeepSpeed engine with the operations the loop needs: micro-steps, evaluation, save/load, export."""
+
+    def __init__(self, model: Transformer, cfg: TrainConfig, env: "DistEnv") -> None:
+        self.env = env
+        self.precision = resolve_precision(cfg.trainer.precision, env.device.type)
+        self._deepspeed = import_deepspeed(env.device.type)
+        o = cfg.optim
+        optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        config = deepspeed_config(cfg, env.world_size, self.precision)
+        self.accumulation_steps = config["gradient_accumulation_steps"]
+        self.ds, _, _, _ = self._deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False,
+            lr_scheduler=lambda opt: build_scheduler(opt, o, cfg.trainer.max_steps),
+        )
+
+    @property
+    def module(self) -> Transformer:
+        return self.ds.module
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return float(self.ds.get_lr()[0])
+
+    @property
+    def grad_norm(self) -> Optional[float]:
+        """Global gradient norm of the last optimizer step (before clipping), when DeepSpeed computed it."""
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
+
+    def micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward, backward and (at an accumulation boundary) the optimizer step; returns the detached loss."""
+        input_ids, labels = self._to_device(batch)
+        loss = lm_loss(self.ds(input_ids), labels)
+        self.ds.backward(loss)
+        self.ds.step()
+        return loss.detach()
+
+    @torch.no_grad()
+    def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Loss of one batch without gradients (the caller switches train/eval mode)."""
+        input_ids, labels = self._to_device(batch)
+        return lm_loss(self.ds(input_ids), labels)
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    def save(self, directory: Path) -> None:
+        """Collective: every rank writes its shards of model, optimizer and scheduler state under ``directory``."""
+        self.ds.save_checkpoint(str(directory), tag=ENGINE_TAG, save_latest=False)
+
+    def load(self, directory: Path) -> None:
+        """Collective: restore model, optimizer and scheduler state saved by ``save``."""
+        path, _ = self.ds.load_checkpoint(str(directory), tag=ENGINE_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the engine state in {directory / ENGINE_TAG}")
+
+    @contextmanager
+    def full_module(self) -> Iterator[Transformer]:
+        """The model with all its parameters present on every rank (ZeRO-3 gathers them for the duration)."""
+        if self.ds.zero_optimization_stage() == 3:
+            with self._deepspeed.zero.GatheredParameters(list(self.module.parameters())):
+                yield self.module
+        else:
+            yield self.module

@@ -1,0 +1,103 @@
+"""The run folder: resolved config, provenance (git SHA, package versions) and the resume compatibility check."""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from ckv.train.checkpoint import latest_checkpoint, write_text_atomic
+from ckv.train.config import TrainConfig, resume_conflicts
+
+CONFIG_FILE = "config.yaml"
+RUN_INFO_FILE = "run_info.jsonl"
+PACKAGES = ("ckv", "torch", "deepspeed", "numpy", "safetensors", "hydra-core", "omegaconf", "datasets", "tokenizers",
+            "wandb", "triton", "transformers")
+
+
+class ResumeError(RuntimeError):
+    """The run folder holds a checkpoint of a run whose config is incompatible with the current one."""
+
+
+def plain(obj: Any) -> Any:
+    """Tuples to lists, recursively (YAML/JSON-safe)."""
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
+def git_info(path: Path) -> dict[str, Any]:
+    """Commit SHA and dirty flag of the git checkout holding ``path`` (``None``s outside a checkout)."""
+    def git(*args: str) -> Optional[str]:
+        try:
+            out = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if sha else None
+    return {"git_sha": sha, "git_dirty": None if status is None else bool(status)}
+
+
+def package_versions() -> dict[str, Optional[str]]:
+    versions: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def provenance(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """Where, when and with what code a run (or a resumption of it) started."""
+    return {
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "argv": sys.argv,
+        **git_info(Path(__file__).resolve().parent),
+        "packages": package_versions(),
+        **(extra or {}),
+    }
+
+
+def read_run_config(run_dir: Path) -> Optional[dict[str, Any]]:
+    path = Path(run_dir) / CONFIG_FILE
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
+
+
+def check_resumable(cfg: TrainConfig) -> None:
+    """Refuse to resume a run folder whose checkpoints come from an incompatible config (every rank calls this
+    before any collective, so that all of them fail alike)."""
+    run_dir = Path(cfg.run_dir)
+    saved = read_run_config(run_dir)
+    if saved is None or latest_checkpoint(run_dir) is None:
+        return
+    conflicts = resume_conflicts(saved, plain(cfg.to_dict()))
+    if conflicts:
+        raise ResumeError(
+            f"cannot resume {run_dir}: its checkpoints were trained with a different config "
+            f"(saved -> current):\n  " + "\n  ".join(conflicts) +
+            "\nrestore these values, or train into a new run folder (another name, seed or out_dir)"
+        )
+
+
+def write_run_files(cfg: TrainConfig, info: dict[str, Any]) -> None:
+    """Rank 0: write the resolved ``config.yaml`` and append one provenance line to ``run_info.jsonl``."""
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False))
+    with open(run_dir / RUN_INFO_FILE, "a") as f:
+        f.write(json.dumps(plain(info)) + "\n")

@@ -1,0 +1,32 @@
+"""Fixtures of the training tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from ckv.train import TrainConfig
+
+from .helpers import MERGED_SECTIONS, base_config
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenizer cache for the session (the shipped-corpus BPE is trained once)."""
+    return tmp_path_factory.mktemp("ckv_cache")
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, cache_dir: Path) -> Callable[..., TrainConfig]:
+    """``make_config(name, **sections)``: a tiny CPU run in ``tmp_path/name``; a keyword updates a section of
+    ``MERGED_SECTIONS`` (``trainer={"max_steps": 4}``) or replaces any other (``data=TEXT_DATA``)."""
+
+    def make(name: str = "run", **sections: Any) -> TrainConfig:
+        d = base_config(tmp_path / name, cache_dir)
+        for key, value in sections.items():
+            d[key] = {**d[key], **value} if key in MERGED_SECTIONS else value
+        return TrainConfig.from_dict(d)
+
+    return make

@@ -1,0 +1,108 @@
+"""Training config validation, schedules, DeepSpeed config assembly and the resume compatibility check."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ckv.config import ConfigError, ModelConfig
+from ckv.model import Transformer
+from ckv.train import TrainConfig, resume_conflicts
+from ckv.train.config import OptimConfig
+from ckv.train.engine import accumulation_steps, deepspeed_config, param_groups
+from ckv.train.run import plain
+from ckv.train.schedule import LRSchedule, build_scheduler
+
+
+def test_from_dict_builds_every_section(make_config):
+    cfg = make_config(attention={"kind": "compressed", "window": 8, "stride": 4})
+    assert cfg.attention["stride"] == 4 and cfg.attention["local_window"] == 16  # filled from AttentionConfig
+    assert cfg.trainer.max_steps == 8 and cfg.optim.lr == 3e-3 and cfg.data.kind == "lookup"
+    again = TrainConfig.from_dict(plain(cfg.to_dict()))
+    assert again.to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("section, value, needle", [
+    ("trainer", {"max_steps": 0}, "trainer.max_steps"),
+    ("trainer", {"precision": "fp16"}, "trainer.precision"),
+    ("trainer", {"bogus": 1}, "bogus"),
+    ("optim", {"schedule": "linear"}, "optim.schedule"),
+    ("wandb", {"mode": "sometimes"}, "wandb.mode"),
+    ("attention", {"kind": "compressed", "window": 4, "stride": 8}, "attention.window"),
+])
+def test_bad_values_name_the_field(make_config, section, value, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        make_config(**{section: value})
+
+
+def test_model_spec_vocab(make_config):
+    cfg = make_config(model={"vocab_size": "auto", "n_layers": 3})
+    model_cfg = cfg.model.build(cfg.attention, data_vocab_size=100)
+    assert model_cfg.vocab_size == 100 and model_cfg.n_layers == 3
+    fixed = make_config(model={"vocab_size": 50})
+    with pytest.raises(ConfigError, match="smaller than the data's vocabulary"):
+        fixed.model.build(fixed.attention, data_vocab_size=100)
+
+
+def test_batch_that_deepspeed_cannot_split():
+    assert accumulation_steps(32, 4, 2) == 4
+    with pytest.raises(ConfigError, match=r"global_batch_size=30 cannot be split.*micro_batch_size \* world_size = 8"):
+        accumulation_steps(30, 4, 2)
+
+
+def test_deepspeed_config(make_config):
+    cfg = make_config(trainer={"global_batch_size": 16, "micro_batch_size": 2})
+    ds = deepspeed_config(cfg, world_size=2, precision="bf16")
+    assert ds["gradient_accumulation_steps"] == 4 and ds["train_batch_size"] == 16
+    assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == cfg.optim.grad_clip
+    assert ds["zero_optimization"] == {"stage": 0}
+    bad = make_config(deepspeed={"train_batch_size": 4, "zero_optimization": {"stage": 1}})
+    with pytest.raises(ConfigError, match="deepspeed.train_batch_size is set by ckv"):
+        deepspeed_config(bad, world_size=1, precision="fp32")
+
+
+def test_weight_decay_only_on_matrices():
+    model = Transformer(ModelConfig.from_preset("tiny", attention={"kind": "compressed", "window": 4, "stride": 4}))
+    decay, rest = param_groups(model, 0.1)
+    assert all(p.ndim >= 2 for p in decay["params"]) and all(p.ndim < 2 for p in rest["params"])
+    assert rest["weight_decay"] == 0.0 and len(decay["params"]) + len(rest["params"]) == len(list(model.parameters()))
+
+
+def test_cosine_schedule():
+    s = LRSchedule("cosine", total_steps=110, warmup_steps=10, min_ratio=0.1)
+    assert s(0) == pytest.approx(0.1) and s(9) == pytest.approx(1.0) and s(10) == pytest.approx(1.0)
+    assert s(60) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 50 / 99)))
+    assert s(109) == pytest.approx(0.1)
+    assert all(s(i) >= s(i + 1) for i in range(10, 109))
+
+
+def test_wsd_schedule():
+    s = LRSchedule("wsd", total_steps=100, warmup_steps=5, min_ratio=0.0, decay_fraction=0.2)
+    assert [s(i) for i in (0, 4)] == pytest.approx([0.2, 1.0])
+    assert all(s(i) == 1.0 for i in range(5, 80))
+    assert s(80) == pytest.approx(0.95) and s(99) == pytest.approx(0.0)
+    assert LRSchedule("constant", total_steps=10, warmup_steps=2)(9) == 1.0
+
+
+def test_scheduler_state_round_trip():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sched = build_scheduler(opt, OptimConfig(lr=1.0, warmup_steps=3, schedule="wsd"), total_steps=20)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    opt2 = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    sched2 = build_scheduler(opt2, OptimConfig(lr=1.0), total_steps=20)
+    sched2.load_state_dict(sched.state_dict())
+    assert sched2.get_last_lr() == sched.get_last_lr() and sched2.lr_lambdas[0] == sched.lr_lambdas[0]
+
+
+def test_resume_conflicts(make_config):
+    a = plain(make_config().to_dict())
+    b = plain(make_config(trainer={"log_every": 7, "save_every": 3, "stop_at_step": 2}, wandb={"enabled": True},
+                          name="x").to_dict())
+    assert resume_conflicts(a, b) == []  # none of these change what is trained (run_dir differs too)
+    c = plain(make_config(optim={"lr": 1e-3}, attention={"kind": "compressed", "window": 8, "stride": 8}).to_dict())
+    lines = resume_conflicts(a, c)
+    assert "optim.lr: 0.003 -> 0.001" in lines and any(line.startswith("attention.kind") for line in lines)

@@ -1,0 +1,148 @@
+"""The Hydra entry point: every experiment composes into a valid TrainConfig, sweeps and the SLURM launcher are
+well-formed, job folders are named by overrides and seed, and train.py runs end to end (smoke, multirun)."""
+
+from __future__ import annotations
+
+import runpy
+import subprocess
+import sys
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from ckv.train import TrainConfig, read_metrics
+
+from .helpers import REPO, child_env
+
+ENTRY = runpy.run_path(str(REPO / "train.py"), run_name="ckv_train_entry")  # registers the ckv_job_dir resolver
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
+USER_DATA = ["data.text.paths=[/data/corpus/*.parquet]", "data.text.tokenizer=/models/qwen3/tokenizer.json"]
+
+
+def _compose(overrides: list[str], hydra_node: bool = False):
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="train"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_node)
+
+
+def _train_config(overrides: list[str]) -> TrainConfig:
+    return TrainConfig.from_dict(OmegaConf.to_container(_compose(overrides), resolve=True, throw_on_missing=True),
+                                 run_dir="unused")
+
+
+def test_default_config_composes():  # plain `python train.py`
+    cfg = _train_config([])
+    assert (cfg.name, cfg.model.preset, cfg.data.kind, cfg.deepspeed["zero_optimization"]["stage"]) == (
+        "default", "tiny", "text", 1)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_composes(experiment):
+    paper = experiment.startswith("paper")
+    cfg = _train_config([f"experiment={experiment}"] + (USER_DATA if paper else []))
+    assert cfg.name == ("paper" if paper else experiment)
+
+
+def test_paper_setup():
+    cfg = _train_config(["experiment=paper_base"] + USER_DATA)
+    model = cfg.model.build(cfg.attention, data_vocab_size=151_669)
+    assert (model.n_layers, model.d_model, model.n_heads, model.head_dim) == (28, 1024, 16, 128)
+    a = model.attention
+    assert (a.kind, a.window, a.stride, a.kv_heads, a.pooling, a.gate, a.kv, a.rope, a.local_window) == (
+        "compressed", 8, 8, 1, "gate", "scalar", "separate", "full", 16)
+    tokens = cfg.trainer.max_steps * cfg.trainer.global_batch_size * cfg.data.seq_len
+    assert cfg.trainer.max_steps == 47_518 and 99e9 < tokens < 101e9
+    assert cfg.trainer.precision == "bf16" and cfg.seed == 42
+
+
+def _sweep(experiment: str) -> dict[str, list[str]]:
+    params = _compose([f"experiment={experiment}"], hydra_node=True).hydra.sweeper.params
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    return {o.key_or_group: [str(v) for v in o.sweep_string_iterator()] for o in parsed}
+
+
+def test_paper_grid():
+    attention = {p.stem for p in (REPO / "conf" / "attention").glob("*.yaml")}
+    assert _sweep("paper_seeds") == {"seed": ["42", "43", "44", "45"]}
+    variants = _sweep("paper_variants")["attention"]
+    full = _sweep("paper_full")["attention"]
+    assert len(variants) == 19 and len(set(variants)) == 19  # with the 4 seeds of W8/S8: 23 compressed runs
+    assert set(variants) | set(full) <= attention and full == ["full_kv1", "full_kv4", "full_kv8"]
+    for name in variants:
+        cfg = _train_config(["experiment=paper_base", f"attention={name}"] + USER_DATA)
+        assert cfg.attention["kind"] == "compressed"
+    assert _sweep("cpu_grid") == {"attention": ["full", "w4s4", "w8s8"], "seed": ["0", "1"]}
+
+
+def test_slurm_launcher_config(monkeypatch, tmp_path):
+    """hydra/launcher=slurm builds a submitit SLURM executor whose sbatch script asks for the GPUs, tasks and the
+    pre-timeout signal; nothing is submitted (map_array is intercepted)."""
+    import submitit
+
+    cfg = _compose(["experiment=paper_seeds", "hydra/launcher=slurm", f"out_dir={tmp_path}"] + USER_DATA,
+                   hydra_node=True)
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ == "SlurmLauncher"
+    captured = {}
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # pretend srun exists
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array",
+                        lambda self, fn, *args: captured.update(ex=self, args=args) or [])
+    launcher.setup(hydra_context=None, task_function=None, config=cfg)
+    launcher.launch([["seed=42"], ["seed=43"]], initial_job_idx=0)
+    sbatch = captured["ex"]._executor._make_submission_file_text("srun python train.py", "uid")
+    for line in ("--gpus-per-node=8", "--ntasks-per-node=8", "--signal=USR2@300", "--cpus-per-task=12"):
+        assert line in sbatch, sbatch
+    assert len(captured["args"][0]) == 2
+
+
+def test_job_dir_name():
+    name = ENTRY["job_dir_name"]
+    assert name("", 3) == "seed=3"
+    assert name("attention.stride=4,attention.window=8", 0) == "attention.stride=4,attention.window=8,seed=0"
+    assert "/" not in name("data.text.paths=[/a/b]", 1)
+    long = name("x=" + "a" * 300, 0)
+    assert len(long) == ENTRY["MAX_DIR_NAME"] and long != name("x=" + "a" * 299 + "b", 0)
+
+
+def _run_entry(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=child_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_missing_data_path_is_named(tmp_path):
+    proc = _run_entry(["experiment=paper_base", f"out_dir={tmp_path}"])
+    assert proc.returncode == 1 and "data.text.paths is not set" in proc.stderr
+
+
+def test_multirun_two_strides(tmp_path, cache_dir):
+    proc = _run_entry(["-m", "experiment=cpu_smoke", "data=lookup_split", "attention=w8s8", "attention.stride=4,8",
+                       "trainer.max_steps=3", "trainer.val_every=0", f"out_dir={tmp_path}", "wandb.enabled=false",
+                       f"trainer.data_cache_dir={cache_dir}"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(p for p in (tmp_path / "cpu_smoke").iterdir() if p.is_dir())
+    assert [p.name for p in runs] == [f"attention.stride={s},attention=w8s8,data=lookup_split,trainer.max_steps=3,"
+                                      "seed=0" for s in (4, 8)]
+    for stride, run in zip((4, 8), runs):
+        saved = yaml.safe_load((run / "config.yaml").read_text())
+        assert (saved["attention"]["stride"], saved["attention"]["window"]) == (stride, 8)
+        assert saved["data"]["kind"] == "lookup"
+        assert (run / "model" / "model.safetensors").is_file() and read_metrics(run)[-1]["step"] == 3
+
+
+@pytest.mark.smoke
+def test_cpu_smoke_experiment(tmp_path, cache_dir):
+    """CI's end-to-end run: python train.py experiment=cpu_smoke (shipped corpus, compressed W4/S4, wandb offline)."""
+    proc = _run_entry(["experiment=cpu_smoke", f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache_dir}",
+                       "wandb.mode=offline"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "cpu_smoke" / "seed=0"
+    records = read_metrics(run)
+    train_loss = [r["loss"] for r in records if "loss" in r]
+    assert train_loss[-1] < train_loss[0] and any("val_loss" in r for r in records)
+    outputs = {"config.yaml", "run_info.jsonl", "metrics.jsonl", "checkpoints", "model", "wandb"}
+    assert outputs <= {p.name for p in run.iterdir()}
+    assert (run / "model" / "tokenizer.json").is_file()
+    assert "eta" in proc.stderr and "tok/s" in proc.stderr

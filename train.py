@@ -1,0 +1,64 @@
+"""Train a ckv model: ``python train.py [experiment=NAME] [group=option ...] [key=value ...]``.
+
+One CPU:     python train.py experiment=cpu_smoke
+GPUs:        deepspeed --no_local_rank train.py ...   or   torchrun --nproc_per_node 8 train.py ...
+A grid:      python train.py -m experiment=cpu_grid     (add hydra/launcher=slurm on a cluster)
+See docs/training.md. This file only turns the Hydra config into a ``TrainConfig`` and calls ``ckv.train.train``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+from ckv.train.distributed import strip_local_rank_arg
+
+sys.argv = strip_local_rank_arg(sys.argv)  # the deepspeed launcher's --local_rank, which Hydra would reject
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf.errors import MissingMandatoryValue  # noqa: E402
+
+from ckv.config import ConfigError  # noqa: E402
+from ckv.data import DataError  # noqa: E402
+from ckv.train import (  # noqa: E402
+    CheckpointError, NonFiniteLossError, ResumeError, TrainConfig, TrainingInterrupted, train,
+)
+
+MAX_DIR_NAME = 200
+
+
+def job_dir_name(override_dirname: str, seed: int) -> str:
+    """A job's folder name: its command-line overrides plus its seed (``attention.stride=4,seed=0``); path
+    separators are replaced, and an over-long name is shortened with a hash of the full one."""
+    name = ",".join(p for p in (override_dirname, f"seed={seed}") if p).replace("/", "_")
+    if len(name) > MAX_DIR_NAME:
+        name = f"{name[:MAX_DIR_NAME - 17]}-{hashlib.sha1(name.encode()).hexdigest()[:16]}"
+    return name
+
+
+OmegaConf.register_new_resolver("ckv_job_dir", job_dir_name, replace=True)
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        sys.exit(f"ckv: error: {e.full_key} is not set (it is marked ??? in the config): add {e.full_key}=... "
+                 "on the command line")
+    info = {"overrides": list(hydra_cfg.overrides.task), "choices": dict(hydra_cfg.runtime.choices)}
+    try:
+        train(TrainConfig.from_dict(plain, run_dir=hydra_cfg.runtime.output_dir), info)
+    except TrainingInterrupted as e:
+        print(f"ckv: {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except (ConfigError, DataError, ResumeError, CheckpointError, NonFiniteLossError, FileNotFoundError,
+            ImportError) as e:
+        sys.exit(f"ckv: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
