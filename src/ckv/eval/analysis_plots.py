@@ -1,0 +1,265 @@
+"""PNG plots of the mechanism analyses (knock-out, gate concentration, gate cycling, joint view).
+
+Heatmaps use diverging colour maps centred on "no effect": knock-out effects in percent of the clean accuracy
+(red = accuracy lost, blue = gained, centred at 0) and gate profiles as log2 of the mass relative to uniform
+(green = above uniform, brown = below, centred at uniform). Values outside the colour range saturate; the
+numbers in the cells are the real values. Grey cells are undefined (e.g. a phase the clean model never gets
+right). Accuracy plots show percent on a fixed 0-100 axis with Wilson 95% intervals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.colors import Normalize
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from ckv.eval.plots import PCT, _colors, _save
+
+ANNOTATE_MAX_CELLS = 600  # larger heatmaps get no numbers in their cells
+
+
+def _array(values: Sequence[Sequence[Optional[float]]]) -> np.ndarray:
+    return np.array([[np.nan if v is None else float(v) for v in row] for row in values], dtype=np.float64)
+
+
+def _heatmap(fig: Figure, ax: Axes, data: np.ndarray, *, rows: list[str], cols: list[str], cmap: str, vlim: float,
+             center: float, cbar_label: str, text: Optional[list[list[str]]] = None) -> None:
+    """``data`` (R, C) with a symmetric colour range ``center +- vlim``, a labelled colour bar and, for small
+    maps, ``text`` in each cell."""
+    cm = colormaps[cmap].with_extremes(bad="0.8")
+    norm = Normalize(vmin=center - vlim, vmax=center + vlim)
+    im = ax.imshow(np.ma.masked_invalid(data), cmap=cm, norm=norm, aspect="auto", interpolation="nearest")
+    bar = fig.colorbar(im, ax=ax, extend="both", fraction=0.05, pad=0.02)
+    bar.set_label(cbar_label, fontsize=8)
+    ax.set_xticks(range(len(cols)), cols, fontsize=8)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    if text is None or data.size > ANNOTATE_MAX_CELLS:
+        return
+    for i in range(data.shape[0]):
+        for j in range(data.shape[1]):
+            dark = np.isfinite(data[i, j]) and abs(data[i, j] - center) > 0.6 * vlim
+            ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7, color="white" if dark else "black")
+
+
+def _height(n_rows: int) -> float:
+    return max(2.8, 0.32 * n_rows + 1.8)
+
+
+# ---- knock-out -------------------------------------------------------------------------------------------------
+def _effect_cells(units: list[dict]) -> tuple[np.ndarray, list[list[str]]]:
+    """Effects (U, S) and cell texts: the effect, ``*`` when its 95% interval excludes 0."""
+    data = _array([[p["effect"] for p in u["phases"]] for u in units])
+    text = []
+    for u in units:
+        row = []
+        for p in u["phases"]:
+            lo, hi = p["effect_lower"], p["effect_upper"]
+            sig = lo is not None and hi is not None and (hi < 0 or lo > 0)
+            row.append("n/a" if p["effect"] is None else f"{p['effect']:.0f}{'*' if sig else ''}")
+        text.append(row)
+    return data, text
+
+
+def _effect_range(data: np.ndarray) -> float:
+    finite = np.abs(data[np.isfinite(data)])
+    return float(np.clip(finite.max() if finite.size else 0.0, 5.0, 100.0))
+
+
+EFFECT_LABEL = "effect (% of clean accuracy)"
+
+
+def plot_knockout(result: dict, out_dir: Path, title: str) -> list[Path]:
+    """``knockout_layers.png`` (layers x phases) and ``knockout_heads.png`` (KV-head groups x phases)."""
+    S = result["stride"]
+    clean = " / ".join(f"{PCT * g['accuracy']:.0f}" for g in result["clean"]["phase"]["groups"])
+    paths = []
+    for kind, what in (("layers", "layer"), ("heads", "KV-head group (layer, KV head)")):
+        units = [u for u in result["units"] if (u["kv_head"] is None) == (kind == "layers")]
+        if not units:
+            continue
+        data, text = _effect_cells(units)
+        fig = Figure(figsize=(max(5.5, 0.75 * S + 3.5), _height(len(units))))
+        ax = fig.subplots()
+        _heatmap(fig, ax, data, rows=[u["label"] for u in units], cols=[str(r) for r in range(S)], cmap="RdBu",
+                 vlim=_effect_range(data), center=0.0, cbar_label=EFFECT_LABEL, text=text)
+        ax.set_xlabel(f"phase of the target position (mod {S})")
+        ax.set_ylabel(f"knocked-out {what}")
+        ax.set_title(f"{title}: mean ablation at the final query position\nclean accuracy per phase {clean} %; "
+                     "* = paired 95% interval excludes 0; grey = clean accuracy 0", fontsize=9)
+        paths.append(_save(fig, out_dir / f"knockout_{kind}.png"))
+    return paths
+
+
+# ---- gates -----------------------------------------------------------------------------------------------------
+def _profile_cells(profiles: list[list[float]]) -> tuple[np.ndarray, list[list[str]]]:
+    """log2 of the mass relative to uniform (R, W) and the ratios as cell texts."""
+    ratio = np.asarray(profiles, dtype=np.float64)
+    return np.log2(np.maximum(ratio, 1e-6)), [[f"{v:.2f}" for v in row] for row in ratio]
+
+
+def _profile_range(profiles: list[list[float]]) -> float:
+    """One colour range for all profile panels of a figure: the largest |log2 ratio|, in [1, 6]."""
+    return float(np.clip(np.abs(np.log2(np.maximum(np.asarray(profiles, dtype=np.float64), 1e-6))).max(), 1.0, 6.0))
+
+
+PROFILE_LABEL = "log2(gate mass / uniform)"
+
+
+def plot_gate_profiles(rows: list[dict], window: int, path: Path, title: str) -> Path:
+    """Offset profiles of every layer and KV head, one heatmap per branch; row labels carry the static and
+    per-window effective numbers of offsets."""
+    branches = [b for b in ("K", "V") if any(r["branch"] == b for r in rows)]
+    n = max(sum(r["branch"] == b for r in rows) for b in branches)
+    fig = Figure(figsize=(5.0 * len(branches) + 1.0, _height(n)))
+    vlim = _profile_range([r["profile"] for r in rows])
+    for ax, b in zip(fig.subplots(1, len(branches), squeeze=False)[0], branches):
+        rs = [r for r in rows if r["branch"] == b]
+        data, text = _profile_cells([r["profile"] for r in rs])
+        labels = [f"L{r['layer']} kv{r['kv_head']} ({r['static']:.1f} | {r['per_window']:.1f})" for r in rs]
+        _heatmap(fig, ax, data, rows=labels, cols=[str(i) for i in range(window)], cmap="BrBG", vlim=vlim, center=0.0,
+                 cbar_label=PROFILE_LABEL, text=text)
+        ax.set_xlabel(f"offset in the window (0..{window - 1})")
+        ax.set_title(f"{b} gates: mean weight per offset x {window} (1 = uniform)", fontsize=9)
+    fig.suptitle(f"{title}: gate offset profiles\nrow labels: layer, KV head (static exp(H(E[alpha])) | per-window "
+                 f"E[exp(H(alpha))]; 1 = one-hot, {window} = uniform)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_gate_training(series: list[dict], window: int, path: Path, title: str) -> Path:
+    """Static (solid) and per-window (dashed) effective numbers of offsets against the checkpoint step, one
+    panel per branch and a colour per layer/KV head, and the lookup accuracy per phase over training."""
+    steps = [s["step"] for s in series]
+    branches = [b for b in ("K", "V") if any(g["branch"] == b for g in series[0]["gates"])]
+    heads = sorted({(g["layer"], g["kv_head"]) for g in series[0]["gates"]})
+    colors = dict(zip(heads, _colors(len(heads))))
+    fig = Figure(figsize=(4.6 * (len(branches) + 1), 4.2))
+    axes = fig.subplots(1, len(branches) + 1)
+    for ax, b in zip(axes, branches):
+        for h in heads:
+            pick = [next(g for g in s["gates"] if g["branch"] == b and (g["layer"], g["kv_head"]) == h) for s in series]
+            ax.plot(steps, [g["static"] for g in pick], "o-", color=colors[h], ms=3, label=f"L{h[0]} kv{h[1]}")
+            ax.plot(steps, [g["per_window"] for g in pick], "--", color=colors[h], lw=1)
+        ax.set_ylim(0.9, window + 0.1)
+        ax.set_xlabel("training step (checkpoint)")
+        ax.set_ylabel(f"effective number of offsets (1 = one-hot, {window} = uniform)")
+        ax.set_title(f"{b} gates", fontsize=9)
+        ax.grid(alpha=0.3)
+        styles = [Line2D([], [], color="black", ls="-", label="static"),
+                  Line2D([], [], color="black", ls="--", label="per window")]
+        ax.legend(handles=ax.get_legend_handles_labels()[0][:12] + styles, fontsize=7, ncol=2)
+    acc = axes[-1]
+    S = len(series[0]["accuracy"]["phase"])
+    for r, color in zip(range(S), _colors(S)):
+        acc.plot(steps, [PCT * s["accuracy"]["phase"][r] for s in series], "o-", ms=3, color=color, label=f"phase {r}")
+    acc.plot(steps, [PCT * s["accuracy"]["mean"] for s in series], "k--", lw=1.5, label="mean")
+    acc.set_ylim(-3, 103)
+    acc.set_xlabel("training step (checkpoint)")
+    acc.set_ylabel("top-1 accuracy (%)")
+    acc.set_title("lookup accuracy on the same prompts", fontsize=9)
+    acc.grid(alpha=0.3)
+    acc.legend(fontsize=7, ncol=2)
+    fig.suptitle(f"{title}: gate concentration over training", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# ---- gate cycling ----------------------------------------------------------------------------------------------
+def _fmt_r2(fit: Optional[dict]) -> str:
+    if not fit or fit["value"] is None:
+        return "n/a"
+    if fit["lower"] is None:
+        return f"{fit['value']:.2f}"
+    return f"{fit['value']:.2f} [{fit['lower']:.2f}, {fit['upper']:.2f}]"
+
+
+def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
+    """Per shift d: observed accuracy per phase (Wilson bars), the prediction ``A_0((r - d) mod S)`` and the clean
+    curve; last panel: predicted vs observed change over all shifts (hollow: boundary phase, excluded from R^2)."""
+    S, boundary, deltas, clean = result["stride"], result["boundary_phase"], result["deltas"], result["clean"]
+    n = len(deltas) + 1
+    ncols = min(4, n)
+    nrows = -(-n // ncols)
+    fig = Figure(figsize=(3.8 * ncols, 3.4 * nrows))
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    x = np.arange(S)
+    a0 = PCT * np.asarray(clean["accuracy"])
+    for ax, d in zip(axes, deltas):
+        y = PCT * np.asarray(d["observed"])
+        err = np.maximum(np.stack([y - PCT * np.asarray(d["lower"]), PCT * np.asarray(d["upper"]) - y]), 0)
+        ax.axvspan(boundary - 0.5, boundary + 0.5, color="0.92", zorder=0)
+        ax.plot(x, a0, ":", color="0.5", label="clean A_0(r)")
+        ax.plot(x, PCT * np.asarray(d["predicted"]), "s--", mfc="none", color="tab:orange", label="predicted A_0(r-d)")
+        ax.errorbar(x, y, yerr=err, fmt="o-", color="tab:blue", capsize=3, ms=4, label="observed A_d(r)")
+        ax.set_ylim(-3, 103)
+        ax.set_xticks(x)
+        ax.set_xlabel(f"phase r (mod {S}); shaded: boundary")
+        ax.set_ylabel("top-1 accuracy (%)")
+        ax.set_title(f"shift d={d['delta']}: R^2 {_fmt_r2(d['r2'])}\ncorr^2 {_fmt_r2(d['r2_corr'])}", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower left")
+    sc = axes[len(deltas)]
+    changes = []
+    for d, color in zip(deltas, _colors(len(deltas))):
+        if d["delta"] % S == 0:
+            continue
+        pred = PCT * (np.asarray(d["predicted"]) - np.asarray(clean["accuracy"]))
+        obs = PCT * (np.asarray(d["observed"]) - np.asarray(clean["accuracy"]))
+        keep = x != boundary
+        sc.scatter(pred[keep], obs[keep], color=color, s=25, edgecolors="black", linewidths=0.4, label=f"d={d['delta']}")
+        sc.scatter(pred[~keep], obs[~keep], facecolors="none", edgecolors=color, s=25)
+        changes += [*pred, *obs]
+    lim = max(5.0, float(np.nanmax(np.abs(changes)))) if changes else 5.0
+    sc.plot([-lim, lim], [-lim, lim], "k--", lw=0.8, label="observed = predicted")
+    sc.axhline(0, color="0.8", lw=0.8)
+    sc.axvline(0, color="0.8", lw=0.8)
+    sc.set_xlabel("predicted change A_0(r-d) - A_0(r) (pp)")
+    sc.set_ylabel("observed change A_d(r) - A_0(r) (pp)")
+    pooled = result["pooled"]
+    sc.set_title(f"pooled R^2 {_fmt_r2(pooled['r2'])}, corr^2 {_fmt_r2(pooled['r2_corr'])}", fontsize=8)
+    sc.legend(fontsize=7)
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    fig.suptitle(f"{title}: gate cycling ({result['shifted']}); clean mean {PCT * clean['mean']:.1f}%", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+# ---- joint view ------------------------------------------------------------------------------------------------
+def _fmt_corr(c: Optional[float]) -> str:
+    return "n/a" if c is None else f"{c:+.2f}"
+
+
+def plot_joint(result: dict, path: Path, title: str) -> Path:
+    """Rows: (layer, KV head). Left: knock-out effect per phase; then the K and V gate profiles per offset."""
+    rows, S, W = result["rows"], result["stride"], result["window"]
+    branches = [b for b in ("k", "v") if any(r[f"{b}_profile"] is not None for r in rows)]
+    fig = Figure(figsize=(4.0 + 0.6 * S + 4.2 * len(branches), _height(len(rows))))
+    axes = fig.subplots(1, 1 + len(branches), gridspec_kw={"width_ratios": [S + 2] + [W + 2] * len(branches)})
+    data, text = _effect_cells([{"phases": [{"effect": e, "effect_lower": lo, "effect_upper": hi}
+                                            for e, lo, hi in zip(r["knockout"], r["knockout_lower"], r["knockout_upper"])]}
+                                for r in rows])
+    labels = [f"L{r['layer']} kv{r['kv_head']}" + (f" (r_K {_fmt_corr(r['loss_vs_k'])}, r_V {_fmt_corr(r['loss_vs_v'])})"
+                                                   if W == S else "") for r in rows]
+    _heatmap(fig, axes[0], data, rows=labels, cols=[str(r) for r in range(S)], cmap="RdBu", vlim=_effect_range(data),
+             center=0.0, cbar_label=EFFECT_LABEL, text=text)
+    axes[0].set_xlabel(f"phase (mod {S})")
+    axes[0].set_title("knock-out of the KV-head group", fontsize=9)
+    vlim = _profile_range([r[f"{b}_profile"] for b in branches for r in rows])
+    for ax, b in zip(axes[1:], branches):
+        prof, ptext = _profile_cells([r[f"{b}_profile"] for r in rows])
+        _heatmap(fig, ax, prof, rows=["" for _ in rows], cols=[str(i) for i in range(W)], cmap="BrBG", vlim=vlim,
+                 center=0.0, cbar_label=PROFILE_LABEL, text=ptext)
+        ax.set_xlabel(f"offset (0..{W - 1})")
+        ax.set_title(f"{b.upper()} gate profile", fontsize=9)
+    corr = "\nr_K, r_V: correlation of the loss profile (-effect) with the K, V gate profile" if W == S else ""
+    fig.suptitle(f"{title}: knock-out effect (% of clean accuracy, * = 95% interval excludes 0) vs gate profiles "
+                 f"(mass x {W}, 1 = uniform){corr}", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)

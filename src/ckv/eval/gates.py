@@ -1,0 +1,178 @@
+"""Gate concentration: how many window offsets each learned gate uses (``eval.py analysis=gates``).
+
+For every compressed layer, KV head and branch (K and V) the gate weights ``alpha`` of every full window of the
+lookup prompts are recorded (``Compressor.record_gates``) and summarised by the effective number of offsets
+``exp(H(p))`` (``H`` = entropy in nats; 1 for a one-hot gate, W for a uniform one):
+
+- static: ``exp(H(E[alpha]))``, of the window-averaged gate (does the gate prefer fixed offsets?);
+- per window: ``E[exp(H(alpha))]`` (does each window's gate pick few offsets, whichever they are?);
+- offset profile: ``W * E[alpha_i]``, the mass on offset ``i`` relative to uniform (1 = uniform).
+
+Vector gates (one weight per channel) are summarised per channel and averaged over channels. Windows with
+absent positions (the first entries when W > S) are left out. Given a run folder, the statistics are repeated
+for every saved checkpoint: how the gates specialise during training.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional, Union
+
+import numpy as np
+import torch
+from torch import nn
+
+from ckv.config import ConfigError
+from ckv.eval.analysis_plots import plot_gate_profiles, plot_gate_training
+from ckv.eval.lookup import LookupOutcome, LookupTask
+from ckv.eval.mechanism import Branch, gated_branches, settings_from_params
+from ckv.eval.models import LoadedModel, load_ckv_model
+from ckv.eval.runner import AnalysisContext, RunOptions, register_analysis
+from ckv.eval.stats import group_accuracy
+from ckv.train.checkpoint import list_checkpoints
+
+log = logging.getLogger(__name__)
+
+
+def effective_offsets(weights: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``exp(H(weights))`` along ``dim`` (``0 log 0 = 0``): 1 for a one-hot distribution, n for a uniform one."""
+    return torch.exp(-torch.xlogy(weights, weights).sum(dim))
+
+
+class GateAccumulator:
+    """Running sums of one branch's gate weights over full windows. ``add`` takes ``alpha`` (B, E, W, KV, C)
+    (C = 1 scalar gate, head_dim vector gate) and ``present`` (E, W)."""
+
+    def __init__(self) -> None:
+        self.mass: Optional[torch.Tensor] = None  # (W, KV, C) summed alpha
+        self.concentration: Optional[torch.Tensor] = None  # (KV, C) summed exp(H(alpha))
+        self.windows = 0
+
+    def add(self, alpha: torch.Tensor, present: torch.Tensor) -> None:
+        a = alpha[:, present.all(-1)].double()  # (B, E_full, W, KV, C)
+        mass, conc = a.sum((0, 1)), effective_offsets(a, dim=2).sum((0, 1))
+        self.mass = mass if self.mass is None else self.mass + mass
+        self.concentration = conc if self.concentration is None else self.concentration + conc
+        self.windows += a.shape[0] * a.shape[1]
+
+    def summary(self) -> list[dict]:
+        """Per KV head: ``profile`` (W,) mass relative to uniform, ``static`` and ``per_window`` effective numbers
+        of offsets (channel means), ``peak_offset`` and ``windows``."""
+        if not self.windows or self.mass is None or self.concentration is None:
+            raise RuntimeError("no full window was recorded: the prompts are shorter than one window")
+        mean = self.mass / self.windows  # (W, KV, C)
+        window = mean.shape[0]
+        static = effective_offsets(mean, dim=0).mean(-1)  # (KV,)
+        per_window = (self.concentration / self.windows).mean(-1)  # (KV,)
+        profile = window * mean.mean(-1)  # (W, KV)
+        return [{"kv_head": h, "profile": profile[:, h].tolist(), "static": float(static[h]),
+                 "per_window": float(per_window[h]), "peak_offset": int(profile[:, h].argmax()), "windows": self.windows}
+                for h in range(profile.shape[1])]
+
+
+@contextmanager
+def record_gates(branches: list[Branch]) -> Iterator[dict[tuple[int, str], GateAccumulator]]:
+    """Inside the block every forward pass adds each branch's gate weights to its accumulator (keyed by
+    ``(layer, branch)``); recording is switched off again afterwards."""
+    accumulators = {(b.layer, b.name): GateAccumulator() for b in branches}
+
+    def hook_for(acc: GateAccumulator):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, _: torch.Tensor) -> None:
+            if module.last_alpha is None:
+                raise RuntimeError("the compressor recorded no gate weights (its pooling kernel returned none)")
+            acc.add(module.last_alpha, args[1] if len(args) > 1 else kwargs["present"])  # forward(hw, present)
+        return hook
+
+    handles = []
+    for b in branches:
+        b.compressor.record_gates = True
+        hook = hook_for(accumulators[(b.layer, b.name)])
+        handles.append(b.compressor.register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield accumulators
+    finally:
+        for b, h in zip(branches, handles):
+            h.remove()
+            b.compressor.record_gates, b.compressor.last_alpha = False, None
+
+
+def gate_statistics(model: LoadedModel, task: LookupTask, options: RunOptions) -> tuple[list[dict], LookupOutcome]:
+    """Gate statistics of every branch over the task's prompts, and the task's outcome (scored on the way).
+    Rows: ``layer``, ``branch``, ``kv_head`` plus ``GateAccumulator.summary``'s fields."""
+    branches = gated_branches(model.module, "gates", model.name)
+    with record_gates(branches) as accs:
+        outcome = task.evaluate(model.logits, batch_size=options.batch_size, device=model.device,
+                                progress=options.progress)
+    rows = [{"layer": layer, "branch": name, **s} for (layer, name), acc in accs.items() for s in acc.summary()]
+    return rows, outcome
+
+
+def peak_shifts(rows: list[dict], window: int) -> list[dict]:
+    """Per layer and KV head with both branches: ``(V peak - K peak) mod W`` (the paper: about +1)."""
+    peaks = {(r["layer"], r["kv_head"], r["branch"]): r["peak_offset"] for r in rows}
+    return [{"layer": layer, "kv_head": h, "k_peak": k, "v_peak": peaks[(layer, h, "V")],
+             "shift": (peaks[(layer, h, "V")] - k) % window}
+            for (layer, h, b), k in peaks.items() if b == "K" and (layer, h, "V") in peaks]
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """``checkpoints``: ``all`` (every saved checkpoint of the model's run folder, when there is one), ``none``,
+    or a list of checkpoint steps."""
+
+    checkpoints: Union[str, tuple[int, ...]] = "all"
+
+    def __post_init__(self) -> None:
+        c = self.checkpoints
+        steps = isinstance(c, tuple) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in c)
+        if c not in ("all", "none") and not steps:
+            raise ConfigError(f"analysis.checkpoints={c!r} must be 'all', 'none' or a list of integer steps")
+
+
+def _accuracy(outcome: LookupOutcome, stride: int) -> dict:
+    acc = group_accuracy(outcome.correct, outcome.table["phase"], stride).accuracy
+    return {"mean": float(np.mean(outcome.correct)), "phase": acc.tolist()}
+
+
+def checkpoint_series(ctx: AnalysisContext, settings: GateSettings) -> list[dict]:
+    """Gate statistics of the chosen checkpoints of the model's run (empty without a run folder). Each item:
+    ``step``, ``accuracy`` (mean and per phase on the same prompts) and ``gates`` (rows)."""
+    run_dir = ctx.model.info.get("run_dir")
+    if settings.checkpoints == "none" or not run_dir:
+        return []
+    found = dict(list_checkpoints(run_dir))
+    steps = sorted(found) if settings.checkpoints == "all" else list(settings.checkpoints)
+    missing = [s for s in steps if s not in found]
+    if missing:
+        raise ConfigError(f"analysis.checkpoints: steps {missing} are not checkpoints of {run_dir}; it has {sorted(found)}")
+    impl = ctx.model.module.config.attention.impl
+    series = []
+    for step in steps:
+        log.info("gates of checkpoint step %d", step)
+        model = load_ckv_model(run_dir, step=step, device=str(ctx.model.device), impl=impl)
+        rows, outcome = gate_statistics(model, ctx.task, ctx.options)
+        series.append({"step": step, "accuracy": _accuracy(outcome, ctx.task.stride), "gates": rows})
+    return series
+
+
+@register_analysis("gates")
+def gates(ctx: AnalysisContext) -> dict:
+    """``eval.py analysis=gates``: gate statistics of the model (and of its run's checkpoints), plots of the
+    offset profiles and of the concentration over training."""
+    settings = settings_from_params(GateSettings, ctx.params, "gates")
+    rows, outcome = gate_statistics(ctx.model, ctx.task, ctx.options)
+    window = ctx.model.module.config.attention.window
+    result = {
+        "window": window, "stride": ctx.task.stride, "channels": "vector gates: channel means",
+        "accuracy": _accuracy(outcome, ctx.task.stride), "gates": rows, "peak_shifts": peak_shifts(rows, window),
+        "checkpoints": checkpoint_series(ctx, settings),
+    }
+    if ctx.options.plots:
+        plots = [plot_gate_profiles(rows, window, ctx.out_dir / "gate_profiles.png", ctx.model.name)]
+        if result["checkpoints"]:
+            plots.append(plot_gate_training(result["checkpoints"], window, ctx.out_dir / "gate_training.png",
+                                            ctx.model.name))
+        result["plots"] = [p.name for p in plots]
+    return result

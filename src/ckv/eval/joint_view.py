@@ -1,0 +1,80 @@
+"""Joint view: each layer's KV heads with their knock-out profile beside their gate profiles
+(``eval.py analysis=joint``).
+
+The paper's observation is that they line up: a head whose gates concentrate on some offsets loses accuracy,
+when knocked out, on the matching phases. For each (layer, KV head) this runs the KV-group knock-out
+(``ckv.eval.knockout``) and the gate statistics (``ckv.eval.gates``) on the same prompts and puts side by side
+the per-phase knock-out effect and the K and V offset profiles. With W == S (offset = phase) it also reports
+the Pearson correlation between the knock-out loss profile (minus the effect) and each gate profile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ckv.eval.analysis_plots import plot_joint
+from ckv.eval.gates import gate_statistics
+from ckv.eval.knockout import KnockoutSettings, run_knockout
+from ckv.eval.mechanism import settings_from_params
+from ckv.eval.runner import AnalysisContext, register_analysis
+
+
+@dataclass(frozen=True)
+class JointSettings:
+    """Calibration set of the knock-out (see ``KnockoutSettings``)."""
+
+    calibration: int = 64
+    calibration_seed: Optional[int] = None
+
+
+def correlation(a: list[Optional[float]], b: list[float]) -> Optional[float]:
+    """Pearson correlation of two profiles; ``None`` when a value is missing or either profile is flat."""
+    if len(a) != len(b) or any(x is None for x in a):
+        return None
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    x, y = x - x.mean(), y - y.mean()
+    denom = math.sqrt(float((x * x).sum() * (y * y).sum()))
+    return float((x * y).sum() / denom) if denom > 1e-12 else None
+
+
+def joint_rows(knockout: dict, gates: list[dict], window: int) -> list[dict]:
+    """One row per (layer, KV head): knock-out effect per phase (with interval), worst phase, K and V offset
+    profiles and peaks, and (W == S) the correlations of the loss profile with each gate profile."""
+    by = {(g["layer"], g["kv_head"], g["branch"]): g for g in gates}
+    rows = []
+    for u in knockout["units"]:
+        effect = [p["effect"] for p in u["phases"]]
+        finite = [(e, r) for r, e in enumerate(effect) if e is not None]
+        row = {"layer": u["layer"], "kv_head": u["kv_head"], "knockout": effect,
+               "knockout_lower": [p["effect_lower"] for p in u["phases"]],
+               "knockout_upper": [p["effect_upper"] for p in u["phases"]],
+               "worst_phase": min(finite)[1] if finite else None}
+        for branch in ("K", "V"):
+            g = by.get((u["layer"], u["kv_head"], branch))
+            key = branch.lower()
+            row[f"{key}_profile"] = None if g is None else g["profile"]
+            row[f"{key}_peak"] = None if g is None else g["peak_offset"]
+            row[f"{key}_static"] = None if g is None else g["static"]
+            aligned = g is not None and window == len(effect)  # W == S: offset i is phase i
+            loss = [None if e is None else -e for e in effect]
+            row[f"loss_vs_{key}"] = correlation(loss, g["profile"]) if aligned else None
+        rows.append(row)
+    return rows
+
+
+@register_analysis("joint")
+def joint(ctx: AnalysisContext) -> dict:
+    """``eval.py analysis=joint``: knock-out (per KV-head group) and gate profiles per layer/head, side by side."""
+    settings = settings_from_params(JointSettings, ctx.params, "joint")
+    gates, _ = gate_statistics(ctx.model, ctx.task, ctx.options)  # first: fails fast on models without gates
+    knockout = run_knockout(ctx, KnockoutSettings(settings.calibration, settings.calibration_seed, ("heads",)))
+    window = ctx.model.module.config.attention.window
+    result = {"stride": ctx.task.stride, "window": window, "calibration": knockout["calibration"],
+              "clean": knockout["clean"]["headline"], "rows": joint_rows(knockout, gates, window)}
+    if ctx.options.plots:
+        result["plots"] = [plot_joint(result, ctx.out_dir / "joint.png", ctx.model.name).name]
+    return result

@@ -1,0 +1,59 @@
+"""Paired statistics of several evaluations of the SAME lookup prompts (a clean model and modified versions).
+
+Every analysis variant scores the same prompts, so their differences are paired: the cluster bootstrap of
+``ckv.eval.stats`` resamples whole base examples (key->value mappings) once per replicate and applies the same
+resample to every variant. Implemented by stacking the variants as extra groups of one bootstrap.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ckv.eval.stats import StatsOptions, bootstrap_group_accuracy, percentile_interval
+
+
+def paired_replicates(
+    outcomes: Sequence[np.ndarray],
+    groups: np.ndarray,
+    n_groups: int,
+    clusters: np.ndarray,
+    options: StatsOptions,
+) -> np.ndarray:
+    """Bootstrap replicates of the per-group accuracy of K evaluations of the same prompts, all resampled with the
+    same clusters in each replicate.
+
+    ``outcomes``: K arrays (P,) of 0/1 correctness, in the same prompt order; ``groups``/``clusters`` (P,).
+    Returns (n_bootstrap, K, n_groups).
+    """
+    k = len(outcomes)
+    if not k:
+        raise ValueError("no outcomes to compare")
+    n = len(groups)
+    if any(len(o) != n for o in outcomes):
+        raise ValueError(f"every outcome must score the same {n} prompts")
+    correct = np.concatenate([np.asarray(o, dtype=np.float64) for o in outcomes])
+    stacked = np.concatenate([np.asarray(groups, dtype=np.int64) + i * n_groups for i in range(k)])
+    acc, _ = bootstrap_group_accuracy(correct, stacked, k * n_groups, np.tile(clusters, k), options.n_bootstrap,
+                                      options.seed)
+    return acc.reshape(-1, k, n_groups)
+
+
+def relative_change(base: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """``100 * (other - base) / base`` elementwise; NaN where ``base`` is 0 (no accuracy to lose)."""
+    b = np.asarray(base, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(b > 0, 100.0 * (np.asarray(other, dtype=np.float64) - b) / b, np.nan)
+
+
+def _finite(x: float) -> Optional[float]:
+    return float(x) if math.isfinite(x) else None
+
+
+def interval(replicates: np.ndarray, value: float, level: float) -> dict:
+    """``{"value", "lower", "upper"}`` of a statistic from its bootstrap replicates (percentile interval; NaN
+    replicates are dropped; undefined values become ``None``)."""
+    iv = percentile_interval(np.asarray(replicates).reshape(-1), float(value), level)
+    return {"value": _finite(iv.value), "lower": _finite(iv.lower), "upper": _finite(iv.upper)}

@@ -1,0 +1,95 @@
+"""Every analysis end to end on the tiny trained checkpoint, from its shipped config file (and one through eval.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ckv.eval import load_ckv_model, run_analysis
+from ckv.eval.joint_view import correlation
+
+from ..eval.helpers import make_run, png_ok
+from .conftest import SPEC, options
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "conf" / "eval" / "analysis"
+
+
+def _run(name: str, run: Path, out: Path, **params) -> dict:
+    config = {**yaml.safe_load((CONF / f"{name}.yaml").read_text()), **params}
+    env = run_analysis(config, load_ckv_model(run, device="cpu"), SPEC, options(out, plots=True))
+    assert (out / name / f"{name}.json").is_file()
+    return env["analysis"]["results"]
+
+
+def test_knockout_end_to_end(trained_run: Path, tmp_path: Path) -> None:
+    r = _run("knockout", trained_run, tmp_path, calibration=4)
+    assert [u["label"] for u in r["units"]] == ["L0", "L0 kv0", "L0 kv1", "L1", "L1 kv0", "L1 kv1"]
+    assert r["calibration"]["n_prompts"] == 16 and r["clean"]["headline"]["mean"] > 0.5
+    for u in r["units"]:
+        assert [p["phase"] for p in u["phases"]] == [0, 1, 2, 3]
+        assert u["effect_lower"] <= u["effect"] <= u["effect_upper"]
+    assert all(png_ok(tmp_path / "knockout" / f) for f in ("knockout_layers.png", "knockout_heads.png"))
+    assert len((tmp_path / "knockout" / "knockout.csv").read_text().splitlines()) == 1 + 6 * 4
+
+
+def test_gates_end_to_end_over_checkpoints(trained_run: Path, tmp_path: Path) -> None:
+    r = _run("gates", trained_run, tmp_path)
+    assert len(r["gates"]) == 2 * 2 * 2  # layers x branches x KV heads
+    for g in r["gates"]:
+        assert all(1 - 1e-9 <= g[k] <= 4 + 1e-9 for k in ("static", "per_window"))  # between one-hot and uniform
+        assert sum(g["profile"]) == pytest.approx(4.0)  # W times a distribution over the W offsets
+    assert [c["step"] for c in r["checkpoints"]] == [100, 200, 250]
+    assert r["checkpoints"][-1]["gates"] == r["gates"]  # the final model is the last checkpoint
+    assert png_ok(tmp_path / "gates" / "gate_profiles.png") and png_ok(tmp_path / "gates" / "gate_training.png")
+
+
+def test_gate_cycling_end_to_end(trained_run: Path, tmp_path: Path) -> None:
+    r = _run("gate_cycling", trained_run, tmp_path, deltas=[0, 1, 2, 4])
+    d0 = r["deltas"][0]
+    assert d0["identical_to_clean"] and d0["observed"] == r["clean"]["accuracy"] and d0["r2"] is None
+    assert r["deltas"][3]["identical_to_clean"]  # a shift by W is the identity
+    assert r["deltas"][1]["predicted"] == [r["clean"]["accuracy"][(p - 1) % 4] for p in range(4)]
+    assert set(r["pooled"]) == {"r2", "r2_corr"}
+    assert png_ok(tmp_path / "gate_cycling" / "gate_cycling.png")
+
+
+def test_joint_view_end_to_end(trained_run: Path, tmp_path: Path) -> None:
+    r = _run("joint", trained_run, tmp_path, calibration=4)
+    assert [(x["layer"], x["kv_head"]) for x in r["rows"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for x in r["rows"]:
+        assert len(x["knockout"]) == 4 and len(x["k_profile"]) == 4 and len(x["v_profile"]) == 4
+    assert png_ok(tmp_path / "joint" / "joint.png")
+
+
+def test_correlation_known_answers() -> None:
+    assert correlation([1.0, 2.0, 3.0], [2.0, 4.0, 6.0]) == pytest.approx(1.0)
+    assert correlation([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert correlation([1.0, None, 3.0], [1.0, 2.0, 3.0]) is None and correlation([1.0, 1.0], [1.0, 2.0]) is None
+
+
+def _eval(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args, "progress=false", "device=cpu",
+                           "stats.n_bootstrap=50", "stats.n_permutations=50", "task.modulus=4", "task.fixed_query=false",
+                           "limit=4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_eval_cli_runs_an_analysis(trained_run: Path, tmp_path: Path) -> None:
+    p = _eval(f"model.path={trained_run}", "analysis=gates", "analysis.checkpoints=[100]", f"out_dir={tmp_path}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    results = json.loads((tmp_path / "gates" / "gates.json").read_text())["analysis"]["results"]
+    assert [c["step"] for c in results["checkpoints"]] == [100]
+
+
+@pytest.mark.slow
+def test_eval_cli_says_when_an_analysis_does_not_apply(tmp_path: Path) -> None:
+    run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4, pooling="mean"))
+    p = _eval(f"model.path={run}", "analysis=gate_cycling")
+    assert p.returncode != 0 and "attention.pooling=mean" in p.stderr
