@@ -7,6 +7,7 @@ keys of its local window. ``impl`` picks the PyTorch reference (the oracle) or t
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -28,9 +29,13 @@ from ckv.norm import RMSNorm
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
-    """``auto`` -> ``triton`` on CUDA, ``torch`` elsewhere."""
+    """``auto`` -> ``triton`` on CUDA (when ckv_kernels imports), ``torch`` elsewhere. ``triton`` on a non-CUDA
+    device runs the kernels under the Triton interpreter (slow: meant for tests); it says so once, and raises
+    RuntimeError when the interpreter is not enabled (TRITON_INTERPRET=1 before ckv_kernels is imported)."""
     if impl == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if impl == "triton" and device.type != "cuda":
+        _check_interpreter(device)
     return impl
 
 
@@ -43,12 +48,33 @@ def _triton_available() -> bool:
         return False
 
 
-def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor, impl: str = "torch") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Dispatch of ``reference.pool_reference`` (see there for shapes)."""
+_interpreter_announced = False
+
+
+def _check_interpreter(device: torch.device) -> None:
+    """Allow impl='triton' off CUDA only under the Triton interpreter, and say so once per process."""
+    global _interpreter_announced
+    if not _triton_available():
+        raise RuntimeError("attention.impl='triton' needs the ckv_kernels package and triton (pip install '.[gpu]')")
+    import ckv_kernels
+
+    if not ckv_kernels.INTERPRET:
+        raise RuntimeError(
+            f"attention.impl='triton' on {device.type} runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before ckv_kernels is imported (tests do), or use impl='auto' / 'torch' off CUDA"
+        )
+    if not _interpreter_announced:
+        _interpreter_announced = True
+        warnings.warn(f"attention.impl='triton' on {device.type}: the Triton kernels run under the interpreter "
+                      "(TRITON_INTERPRET=1), which is correct but very slow", RuntimeWarning, stacklevel=3)
+
+
+def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch of ``reference.pool_reference`` (see there for shapes): returns pooled entries and weights."""
     if resolve_impl(impl, payload.device) == "triton":
         from ckv_kernels import pool as pool_triton
 
-        return pool_triton(payload, logits, present), None
+        return pool_triton(payload, logits, present)
     return pool_reference(payload, logits, present)
 
 

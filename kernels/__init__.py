@@ -1,0 +1,15 @@
+"""ckv_kernels: Triton kernels of the compressed KV path (docs/kernels.md).
+
+- ``pool``: the chunked compressor's pooling (learned scalar/vector gate or uniform mean), forward and backward;
+- ``joint_attention``: one online softmax over visible compressed entries and the exact local window, with
+  grouped-query attention, forward (with log-sum-exp) and backward.
+
+Both match ``ckv.attention.reference`` and run on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (set before
+this package is imported).
+"""
+
+from ckv_kernels._common import INTERPRET
+from ckv_kernels.attention import SUPPORTED_HEAD_DIMS, joint_attention
+from ckv_kernels.pool import pool
+
+__all__ = ["INTERPRET", "SUPPORTED_HEAD_DIMS", "joint_attention", "pool"]

@@ -1,0 +1,422 @@
+"""Joint attention over chunk-compressed entries and an exact local window: Triton kernels, launcher,
+autograd Function and public wrapper. The oracle is ``ckv.attention.reference.joint_attention_reference``.
+
+Tiling (docs/kernels.md has the full picture):
+- Rows. A tile packs ``BLOCK_Q = BLOCK_M // G_PAD`` consecutive query positions times the ``G`` query heads of
+  one KV head (``G_PAD``: G rounded up to a power of two, padded heads masked), so each K/V tile loaded serves
+  the whole GQA group. Row ``r`` is query ``i0 + r // G_PAD``, head ``kv * G + r % G_PAD``.
+- Forward / dq (``_query_kernel``, one program per row tile and (batch, KV head), heaviest tiles first): one
+  online softmax (log2 domain) runs over (a) compressed entries ``0 .. n_hi`` in ``BLOCK_N`` tiles, where
+  ``n_hi`` is the last entry visible to the tile's last query; tiles visible to every row skip masking, and
+  (b) the band of exact keys from the first row's local start to the last row's position, masked per element.
+  The forward stores the output and the log-sum-exp; the dq pass recomputes P from the saved log-sum-exp,
+  computes ``delta = rowsum(dO * O)`` itself and stores it for the dk/dv pass.
+- dk/dv (``_key_kernel``, one program per ``BLOCK_N`` keys of one source, query chunk and (batch, KV head)):
+  walks the row tiles that can see its keys (compressed: from the first query that sees the tile's first entry
+  to the end, masked only where visibility changes; local: the ``span`` queries after each key), recomputes P
+  and dP transposed and accumulates dk, dv in fp32. When there are few key tiles the compressed pass splits
+  the queries into chunks whose fp32 partial sums are added afterwards in a fixed order. Every output element
+  is written by exactly one program: no atomics, deterministic, no uninitialised memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ckv.geometry import LocalWindow, local_span, local_start
+from ckv_kernels._common import INTERPRET, autotune, check_float, check_runnable, upcast_loads
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+LOG2E = 1.4426950408889634  # log2(e); the kernels write the literal (jit globals must be constexpr)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _prune_rows(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """A row tile must hold at least one query position of the whole (padded) GQA group."""
+    g_pad = kwargs.get("G_PAD", named_args.get("G_PAD"))
+    return [c for c in configs if c.kwargs["BLOCK_M"] >= g_pad]  # both lists hold BLOCK_M = 64 >= any G_PAD
+
+
+def _cfg(m: int, n: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+
+
+# Candidates for Hopper, kept to those that compile for sm_90 (bf16, D=128) without register spills, or nearly
+# (benchmarks/kernel_resources.py); the autotuner picks per (length, group, mode, dtype). Untimed on a GPU so far.
+_QUERY_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)]
+_KEY_CONFIGS = [_cfg(64, 32, 8, 2), _cfg(32, 64, 8, 2), _cfg(32, 32, 8, 2), _cfg(16, 64, 8, 2), _cfg(32, 32, 4, 3)]
+_INTERPRETER_CONFIG = _cfg(64, 32, 4, 1)
+
+
+@triton.jit
+def _local_lo(t, stride, n_local, TAIL: tl.constexpr):
+    """First exact key position of the local window of the query at t (geometry.local_start)."""
+    if TAIL:
+        return ((t + 1) // stride) * stride
+    return t - n_local + 1
+
+
+@triton.jit
+def _visible(t, col, E, stride, k_start, n_local, COMPRESSED: tl.constexpr, TAIL: tl.constexpr):
+    """Whether column ``col`` (entry index, or exact-key index at position ``k_start + col``) is visible to the
+    query at position ``t`` (geometry.compressed_mask / local_mask); t and col broadcast."""
+    if COMPRESSED:
+        return col < tl.minimum((t + 1) // stride, E)
+    p = k_start + col
+    return (p >= _local_lo(t, stride, n_local, TAIL)) & (p <= t)
+
+
+@triton.jit
+def _rows(i0, Tq, H, kv, G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row layout of a tile starting at query index i0: query index, offset of the (query, head) row inside
+    one batch's (Tq, H) plane, and validity."""
+    r = tl.arange(0, BLOCK_M)
+    i = i0 + r // G_PAD
+    g = r % G_PAD
+    return i, i * H + kv * G + g, (i < Tq) & (g < G)
+
+
+@triton.jit
+def _load(ptrs, mask, UPCAST: tl.constexpr):
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:  # the interpreter reads bf16 as raw bits unless converted right away
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _query_step(acc, m_i, l_i, q, do, t, KEY, VAL, cols, n_cols, row_stride, E, stride, k_start, n_local, qk_scale,
+                D: tl.constexpr, MASKED: tl.constexpr, COMPRESSED: tl.constexpr, TAIL: tl.constexpr,
+                BWD: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile for a row tile. Forward: online-softmax update of (acc, m, l). Backward (BWD): m holds the
+    log-sum-exp (log2 units), l holds delta, acc accumulates dS @ K."""
+    d = tl.arange(0, D)
+    offs = cols[:, None] * row_stride + d[None, :]
+    key = _load(KEY + offs, cols[:, None] < n_cols, UPCAST)  # (BLOCK_N, D)
+    val = _load(VAL + offs, cols[:, None] < n_cols, UPCAST)
+    s = tl.dot(q, tl.trans(key)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    if MASKED:
+        s = tl.where(_visible(t[:, None], cols[None, :], E, stride, k_start, n_local, COMPRESSED, TAIL), s, float("-inf"))
+    if BWD:
+        p = tl.exp2(s - m_i[:, None])
+        ds = p * (tl.dot(do, tl.trans(val)) - l_i[:, None])
+        acc += tl.dot(ds.to(key.dtype), key)
+        m_new = m_i
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        corr = tl.exp2(m_i - m_new)
+        l_i = l_i * corr + tl.sum(p, 1)
+        acc = acc * corr[:, None] + tl.dot(p.to(val.dtype), val)
+    return acc, m_new, l_i
+
+
+@autotune(_QUERY_CONFIGS, _INTERPRETER_CONFIG, key=["Tq", "E", "D", "G_PAD", "TAIL", "BWD"], prune=_prune_rows)
+@triton.jit
+def _query_kernel(
+    Q, KC, VC, K, V, O, LSE, DO, DQ, DELTA,
+    Tq, Tk, E, KV, q_start, k_start, stride, n_local, qk_scale, sm_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, TAIL: tl.constexpr, LOCAL: tl.constexpr,
+    BWD: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Forward (O, LSE) or, with BWD, the dq pass (DQ, DELTA) for one row tile of one (batch, KV head).
+    Q, O, DO, DQ: (B, Tq, H, D); KC, VC: (B, E, KV, D); K, V: (B, Tk, KV, D); LSE, DELTA: (B, Tq, H) fp32."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
+    H = KV * G
+    tile = tl.cdiv(Tq, BLOCK_Q) - 1 - tl.program_id(0)  # the last rows see the most entries: start them first
+    b = tl.program_id(1) // KV
+    kv = tl.program_id(1) % KV
+    i0 = tile * BLOCK_Q
+    i, row, row_ok = _rows(i0, Tq, H, kv, G, G_PAD, BLOCK_M)
+    t = q_start + i
+    d = tl.arange(0, D)
+    plane = (b * Tq).to(tl.int64) * H  # first row of this batch in the (B, Tq, H) planes
+    Q, O, DO, DQ, LSE, DELTA = Q + plane * D, O + plane * D, DO + plane * D, DQ + plane * D, LSE + plane, DELTA + plane
+    q_offs = row[:, None] * D + d[None, :]  # int32 inside one batch: few registers across the loops
+    q = _load(Q + q_offs, row_ok[:, None], UPCAST)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    if BWD:
+        do = _load(DO + q_offs, row_ok[:, None], UPCAST)
+        delta = tl.sum(do.to(tl.float32) * _load(O + q_offs, row_ok[:, None], UPCAST).to(tl.float32), 1)
+        tl.store(DELTA + row, delta, mask=row_ok)
+        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        m_i = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 units; rows seeing nothing: 0
+        l_i = delta
+    else:
+        do = q  # unused in the forward
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # (a) compressed entries: tiles every row sees unmasked, then the tiles where visibility changes
+    t_first = q_start + i0
+    t_last = q_start + tl.minimum(i0 + BLOCK_Q, Tq) - 1
+    n_hi = tl.minimum((t_last + 1) // stride, E)
+    n_all = (tl.minimum((t_first + 1) // stride, E) // BLOCK_N) * BLOCK_N
+    kc_base = (b * E).to(tl.int64) * KV * D + kv * D
+    for j0 in range(0, n_all, BLOCK_N):
+        acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, KC + kc_base, VC + kc_base, j0 + tl.arange(0, BLOCK_N),
+                                    n_hi, KV * D, E, stride, k_start, n_local, qk_scale,
+                                    D, False, True, TAIL, BWD, UPCAST)
+    for j0 in range(n_all, n_hi, BLOCK_N):
+        acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, KC + kc_base, VC + kc_base, j0 + tl.arange(0, BLOCK_N),
+                                    n_hi, KV * D, E, stride, k_start, n_local, qk_scale,
+                                    D, True, True, TAIL, BWD, UPCAST)
+    # (b) the band of exact keys the tile's local windows cover
+    if LOCAL:
+        k_base = (b * Tk).to(tl.int64) * KV * D + kv * D
+        c_lo = tl.maximum(_local_lo(t_first, stride, n_local, TAIL) - k_start, 0)
+        for c0 in range(c_lo, t_last - k_start + 1, BLOCK_N):
+            acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, K + k_base, V + k_base, c0 + tl.arange(0, BLOCK_N),
+                                        Tk, KV * D, E, stride, k_start, n_local, qk_scale,
+                                        D, True, False, TAIL, BWD, UPCAST)
+
+    if BWD:
+        tl.store(DQ + q_offs, (acc * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that see nothing: acc = 0, output 0
+        tl.store(O + q_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))  # x ln 2
+        tl.store(LSE + row, lse, mask=row_ok)
+
+
+@triton.jit
+def _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride, k_start,
+              n_local, qk_scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr,
+              COMPRESSED: tl.constexpr, TAIL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One row tile's contribution to dk, dv of a key tile (everything transposed: keys x rows). Q, DO, LSE,
+    DELTA point at this batch's planes."""
+    i, row, row_ok = _rows(i0, Tq, H, kv, G, G_PAD, BLOCK_M)
+    d = tl.arange(0, D)
+    q_offs = row[:, None] * D + d[None, :]
+    q = _load(Q + q_offs, row_ok[:, None], UPCAST)  # (BLOCK_M, D); padded rows are 0 and contribute 0
+    do = _load(DO + q_offs, row_ok[:, None], UPCAST)
+    lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    p = tl.exp2(tl.dot(key, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
+    if MASKED:
+        vis = _visible(q_start + i[None, :], cols[:, None], E, stride, k_start, n_local, COMPRESSED, TAIL)
+        p = tl.where(vis & row_ok[None, :], p, 0.0)
+    dv += tl.dot(p.to(do.dtype), do)
+    ds = p * (tl.dot(val, tl.trans(do)) - delta[None, :])
+    dk += tl.dot(ds.to(q.dtype), q)
+    return dk, dv
+
+
+@autotune(_KEY_CONFIGS, _INTERPRETER_CONFIG, key=["Tq", "n_keys", "chunk", "D", "G_PAD", "TAIL", "COMPRESSED"],
+          prune=_prune_rows)
+@triton.jit
+def _key_kernel(
+    Q, KEY, VAL, DO, LSE, DELTA, DKEY, DVAL,
+    Tq, n_keys, E, KV, q_start, k_start, stride, n_local, span, chunk, split_stride, qk_scale, sm_scale,
+    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, TAIL: tl.constexpr, COMPRESSED: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dk, dv of BLOCK_N keys of one source (compressed entries, or exact keys) of one (batch, KV head), from
+    the queries of chunk ``program_id(1)`` (query indices ``[c * chunk, (c + 1) * chunk)``, chunk a multiple
+    of 128). KEY, VAL: (B, n_keys, KV, D); DKEY, DVAL: that shape, or (n_chunks, ...) partial sums at
+    ``split_stride`` elements apart; the rest as in _query_kernel."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
+    H = KV * G
+    c0 = tl.program_id(0) * BLOCK_N
+    b = tl.program_id(2) // KV
+    kv = tl.program_id(2) % KV
+    cols = c0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    base = (b * n_keys).to(tl.int64) * KV * D + kv * D  # this (batch, KV head); int32 offsets inside
+    offs = cols[:, None] * (KV * D) + d[None, :]
+    KEY, VAL = KEY + base, VAL + base
+    key = _load(KEY + offs, cols[:, None] < n_keys, UPCAST)
+    val = _load(VAL + offs, cols[:, None] < n_keys, UPCAST)
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    plane = (b * Tq).to(tl.int64) * H
+    Q, DO, LSE, DELTA = Q + plane * D, DO + plane * D, LSE + plane, DELTA + plane
+    if COMPRESSED:  # entry j is seen from position (j+1)*stride - 1 on; all of the tile from (c0+BLOCK_N)*stride - 1
+        i_lo = tl.maximum((c0 + 1) * stride - 1 - q_start, 0)
+        i_mask_end = tl.minimum(tl.maximum((c0 + BLOCK_N) * stride - 1 - q_start, 0), Tq)
+    else:  # the exact key at p is seen by queries p .. p + span - 1
+        i_lo = tl.maximum(k_start + c0 - q_start, 0)
+        i_mask_end = tl.minimum(tl.maximum(k_start + c0 + BLOCK_N - 1 + span - q_start, 0), Tq)
+    # row tiles start at multiples of BLOCK_Q (so none straddles two chunks); rows before i_lo are masked
+    chunk_lo = tl.program_id(1) * chunk
+    chunk_hi = tl.minimum(chunk_lo + chunk, Tq)
+    i_first = tl.maximum((i_lo // BLOCK_Q) * BLOCK_Q, chunk_lo)
+    i_mid = tl.maximum(tl.cdiv(i_mask_end, BLOCK_Q) * BLOCK_Q, i_first)
+    for i0 in range(i_first, tl.minimum(i_mid, chunk_hi), BLOCK_Q):
+        dk, dv = _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride,
+                           k_start, n_local, qk_scale, G, G_PAD, D, True, COMPRESSED, TAIL, UPCAST, BLOCK_M)
+    if COMPRESSED:
+        for i0 in range(i_mid, chunk_hi, BLOCK_Q):
+            dk, dv = _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride,
+                               k_start, n_local, qk_scale, G, G_PAD, D, False, COMPRESSED, TAIL, UPCAST, BLOCK_M)
+    out = base + tl.program_id(1).to(tl.int64) * split_stride
+    tl.store(DKEY + out + offs, (dk * sm_scale).to(DKEY.dtype.element_ty), mask=cols[:, None] < n_keys)
+    tl.store(DVAL + out + offs, dv.to(DVAL.dtype.element_ty), mask=cols[:, None] < n_keys)
+
+
+def _first_needed_key(q_start: int, Tq: int, local_window: LocalWindow, stride: int) -> Optional[int]:
+    """Earliest exact-key position any query's local window holds, or None when no window holds a key.
+    Window starts never decrease with the query position, and at most one window in a row is empty."""
+    if local_span(local_window, stride) == 0:
+        return None
+    for t in range(q_start, min(q_start + 2, q_start + Tq)):
+        lo = max(int(local_start(t, local_window, stride)), 0)
+        if lo <= t:
+            return lo
+    return None
+
+
+def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  stride: int, local_window: LocalWindow, q_start: int) -> None:
+    """Raise a clear error on any input the kernels do not support."""
+    for name, t in (("q", q), ("kc", kc), ("vc", vc), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-d (B, T, heads, head_dim), got shape {tuple(t.shape)}")
+        check_float(name, t, q.dtype)
+    B, Tq, H, D = q.shape
+    if kc.shape != vc.shape or k.shape != v.shape:
+        raise ValueError(f"kc {tuple(kc.shape)} must match vc {tuple(vc.shape)}, k {tuple(k.shape)} must match v {tuple(v.shape)}")
+    KV = kc.shape[2]
+    if kc.shape[0] != B or k.shape[0] != B or k.shape[2] != KV or kc.shape[3] != D or k.shape[3] != D:
+        raise ValueError(f"inconsistent shapes: q {tuple(q.shape)}, kc {tuple(kc.shape)}, k {tuple(k.shape)} "
+                         "(expected (B, Tq, H, D), (B, E, KV, D), (B, Tk, KV, D))")
+    if H % KV:
+        raise ValueError(f"query heads H={H} must be a multiple of KV heads {KV}")
+    if triton.next_power_of_2(H // KV) > 64:
+        raise ValueError(f"GQA group H/KV={H // KV} is larger than the supported 64")
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim={D} is not supported by the Triton kernels; supported: {SUPPORTED_HEAD_DIMS}")
+    if not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"stride={stride!r} must be an integer >= 1")
+    if local_window != "tail" and (not isinstance(local_window, int) or local_window < 0):
+        raise ValueError(f"local_window={local_window!r} must be an integer >= 0 or 'tail'")
+    if q_start < 0:
+        raise ValueError(f"q_start={q_start} must be >= 0")
+    k_start = q_start + Tq - k.shape[1]
+    if k_start < 0:
+        raise ValueError(f"{k.shape[1]} exact keys end at position {q_start + Tq - 1}, so they would start before 0")
+    first = _first_needed_key(q_start, Tq, local_window, stride)
+    if first is not None and first < k_start:
+        raise ValueError(f"exact keys start at position {k_start}, but a local window reaches back to {first}")
+    check_runnable(q, kc, vc, k, v)
+
+
+class _Problem:
+    """Sizes and geometry of one call, turned into kernel arguments once."""
+
+    def __init__(self, q: torch.Tensor, kc: torch.Tensor, k: torch.Tensor, stride: int, local_window: LocalWindow,
+                 q_start: int, scale: Optional[float]) -> None:
+        self.B, self.Tq, H, self.D = q.shape
+        self.E, self.KV, self.Tk = kc.shape[1], kc.shape[2], k.shape[1]
+        self.G = H // self.KV
+        self.g_pad = triton.next_power_of_2(self.G)
+        self.stride, self.q_start = stride, q_start
+        self.k_start = q_start + self.Tq - self.Tk
+        self.tail = local_window == "tail"
+        self.n_local = 0 if self.tail else int(local_window)
+        self.span = local_span(local_window, stride)
+        self.sm_scale = self.D**-0.5 if scale is None else float(scale)
+        self.upcast = upcast_loads(q.dtype)
+
+    def query_grid(self, meta: dict) -> tuple[int, int]:
+        return triton.cdiv(self.Tq, meta["BLOCK_M"] // self.g_pad), self.B * self.KV
+
+    def key_chunk(self, n_keys: int, device: torch.device) -> int:
+        """Queries per program of the compressed dk/dv pass (a multiple of 128). With few key tiles (short
+        compressed axis, few KV heads) the queries are split over up to 16 programs per tile so the GPU fills
+        up; their fp32 partial sums are added in a fixed order (deterministic). The interpreter splits long
+        inputs too, so that tests cover the path."""
+        tiles = triton.cdiv(n_keys, 64) * self.B * self.KV
+        wanted = 4 if INTERPRET else triton.cdiv(2 * _multiprocessors(device), tiles)
+        n = max(1, min(wanted, 16, triton.cdiv(self.Tq, 128)))
+        return triton.cdiv(triton.cdiv(self.Tq, n), 128) * 128
+
+    def run_query(self, q, kc, vc, k, v, o, lse, do, dq, delta, bwd: bool) -> None:
+        _query_kernel[self.query_grid](
+            q, kc, vc, k, v, o, lse, do, dq, delta,
+            self.Tq, self.Tk, self.E, self.KV, self.q_start, self.k_start, self.stride, self.n_local,
+            self.sm_scale * LOG2E, self.sm_scale,
+            G=self.G, G_PAD=self.g_pad, D=self.D, TAIL=self.tail, LOCAL=self.span > 0, BWD=bwd, UPCAST=self.upcast)
+
+    def run_key(self, q, key, val, do, lse, delta, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """dk, dv of one source (compressed entries or exact keys)."""
+        n_keys = key.shape[1]
+        chunk = self.key_chunk(n_keys, q.device) if compressed else triton.cdiv(self.Tq, 128) * 128
+        n_chunks = triton.cdiv(self.Tq, chunk)
+        if n_chunks == 1:
+            dkey, dval, split_stride = torch.empty_like(key), torch.empty_like(val), 0
+        else:  # fp32 partial sums, one slice per chunk, every element written
+            dkey = key.new_empty((n_chunks, *key.shape), dtype=torch.float32)
+            dval, split_stride = torch.empty_like(dkey), key.numel()
+        _key_kernel[lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), n_chunks, self.B * self.KV)](
+            q, key, val, do, lse, delta, dkey, dval,
+            self.Tq, n_keys, self.E, self.KV, self.q_start, self.k_start, self.stride, self.n_local, self.span,
+            chunk, split_stride, self.sm_scale * LOG2E, self.sm_scale,
+            G=self.G, G_PAD=self.g_pad, D=self.D, TAIL=self.tail, COMPRESSED=compressed, UPCAST=self.upcast)
+        if n_chunks > 1:
+            dkey, dval = dkey.sum(0).to(key.dtype), dval.sum(0).to(val.dtype)
+        return dkey, dval
+
+
+class JointAttentionFunction(torch.autograd.Function):
+    """Autograd for the joint-attention kernels. Saves the inputs, the output and the log-sum-exp; the backward
+    recomputes P. The log-sum-exp output is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, kc, vc, k, v, prob: _Problem):
+        o = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # (B, Tq, H)
+        if prob.Tq:
+            prob.run_query(q, kc, vc, k, v, o, lse, o, o, lse, bwd=False)  # DO, DQ, DELTA unused
+        ctx.save_for_backward(q, kc, vc, k, v, o, lse)
+        ctx.prob = prob
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, kc, vc, k, v, o, lse = ctx.saved_tensors
+        prob: _Problem = ctx.prob
+        do = do.contiguous()
+        if prob.Tq == 0:
+            return tuple(torch.zeros_like(t) for t in (q, kc, vc, k, v)) + (None,)
+        dq, delta = torch.empty_like(q), torch.empty_like(lse)
+        prob.run_query(q, kc, vc, k, v, o, lse, do, dq, delta, bwd=True)  # dq, and delta for the key pass
+        dkc, dvc = prob.run_key(q, kc, vc, do, lse, delta, compressed=True) if prob.E else (torch.zeros_like(kc), torch.zeros_like(vc))
+        if prob.span and prob.Tk:
+            dk, dv = prob.run_key(q, k, v, do, lse, delta, compressed=False)
+        else:  # no local window: exact keys get no gradient
+            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        return dq, dkc, dvc, dk, dv, None
+
+
+def joint_attention(
+    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    stride: int, local_window: LocalWindow, q_start: int = 0, scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over visible compressed entries and the exact keys of each query's local window (Triton;
+    same contract as ``ckv.attention.reference.joint_attention_reference``).
+
+    q: (B, Tq, H, D) at positions ``q_start .. q_start+Tq-1``; kc, vc: (B, E, KV, D) compressed entries
+    ``0..E-1`` (entry j visible from position ``(j+1)*stride - 1``); k, v: (B, Tk, KV, D) exact keys at
+    positions ``q_start+Tq-Tk ..``; ``local_window``: N recent tokens (0 = none) or ``"tail"``. H % KV == 0 with
+    H/KV <= 64; D in SUPPORTED_HEAD_DIMS; all inputs fp32, fp16 or bf16 (one dtype), accumulation in fp32.
+    Returns out (B, Tq, H, D) in q's dtype (0 where a query sees nothing) and the log-sum-exp (B, Tq, H) fp32
+    (-inf there). Differentiable in q, kc, vc, k, v.
+    """
+    _check_inputs(q, kc, vc, k, v, stride, local_window, q_start)
+    prob = _Problem(q, kc, k, stride, local_window, q_start, scale)
+    q, kc, vc, k, v = (t.contiguous() for t in (q, kc, vc, k, v))
+    return JointAttentionFunction.apply(q, kc, vc, k, v, prob)
+

@@ -1,0 +1,45 @@
+"""Builders and error measures shared by the kernel tests."""
+
+from __future__ import annotations
+
+import torch
+
+import ckv_kernels
+from ckv.geometry import num_entries
+
+# CUDA when the kernels are compiled for it (TRITON_INTERPRET=0 on a GPU machine), else the interpreter on CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not ckv_kernels.INTERPRET else "cpu")
+
+
+def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS of the error over RMS of the reference (0 when both are 0)."""
+    x, ref = x.double(), ref.double()
+    err = (x - ref).pow(2).mean().sqrt().item()
+    scale = ref.pow(2).mean().sqrt().item()
+    return err / scale if scale > 0 else err
+
+
+def rel_max(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest absolute error over the largest absolute reference value (0 when both are 0)."""
+    x, ref = x.double(), ref.double()
+    err = (x - ref).abs().max().item() if x.numel() else 0.0
+    scale = ref.abs().max().item() if ref.numel() else 0.0
+    return err / scale if scale > 0 else err
+
+
+def attention_inputs(B: int, Tq: int, H: int, KV: int, D: int, *, stride: int, q_start: int = 0,
+                     extra_entries: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Leaf tensors q (B, Tq, H, D), kc, vc (B, E, KV, D), k, v (B, q_start + Tq, KV, D): every exact key from
+    position 0, and ``extra_entries`` entries beyond those the last query can see."""
+    E = num_entries(q_start + Tq, stride) + extra_entries
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_()
+
+    return [leaf(B, Tq, H, D), leaf(B, E, KV, D), leaf(B, E, KV, D), leaf(B, q_start + Tq, KV, D),
+            leaf(B, q_start + Tq, KV, D)]
+
+
+def fp32_leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The same values in fp32 as fresh leaves (the reference runs on them)."""
+    return [t.detach().float().requires_grad_() for t in tensors]

@@ -1,0 +1,88 @@
+"""The compressed backend's ``impl`` switch: dispatch rules, and the whole model's loss and gradients equal
+between ``impl=torch`` (the reference) and ``impl=triton`` (the kernels)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ckv_kernels
+from ckv import ModelConfig, Transformer
+from ckv.attention import compressed
+from ckv.attention.reference import pool_reference
+from ckv.geometry import window_positions
+
+from .helpers import DEVICE, rel_rms
+
+
+def model_config(impl: str, **attention) -> ModelConfig:
+    att = {**dict(kind="compressed", impl=impl, window=8, stride=8, kv_heads=1, local_window=16), **attention}
+    return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=64,
+                       max_seq_len=128, attention=att)
+
+
+def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    names, params = zip(*model.named_parameters())
+    return loss, dict(zip(names, torch.autograd.grad(loss, params)))
+
+
+# fp32 model; the kernels and the reference differ by summation order only. Loss: relative difference < 1e-6;
+# every parameter's gradient: relative RMS < 1e-4.
+@pytest.mark.parametrize("attention", [
+    dict(),  # paper default: W8/S8, 1 KV head (GQA 4), scalar gate, separate K/V, 16-token local window
+    dict(window=8, stride=4, gate="vector", kv="tied", kv_heads=2, local_window="tail"),
+    dict(window=12, stride=8, pooling="mean", kv_heads=4, local_window=0),  # W not a multiple of S, no GQA
+])
+def test_model_loss_and_gradients_match_between_impls(attention):
+    torch.manual_seed(0)
+    reference = Transformer(model_config("torch", **attention)).to(DEVICE)
+    kernels = Transformer(model_config("triton", **attention)).to(DEVICE)
+    kernels.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 64, (2, 46), device=DEVICE)
+    loss_ref, grads_ref = loss_and_grads(reference, ids)
+    loss_k, grads_k = loss_and_grads(kernels, ids)
+    assert abs(loss_k.item() - loss_ref.item()) <= 1e-6 * abs(loss_ref.item())
+    for name, g in grads_ref.items():
+        assert rel_rms(grads_k[name], g) < 1e-4, name
+
+
+def test_decoding_with_kernels_matches_the_full_forward():
+    """Cache continuation (q_start > 0, exact keys trimmed to the local window) through the kernels."""
+    torch.manual_seed(0)
+    model = Transformer(model_config("triton", window=8, stride=4)).to(DEVICE).eval()
+    ids = torch.randint(0, 64, (1, 30), device=DEVICE)
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(1)
+        steps = [model(ids[:, :21], cache)] + [model(ids[:, t:t + 1], cache) for t in range(21, 30)]
+    assert rel_rms(torch.cat(steps, dim=1), full) < 1e-5
+
+
+def test_auto_takes_the_reference_off_cuda_and_triton_on_cuda():
+    assert compressed.resolve_impl("auto", torch.device("cpu")) == "torch"
+    assert compressed.resolve_impl("torch", torch.device("cpu")) == "torch"
+    assert compressed.resolve_impl("auto", torch.device("cuda")) == "triton"
+
+
+@pytest.mark.skipif(not ckv_kernels.INTERPRET, reason="the interpreter is off (GPU run)")
+def test_triton_on_cpu_says_it_runs_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(compressed, "_interpreter_announced", False)
+    with pytest.warns(RuntimeWarning, match="interpreter"):
+        assert compressed.resolve_impl("triton", torch.device("cpu")) == "triton"
+    monkeypatch.setattr(ckv_kernels, "INTERPRET", False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        compressed.resolve_impl("triton", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("logit_dim", [None, 1, 16])
+def test_pool_dispatch_returns_the_reference_weights(logit_dim):
+    _, present = window_positions(0, 6, 8, 4, device=DEVICE)
+    payload = torch.randn(2, 6, 8, 2, 16, device=DEVICE)
+    logits = None if logit_dim is None else torch.randn(2, 6, 8, 2, logit_dim, device=DEVICE)
+    pooled, alpha = compressed.pool(payload, logits, present, impl="triton")
+    ref_pooled, ref_alpha = pool_reference(payload, logits, present)
+    assert alpha.shape == ref_alpha.shape
+    assert rel_rms(pooled, ref_pooled) < 1e-5 and rel_rms(alpha, ref_alpha) < 1e-5
