@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install test test-all test-slow demo clean
+.PHONY: install test test-all test-slow demo demo-grid smoke clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,7 +30,13 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-demo: $(STAMP)  ## what exists end to end on a CPU (see README)
+demo: $(STAMP)  ## periodic weak spots on a CPU, with a full-attention control (~20 min on 2 cores; README)
+	$(BIN)/python -m ckv.demo --out outputs/demo
+
+demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 models, about 1.5 hours on 2 cores
+	$(BIN)/python -m ckv.demo --grid --out outputs/demo-grid
+
+smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)
 	$(BIN)/python -m ckv.smoke
 
 clean:

@@ -79,6 +79,7 @@ def summarize(
     if not runs:
         raise FileNotFoundError("no runs to summarize (a run folder holds config.yaml and model/ or checkpoints/)")
     items: list[tuple[str, dict]] = []
+    found: list[Path] = []
     missing: list[str] = []
     for run in runs:
         path = results_file(run, task_name)
@@ -91,6 +92,9 @@ def summarize(
         if results["results"].get("task") != "lookup":
             raise ValueError(f"{path} holds a {results['results'].get('task')!r} task; summaries need a lookup task")
         items.append((run_label(results, run), results))
+        found.append(run)
+    if len({label for label, _ in items}) < len(items):  # jobs of different sweeps share names like "seed=0"
+        items = [(f"{run.parent.name}/{label}", results) for run, (label, results) in zip(found, items)]
     if not items:
         raise FileNotFoundError(f"none of the {len(runs)} runs has {task_name} results: {missing[:5]}")
     rows = [summary_row(label, r) for label, r in items]

@@ -1,0 +1,226 @@
+"""``make demo``: periodic weak spots on a CPU, measured, next to a full-attention control that has learned.
+
+The demo only drives ``train.py`` and ``eval.py`` with shipped configs (``conf/experiment/demo_*.yaml``,
+``conf/eval/task/demo_lookup.yaml``): it trains every model (two at a time on two cores), evaluates each on the
+position-matched lookup task, writes the side-by-side comparison through ``eval.py summary=...``, then prints one
+table and checks the science it claims (``CRITERIA``), writing everything under ``outputs/demo/``.
+
+    python -m ckv.demo                 # the full demo (about 20 minutes on 2 cores)
+    python -m ckv.demo --quick         # a few steps per model: checks the pipeline, not the science
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from ckv.eval.results import read_json, write_json
+from ckv.train.run import CONFIG_FILE
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py, eval.py and conf/ live here
+TASK = "demo_lookup"
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """One model of the demo: an experiment config, a seed, its role in the checks, and extra overrides."""
+
+    experiment: str
+    seed: int
+    role: str  # "gate" (the main compressed model), "geometry" (a second stride), "control" (full attention), "grid"
+    train_overrides: tuple[str, ...] = ()
+    eval_overrides: tuple[str, ...] = ()
+    name: str = ""  # the run folder's name under <out>/runs (default: the experiment)
+
+    @property
+    def label(self) -> str:
+        return f"{(self.name or self.experiment).removeprefix('demo_')}/seed={self.seed}"
+
+
+PLAN = (
+    DemoRun("demo_gate_s4", 0, "gate"),
+    DemoRun("demo_gate_s4", 1, "gate"),
+    DemoRun("demo_gate_s2", 0, "geometry"),
+    # the control has no stride: group its targets by the gate models' phase (mod 4) so the two are comparable
+    DemoRun("demo_full", 0, "control", eval_overrides=("task.stride=4",)),
+)
+
+# make demo-grid: strides 2/4/8, W = S and W = 2S, learned gate vs uniform mean (12 models)
+GRID = tuple(
+    DemoRun("demo_gate_s4", 0, "grid", (f"attention.window={w}", f"attention.stride={s}", f"attention.pooling={p}"),
+            name=f"grid_{p}_w{w}s{s}")
+    for p in ("gate", "mean") for s in (2, 4, 8) for w in (s, 2 * s)
+)
+
+QUICK_TRAIN = ("trainer.max_steps=12", "trainer.val_every=0", "trainer.save_every=0", "trainer.log_every=4",
+               "optim.warmup_steps=2")
+QUICK_EVAL = ("task.n_base=64", "stats.n_bootstrap=200", "stats.n_permutations=200")
+
+
+@dataclass
+class Check:
+    """One claim of the demo and whether the run's numbers support it."""
+
+    claim: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class Timer:
+    start: float = field(default_factory=time.monotonic)
+
+    def __str__(self) -> str:
+        s = int(time.monotonic() - self.start)
+        return f"{s // 60:d}:{s % 60:02d}"
+
+
+def _run(cmd: list[str], log: Path, env: dict) -> None:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}")
+
+
+def run_dir(out: Path, run: DemoRun) -> Path:
+    """The run folder the demo gives ``train.py`` (``hydra.run.dir``): ``<out>/runs/<experiment>/seed=<seed>``."""
+    return out / "runs" / (run.name or run.experiment) / f"seed={run.seed}"
+
+
+def train_and_evaluate(run: DemoRun, out: Path, quick: bool, env: dict, clock: Timer) -> dict:
+    """Train one demo model with ``train.py`` (resuming if its folder exists), then evaluate it with ``eval.py``."""
+    py = sys.executable
+    t0 = time.monotonic()
+    rdir = run_dir(out, run)
+    train_cmd = [py, "train.py", f"experiment={run.experiment}", f"seed={run.seed}", f"hydra.run.dir='{rdir}'",
+                 "trainer.progress=false", "wandb.enabled=false", *run.train_overrides, *(QUICK_TRAIN if quick else ())]
+    _run(train_cmd, out / "logs" / f"train_{run.name or run.experiment}_seed{run.seed}.log", env)
+    train_s = time.monotonic() - t0
+    eval_cmd = [py, "eval.py", f"model.path='{rdir}'", f"task={TASK}", "progress=false", *run.eval_overrides,
+                *(QUICK_EVAL if quick else ())]
+    _run(eval_cmd, out / "logs" / f"eval_{run.name or run.experiment}_seed{run.seed}.log", env)
+    steps = yaml.safe_load((rdir / CONFIG_FILE).read_text())["trainer"]["max_steps"]
+    print(f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
+          flush=True)
+    return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps}
+
+
+def _headline(rdir: Path) -> dict:
+    return read_json(rdir / "eval" / TASK / "results.json")["results"]
+
+
+def check_science(done: list[dict]) -> list[Check]:
+    """The claims of issue #7, each against the measured numbers."""
+    checks: list[Check] = []
+    by_role: dict[str, list[tuple[DemoRun, dict]]] = {}
+    for d in done:
+        by_role.setdefault(d["run"].role, []).append((d["run"], _headline(d["dir"])))
+    gate_means = []
+    for run, rep in by_role.get("gate", []):
+        h = rep["headline"]
+        gate_means.append(h["mean"])
+        ok = h["phase_gap"] >= 0.20 and h["phase_gap_lower"] > h["phase_noise_floor"]
+        checks.append(Check(f"{run.label}: phase gap >= 20 pp, interval above the noise floor", ok,
+                            f"gap {100 * h['phase_gap']:.1f} pp [{100 * h['phase_gap_lower']:.1f}, "
+                            f"{100 * h['phase_gap_upper']:.1f}], noise floor {100 * h['phase_noise_floor']:.1f} pp"))
+    for run, rep in by_role.get("geometry", []):
+        h = rep["headline"]
+        ok = h["dominant_period"] == rep["stride"]
+        checks.append(Check(f"{run.label}: dominant period equals the stride ({rep['stride']})", ok,
+                            f"dominant period {h['dominant_period']}, periodicity score "
+                            f"{h['periodicity_score'] if h['periodicity_score'] is None else round(h['periodicity_score'], 3)}"))
+    for run, rep in by_role.get("control", []):
+        h = rep["headline"]
+        best_gate = max(gate_means) if gate_means else 0.0
+        ok_mean = h["mean"] >= 0.40 and h["mean"] >= best_gate - 0.15
+        checks.append(Check(f"{run.label}: full attention has learned (mean >= 40% and >= gate mean - 15 pp)", ok_mean,
+                            f"mean {100 * h['mean']:.1f}% vs best gate mean {100 * best_gate:.1f}%"))
+        checks.append(Check(f"{run.label}: no significant phase dependence (permutation p > 0.05)",
+                            h["phase_p_value"] > 0.05,
+                            f"p = {h['phase_p_value']:.3f}, gap {100 * h['phase_gap']:.1f} pp, "
+                            f"noise floor {100 * h['phase_noise_floor']:.1f} pp"))
+    return checks
+
+
+def table(done: list[dict]) -> str:
+    """The printed table: mean, per-phase accuracy, gap with interval, permutation p and noise floor."""
+    lines = [f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
+             f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'period':>6s}"]
+    for d in done:
+        rep = _headline(d["dir"])
+        h, groups = rep["headline"], rep["phase"]["groups"]
+        per = " / ".join(f"{100 * g['accuracy']:.1f}" for g in groups) + f"  (S={rep['stride']})"
+        gap = f"{100 * h['phase_gap']:.1f} [{100 * h['phase_gap_lower']:.1f}, {100 * h['phase_gap_upper']:.1f}]"
+        lines.append(f"{d['run'].label:22s} {d['steps']:6d} {d['train_seconds']:8.0f} {100 * h['mean']:7.1f}"
+                     f"  {per:44s} {gap:>20s} {h['phase_p_value']:7.4f}"
+                     f" {100 * h['phase_noise_floor']:8.1f} {str(h['dominant_period']):>6s}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="models trained at once")
+    ap.add_argument("--quick", action="store_true", help="a few steps per model: pipeline check only")
+    ap.add_argument("--grid", action="store_true", help="the stride x window x pooling grid (make demo-grid)")
+    args = ap.parse_args(argv)
+    plan = GRID if args.grid else PLAN
+    out = Path(args.out).resolve()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    clock = Timer()
+    print(f"ckv demo{' grid' if args.grid else ''} -> {out}: {len(plan)} models, {args.workers} at a time"
+          f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
+    # the control trains longest: start it first so the two workers finish together
+    order = sorted(plan, key=lambda r: r.role != "control")
+    with ThreadPoolExecutor(max_workers=args.workers) as pool:
+        futures = {pool.submit(train_and_evaluate, r, out, args.quick, env, clock): r for r in order}
+        results = {}
+        for fut in as_completed(futures):  # the first failure stops the demo; queued models never start
+            if fut.exception() is not None:
+                for f in futures:
+                    f.cancel()
+                raise fut.exception()
+            results[futures[fut]] = fut.result()
+    done = [results[r] for r in plan]
+    runs = ",".join(f"'{d['dir']}'" for d in done)  # quoted: run folder names hold '='
+    _run([sys.executable, "eval.py", f"summary=[{runs}]", f"task={TASK}", f"summary_out={out}", "progress=false"],
+         out / "logs" / "summary.log", env)
+    checks = check_science(done)
+    print("\n" + table(done) + "\n")
+    for c in checks:
+        print(f"  [{'PASS' if c.passed else 'FAIL'}] {c.claim}: {c.detail}")
+    verdict = bool(checks) and all(c.passed for c in checks)
+    if args.quick:
+        print("quick mode: the thresholds above need the full budget; only the pipeline was checked")
+    plots = {"phases": out / "comparison_phases.png", "residues": out / "comparison_residues.png",
+             "grid": out / "summary_grid.png"}
+    write_json(out / "demo.json", {
+        "quick": args.quick, "grid": args.grid, "seconds": time.monotonic() - clock.start,
+        "all_passed": verdict, "checks": [c.__dict__ for c in checks],
+        "runs": [{"label": d["run"].label, "role": d["run"].role, "dir": str(d["dir"]), "steps": d["steps"],
+                  "train_seconds": d["train_seconds"], "results": str(d["dir"] / "eval" / TASK / "results.json")}
+                 for d in done],
+        "plots": {k: str(v) for k, v in plots.items()},
+    })
+    print(f"[{clock}] plots: {', '.join(str(p) for p in plots.values())}; table: {out / 'summary.csv'}; "
+          f"record: {out / 'demo.json'}")
+    if checks:
+        print("the science holds in this run" if verdict else "NOT every claim holds in this run: see FAIL lines above")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

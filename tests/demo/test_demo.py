@@ -1,0 +1,41 @@
+"""CI's end-to-end smoke run of `make demo`: a few steps per model, so only the pipeline is checked (the science
+thresholds need the full budget: see README and docs/demo.md)."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckv.demo import PLAN, ROOT, TASK
+
+
+@pytest.mark.smoke
+def test_quick_demo_writes_well_formed_outputs(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "ckv.demo", "--quick", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "quick mode" in proc.stdout and "per-phase accuracy" in proc.stdout
+
+    demo = json.loads((out / "demo.json").read_text())
+    assert demo["quick"] is True
+    assert [r["label"] for r in demo["runs"]] == [r.label for r in PLAN]
+    roles = [c["claim"] for c in demo["checks"]]
+    assert len(roles) == 5 and all(isinstance(c["passed"], bool) and c["detail"] for c in demo["checks"])
+    for run in demo["runs"]:
+        res = json.loads(Path(run["results"]).read_text())["results"]
+        assert res["name"] == TASK and res["modulus"] == 8
+        groups = res["phase"]["groups"]
+        assert len(groups) == res["stride"] and sum(g["n"] for g in groups) == res["n_prompts"]
+        h = res["headline"]
+        assert 0.0 <= h["phase_gap_lower"] <= h["phase_gap"] <= h["phase_gap_upper"] <= 1.0
+        assert 0.0 <= h["phase_p_value"] <= 1.0
+        assert (Path(run["dir"]) / "model" / "model.safetensors").is_file()
+    with open(out / "summary.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(PLAN)
+    for png in demo["plots"].values():  # phases, residues and the grid summary
+        data = Path(png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
