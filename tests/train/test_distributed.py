@@ -22,7 +22,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_processes_match_one(make_config, stage: int) -> None:
+@pytest.mark.parametrize("stage", [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+def test_two_processes_save_resume_and_match_one(make_config, stage: int) -> None:
     sections = dict(trainer={"max_steps": 6, "save_every": 2}, deepspeed={"zero_optimization": {"stage": stage}})
     two = make_config("two", **sections)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
@@ -42,13 +43,3 @@ def _two_processes_match_one(make_config, stage: int) -> None:
     w1 = load_file(str(Path(one.run_dir) / "model" / "model.safetensors"))
     w2 = load_file(str(Path(two.run_dir) / "model" / "model.safetensors"))
     assert all(torch.allclose(w1[k], w2[k], atol=1e-4) for k in w1)  # Adam amplifies rounding a little
-
-
-def test_zero1_two_processes(make_config):
-    _two_processes_match_one(make_config, stage=1)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero2_zero3_two_processes(make_config, stage):
-    _two_processes_match_one(make_config, stage=stage)
