@@ -21,7 +21,7 @@ PathLike = Union[str, os.PathLike]
 
 
 def _aliases(model: Transformer) -> set[str]:
-    """Names of parameters that another name already holds (tied embeddings, a norm shared by two modules)."""
+    """Names of parameters that another name already holds (tied embeddings)."""
     return {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
 
 

@@ -99,7 +99,7 @@ class Compressor(nn.Module):
     cycling is ``torch.roll(..., dims=0)``.
     """
 
-    def __init__(self, config: ModelConfig, norm: Optional[nn.Module] = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         a = config.attention
         d, W = config.d_model, a.window
@@ -111,7 +111,6 @@ class Compressor(nn.Module):
         self.payload = nn.Parameter(torch.empty(*lead, d, out))  # C_i: (W, d, KV*D) or C: (d, KV*D)
         self.gate_weight = nn.Parameter(torch.empty(*lead, d, self.gate_dim)) if a.pooling == "gate" else None
         self.gate_bias = nn.Parameter(torch.zeros(W, self.gate_dim)) if a.pooling == "gate" and a.gate_bias else None
-        self.norm = norm  # RMSNorm applied to each token's payload before pooling ("pre"), or None
         self.record_gates = False  # analyses set this to keep the last weights in ``last_alpha``
         self.last_alpha: Optional[torch.Tensor] = None
 
@@ -120,13 +119,15 @@ class Compressor(nn.Module):
             return torch.einsum("bewd,wdo->bewo", hw, weight)
         return hw @ weight
 
-    def forward(self, hw: torch.Tensor, present: torch.Tensor, impl: str = "torch") -> torch.Tensor:
-        """hw: (B, E, W, d) hidden states of each entry's window (zeros where absent); present: (E, W).
+    def forward(self, hw: torch.Tensor, present: torch.Tensor, impl: str = "torch",
+                norm: Optional[nn.Module] = None) -> torch.Tensor:
+        """hw: (B, E, W, d) hidden states of each entry's window (zeros where absent); present: (E, W); ``norm``
+        (the layer's compressed-key RMSNorm in "pre" mode) is applied to each token's payload before pooling.
         Returns the pooled payload (B, E, KV, D)."""
         B, E, W, _ = hw.shape
         payload = self._map(hw, self.payload).view(B, E, W, self.kv_heads, self.head_dim)
-        if self.norm is not None:
-            payload = self.norm(payload)
+        if norm is not None:
+            payload = norm(payload)
         logits = None
         if self.gate_weight is not None:
             logits = self._map(hw, self.gate_weight)  # (B, E, W, G)
@@ -161,11 +162,9 @@ class CompressedAttention(AttentionBackend):
         a = config.attention
         self.window, self.stride, self.local_window = a.window, a.stride, a.local_window
         self.impl, self.entry_rope = a.impl, a.entry_rope_position
-        normed = a.qk_norm
-        self.ck_norm = RMSNorm(config.head_dim, config.norm_eps) if normed else None
-        pre = self.ck_norm if a.compressed_norm == "pre" else None
-        self.post_norm = self.ck_norm if a.compressed_norm == "post" else None
-        self.k_compressor = Compressor(config, norm=pre)
+        self.ck_norm = RMSNorm(config.head_dim, config.norm_eps) if a.qk_norm else None  # compressed keys
+        self.norm_before_pooling = a.compressed_norm == "pre"
+        self.k_compressor = Compressor(config)
         self.v_compressor = None if a.tied_kv else Compressor(config)
 
     def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,9 +175,9 @@ class CompressedAttention(AttentionBackend):
         if bool((present & (idx < 0)).any()):
             raise ValueError("hidden states do not reach back to the start of a window being pooled")
         hw = h[:, idx.clamp(min=0)] * present[None, :, :, None].to(h.dtype)  # (B, n, W, d)
-        kc = self.k_compressor(hw, present, impl=self.impl)
-        if self.post_norm is not None:
-            kc = self.post_norm(kc)
+        kc = self.k_compressor(hw, present, impl=self.impl, norm=self.ck_norm if self.norm_before_pooling else None)
+        if self.ck_norm is not None and not self.norm_before_pooling:
+            kc = self.ck_norm(kc)
         j = torch.arange(first, first + n, device=h.device)
         kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope))
         vc = kc if self.v_compressor is None else self.v_compressor(hw, present, impl=self.impl)
