@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from ckv.geometry import ENTRY_ROPE_POSITIONS
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -25,15 +27,16 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
 
-def _choice(owner: str, name: str, value: Any) -> None:
-    allowed = _CHOICES[name]
+def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    """Raise ConfigError naming ``field`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
-        raise ConfigError(f"{owner}.{name}={value!r} is not allowed; choose one of {list(allowed)}")
+        raise ConfigError(f"{field}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
-def _positive(owner: str, name: str, value: Any, minimum: int = 1) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{owner}.{name}={value!r} must be an integer >= {minimum}")
+def check_int(field: str, value: Any, minimum: int = 1) -> None:
+    """Raise ConfigError naming ``field`` unless ``value`` is an integer (not a bool) >= ``minimum``."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{field}={value!r} must be an integer >= {minimum}")
 
 
 @dataclass
@@ -68,16 +71,16 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         o = "attention"
         for name in ("kind", "impl", "rope", "pooling", "gate", "offset_maps", "kv", "compressed_norm", "entry_rope_position"):
-            _choice(o, name, getattr(self, name))
+            check_choice(f"{o}.{name}", getattr(self, name), _CHOICES[name])
         for name in ("qk_norm", "gate_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{o}.{name}={getattr(self, name)!r} must be true or false")
-        _positive(o, "stride", self.stride)
-        _positive(o, "window", self.window)
+        check_int(f"{o}.stride", self.stride)
+        check_int(f"{o}.window", self.window)
         if self.window < self.stride:
             raise ConfigError(f"{o}.window={self.window} must be >= attention.stride={self.stride}")
         if self.kv_heads is not None:
-            _positive(o, "kv_heads", self.kv_heads)
+            check_int(f"{o}.kv_heads", self.kv_heads)
         if isinstance(self.local_window, str):
             if self.local_window != "tail":
                 raise ConfigError(f"{o}.local_window={self.local_window!r} must be an integer >= 0 or 'tail'")
@@ -132,7 +135,7 @@ class ModelConfig:
             self.attention = AttentionConfig(**self.attention)
         o = "model"
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
-            _positive(o, name, getattr(self, name))
+            check_int(f"{o}.{name}", getattr(self, name))
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of dims)")
         if self.n_heads % self.kv_heads:

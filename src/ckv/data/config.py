@@ -6,17 +6,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from ckv.config import ConfigError
+from ckv.config import ConfigError, check_choice, check_int
 from ckv.data.lookup import LookupFormat
 
 KINDS = ("text", "lookup", "mixture")
 TXT_SAMPLE_BY = ("line", "paragraph", "document")
 LOSS_ON = ("answers", "all")
-
-
-def _int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
 def _int_range(name: str, value: Any) -> tuple[int, int]:
@@ -69,18 +64,15 @@ class TextConfig:
             self.paths = list(self.paths)
             if not self.paths or not all(isinstance(p, str) and p for p in self.paths):
                 raise ConfigError(f"{o}.paths={self.paths!r} must be null (shipped corpus) or a non-empty list of paths")
-        if self.txt_sample_by not in TXT_SAMPLE_BY:
-            raise ConfigError(
-                f"{o}.txt_sample_by={self.txt_sample_by!r} is not allowed; choose one of {list(TXT_SAMPLE_BY)}"
-            )
+        check_choice(f"{o}.txt_sample_by", self.txt_sample_by, TXT_SAMPLE_BY)
         if not isinstance(self.eod_token, str) or not self.eod_token:
             raise ConfigError(f"{o}.eod_token={self.eod_token!r} must be a non-empty string")
         if not isinstance(self.streaming, bool):
             raise ConfigError(f"{o}.streaming={self.streaming!r} must be true or false")
-        _int(f"{o}.vocab_size", self.vocab_size, 1)
-        _int(f"{o}.bpe_max_chars", self.bpe_max_chars, 1)
-        _int(f"{o}.shuffle_block", self.shuffle_block, 1)
-        _int(f"{o}.val_every", self.val_every, 2)
+        check_int(f"{o}.vocab_size", self.vocab_size, 1)
+        check_int(f"{o}.bpe_max_chars", self.bpe_max_chars, 1)
+        check_int(f"{o}.shuffle_block", self.shuffle_block, 1)
+        check_int(f"{o}.val_every", self.val_every, 2)
 
 
 @dataclass
@@ -113,12 +105,11 @@ class LookupConfig:
         o = "data.lookup"
         self.filler = _int_range(f"{o}.filler", self.filler)
         self.prefix_pad = _int_range(f"{o}.prefix_pad", self.prefix_pad)
-        if self.loss_on not in LOSS_ON:
-            raise ConfigError(f"{o}.loss_on={self.loss_on!r} is not allowed; choose one of {list(LOSS_ON)}")
-        _int(f"{o}.n_records", self.n_records, 1)
-        _int(f"{o}.n_queries", self.n_queries, 1)
+        check_choice(f"{o}.loss_on", self.loss_on, LOSS_ON)
+        check_int(f"{o}.n_records", self.n_records, 1)
+        check_int(f"{o}.n_queries", self.n_queries, 1)
         if self.offset is not None:
-            _int(f"{o}.offset", self.offset, 0)
+            check_int(f"{o}.offset", self.offset, 0)
         fmt = self.format(0)  # validates the layout fields
         if self.n_records > fmt.n_keys:
             raise ConfigError(f"{o}.n_records={self.n_records} exceeds n_keys={fmt.n_keys} (records use distinct keys)")
@@ -153,9 +144,8 @@ class DataConfig:
             self.text = _from_dict(TextConfig, self.text, "data.text")
         if isinstance(self.lookup, dict):
             self.lookup = _from_dict(LookupConfig, self.lookup, "data.lookup")
-        if self.kind not in KINDS:
-            raise ConfigError(f"data.kind={self.kind!r} is not allowed; choose one of {list(KINDS)}")
-        _int("data.seq_len", self.seq_len, 2)
+        check_choice("data.kind", self.kind, KINDS)
+        check_int("data.seq_len", self.seq_len, 2)
         if self.kind in ("lookup", "mixture") and self.lookup.max_len > self.seq_len + 1:
             raise ConfigError(
                 f"data.seq_len={self.seq_len} is too short for the lookup settings: the longest example has "

@@ -28,15 +28,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ckv.config import ConfigError
+from ckv.config import ConfigError, check_choice, check_int
 
 RECORDS = ("kv", "kkvv", "split")
 N_SPECIAL = 3  # pad, bos, sep
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"lookup.{name}={value!r} must be an integer >= {minimum}")
 
 
 @dataclass(frozen=True)
@@ -58,12 +53,11 @@ class LookupFormat:
     offset: int = 0
 
     def __post_init__(self) -> None:
-        if self.record not in RECORDS:
-            raise ConfigError(f"lookup.record={self.record!r} is not allowed; choose one of {list(RECORDS)}")
-        _check_int("n_keys", self.n_keys, 1)
-        _check_int("n_values", self.n_values, 1)
-        _check_int("n_filler", self.n_filler, 0)
-        _check_int("offset", self.offset, 0)
+        check_choice("lookup.record", self.record, RECORDS)
+        check_int("lookup.n_keys", self.n_keys, 1)
+        check_int("lookup.n_values", self.n_values, 1)
+        check_int("lookup.n_filler", self.n_filler, 0)
+        check_int("lookup.offset", self.offset, 0)
         if self.record == "kv":
             for name in ("key_base", "value_base"):
                 if getattr(self, name) is not None:
@@ -76,9 +70,9 @@ class LookupFormat:
             object.__setattr__(self, "key_base", math.isqrt(self.n_keys - 1) + 1)
         if self.record == "kkvv" and self.value_base is None:
             object.__setattr__(self, "value_base", math.isqrt(self.n_values - 1) + 1)
-        _check_int("key_base", self.key_base, 1)
+        check_int("lookup.key_base", self.key_base, 1)
         if self.record == "kkvv":
-            _check_int("value_base", self.value_base, 1)
+            check_int("lookup.value_base", self.value_base, 1)
             if self.key_base**2 < self.n_keys:
                 raise ConfigError(
                     f"lookup.key_base={self.key_base} is too small: two digits hold {self.key_base**2} keys "

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from ckv.config import AttentionConfig, ConfigError, ModelConfig
+from ckv.config import AttentionConfig, ConfigError, ModelConfig, check_choice, check_int
 from ckv.data import DataConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -31,15 +31,6 @@ RESUMABLE_CHANGES = (
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
-
-
-def _int(name: str, value: Any, minimum: int) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-           f"{name}={value!r} must be an integer >= {minimum}")
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    _check(value in allowed, f"{name}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
 def _from_dict(cls: type, d: Any, owner: str) -> Any:
@@ -68,7 +59,7 @@ class ModelSpec:
         if isinstance(self.vocab_size, str):
             _check(self.vocab_size == "auto", f"model.vocab_size={self.vocab_size!r} must be an integer or 'auto'")
         else:
-            _int("model.vocab_size", self.vocab_size, 1)
+            check_int("model.vocab_size", self.vocab_size, 1)
         _check("attention" not in self.overrides, "set attention fields in the attention group, not under model")
 
     @classmethod
@@ -112,8 +103,8 @@ class OptimConfig:
     decay_fraction: float = 0.2
 
     def __post_init__(self) -> None:
-        _choice("optim.schedule", self.schedule, SCHEDULES)
-        _int("optim.warmup_steps", self.warmup_steps, 0)
+        check_choice("optim.schedule", self.schedule, SCHEDULES)
+        check_int("optim.warmup_steps", self.warmup_steps, 0)
         _check(self.lr > 0, f"optim.lr={self.lr} must be > 0")
         _check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
@@ -155,13 +146,13 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "val_batches", "keep_last"):
-            _int(f"trainer.{name}", getattr(self, name), 1)
+            check_int(f"trainer.{name}", getattr(self, name), 1)
         for name in ("val_every", "save_every", "keep_every"):
-            _int(f"trainer.{name}", getattr(self, name), 0)
+            check_int(f"trainer.{name}", getattr(self, name), 0)
         if self.stop_at_step is not None:
-            _int("trainer.stop_at_step", self.stop_at_step, 1)
-        _choice("trainer.device", self.device, DEVICES)
-        _choice("trainer.precision", self.precision, PRECISIONS)
+            check_int("trainer.stop_at_step", self.stop_at_step, 1)
+        check_choice("trainer.device", self.device, DEVICES)
+        check_choice("trainer.precision", self.precision, PRECISIONS)
         _check(isinstance(self.progress, bool), f"trainer.progress={self.progress!r} must be true or false")
 
 
@@ -177,7 +168,7 @@ class WandbConfig:
     tags: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _choice("wandb.mode", self.mode, WANDB_MODES)
+        check_choice("wandb.mode", self.mode, WANDB_MODES)
         _check(isinstance(self.enabled, bool), f"wandb.enabled={self.enabled!r} must be true or false")
 
 
@@ -208,7 +199,7 @@ class TrainConfig:
         _check(isinstance(self.deepspeed, dict), "deepspeed must be a mapping (a DeepSpeed config fragment)")
         _check(isinstance(self.attention, dict), "attention must be a mapping of AttentionConfig fields")
         self.attention = dataclasses.asdict(_from_dict(AttentionConfig, self.attention, "attention"))
-        _int("seed", self.seed, 0)
+        check_int("seed", self.seed, 0)
         _check(bool(self.run_dir), "run_dir must be a folder path")
 
     @classmethod
