@@ -5,7 +5,7 @@ The demo only drives ``train.py`` and ``eval.py`` with shipped configs (``conf/e
 position-matched lookup task, writes the side-by-side comparison through ``eval.py summary=...``, then prints one
 table and checks the science it claims (``CRITERIA``), writing everything under ``outputs/demo/``.
 
-    python -m ckv.demo                 # the full demo (about 20 minutes on 2 cores)
+    python -m ckv.demo                 # the full demo (about 11 minutes on 2 cores)
     python -m ckv.demo --quick         # a few steps per model: checks the pipeline, not the science
 """
 
@@ -25,6 +25,7 @@ from typing import Optional
 import yaml
 
 from ckv.eval.results import read_json, write_json
+from ckv.eval.stats import gap_is_real
 from ckv.train.run import CONFIG_FILE
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py, eval.py and conf/ live here
@@ -140,7 +141,7 @@ def check_science(done: list[dict]) -> list[Check]:
     for run, rep in by_role.get("geometry", []):
         h = rep["headline"]
         # a period counts only where there is a phase effect: significant, and its interval above the noise floor
-        real = h["phase_p_value"] < 0.05 and h["phase_gap_lower"] > h["phase_noise_floor"]
+        real = gap_is_real(h["phase_p_value"], h["phase_gap_lower"], h["phase_noise_floor"])
         ok = real and h["dominant_period"] == rep["stride"]
         score = h["periodicity_score"]
         checks.append(Check(f"{run.label}: a significant phase effect whose dominant period equals the stride "
@@ -194,10 +195,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     clock = Timer()
     print(f"ckv demo{' grid' if args.grid else ''} -> {out}: {len(plan)} models, {args.workers} at a time"
           f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
-    # the control trains longest: start it first so the two workers finish together
-    order = sorted(plan, key=lambda r: r.role != "control")
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
-        futures = {pool.submit(train_and_evaluate, r, out, args.quick, env, clock): r for r in order}
+        futures = {pool.submit(train_and_evaluate, r, out, args.quick, env, clock): r for r in plan}
         results = {}
         for fut in as_completed(futures):  # the first failure stops the demo; queued models never start
             if fut.exception() is not None:

@@ -14,7 +14,7 @@ from ckv.eval import (
     register_analysis, run_analysis, summarize, summarize_runs,
 )
 from ckv.eval.codec import TokenCodec
-from ckv.eval.plots import plot_grid_summary
+from ckv.eval.plots import _grid_cell_text, plot_grid_summary
 from ckv.eval.probe import ProbeTask, lookup_prompt
 
 from .helpers import make_run, png_ok
@@ -94,6 +94,9 @@ def test_sweep_summary_evaluates_runs_and_writes_plots(tmp_path: Path) -> None:
     mtime = (full / "eval" / "lookup" / "results.json").stat().st_mtime_ns
     summarize(find_runs(sweep), "lookup", tmp_path / "again")
     assert (full / "eval" / "lookup" / "results.json").stat().st_mtime_ns == mtime
+    # a summary of full attention alone has no stride x window to map, and leaves no stale grid behind
+    assert [r["run"] for r in summarize([full], "lookup", out)["runs"]] == ["full,seed=0"]
+    assert not (out / "summary_grid.png").exists() and png_ok(out / "comparison_phases.png")
 
 
 def test_grid_summary_plot_with_several_seeds(tmp_path: Path) -> None:
@@ -106,6 +109,19 @@ def test_grid_summary_plot_with_several_seeds(tmp_path: Path) -> None:
                                  worst_phase_accuracy_lower=0.3 - gap / 2, worst_phase_accuracy_upper=0.5 - gap / 2))
         rows.append(dict(pooling="full", stride=None, window=None, phase_gap=0.03, worst_phase_accuracy=0.7))
     assert png_ok(plot_grid_summary(rows, tmp_path / "grid.png"))
+    with pytest.raises(ValueError, match="no compressed runs"):
+        plot_grid_summary(rows[-1:], tmp_path / "full_only.png")
+
+
+def test_grid_cells_show_intervals_and_mark_gaps_below_the_noise_floor() -> None:
+    real = dict(phase_gap=0.3, phase_gap_lower=0.2, phase_gap_upper=0.4, phase_p_value=0.001, phase_noise_floor=0.05)
+    below_floor = dict(real, phase_gap_lower=0.04)
+    not_significant = dict(real, phase_p_value=0.2)
+    assert _grid_cell_text([real], "phase_gap", 30.0) == "30.0\n[20, 40]"
+    assert _grid_cell_text([below_floor], "phase_gap", 30.0) == "30.0\n[4, 40]\nn.s."
+    assert _grid_cell_text([not_significant], "phase_gap", 30.0).endswith("\nn.s.")
+    assert _grid_cell_text([real, below_floor], "phase_gap", 25.0) == "25.0\n(mean of 2)\nn.s."
+    assert _grid_cell_text([below_floor], "mean", 50.0) == "50.0"  # no interval fields for "mean" here, no n.s.
 
 
 def test_analysis_hook_reruns_the_lookup_with_a_modified_model(tmp_path: Path) -> None:

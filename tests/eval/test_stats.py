@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ckv.eval.stats import (
-    DominantPeriod, StatsOptions, best_minus_worst, bootstrap_group_accuracy, dominant_period, f_survival,
+    DominantPeriod, StatsOptions, best_minus_worst, bootstrap_group_accuracy, dominant_period, f_survival, gap_is_real,
     group_accuracy, period_pvalue, periodicity_chance, periodicity_score, permutation_test, summarize_groups,
     wilson_interval,
 )
@@ -131,3 +131,11 @@ def test_summarize_groups_report() -> None:
 def test_stats_options_validate() -> None:
     with pytest.raises(ValueError, match="n_bootstrap"):
         StatsOptions(n_bootstrap=0)
+
+
+def test_a_gap_is_real_only_when_significant_and_above_the_noise_floor():
+    assert gap_is_real(0.0005, 0.20, 0.05)
+    assert not gap_is_real(0.2, 0.20, 0.05)       # not significant
+    assert not gap_is_real(0.0005, 0.04, 0.05)    # interval reaches down into the noise floor
+    assert not gap_is_real(0.05, 0.20, 0.05)      # p must be below alpha, not equal
+    assert gap_is_real(None, 0.20, 0.05) and gap_is_real(0.001, None, None)  # uncomputed statistics do not veto

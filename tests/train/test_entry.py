@@ -46,6 +46,20 @@ def test_every_experiment_composes(experiment):
     assert cfg.name == ("paper" if paper else experiment)
 
 
+def test_demo_models_differ_only_in_attention():
+    """make demo's fairness: the control and the S = 2 model are the S = 4 gate model with one attention change."""
+    gate4, gate2, full = (_train_config([f"experiment={e}"]) for e in ("demo_gate_s4", "demo_gate_s2", "demo_full"))
+    for other in (gate2, full):
+        assert (other.model, other.data, other.optim, other.trainer) == (gate4.model, gate4.data, gate4.optim,
+                                                                          gate4.trainer)
+    g4, g2, f = (c.model.build(c.attention, data_vocab_size=164) for c in (gate4, gate2, full))
+    assert (g4.kv_heads, g4.d_model, g4.init_std) == (1, 128, 0.05)
+    for m, geometry in ((g4, ("compressed", 4, 4, 4, "gate")), (g2, ("compressed", 2, 2, 4, "gate"))):
+        a = m.attention
+        assert (a.kind, a.window, a.stride, a.local_window, a.pooling) == geometry
+    assert (f.attention.kind, f.kv_heads) == ("full", 1)
+
+
 def test_paper_setup():
     cfg = _train_config(["experiment=paper_base"] + USER_DATA)
     model = cfg.model.build(cfg.attention, data_vocab_size=151_669)

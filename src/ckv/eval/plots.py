@@ -16,6 +16,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from ckv.eval.stats import gap_is_real
+
 PathLike = Union[str, Path]
 PCT = 100.0
 DPI = 120
@@ -88,7 +90,7 @@ def _group_curve(ax: Axes, grouping: dict, *, stride: Optional[int], label: Opti
 def _phase_legend(ax: Axes, stride: int) -> None:
     handles = [Line2D([], [], marker="o", ls="", color=c, markeredgecolor="black", label=f"phase {p}")
                for p, c in enumerate(_colors(stride))]
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="lower right",
+    ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="best",
               ncol=2 if stride > 4 else 1, framealpha=0.9)
 
 
@@ -106,7 +108,7 @@ def plot_lookup(report: dict, path: PathLike, title: str) -> Path:
     ax_p.set_xlabel(f"phase of the target position (mod {S})")
     ax_p.set_xticks(range(S))
     ax_p.set_title(f"per phase: {gap_text(report['phase'])}", fontsize=9)
-    ax_p.legend(fontsize=7, loc="lower right")
+    ax_p.legend(fontsize=7, loc="best")
     per = report["residue"].get("periodicity") or {}
     extra = ""
     if per:
@@ -132,7 +134,7 @@ def plot_lookup_comparison(items: Sequence[tuple[str, dict]], path: PathLike, nc
         ax.set_title(f"{label}\nmean {_fmt_pct(ph['mean']['value'])}%, phase {gap_text(ph)}", fontsize=8)
         ax.set_xlabel(f"residue (mod {rep['modulus']}); colour = phase (mod {rep['stride']})", fontsize=8)
         ax.set_xticks(range(0, rep["modulus"], rep["stride"]))
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="best")
     for ax in axes[n:]:
         ax.set_visible(False)
     fig.suptitle("lookup accuracy per residue, one panel per run (error bars: Wilson 95%; dashed: mean)", fontsize=10)
@@ -161,7 +163,8 @@ def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Pat
     ax.set_ylabel("top-1 accuracy (%)")
     ax.set_ylim(-3, 103)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    # below the axes: inside, it would hide the worst phases, which sit at the bottom
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2 if len(items) > 4 else 1)
     ax.set_title("lookup accuracy per phase (Wilson 95% intervals; dashed: each run's mean)", fontsize=10)
     return _save(fig, path)
 
@@ -195,42 +198,70 @@ def plot_probe(report: dict, path: PathLike, title: str) -> Path:
     return _save(fig, path)
 
 
+GRID_METRICS = (("phase_gap", "phase gap (pp)", "Reds"), ("worst_phase_accuracy", "worst-phase accuracy (%)", "Blues"),
+                ("mean", "mean accuracy (%)", "Greens"))
+
+
+def _grid_cell_text(runs: Sequence[dict], key: str, value: float) -> str:
+    text = f"{value:.1f}"
+    lo, hi = runs[0].get(f"{key}_lower"), runs[0].get(f"{key}_upper")
+    if len(runs) > 1:
+        text += f"\n(mean of {len(runs)})"
+    elif lo is not None and hi is not None:
+        text += f"\n[{PCT * lo:.0f}, {PCT * hi:.0f}]"
+    if key == "phase_gap" and not all(gap_is_real(r.get("phase_p_value"), r.get("phase_gap_lower"),
+                                                  r.get("phase_noise_floor")) for r in runs):
+        text += "\nn.s."
+    return text
+
+
 def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
-    """Phase gap and worst-phase accuracy against stride and window, one line per pooling (mean over runs,
-    faint points: single runs with their intervals); full attention as a dashed reference line."""
-    metrics = [("phase_gap", "phase gap (pp)"), ("worst_phase_accuracy", "worst-phase accuracy (%)")]
-    fig = Figure(figsize=(11, 7.5))
-    axes = fig.subplots(2, 2, sharey="row")
+    """Heatmaps over stride (x) and window (y), one row per pooling: phase gap, worst-phase accuracy and mean
+    accuracy, averaged over the runs (seeds) of a cell. A cell of one run shows its 95% interval; "n.s." marks a
+    gap with permutation p >= 0.05 or an interval that does not clear the noise floor. The mean panel tells a model
+    that has not learned (mean near chance: its small gap means nothing) from one without weak spots. Full-attention
+    runs are summarised in the title."""
     compressed = [r for r in rows if r.get("stride") is not None]
+    if not compressed:
+        raise ValueError("no compressed runs to place on a stride x window grid")
     full = [r for r in rows if r.get("stride") is None]
     poolings = sorted({r["pooling"] for r in compressed})
-    colors = dict(zip(poolings, _colors(max(len(poolings), 1))))
-    for i, (key, ylabel) in enumerate(metrics):
-        for j, xkey in enumerate(("stride", "window")):
+    strides = sorted({r["stride"] for r in compressed})
+    windows = sorted({r["window"] for r in compressed})
+    metrics = [m for m in GRID_METRICS if any(r.get(m[0]) is not None for r in compressed)]
+    fig = Figure(figsize=(len(metrics) * (1.3 + 1.05 * len(strides)), len(poolings) * (1.4 + 0.7 * len(windows))))
+    axes = fig.subplots(len(poolings), len(metrics), squeeze=False)
+    for i, pooling in enumerate(poolings):
+        cells: dict[tuple[int, int], list[dict]] = defaultdict(list)  # (window, stride) -> runs
+        for r in compressed:
+            if r["pooling"] == pooling:
+                cells[(r["window"], r["stride"])].append(r)
+        for j, (key, label, cmap_name) in enumerate(metrics):
             ax = axes[i, j]
-            for pooling in poolings:
-                by_x: dict[int, list[dict]] = defaultdict(list)
-                for r in compressed:
-                    if r["pooling"] == pooling and r.get(key) is not None:
-                        by_x[r[xkey]].append(r)
-                xs = sorted(by_x)
-                means = [PCT * np.mean([r[key] for r in by_x[x_]]) for x_ in xs]
-                ax.plot(xs, means, "o-", color=colors[pooling], label=f"{pooling} (mean of runs)")
-                for x_ in xs:
-                    for r in by_x[x_]:
-                        lo, hi = r.get(f"{key}_lower"), r.get(f"{key}_upper")
-                        y = PCT * r[key]
-                        yerr = None if lo is None else [[max(y - PCT * lo, 0.0)], [max(PCT * hi - y, 0.0)]]
-                        ax.errorbar([x_], [y], yerr=yerr, fmt="o", color=colors[pooling], alpha=0.35, ms=4, capsize=2)
-            vals = [r[key] for r in full if r.get(key) is not None]
-            if vals:
-                ax.axhline(PCT * np.mean(vals), ls="--", color="black", lw=1, label=f"full attention ({len(vals)} runs)")
-            ax.set_xticks(sorted({r[xkey] for r in compressed}))
-            ax.set_xlabel(xkey)
-            ax.set_ylabel(ylabel)
-            ax.grid(alpha=0.3)
-            ax.set_ylim(-3, 103)
-            ax.legend(fontsize=7)
-    fig.suptitle("sweep summary: phase gap and worst-phase accuracy vs stride and window (bars: 95% intervals)", fontsize=10)
+            grid = np.full((len(windows), len(strides)), np.nan)  # (window, stride); NaN: no run there
+            for (w, s), runs in cells.items():
+                vals = [r[key] for r in runs if r.get(key) is not None]
+                if vals:
+                    grid[windows.index(w), strides.index(s)] = PCT * float(np.mean(vals))
+            cmap = colormaps[cmap_name].copy()
+            cmap.set_bad("0.93")
+            ax.imshow(grid, cmap=cmap, vmin=0, vmax=100, origin="lower", aspect="auto")
+            for (w, s), runs in cells.items():
+                v = grid[windows.index(w), strides.index(s)]
+                if not np.isnan(v):
+                    ax.text(strides.index(s), windows.index(w), _grid_cell_text(runs, key, v), ha="center",
+                            va="center", fontsize=7, color="white" if v > 60 else "black")
+            ax.set_xticks(range(len(strides)), [str(s) for s in strides])
+            ax.set_yticks(range(len(windows)), [str(w) for w in windows])
+            ax.set_xlabel("stride")
+            ax.set_ylabel("window")
+            ax.set_title(f"{pooling}: {label}", fontsize=9)
+    title = "sweep summary over stride x window (cells: value, [95% interval] for one run; grey: not run)"
+    if full:
+        gaps = [r["phase_gap"] for r in full if r.get("phase_gap") is not None]
+        means = [r["mean"] for r in full if r.get("mean") is not None]
+        title += (f"\nfull attention ({len(full)} runs): mean {PCT * np.mean(means):.1f}%" if means else
+                  f"\nfull attention ({len(full)} runs)") + (f", phase gap {PCT * np.mean(gaps):.1f} pp" if gaps else "")
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return _save(fig, path)

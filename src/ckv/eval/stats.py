@@ -201,6 +201,13 @@ def permutation_test(
 
 
 # ---- periodicity -----------------------------------------------------------------------------------------------
+def gap_is_real(p_value: Optional[float], gap_lower: Optional[float], noise_floor: Optional[float],
+                alpha: float = 0.05) -> bool:
+    """A phase gap counts as an effect when the permutation test rejects "no phase effect" (``p < alpha``) and the
+    gap's interval lies above the noise floor. A statistic that was not computed (None) does not veto."""
+    return (p_value is None or p_value < alpha) and (gap_lower is None or noise_floor is None or gap_lower > noise_floor)
+
+
 def periodicity_score(curve: np.ndarray, period: int) -> Optional[float]:
     """Share of the curve's variance that repeats with ``period``: the variance of the period-folded means over
     the total variance (``R^2`` of a model with one level per ``index mod period``).

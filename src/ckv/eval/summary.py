@@ -74,8 +74,8 @@ def summarize(
     rerun: bool = False,
 ) -> dict:
     """Collect each run's lookup results (evaluating runs without results through ``evaluate_missing``), then
-    write ``summary.json``, ``summary.csv``, ``summary_grid.png``, ``comparison_residues.png`` and
-    ``comparison_phases.png`` into ``out_dir``. Returns the summary."""
+    write ``summary.json``, ``summary.csv``, ``summary_grid.png`` (only when some runs are compressed: it maps stride
+    x window), ``comparison_residues.png`` and ``comparison_phases.png`` into ``out_dir``. Returns the summary."""
     if not runs:
         raise FileNotFoundError("no runs to summarize (a run folder holds config.yaml and model/ or checkpoints/)")
     items: list[tuple[str, dict]] = []
@@ -103,7 +103,10 @@ def summarize(
     write_json(out / "summary.json", summary)
     write_csv(out / "summary.csv", rows)
     reports = [(label, r["results"]) for label, r in items]
-    plot_grid_summary(rows, out / "summary_grid.png")
+    if any(r.get("stride") is not None for r in rows):
+        plot_grid_summary(rows, out / "summary_grid.png")
+    else:  # no stride x window to map; a grid from an earlier summary here would describe other runs
+        (out / "summary_grid.png").unlink(missing_ok=True)
     plot_lookup_comparison(reports, out / "comparison_residues.png")
     plot_phase_overlay(reports, out / "comparison_phases.png")
     return summary
