@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ from ckv.eval import (
     register_analysis, run_analysis, summarize, summarize_runs,
 )
 from ckv.eval.codec import TokenCodec
-from ckv.eval.plots import _grid_cell_text, plot_grid_summary
+from ckv.eval.plots import _grid_cell_text, plot_grid_summary, stride_window_grids
 from ckv.eval.probe import ProbeTask, lookup_prompt
 
 from .helpers import make_run, png_ok
@@ -95,8 +96,10 @@ def test_sweep_summary_evaluates_runs_and_writes_plots(tmp_path: Path) -> None:
     summarize(find_runs(sweep), "lookup", tmp_path / "again")
     assert (full / "eval" / "lookup" / "results.json").stat().st_mtime_ns == mtime
     # a summary of full attention alone has no stride x window to map, and leaves no stale grid behind
+    before = (out / "comparison_phases.png").stat().st_mtime_ns
     assert [r["run"] for r in summarize([full], "lookup", out)["runs"]] == ["full,seed=0"]
     assert not (out / "summary_grid.png").exists() and png_ok(out / "comparison_phases.png")
+    assert (out / "comparison_phases.png").stat().st_mtime_ns > before  # redrawn for the full run alone
 
 
 def test_grid_summary_plot_with_several_seeds(tmp_path: Path) -> None:
@@ -104,24 +107,36 @@ def test_grid_summary_plot_with_several_seeds(tmp_path: Path) -> None:
     for seed in range(2):
         for pooling, gaps in (("gate", {4: 0.5, 6: 0.3, 8: 0.6}), ("mean", {4: 0.2, 8: 0.25})):
             for s, gap in gaps.items():
-                rows.append(dict(pooling=pooling, stride=s, window=s, phase_gap=gap + 0.02 * seed, phase_gap_lower=gap - 0.03,
+                rows.append(dict(pooling=pooling, stride=s, window=s, seed=seed, phase_gap=gap + 0.02 * seed, phase_gap_lower=gap - 0.03,
                                  phase_gap_upper=gap + 0.05, worst_phase_accuracy=0.4 - gap / 2,
                                  worst_phase_accuracy_lower=0.3 - gap / 2, worst_phase_accuracy_upper=0.5 - gap / 2))
         rows.append(dict(pooling="full", stride=None, window=None, phase_gap=0.03, worst_phase_accuracy=0.7))
+    rows.append(dict(pooling="gate", stride=4, window=8, seed=0, phase_gap=0.9, worst_phase_accuracy=0.05))
+    grids = stride_window_grids(rows, ["phase_gap", "worst_phase_accuracy"])
+    assert list(grids) == ["gate", "mean"]  # full attention has no place on the grid
+    gate, mean = grids["gate"], grids["mean"]
+    assert gate.windows == mean.windows == [4, 6, 8] and gate.strides == mean.strides == [4, 6, 8]
+    gap = gate.values["phase_gap"]  # (window, stride), percent, mean over the seeds of a cell
+    assert gap[1, 1] == pytest.approx(31.0) and gap[2, 2] == pytest.approx(61.0)
+    assert gap[2, 0] == pytest.approx(90.0) and np.isnan(gap[0, 2])  # W8/S4 is not W4/S8
+    assert len(gate.cells[(6, 6)]) == 2 and np.isnan(mean.values["phase_gap"][1, 1])
+    assert mean.values["worst_phase_accuracy"][0, 0] == pytest.approx(30.0)
     assert png_ok(plot_grid_summary(rows, tmp_path / "grid.png"))
     with pytest.raises(ValueError, match="no compressed runs"):
-        plot_grid_summary(rows[-1:], tmp_path / "full_only.png")
+        plot_grid_summary([r for r in rows if r["stride"] is None], tmp_path / "full_only.png")
 
 
 def test_grid_cells_show_intervals_and_mark_gaps_below_the_noise_floor() -> None:
-    real = dict(phase_gap=0.3, phase_gap_lower=0.2, phase_gap_upper=0.4, phase_p_value=0.001, phase_noise_floor=0.05)
+    real = dict(seed=0, phase_gap=0.3, phase_gap_lower=0.2, phase_gap_upper=0.4, phase_p_value=0.001,
+                phase_noise_floor=0.05)
     below_floor = dict(real, phase_gap_lower=0.04)
     not_significant = dict(real, phase_p_value=0.2)
     assert _grid_cell_text([real], "phase_gap", 30.0) == "30.0\n[20, 40]"
     assert _grid_cell_text([below_floor], "phase_gap", 30.0) == "30.0\n[4, 40]\nn.s."
     assert _grid_cell_text([not_significant], "phase_gap", 30.0).endswith("\nn.s.")
-    assert _grid_cell_text([real, below_floor], "phase_gap", 25.0) == "25.0\n(mean of 2)\nn.s."
-    assert _grid_cell_text([below_floor], "mean", 50.0) == "50.0"  # no interval fields for "mean" here, no n.s.
+    assert _grid_cell_text([real, dict(below_floor, seed=1)], "phase_gap", 25.0) == "25.0\n(mean of 2 seeds)\nn.s."
+    assert _grid_cell_text([real, real], "phase_gap", 30.0) == "30.0\n(mean of 2 runs: not only seeds)"
+    assert _grid_cell_text([dict(below_floor, mean=0.5)], "mean", 50.0) == "50.0"  # no mean interval given; n.s. is for gaps
 
 
 def test_analysis_hook_reruns_the_lookup_with_a_modified_model(tmp_path: Path) -> None:

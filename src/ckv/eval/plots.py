@@ -7,6 +7,7 @@ line, and says in its title what the best-minus-worst gap, its interval and the 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -203,10 +204,14 @@ GRID_METRICS = (("phase_gap", "phase gap (pp)", "Reds"), ("worst_phase_accuracy"
 
 
 def _grid_cell_text(runs: Sequence[dict], key: str, value: float) -> str:
+    """A cell's label: its value, then the 95% interval of a single run, or how many runs were averaged ("seeds"
+    when they differ only in seed); "n.s." when the gap of any run there is not real (``gap_is_real``)."""
+    runs = [r for r in runs if r.get(key) is not None]
     text = f"{value:.1f}"
     lo, hi = runs[0].get(f"{key}_lower"), runs[0].get(f"{key}_upper")
     if len(runs) > 1:
-        text += f"\n(mean of {len(runs)})"
+        seeds = [r.get("seed") for r in runs]
+        text += f"\n(mean of {len(runs)} {'seeds' if len(set(seeds)) == len(seeds) else 'runs: not only seeds'})"
     elif lo is not None and hi is not None:
         text += f"\n[{PCT * lo:.0f}, {PCT * hi:.0f}]"
     if key == "phase_gap" and not all(gap_is_real(r.get("phase_p_value"), r.get("phase_gap_lower"),
@@ -215,44 +220,68 @@ def _grid_cell_text(runs: Sequence[dict], key: str, value: float) -> str:
     return text
 
 
-def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
-    """Heatmaps over stride (x) and window (y), one row per pooling: phase gap, worst-phase accuracy and mean
-    accuracy, averaged over the runs (seeds) of a cell. A cell of one run shows its 95% interval; "n.s." marks a
-    gap with permutation p >= 0.05 or an interval that does not clear the noise floor. The mean panel tells a model
-    that has not learned (mean near chance: its small gap means nothing) from one without weak spots. Full-attention
-    runs are summarised in the title."""
+@dataclass
+class StrideWindowGrid:
+    """One pooling's runs on the stride x window grid: ``values[key]`` is (window, stride) in percent, the mean over
+    the runs of a cell (NaN where no run has that metric); ``cells`` maps (window, stride) to its runs."""
+
+    windows: list[int]
+    strides: list[int]
+    cells: dict[tuple[int, int], list[dict]]
+    values: dict[str, np.ndarray]
+
+
+def stride_window_grids(rows: Sequence[dict], keys: Sequence[str]) -> dict[str, StrideWindowGrid]:
+    """Compressed runs (rows with a stride) per pooling on one shared stride x window grid; see ``StrideWindowGrid``."""
     compressed = [r for r in rows if r.get("stride") is not None]
-    if not compressed:
-        raise ValueError("no compressed runs to place on a stride x window grid")
-    full = [r for r in rows if r.get("stride") is None]
-    poolings = sorted({r["pooling"] for r in compressed})
     strides = sorted({r["stride"] for r in compressed})
     windows = sorted({r["window"] for r in compressed})
-    metrics = [m for m in GRID_METRICS if any(r.get(m[0]) is not None for r in compressed)]
-    fig = Figure(figsize=(len(metrics) * (1.3 + 1.05 * len(strides)), len(poolings) * (1.4 + 0.7 * len(windows))))
-    axes = fig.subplots(len(poolings), len(metrics), squeeze=False)
-    for i, pooling in enumerate(poolings):
-        cells: dict[tuple[int, int], list[dict]] = defaultdict(list)  # (window, stride) -> runs
+    grids = {}
+    for pooling in sorted({r["pooling"] for r in compressed}):
+        cells: dict[tuple[int, int], list[dict]] = defaultdict(list)
         for r in compressed:
             if r["pooling"] == pooling:
                 cells[(r["window"], r["stride"])].append(r)
-        for j, (key, label, cmap_name) in enumerate(metrics):
-            ax = axes[i, j]
-            grid = np.full((len(windows), len(strides)), np.nan)  # (window, stride); NaN: no run there
+        values = {}
+        for key in keys:
+            grid = np.full((len(windows), len(strides)), np.nan)  # (window, stride)
             for (w, s), runs in cells.items():
                 vals = [r[key] for r in runs if r.get(key) is not None]
                 if vals:
                     grid[windows.index(w), strides.index(s)] = PCT * float(np.mean(vals))
+            values[key] = grid
+        grids[pooling] = StrideWindowGrid(windows, strides, dict(cells), values)
+    return grids
+
+
+def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
+    """Heatmaps over stride (x) and window (y), one row per pooling: phase gap, worst-phase accuracy and mean
+    accuracy, averaged over the runs of a cell (its seeds; a cell that mixes other settings says so). A cell of one
+    run shows its 95% interval; "n.s." marks a gap with permutation p >= 0.05 or an interval that does not clear
+    the noise floor, in any run of the cell. The mean panel tells a model that has not learned (its small gap means
+    nothing) from one without weak spots. Full-attention runs are summarised in the title."""
+    if not any(r.get("stride") is not None for r in rows):
+        raise ValueError("no compressed runs to place on a stride x window grid")
+    full = [r for r in rows if r.get("stride") is None]
+    metrics = [m for m in GRID_METRICS if any(r.get(m[0]) is not None for r in rows if r.get("stride") is not None)]
+    grids = stride_window_grids(rows, [key for key, _, _ in metrics])
+    first = next(iter(grids.values()))
+    fig = Figure(figsize=(len(metrics) * (1.3 + 1.05 * len(first.strides)),
+                          len(grids) * (1.4 + 0.7 * len(first.windows))))
+    axes = fig.subplots(len(grids), len(metrics), squeeze=False)
+    for i, (pooling, g) in enumerate(grids.items()):
+        for j, (key, label, cmap_name) in enumerate(metrics):
+            ax = axes[i, j]
             cmap = colormaps[cmap_name].copy()
             cmap.set_bad("0.93")
-            ax.imshow(grid, cmap=cmap, vmin=0, vmax=100, origin="lower", aspect="auto")
-            for (w, s), runs in cells.items():
-                v = grid[windows.index(w), strides.index(s)]
+            ax.imshow(g.values[key], cmap=cmap, vmin=0, vmax=100, origin="lower", aspect="auto")
+            for (w, s), runs in g.cells.items():
+                v = g.values[key][g.windows.index(w), g.strides.index(s)]
                 if not np.isnan(v):
-                    ax.text(strides.index(s), windows.index(w), _grid_cell_text(runs, key, v), ha="center",
+                    ax.text(g.strides.index(s), g.windows.index(w), _grid_cell_text(runs, key, v), ha="center",
                             va="center", fontsize=7, color="white" if v > 60 else "black")
-            ax.set_xticks(range(len(strides)), [str(s) for s in strides])
-            ax.set_yticks(range(len(windows)), [str(w) for w in windows])
+            ax.set_xticks(range(len(g.strides)), [str(s) for s in g.strides])
+            ax.set_yticks(range(len(g.windows)), [str(w) for w in g.windows])
             ax.set_xlabel("stride")
             ax.set_ylabel("window")
             ax.set_title(f"{pooling}: {label}", fontsize=9)

@@ -200,7 +200,6 @@ def permutation_test(
                              n_permutations=n_permutations)
 
 
-# ---- periodicity -----------------------------------------------------------------------------------------------
 def gap_is_real(p_value: Optional[float], gap_lower: Optional[float], noise_floor: Optional[float],
                 alpha: float = 0.05) -> bool:
     """A phase gap counts as an effect when the permutation test rejects "no phase effect" (``p < alpha``) and the
@@ -208,6 +207,7 @@ def gap_is_real(p_value: Optional[float], gap_lower: Optional[float], noise_floo
     return (p_value is None or p_value < alpha) and (gap_lower is None or noise_floor is None or gap_lower > noise_floor)
 
 
+# ---- periodicity -----------------------------------------------------------------------------------------------
 def periodicity_score(curve: np.ndarray, period: int) -> Optional[float]:
     """Share of the curve's variance that repeats with ``period``: the variance of the period-folded means over
     the total variance (``R^2`` of a model with one level per ``index mod period``).
