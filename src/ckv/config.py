@@ -33,6 +33,12 @@ def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
         raise ConfigError(f"{field}={value!r} is not allowed; choose one of {list(allowed)}")
 
 
+def check_bool(field: str, value: Any) -> None:
+    """Raise ConfigError naming ``field`` unless ``value`` is a bool (YAML ``true``/``false``, not 0/1 or a string)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{field}={value!r} must be true or false")
+
+
 def check_int(field: str, value: Any, minimum: int = 1) -> None:
     """Raise ConfigError naming ``field`` unless ``value`` is an integer (not a bool) >= ``minimum``."""
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
@@ -73,8 +79,7 @@ class AttentionConfig:
         for name in ("kind", "impl", "rope", "pooling", "gate", "offset_maps", "kv", "compressed_norm", "entry_rope_position"):
             check_choice(f"{o}.{name}", getattr(self, name), _CHOICES[name])
         for name in ("qk_norm", "gate_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{o}.{name}={getattr(self, name)!r} must be true or false")
+            check_bool(f"{o}.{name}", getattr(self, name))
         check_int(f"{o}.stride", self.stride)
         check_int(f"{o}.window", self.window)
         if self.window < self.stride:

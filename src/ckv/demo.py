@@ -26,6 +26,7 @@ import yaml
 
 from ckv.eval.results import read_json, write_json
 from ckv.eval.stats import gap_is_real
+from ckv.eval.summary import results_file
 from ckv.train.run import CONFIG_FILE
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py, eval.py and conf/ live here
@@ -117,11 +118,8 @@ def train_and_evaluate(run: DemoRun, out: Path, quick: bool, env: dict, clock: T
     steps = yaml.safe_load((rdir / CONFIG_FILE).read_text())["trainer"]["max_steps"]
     print(f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
           flush=True)
-    return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps}
-
-
-def _headline(rdir: Path) -> dict:
-    return read_json(rdir / "eval" / TASK / "results.json")["results"]
+    results = read_json(results_file(rdir, TASK))["results"]
+    return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps, "results": results}
 
 
 def check_science(done: list[dict]) -> list[Check]:
@@ -129,7 +127,7 @@ def check_science(done: list[dict]) -> list[Check]:
     checks: list[Check] = []
     by_role: dict[str, list[tuple[DemoRun, dict]]] = {}
     for d in done:
-        by_role.setdefault(d["run"].role, []).append((d["run"], _headline(d["dir"])))
+        by_role.setdefault(d["run"].role, []).append((d["run"], d["results"]))
     gate_means = []
     for run, rep in by_role.get("gate", []):
         h = rep["headline"]
@@ -168,7 +166,7 @@ def table(done: list[dict]) -> str:
     lines = [f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
              f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'period':>6s}"]
     for d in done:
-        rep = _headline(d["dir"])
+        rep = d["results"]
         h, groups = rep["headline"], rep["phase"]["groups"]
         per = " / ".join(f"{100 * g['accuracy']:.1f}" for g in groups) + f"  (S={rep['stride']})"
         gap = f"{100 * h['phase_gap']:.1f} [{100 * h['phase_gap_lower']:.1f}, {100 * h['phase_gap_upper']:.1f}]"
@@ -221,7 +219,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "quick": args.quick, "grid": args.grid, "seconds": time.monotonic() - clock.start,
         "all_passed": verdict, "checks": [c.__dict__ for c in checks],
         "runs": [{"label": d["run"].label, "role": d["run"].role, "dir": str(d["dir"]), "steps": d["steps"],
-                  "train_seconds": d["train_seconds"], "results": str(d["dir"] / "eval" / TASK / "results.json")}
+                  "train_seconds": d["train_seconds"], "results": str(results_file(d["dir"], TASK))}
                  for d in done],
         "plots": {k: str(v) for k, v in plots.items()},
     })

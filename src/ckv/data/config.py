@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from ckv.config import ConfigError, check_choice, check_int
+from ckv.config import ConfigError, check_bool, check_choice, check_int
 from ckv.data.lookup import LookupFormat
 
 KINDS = ("text", "lookup", "mixture")
@@ -67,8 +67,7 @@ class TextConfig:
         check_choice(f"{o}.txt_sample_by", self.txt_sample_by, TXT_SAMPLE_BY)
         if not isinstance(self.eod_token, str) or not self.eod_token:
             raise ConfigError(f"{o}.eod_token={self.eod_token!r} must be a non-empty string")
-        if not isinstance(self.streaming, bool):
-            raise ConfigError(f"{o}.streaming={self.streaming!r} must be true or false")
+        check_bool(f"{o}.streaming", self.streaming)
         check_int(f"{o}.vocab_size", self.vocab_size, 1)
         check_int(f"{o}.bpe_max_chars", self.bpe_max_chars, 1)
         check_int(f"{o}.shuffle_block", self.shuffle_block, 1)

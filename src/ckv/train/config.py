@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from ckv.config import AttentionConfig, ConfigError, ModelConfig, check_choice, check_int
+from ckv.config import AttentionConfig, ConfigError, ModelConfig, check_bool, check_choice, check_int
 from ckv.data import DataConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -153,7 +153,7 @@ class TrainerConfig:
             check_int("trainer.stop_at_step", self.stop_at_step, 1)
         check_choice("trainer.device", self.device, DEVICES)
         check_choice("trainer.precision", self.precision, PRECISIONS)
-        _check(isinstance(self.progress, bool), f"trainer.progress={self.progress!r} must be true or false")
+        check_bool("trainer.progress", self.progress)
 
 
 @dataclass
@@ -169,7 +169,7 @@ class WandbConfig:
 
     def __post_init__(self) -> None:
         check_choice("wandb.mode", self.mode, WANDB_MODES)
-        _check(isinstance(self.enabled, bool), f"wandb.enabled={self.enabled!r} must be true or false")
+        check_bool("wandb.enabled", self.enabled)
 
 
 @dataclass
