@@ -31,13 +31,13 @@ test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)  ## periodic weak spots on a CPU, with a full-attention control (~11 min on 2 cores; README)
-	$(BIN)/python -m ckv.demo --out outputs/demo
+	$(BIN)/python -m ckv.apps.demo --out outputs/demo
 
 demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 models, about 35 min on 2 cores
-	$(BIN)/python -m ckv.demo --grid --out outputs/demo-grid
+	$(BIN)/python -m ckv.apps.demo --grid --out outputs/demo-grid
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)
-	$(BIN)/python -m ckv.smoke
+	$(BIN)/python -m ckv.apps.smoke
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -1,7 +1,7 @@
 """A Qwen3-style decoder with a pluggable attention backend.
 
 embed -> n_layers x [RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU -> +residual] -> RMSNorm -> head
-Module names follow transformers' Qwen3 so that weights convert by renaming (see ckv.hf).
+Module names follow transformers' Qwen3 so that weights convert by renaming (see ckv.io.hf).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from ckv.eval import load_ckv_model, run_analysis
-from ckv.eval.joint_view import correlation
+from ckv.analysis.joint_view import correlation
 
 from ..eval.helpers import make_run, png_ok
 from .conftest import SPEC, options

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ckv.eval import build_task, load_ckv_model
-from ckv.eval.gates import GateAccumulator, effective_offsets, gate_statistics, peak_shifts
-from ckv.eval.mechanism import AnalysisNotApplicable, gated_branches
+from ckv.analysis.gates import GateAccumulator, effective_offsets, gate_statistics, peak_shifts
+from ckv.analysis.hooks import AnalysisNotApplicable, gated_branches
 
 from ..eval.helpers import make_run
 from .conftest import SPEC, options

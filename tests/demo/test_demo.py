@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from ckv.demo import PLAN, ROOT, TASK
+from ckv.apps.demo import PLAN, ROOT, TASK
 
 
 @pytest.mark.smoke
 def test_quick_demo_writes_well_formed_outputs(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "ckv.demo", "--quick", "--out", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "ckv.apps.demo", "--quick", "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "quick mode" in proc.stdout and "per-phase accuracy" in proc.stdout

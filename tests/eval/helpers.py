@@ -11,7 +11,7 @@ import yaml
 
 from ckv.data.config import DataConfig
 from ckv.train.config import ModelSpec, TrainConfig
-from ckv.weights import save_weights
+from ckv.io.weights import save_weights
 from ckv import Transformer
 
 SPLIT_LOOKUP = dict(record="split", n_keys=16, n_values=16, n_filler=1, n_records=16, n_queries=8,

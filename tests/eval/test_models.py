@@ -15,7 +15,7 @@ from ckv.config import ConfigError
 from ckv.data.lookup import LookupFormat
 from ckv.eval import LookupSpec, RunOptions, StatsOptions, evaluate, load_ckv_model
 from ckv.eval.models import CheckpointMismatchError, find_weights
-from ckv.weights import save_weights
+from ckv.io.weights import save_weights
 
 from .helpers import SPLIT_LOOKUP, make_run, png_ok
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ckv import Transformer
-from ckv.hf import from_hf, load_hf, save_hf, to_hf
+from ckv.io.hf import from_hf, load_hf, save_hf, to_hf
 
 from .helpers import VARIANTS, small_config, variant
 

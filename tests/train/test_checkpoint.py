@@ -16,7 +16,7 @@ from ckv.train import list_checkpoints, latest_checkpoint, train
 from ckv.train.checkpoint import CheckpointManager
 from ckv.train.distributed import DistEnv
 from ckv.train.export import export_checkpoint
-from ckv.weights import load_weights
+from ckv.io.weights import load_weights
 
 from .helpers import child_env, losses, worker_command
 

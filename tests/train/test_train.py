@@ -17,7 +17,7 @@ from ckv.train import (
     NonFiniteLossError, ResumeError, TrainingInterrupted, latest_checkpoint, list_checkpoints, read_metrics, train,
 )
 from ckv.train.engine import Engine
-from ckv.weights import load_weights
+from ckv.io.weights import load_weights
 
 from .helpers import TEXT_DATA, losses
 

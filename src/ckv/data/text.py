@@ -27,6 +27,7 @@ from ckv.data.config import TextConfig
 from ckv.data.corpus import Corpus, DataError, iter_documents, load_corpus
 from ckv.data.stream import rng_for
 from ckv.data.tokenizer import load_tokenizer, token_id, train_bpe
+from ckv.io.atomic import atomic_path
 
 TEXT_SALT = 0
 ENCODE_BATCH = 256  # documents per tokenizer call
@@ -83,11 +84,9 @@ class PackedText(TextSource):
             h.update(b"\x00")
         path = os.path.join(cache_dir, "tokens", f"{h.hexdigest()[:24]}.npy")
         if not os.path.isfile(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp.npy"
             parts = list(self.encode(self.documents()))
-            np.save(tmp, np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype))
-            os.replace(tmp, path)
+            with atomic_path(path) as tmp, open(tmp, "wb") as f:
+                np.save(f, np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype))
         self.tokens = np.load(path, mmap_mode="r")  # (N,)
         self.n_windows = max(len(self.tokens) - 1, 0) // self.seq_len
         self.per_rank = self.n_windows // self.world_size

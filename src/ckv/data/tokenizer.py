@@ -11,6 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ckv.config import ConfigError
 from ckv.data.corpus import DataError
+from ckv.io.atomic import atomic_path
 
 BYTE_ALPHABET = 256  # byte-level BPE starts from every byte
 LOCK_WAIT_S = 1800.0  # how long a rank waits for another process to finish training the same tokenizer
@@ -85,9 +86,8 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, special_tokens: list[str
     try:
         tok, trainer = _new_bpe(vocab_size, special_tokens)
         tok.train_from_iterator(texts, trainer)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        tok.save(tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            tok.save(str(tmp))
     finally:
         os.close(fd)
         os.remove(lock)

@@ -7,7 +7,7 @@ summaries and audit mode for transformers models (see docs/evaluation.md).
     results, out_dir = evaluate(load_ckv_model("runs/my_run"), LookupSpec(modulus=8), RunOptions(limit=64))
 """
 
-from ckv.eval.audit import load_hf_model
+from ckv.eval.hf_models import load_hf_model
 from ckv.eval.lookup import LookupOutcome, LookupSpec, LookupTask
 from ckv.eval.models import CheckpointMismatchError, LoadedModel, load_ckv_model
 from ckv.eval.probe import ProbeSpec, ProbeTask

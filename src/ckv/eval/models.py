@@ -2,7 +2,7 @@
 
 ``load_ckv_model`` reads ckv weights (a run folder, its final ``model/`` or any checkpoint's ``weights/``) and
 the run's ``config.yaml`` (the lookup layout it trained on, and a check that the weights match the run).
-``ckv.eval.audit.load_hf_model`` does the same for any local transformers causal LM.
+``ckv.eval.hf_models.load_hf_model`` does the same for any local transformers causal LM.
 """
 
 from __future__ import annotations
@@ -24,12 +24,9 @@ from ckv.data.tokenizer import lookup_special_tokens
 from ckv.eval.scoring import LogitsFn
 from ckv.eval.vocab import TextTokenizer, TokenizersTokenizer
 from ckv.model import Transformer
-from ckv.train.checkpoint import TOKENIZER_FILE, WEIGHTS_DIR, latest_checkpoint, list_checkpoints
 from ckv.train.config import ModelSpec
-from ckv.train.export import MODEL_DIR
-from ckv.train.run import CONFIG_FILE
-from ckv.weights import CONFIG_FILE as WEIGHTS_CONFIG
-from ckv.weights import WEIGHTS_FILE, load_config, load_weights
+from ckv.io.layout import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, TOKENIZER_FILE, WEIGHTS_DIR, latest_checkpoint, list_checkpoints
+from ckv.io.weights import WEIGHTS_CONFIG_FILE, WEIGHTS_FILE, load_config, load_weights
 
 PathLike = Union[str, Path]
 
@@ -80,7 +77,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _is_weights_dir(p: Path) -> bool:
-    return (p / WEIGHTS_CONFIG).is_file() and (p / WEIGHTS_FILE).is_file()
+    return (p / WEIGHTS_CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()
 
 
 def find_weights(path: PathLike, step: Union[int, str, None] = None) -> tuple[Path, Optional[Path]]:
@@ -97,9 +94,9 @@ def find_weights(path: PathLike, step: Union[int, str, None] = None) -> tuple[Pa
             raise ConfigError(f"model.step={step!r} is for run folders; {p} is already a weights folder")
         run = next((a for a in list(p.parents)[:3] if (a / CONFIG_FILE).is_file()), None)
         return p, run
-    if not ((p / CONFIG_FILE).is_file() or (p / MODEL_DIR).is_dir() or (p / "checkpoints").is_dir()):
+    if not ((p / CONFIG_FILE).is_file() or (p / MODEL_DIR).is_dir() or (p / CHECKPOINTS_DIR).is_dir()):
         raise FileNotFoundError(f"{p} is neither a ckv run folder (config.yaml, model/, checkpoints/) nor a weights "
-                                f"folder ({WEIGHTS_CONFIG} + {WEIGHTS_FILE})")
+                                f"folder ({WEIGHTS_CONFIG_FILE} + {WEIGHTS_FILE})")
     if step is None and _is_weights_dir(p / MODEL_DIR):
         return p / MODEL_DIR, p
     if step is None or step == "latest":

@@ -17,12 +17,12 @@ from typing import Any, Callable, Optional, Union
 
 from ckv import __version__
 from ckv.config import ConfigError
-from ckv.eval.audit import load_hf_model
+from ckv.eval.hf_models import load_hf_model
 from ckv.eval.lookup import LookupOutcome, LookupSpec, LookupTask
 from ckv.eval.models import LoadedModel, load_ckv_model
 from ckv.eval.plots import plot_lookup, plot_probe
 from ckv.eval.probe import ProbeSpec, ProbeTask, lookup_prompt, text_prompt
-from ckv.eval.results import RESULTS_CSV, RESULTS_JSON, write_csv, write_json
+from ckv.io.results import RESULTS_CSV, RESULTS_JSON, write_csv, write_json
 from ckv.eval.scoring import LogitsFn
 from ckv.eval.stats import StatsOptions
 from ckv.eval.summary import find_runs, results_file, summarize

@@ -7,16 +7,11 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from ckv.eval.plots import plot_grid_summary, plot_lookup_comparison, plot_phase_overlay
-from ckv.eval.results import RESULTS_JSON, read_json, write_csv, write_json
-from ckv.train.run import CONFIG_FILE
+from ckv.io.layout import CHECKPOINTS_DIR, EVAL_DIR, MODEL_DIR, is_run_dir
+from ckv.io.results import RESULTS_JSON, read_json, write_csv, write_json
 
 PathLike = Union[str, Path]
-SKIP = {"checkpoints", "eval", "model", ".hydra", "summary", "wandb"}
-
-
-def is_run_dir(p: Path) -> bool:
-    """A ckv run folder: its ``config.yaml`` plus final weights or checkpoints."""
-    return (p / CONFIG_FILE).is_file() and ((p / "model").is_dir() or (p / "checkpoints").is_dir())
+SKIP = {CHECKPOINTS_DIR, EVAL_DIR, MODEL_DIR, ".hydra", "summary", "wandb"}
 
 
 def find_runs(root: PathLike, max_depth: int = 3) -> list[Path]:

@@ -4,7 +4,7 @@
 is imported only when a run starts.
 """
 
-from ckv.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints
+from ckv.io.layout import CheckpointError, latest_checkpoint, list_checkpoints
 from ckv.train.config import ModelSpec, OptimConfig, TrainConfig, TrainerConfig, WandbConfig, resume_conflicts
 from ckv.train.loop import NonFiniteLossError, train
 from ckv.train.metrics import read_metrics

@@ -5,7 +5,7 @@ Layout under ``<run_dir>/checkpoints/``::
     step_00000100/
         engine/              DeepSpeed state: model, optimizer, LR scheduler (one shard file per rank under ZeRO)
         rank_00000.pt        per rank: data position and RNG states (python, numpy, torch, CUDA)
-        weights/             consolidated fp32 weights in ``ckv.weights`` format (+ tokenizer.json), for analyses
+        weights/             consolidated fp32 weights in ``ckv.io.weights`` format (+ tokenizer.json), for analyses
         trainer_state.json   step, tokens seen, world size, time
     latest                   text file naming the newest complete checkpoint folder
 
@@ -30,28 +30,17 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from ckv.io.atomic import replace_dir, write_text_atomic
+from ckv.io.layout import (
+    CHECKPOINTS_DIR, LATEST_FILE, STATE_FILE, TMP_PREFIX, TOKENIZER_FILE, TRASH_PREFIX, WEIGHTS_DIR,
+    CheckpointError, list_checkpoints, step_dir_name,
+)
+from ckv.io.weights import save_weights
 from ckv.train.distributed import DistEnv, barrier
-from ckv.weights import save_weights
 
 if TYPE_CHECKING:
     from ckv.model import Transformer
     from ckv.train.engine import Engine
-
-CHECKPOINTS_DIR = "checkpoints"
-MODEL_DIR = "model"  # <run_dir>/model: the final consolidated weights
-LATEST_FILE = "latest"
-STATE_FILE = "trainer_state.json"
-WEIGHTS_DIR = "weights"
-TOKENIZER_FILE = "tokenizer.json"
-_PREFIX, _TMP, _TRASH = "step_", ".tmp_", ".trash_"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the current run."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"
 
 
 def _rank_file(rank: int) -> str:
@@ -72,51 +61,6 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a small file so that readers see the old or the new content, never a partial one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run as ``(step, folder)``, oldest first."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX):].isdigit() and (p / STATE_FILE).is_file():
-            found.append((int(p.name[len(_PREFIX):]), p))
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The folder ``latest`` names (falling back to the newest complete folder), or ``None`` for a fresh run."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    pointer = root / LATEST_FILE
-    if pointer.is_file():
-        path = root / pointer.read_text().strip()
-        if not (path / STATE_FILE).is_file():
-            raise CheckpointError(f"{pointer} names {path.name}, which is not a complete checkpoint")
-        return path
-    found = list_checkpoints(run_dir)
-    return found[-1][1] if found else None
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Move a finished folder into place; an older folder at ``out`` is removed only after that."""
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def export_model(model: Transformer, out: Path, tokenizer_path: Optional[str] = None) -> Path:
@@ -146,7 +90,7 @@ class CheckpointManager:
         """Remove temp and trash folders a killed process left behind (rank 0)."""
         if self.env.is_main and self.root.is_dir():
             for p in self.root.iterdir():
-                if p.name.startswith((_TMP, _TRASH)):
+                if p.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
                     shutil.rmtree(p, ignore_errors=True)
         barrier()
 
@@ -157,7 +101,7 @@ class CheckpointManager:
         if self.last_saved is not None and self.last_saved[0] == step:
             return self.last_saved[1]
         final = self.root / step_dir_name(step)
-        tmp = self.root / (_TMP + final.name)
+        tmp = self.root / (TMP_PREFIX + final.name)
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -174,11 +118,11 @@ class CheckpointManager:
             state = {**trainer_state, "step": step, "world_size": self.env.world_size, "time": time.time()}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
             if final.exists():  # the same step saved again (e.g. by an earlier, interrupted invocation)
-                os.rename(final, self.root / (_TRASH + final.name))
+                os.rename(final, self.root / (TRASH_PREFIX + final.name))
             os.rename(tmp, final)
             write_text_atomic(self.root / LATEST_FILE, final.name + "\n")
             self._prune(keep=final)
-            shutil.rmtree(self.root / (_TRASH + final.name), ignore_errors=True)
+            shutil.rmtree(self.root / (TRASH_PREFIX + final.name), ignore_errors=True)
         barrier()
         self.last_saved = (step, final)
         return final
@@ -189,7 +133,7 @@ class CheckpointManager:
         for step, path in found:
             if path in recent or path == keep or (self.keep_every and step % self.keep_every == 0):
                 continue
-            trash = self.root / (_TRASH + path.name)
+            trash = self.root / (TRASH_PREFIX + path.name)
             os.rename(path, trash)
             shutil.rmtree(trash, ignore_errors=True)
 

@@ -1,4 +1,4 @@
-"""Export a checkpoint's consolidated weights on demand (``ckv.weights`` format + tokenizer.json):
+"""Export a checkpoint's consolidated weights on demand (``ckv.io.weights`` format + tokenizer.json):
 
     python -m ckv.train.export RUN_DIR [--checkpoint step_00001000] [--out DIR]
 
@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ckv.train.checkpoint import (
-    CHECKPOINTS_DIR, MODEL_DIR, WEIGHTS_DIR, CheckpointError, latest_checkpoint, replace_dir,
-)
+from ckv.io.atomic import replace_dir
+from ckv.io.layout import CHECKPOINTS_DIR, MODEL_DIR, WEIGHTS_DIR, CheckpointError, latest_checkpoint
 
 
 def export_checkpoint(run_dir: Path, checkpoint: Optional[str] = None, out: Optional[Path] = None) -> Path:

@@ -18,7 +18,8 @@ import torch
 from ckv.config import ConfigError
 from ckv.data import BatchStream, build_batches
 from ckv.model import Transformer
-from ckv.train.checkpoint import MODEL_DIR, CheckpointManager, export_model, latest_checkpoint
+from ckv.io.layout import MODEL_DIR, latest_checkpoint
+from ckv.train.checkpoint import CheckpointManager, export_model
 from ckv.train.config import TrainConfig
 from ckv.train.distributed import DistEnv, all_reduce_max, all_reduce_mean, barrier, distributed, resolve_device
 from ckv.train.engine import Engine, accumulation_steps

@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from ckv.train.checkpoint import write_text_atomic
+from ckv.io.atomic import write_text_atomic
+from ckv.io.layout import METRICS_FILE
 from ckv.train.config import WandbConfig
 
-METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_id"
 
 

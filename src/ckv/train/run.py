@@ -14,11 +14,10 @@ from typing import Any, Optional
 
 import yaml
 
-from ckv.train.checkpoint import latest_checkpoint, write_text_atomic
+from ckv.io.atomic import write_text_atomic
+from ckv.io.layout import CONFIG_FILE, RUN_INFO_FILE, latest_checkpoint
 from ckv.train.config import TrainConfig, resume_conflicts
 
-CONFIG_FILE = "config.yaml"
-RUN_INFO_FILE = "run_info.jsonl"
 PACKAGES = ("ckv", "torch", "deepspeed", "numpy", "safetensors", "hydra-core", "omegaconf", "datasets", "tokenizers",
             "wandb", "triton", "transformers")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Union
 
@@ -13,10 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ckv.config import ModelConfig
+from ckv.io.atomic import fsync_file, replace_dir
+from ckv.io.layout import TOKENIZER_FILE
 from ckv.model import Transformer
 
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
+WEIGHTS_CONFIG_FILE = "config.json"
+_OWN_FILES = (WEIGHTS_FILE, WEIGHTS_CONFIG_FILE, TOKENIZER_FILE)
 PathLike = Union[str, os.PathLike]
 
 
@@ -26,24 +30,29 @@ def _aliases(model: Transformer) -> set[str]:
 
 
 def save_weights(model: Transformer, directory: PathLike) -> Path:
-    """Write the model's fp32 weights and config atomically (temp files, then rename). Returns the directory.
+    """Write the model's fp32 weights and config as one unit: both go to a temp folder that replaces ``directory``
+    by a rename, so a reader never sees a new weights file beside an old config. Returns the directory.
     A shared parameter is stored once, under its first name."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    if d.is_dir() and (extra := sorted(p.name for p in d.iterdir() if p.name not in _OWN_FILES)):
+        raise FileExistsError(f"{d} holds other files ({extra[:3]}); save_weights replaces the whole folder")
     aliases = _aliases(model)
     state = {k: v.detach().float().cpu().contiguous() for k, v in model.state_dict().items() if k not in aliases}
-    tmp_w, tmp_c = d / (WEIGHTS_FILE + ".tmp"), d / (CONFIG_FILE + ".tmp")
-    save_file(state, str(tmp_w))
-    tmp_c.write_text(json.dumps(model.config.to_dict(), indent=2))
-    os.replace(tmp_w, d / WEIGHTS_FILE)
-    os.replace(tmp_c, d / CONFIG_FILE)
+    tmp = d.with_name(d.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(state, str(tmp / WEIGHTS_FILE))
+    (tmp / WEIGHTS_CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2))
+    for name in _OWN_FILES[:2]:
+        fsync_file(tmp / name)
+    replace_dir(tmp, d)
     return d
 
 
 def load_config(directory: PathLike) -> ModelConfig:
-    path = Path(directory) / CONFIG_FILE
+    path = Path(directory) / WEIGHTS_CONFIG_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"no {CONFIG_FILE} in {directory}: not a ckv weights folder")
+        raise FileNotFoundError(f"no {WEIGHTS_CONFIG_FILE} in {directory}: not a ckv weights folder")
     return ModelConfig.from_dict(json.loads(path.read_text()))
 
 

@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from ckv.config import ConfigError
-from ckv.eval.analysis_plots import plot_gate_profiles, plot_gate_training
+from ckv.analysis.plots import plot_gate_profiles, plot_gate_training
 from ckv.eval.lookup import LookupOutcome, LookupTask
-from ckv.eval.mechanism import Branch, gated_branches, settings_from_params
+from ckv.analysis.hooks import Branch, gated_branches, settings_from_params
 from ckv.eval.models import LoadedModel, load_ckv_model
 from ckv.eval.runner import AnalysisContext, RunOptions, register_analysis
 from ckv.eval.stats import group_accuracy
-from ckv.train.checkpoint import list_checkpoints
+from ckv.io.layout import list_checkpoints
 
 log = logging.getLogger(__name__)
 

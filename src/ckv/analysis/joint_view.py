@@ -3,7 +3,7 @@
 
 The paper's observation is that they line up: a head whose gates concentrate on some offsets loses accuracy,
 when knocked out, on the matching phases. For each (layer, KV head) this runs the KV-group knock-out
-(``ckv.eval.knockout``) and the gate statistics (``ckv.eval.gates``) on the same prompts and puts side by side
+(``ckv.analysis.knockout``) and the gate statistics (``ckv.analysis.gates``) on the same prompts and puts side by side
 the per-phase knock-out effect and the K and V offset profiles. With W == S (offset = phase) it also reports
 the Pearson correlation between the knock-out loss profile (minus the effect) and each gate profile.
 """
@@ -16,10 +16,10 @@ from typing import Optional
 
 import numpy as np
 
-from ckv.eval.analysis_plots import plot_joint
-from ckv.eval.gates import gate_statistics
-from ckv.eval.knockout import KnockoutSettings, run_knockout
-from ckv.eval.mechanism import settings_from_params
+from ckv.analysis.plots import plot_joint
+from ckv.analysis.gates import gate_statistics
+from ckv.analysis.knockout import KnockoutSettings, run_knockout
+from ckv.analysis.hooks import settings_from_params
 from ckv.eval.runner import AnalysisContext, register_analysis
 
 

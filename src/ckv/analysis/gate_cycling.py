@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from ckv.config import ConfigError
-from ckv.eval.analysis_plots import plot_gate_cycling
-from ckv.eval.mechanism import AnalysisNotApplicable, gated_branches, settings_from_params
-from ckv.eval.paired import interval, paired_replicates
+from ckv.analysis.plots import plot_gate_cycling
+from ckv.analysis.hooks import AnalysisNotApplicable, gated_branches, settings_from_params
+from ckv.analysis.paired import interval, paired_replicates
 from ckv.eval.runner import AnalysisContext, register_analysis
 from ckv.eval.stats import group_accuracy
 

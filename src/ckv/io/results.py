@@ -6,11 +6,12 @@ import csv
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
+
+from ckv.io.atomic import atomic_path, write_text_atomic
 
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
@@ -36,16 +37,9 @@ def to_jsonable(obj: Any) -> Any:
     return str(obj)  # paths, dtypes and other oddities of model configs
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def write_json(path: PathLike, obj: Any) -> Path:
     p = Path(path)
-    _atomic_write(p, json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n")
+    write_text_atomic(p, json.dumps(to_jsonable(obj), indent=2, allow_nan=False) + "\n")
     return p
 
 
@@ -56,14 +50,11 @@ def read_json(path: PathLike) -> Any:
 def write_csv(path: PathLike, rows: list[dict]) -> Path:
     """One row per sample; the columns are the union of the rows' keys in first-seen order."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     columns: dict[str, None] = {}
     for r in rows:
         columns.update(dict.fromkeys(r))
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with atomic_path(p) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(columns))
         w.writeheader()
         w.writerows(to_jsonable(rows))
-    os.replace(tmp, p)
     return p

@@ -5,8 +5,8 @@ The demo only drives ``train.py`` and ``eval.py`` with shipped configs (``conf/e
 position-matched lookup task, writes the side-by-side comparison through ``eval.py summary=...``, then prints one
 table and checks the science it claims (``CRITERIA``), writing everything under ``outputs/demo/``.
 
-    python -m ckv.demo                 # the full demo (about 11 minutes on 2 cores)
-    python -m ckv.demo --quick         # a few steps per model: checks the pipeline, not the science
+    python -m ckv.apps.demo                 # the full demo (about 11 minutes on 2 cores)
+    python -m ckv.apps.demo --quick         # a few steps per model: checks the pipeline, not the science
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Optional
 
 import yaml
 
-from ckv.eval.results import read_json, write_json
+from ckv.io.results import read_json, write_json
 from ckv.eval.stats import gap_is_real
 from ckv.eval.summary import results_file
-from ckv.train.run import CONFIG_FILE
+from ckv.io.layout import CONFIG_FILE
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: train.py, eval.py and conf/ live here
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
 TASK = "demo_lookup"
 DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                    "TORCHELASTIC_RUN_ID")

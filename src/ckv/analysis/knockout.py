@@ -5,7 +5,7 @@ last prompt token, whose logits the lookup task scores) is replaced by its mean 
 prompts disjoint from the scored ones; the same scored prompts are then re-evaluated. Per phase the effect is
 ``100 * (knocked - clean) / clean`` (percent of the clean accuracy), with a paired cluster-bootstrap interval
 (the same resampled key->value mappings for clean and knocked). Works for any model whose attention output
-projections ``ckv.eval.mechanism.attention_sites`` finds (ckv full and compressed models, Qwen-like HF models).
+projections ``ckv.analysis.hooks.attention_sites`` finds (ckv full and compressed models, Qwen-like HF models).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from typing import Optional
 import numpy as np
 
 from ckv.config import ConfigError
-from ckv.eval.analysis_plots import plot_knockout
+from ckv.analysis.plots import plot_knockout
 from ckv.eval.lookup import LookupOutcome, LookupTask
-from ckv.eval.mechanism import (
+from ckv.analysis.hooks import (
     AttentionSite, FinalInputMeans, attention_sites, capture_final_inputs, replace_final_input, settings_from_params,
 )
-from ckv.eval.paired import interval, paired_replicates, relative_change
-from ckv.eval.results import write_csv
+from ckv.analysis.paired import interval, paired_replicates, relative_change
+from ckv.io.results import write_csv
 from ckv.eval.runner import AnalysisContext, register_analysis
 from ckv.eval.scoring import score_next_token
 from ckv.eval.stats import group_accuracy

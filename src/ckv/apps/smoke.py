@@ -1,7 +1,7 @@
 """End-to-end check of the foundation on a CPU: every attention variant under conf/attention builds a tiny model,
 runs forward and backward, decodes incrementally (compared with a full forward) and reports its cache memory.
 
-Run: ``python -m ckv.smoke [conf/attention]``."""
+Run: ``python -m ckv.apps.smoke [conf/attention]``."""
 
 from __future__ import annotations
 
