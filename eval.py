@@ -6,17 +6,73 @@
     python eval.py summary=<sweep dir>                       # every run of a multirun sweep + grid summary
     python eval.py model.path=<run dir> analysis=<name>      # a registered analysis (conf/eval/analysis/)
 
-See docs/evaluation.md. This file only turns the Hydra config into ckv.eval dataclasses.
+See docs/evaluation.md. This file only turns the Hydra config into ckv.eval / ckv.analysis calls. Path values
+(``PATH_KEYS``) are taken verbatim, so a sweep job folder such as ``.../attention.stride=4,seed=0`` can be pasted
+unquoted. Configuration and data errors end the program with one ``ckv: error: ...`` line and exit code 2.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 import hydra
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from ckv.eval import ModelSource, RunOptions, evaluate, run_analysis, summarize_runs, task_from_dict
+from ckv.analysis import run_analysis
+from ckv.config import ConfigError
+from ckv.data import DataError
+from ckv.eval import ModelSource, RunOptions, evaluate, summarize_runs, task_from_dict
+from ckv.io.layout import CheckpointError
+
+PATH_KEYS = ("model.path", "model.tokenizer", "summary", "summary_out", "out_dir")
+# CheckpointMismatchError and AnalysisNotApplicable are ConfigErrors
+USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError, ImportError, HydraException,
+               OmegaConfBaseException)
+EXIT_USER_ERROR = 2
+
+
+def quote_path_values(overrides: list[str]) -> list[str]:
+    """Quote the value of each ``<path key>=<value>`` override (``PATH_KEYS``) so that Hydra's override grammar
+    reads it verbatim (``=`` and ``,`` are grammar in an unquoted value). Values already quoted, lists
+    (``summary=[a,b]``: quote their items yourself), ``null``, empty values and other keys are left alone."""
+    out = []
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+") in PATH_KEYS and value and value[0] not in "'\"[" and value != "null":
+            quote = "'" if "'" not in value else '"'
+            if quote not in value:
+                arg = f"{key}={quote}{value}{quote}"
+        out.append(arg)
+    return out
+
+
+def error_line(e: BaseException) -> str:
+    """The one line that reports a configuration or data error ``e``."""
+    if isinstance(e, OverrideParseException):
+        message = f"cannot parse the override {e.override!r}: {e.message.splitlines()[0]}"
+    elif isinstance(e, MissingConfigException) and e.options:
+        message = f"{str(e).splitlines()[0]}; choose one of {sorted(e.options)}"
+    elif isinstance(e, OmegaConfBaseException):
+        message = str(e).splitlines()[0]  # the further lines repeat the key and the node type
+    else:
+        message = str(e)
+    return "ckv: error: " + " ".join(message.split())
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn ``USER_ERRORS`` into ``error_line`` on stderr and exit code 2; anything else keeps its traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        print(error_line(e), file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
 
 
 def _options(c: dict) -> RunOptions:
@@ -31,9 +87,7 @@ def _summary(c: dict) -> None:
     print(f"summary of {len(result['runs'])} runs -> {out}")
 
 
-@hydra.main(version_base="1.3", config_path="conf/eval", config_name="config")
-def main(cfg: DictConfig) -> None:
-    c = OmegaConf.to_container(cfg, resolve=True)
+def _run(c: dict) -> None:
     if c.get("summary"):
         _summary(c)
         return
@@ -50,5 +104,21 @@ def main(cfg: DictConfig) -> None:
     print(f"results -> {out}")
 
 
+@hydra.main(version_base="1.3", config_path="conf/eval", config_name="config")
+def main(cfg: DictConfig) -> None:
+    # errors are reported in here: Hydra would add a line of its own to an exception that leaves the job
+    with user_errors():
+        _run(OmegaConf.to_container(cfg, resolve=True))
+
+
+def cli() -> None:
+    """``python eval.py [overrides]``: Hydra's own errors (a bad override, an unknown config group option) are
+    raised to here instead of printed by Hydra (``HYDRA_FULL_ERROR``) and reported like the job's."""
+    sys.argv = [sys.argv[0], *quote_path_values(sys.argv[1:])]
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    with user_errors():
+        main()
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from ckv.eval import AnalysisContext, LoadedModel, LookupSpec, RunOptions, StatsOptions, build_task, load_ckv_model
+from ckv.analysis import AnalysisContext
+from ckv.eval import LoadedModel, LookupSpec, RunOptions, StatsOptions, build_task, load_ckv_model
 
 TINY_RUN = {
     "name": "tiny_gate", "seed": 0,

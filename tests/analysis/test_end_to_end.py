@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ckv.eval import load_ckv_model, run_analysis
+from ckv.analysis import run_analysis
+from ckv.eval import load_ckv_model
 from ckv.analysis.joint_view import correlation
 
 from ..eval.helpers import make_run, png_ok

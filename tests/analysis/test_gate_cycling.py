@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ckv.eval import LoadedModel, load_ckv_model, run_analysis
+from ckv.analysis import run_analysis
+from ckv.eval import LoadedModel, load_ckv_model
 from ckv.analysis.gate_cycling import cycled_gates, cycling_parameters, predicted_accuracy, prediction_r2
 from ckv.analysis.hooks import AnalysisNotApplicable
 
@@ -73,7 +74,7 @@ def test_shared_maps_shift_only_the_offset_bias(tmp_path: Path) -> None:
 def test_gate_cycling_does_not_apply(tmp_path: Path, attention: dict, message: str) -> None:
     model = load_ckv_model(make_run(tmp_path, attention=attention), device="cpu")
     with pytest.raises(AnalysisNotApplicable, match=message):
-        run_analysis({"name": "gate_cycling", "module": "ckv.analysis.gate_cycling"}, model, SPEC,
+        run_analysis({"name": "gate_cycling"}, model, SPEC,
                      options(tmp_path / "out", limit=1))
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ckv.config import ConfigError
-from ckv.eval import LoadedModel, load_ckv_model, run_analysis
+from ckv.analysis import run_analysis
+from ckv.eval import LoadedModel, load_ckv_model
 from ckv.analysis.knockout import KnockoutSettings, calibration_means, run_knockout
 from ckv.analysis.hooks import attention_sites, replace_final_input
 
@@ -77,7 +78,7 @@ def test_calibration_drops_prompts_that_are_scored(trained: LoadedModel, tmp_pat
 
 def test_knockout_runs_on_full_attention(tmp_path: Path) -> None:
     run = make_run(tmp_path, attention=dict(kind="full"), preset_overrides=dict(n_heads=4, n_kv_heads=2))
-    env = run_analysis({"name": "knockout", "module": "ckv.analysis.knockout", "calibration": 2},
+    env = run_analysis({"name": "knockout", "calibration": 2},
                        load_ckv_model(run, device="cpu"), SPEC, options(tmp_path / "out", limit=4))
     units = env["analysis"]["results"]["units"]
     expected = [(0, None, [0, 1, 2, 3]), (0, 0, [0, 1]), (0, 1, [2, 3])]  # the layer, then its two KV groups

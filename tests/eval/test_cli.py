@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -26,13 +27,13 @@ def test_eval_run_then_summary(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     gate = make_run(sweep, attention=dict(kind="compressed", window=4, stride=4, local_window=4), name="gate,seed=0")
     make_run(sweep, attention=dict(kind="full"), name="full,seed=0")
-    p = _eval(f"model.path='{gate}'", "task.modulus=8", "limit=4")  # quoted: the folder name holds ',' and '='
+    p = _eval(f"model.path={gate}", "task.modulus=8", "limit=4")  # pasted verbatim: the folder name holds ',' and '='
 
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((gate / "eval" / "lookup" / "results.json").read_text())
     assert results["results"]["n_prompts"] == 32 and '"phase_gap"' in p.stdout
     # the summary evaluates the run that has no results yet, with the same task settings
-    p = _eval(f"summary='{sweep}'", "task.modulus=8", "task.stride=4", "limit=4")
+    p = _eval(f"summary='{sweep}'", "task.modulus=8", "task.stride=4", "limit=4")  # quoted by hand: kept as is
     assert p.returncode == 0, p.stderr[-3000:]
     summary = json.loads((sweep / "summary" / "lookup" / "summary.json").read_text())
     assert sorted(r["run"] for r in summary["runs"]) == ["full,seed=0", "gate,seed=0"]
@@ -43,7 +44,40 @@ def test_eval_run_then_summary(tmp_path: Path) -> None:
 def test_bad_input_fails_with_a_clear_message(tmp_path: Path) -> None:
     run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4))
     p = _eval(f"model.path={run}", "task.modulus=2")
-    assert p.returncode != 0 and "task.modulus=2 is smaller than the stride 4" in p.stderr
+    lines = p.stderr.splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith("ckv: error: task.modulus=2 is smaller than the stride 4")
+
+
+def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    """Hydra's composition and override errors and a missing model folder, each as one ``ckv: error:`` line."""
+    missing = tmp_path / "runs" / "demo" / "seed=0"
+    cases = {
+        "nosuch=1": "ckv: error: Could not override 'nosuch'. To append to your config use +nosuch=1",
+        "task=nosuch": "ckv: error: In 'config': Could not find 'task/nosuch'; choose one of ['demo_lookup', "
+                       "'lookup', 'lookup_ids', 'lookup_words', 'probe_fp8', 'probe_synthetic']",
+        f"model.path={missing}": f"ckv: error: model.path={str(missing)!r} does not exist",
+    }
+    for override, line in cases.items():
+        p = _eval(override)
+        assert (p.returncode, p.stderr.splitlines()) == (2, [line]), override
+
+
+def _cli_module():
+    spec = importlib.util.spec_from_file_location("ckv_eval_cli", ROOT / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_path_values_are_quoted_for_hydra() -> None:
+    quote = _cli_module().quote_path_values
+    assert quote(["model.path=/r/a=1,seed=0", "summary=/s", "out_dir=o", "+model.tokenizer=t"]) == [
+        "model.path='/r/a=1,seed=0'", "summary='/s'", "out_dir='o'", "+model.tokenizer='t'"]
+    kept = ["model.path='/r/seed=0'", 'summary="/s"', "summary=[/a,/b]", "model.path=null", "model.path=",
+            "task.name=a=b", "limit=4", "-m"]
+    assert quote(kept) == kept
+    assert quote(["model.path=/it's"]) == ['model.path="/it\'s"']
 
 
 @pytest.mark.slow

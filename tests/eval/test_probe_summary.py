@@ -1,4 +1,4 @@
-"""The filler-length probe, plots, sweep summaries and the analysis hook."""
+"""The filler-length probe, plots and sweep summaries."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from ckv.config import ConfigError
 from ckv.eval import (
-    LookupSpec, ModelSource, ProbeSpec, RunOptions, StatsOptions, evaluate, find_runs, load_ckv_model,
-    register_analysis, run_analysis, summarize, summarize_runs,
+    LookupSpec, ModelSource, ProbeSpec, RunOptions, StatsOptions, evaluate, find_runs, load_ckv_model, summarize,
+    summarize_runs,
 )
 from ckv.eval.codec import TokenCodec
 from ckv.eval.plots import _grid_cell_text, plot_grid_summary, stride_window_grids
@@ -137,33 +137,3 @@ def test_grid_cells_show_intervals_and_mark_gaps_below_the_noise_floor() -> None
     assert _grid_cell_text([real, dict(below_floor, seed=1)], "phase_gap", 25.0) == "25.0\n(mean of 2 seeds)\nn.s."
     assert _grid_cell_text([real, real], "phase_gap", 30.0) == "30.0\n(mean of 2 runs: not only seeds)"
     assert _grid_cell_text([dict(below_floor, mean=0.5)], "mean", 50.0) == "50.0"  # no mean interval given; n.s. is for gaps
-
-
-def test_analysis_hook_reruns_the_lookup_with_a_modified_model(tmp_path: Path) -> None:
-    run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4))
-    seen = {}
-
-    @register_analysis("test_oracle_swap")
-    def swap(ctx) -> dict:
-        clean = ctx.report(ctx.evaluate())
-        oracle = ctx.report(ctx.evaluate(lambda ids: _table_oracle(ctx, ids)))
-        seen["prompts"] = len(ctx.task.prompts)
-        return {"clean_mean": clean["headline"]["mean"], "oracle_phase_accuracy":
-                [g["accuracy"] for g in oracle["phase"]["groups"]], "scale": ctx.params["scale"]}
-
-    env = run_analysis({"name": "test_oracle_swap", "scale": 2}, load_ckv_model(run, device="cpu"),
-                       LookupSpec(modulus=4), RunOptions(limit=3, progress=False, stats=FAST))
-    assert env["analysis"]["results"]["oracle_phase_accuracy"] == [1.0] * 4 and seen["prompts"] == 12
-    assert env["analysis"]["results"]["scale"] == 2
-    assert (run / "eval" / "lookup" / "test_oracle_swap" / "test_oracle_swap.json").is_file()
-    with pytest.raises(ConfigError, match="not registered"):
-        run_analysis({"name": "nope"}, load_ckv_model(run, device="cpu"), LookupSpec(modulus=4))
-
-
-def _table_oracle(ctx, ids: torch.Tensor) -> torch.Tensor:
-    """Answers every prompt of the task correctly, by looking the prompt up in the task's table."""
-    answers = {tuple(p.tolist()): a for p, a in zip(ctx.task.prompts, ctx.task.table["answer_id"])}
-    logits = torch.zeros(ids.shape[0], ctx.model.vocab_size)
-    for b, row in enumerate(ids.tolist()):
-        logits[b, answers[tuple(row)]] = 1.0
-    return logits

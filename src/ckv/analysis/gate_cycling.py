@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ckv.config import ConfigError
-from ckv.analysis.plots import plot_gate_cycling
 from ckv.analysis.hooks import AnalysisNotApplicable, gated_branches, settings_from_params
 from ckv.analysis.paired import interval, paired_replicates
-from ckv.eval.runner import AnalysisContext, register_analysis
+from ckv.analysis.plots import plot_gate_cycling
+from ckv.analysis.registry import AnalysisContext, register_analysis
+from ckv.config import ConfigError
 from ckv.eval.stats import group_accuracy
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Gate concentration: how many window offsets each learned gate uses (``eval.py analysis=gates``).
 
 For every compressed layer, KV head and branch (K and V) the gate weights ``alpha`` of every full window of the
-lookup prompts are recorded (``Compressor.record_gates``) and summarised by the effective number of offsets
-``exp(H(p))`` (``H`` = entropy in nats; 1 for a one-hot gate, W for a uniform one):
+lookup prompts are read by a forward hook on the compressor's ``pooling`` step and summarised by the effective
+number of offsets ``exp(H(p))`` (``H`` = entropy in nats; 1 for a one-hot gate, W for a uniform one):
 
 - static: ``exp(H(E[alpha]))``, of the window-averaged gate (does the gate prefer fixed offsets?);
 - per window: ``E[exp(H(alpha))]`` (does each window's gate pick few offsets, whichever they are?);
@@ -18,18 +18,19 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
 
-from ckv.config import ConfigError
-from ckv.analysis.plots import plot_gate_profiles, plot_gate_training
-from ckv.eval.lookup import LookupOutcome, LookupTask
 from ckv.analysis.hooks import Branch, gated_branches, settings_from_params
+from ckv.analysis.plots import plot_gate_profiles, plot_gate_training
+from ckv.analysis.registry import AnalysisContext, register_analysis
+from ckv.config import ConfigError
+from ckv.eval.lookup import LookupOutcome, LookupTask
 from ckv.eval.models import LoadedModel, load_ckv_model
-from ckv.eval.runner import AnalysisContext, RunOptions, register_analysis
+from ckv.eval.runner import RunOptions
 from ckv.eval.stats import group_accuracy
 from ckv.io.layout import list_checkpoints
 
@@ -75,27 +76,23 @@ class GateAccumulator:
 @contextmanager
 def record_gates(branches: list[Branch]) -> Iterator[dict[tuple[int, str], GateAccumulator]]:
     """Inside the block every forward pass adds each branch's gate weights to its accumulator (keyed by
-    ``(layer, branch)``); recording is switched off again afterwards."""
+    ``(layer, branch)``), read by a forward hook on the compressor's ``pooling`` submodule; the hooks are removed
+    afterwards, also after an error."""
     accumulators = {(b.layer, b.name): GateAccumulator() for b in branches}
 
-    def hook_for(acc: GateAccumulator):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, _: torch.Tensor) -> None:
-            if module.last_alpha is None:
-                raise RuntimeError("the compressor recorded no gate weights (its pooling kernel returned none)")
-            acc.add(module.last_alpha, args[1] if len(args) > 1 else kwargs["present"])  # forward(hw, present)
+    def hook_for(acc: GateAccumulator) -> Callable[[nn.Module, tuple, tuple], None]:
+        def hook(_: nn.Module, args: tuple, output: tuple) -> None:
+            present, alpha = args[2], output[1]  # Pooling.forward(payload, logits, present) -> (pooled, alpha)
+            acc.add(alpha.detach(), present)
         return hook
 
-    handles = []
-    for b in branches:
-        b.compressor.record_gates = True
-        hook = hook_for(accumulators[(b.layer, b.name)])
-        handles.append(b.compressor.register_forward_hook(hook, with_kwargs=True))
+    handles = [b.compressor.pooling.register_forward_hook(hook_for(accumulators[(b.layer, b.name)]))
+               for b in branches]
     try:
         yield accumulators
     finally:
-        for b, h in zip(branches, handles):
+        for h in handles:
             h.remove()
-            b.compressor.record_gates, b.compressor.last_alpha = False, None
 
 
 def gate_statistics(model: LoadedModel, task: LookupTask, options: RunOptions) -> tuple[list[dict], LookupOutcome]:

@@ -16,11 +16,11 @@ from typing import Optional
 
 import numpy as np
 
-from ckv.analysis.plots import plot_joint
 from ckv.analysis.gates import gate_statistics
-from ckv.analysis.knockout import KnockoutSettings, run_knockout
 from ckv.analysis.hooks import settings_from_params
-from ckv.eval.runner import AnalysisContext, register_analysis
+from ckv.analysis.knockout import KnockoutSettings, run_knockout
+from ckv.analysis.plots import plot_joint
+from ckv.analysis.registry import AnalysisContext, register_analysis
 
 
 @dataclass(frozen=True)

@@ -17,17 +17,17 @@ from typing import Optional
 
 import numpy as np
 
-from ckv.config import ConfigError
-from ckv.analysis.plots import plot_knockout
-from ckv.eval.lookup import LookupOutcome, LookupTask
 from ckv.analysis.hooks import (
     AttentionSite, FinalInputMeans, attention_sites, capture_final_inputs, replace_final_input, settings_from_params,
 )
 from ckv.analysis.paired import interval, paired_replicates, relative_change
-from ckv.io.results import write_csv
-from ckv.eval.runner import AnalysisContext, register_analysis
+from ckv.analysis.plots import plot_knockout
+from ckv.analysis.registry import AnalysisContext, register_analysis
+from ckv.config import ConfigError
+from ckv.eval.lookup import LookupOutcome, LookupTask
 from ckv.eval.scoring import score_next_token
 from ckv.eval.stats import group_accuracy
+from ckv.io.results import write_csv
 
 log = logging.getLogger(__name__)
 UNIT_KINDS = ("layers", "heads")

@@ -90,6 +90,15 @@ def joint_attention(
     return joint_attention_reference(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start)[0]
 
 
+class Pooling(nn.Module):
+    """The pooling step of a compressor as a submodule without parameters or state, so that a forward hook can
+    read the weights: ``forward(payload, logits, present, impl)`` returns ``(pooled, alpha)`` (see ``pool``)."""
+
+    def forward(self, payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor,
+                impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+        return pool(payload, logits, present, impl=impl)
+
+
 class Compressor(nn.Module):
     """One branch (keys or values) of the chunked compressor.
 
@@ -111,8 +120,7 @@ class Compressor(nn.Module):
         self.payload = nn.Parameter(torch.empty(*lead, d, out))  # C_i: (W, d, KV*D) or C: (d, KV*D)
         self.gate_weight = nn.Parameter(torch.empty(*lead, d, self.gate_dim)) if a.pooling == "gate" else None
         self.gate_bias = nn.Parameter(torch.zeros(W, self.gate_dim)) if a.pooling == "gate" and a.gate_bias else None
-        self.record_gates = False  # analyses set this to keep the last weights in ``last_alpha``
-        self.last_alpha: Optional[torch.Tensor] = None
+        self.pooling = Pooling()  # analyses hook it to read the gate weights alpha
 
     def _map(self, hw: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.specific:
@@ -134,9 +142,7 @@ class Compressor(nn.Module):
             if self.gate_bias is not None:
                 logits = logits + self.gate_bias
             logits = logits.view(B, E, W, self.kv_heads, self.gate_dim // self.kv_heads)
-        pooled, alpha = pool(payload, logits, present, impl=impl)
-        if self.record_gates:
-            self.last_alpha = alpha.detach() if alpha is not None else None
+        pooled, _ = self.pooling(payload, logits, present, impl=impl)
         return pooled
 
 

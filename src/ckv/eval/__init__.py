@@ -11,17 +11,13 @@ from ckv.eval.hf_models import load_hf_model
 from ckv.eval.lookup import LookupOutcome, LookupSpec, LookupTask
 from ckv.eval.models import CheckpointMismatchError, LoadedModel, load_ckv_model
 from ckv.eval.probe import ProbeSpec, ProbeTask
-from ckv.eval.runner import (
-    ANALYSES, AnalysisContext, ModelSource, RunOptions, build_task, evaluate, register_analysis, run_analysis,
-    summarize_runs, task_from_dict,
-)
+from ckv.eval.runner import ModelSource, RunOptions, build_task, evaluate, summarize_runs, task_from_dict
 from ckv.eval.stats import StatsOptions
 from ckv.eval.summary import find_runs, summarize
 from ckv.eval.vocab import VocabSpec
 
 __all__ = [
-    "ANALYSES", "AnalysisContext", "CheckpointMismatchError", "LoadedModel", "LookupOutcome", "LookupSpec",
-    "LookupTask", "ModelSource", "ProbeSpec", "ProbeTask", "RunOptions", "StatsOptions", "VocabSpec", "build_task",
-    "evaluate", "find_runs", "load_ckv_model", "load_hf_model", "register_analysis", "run_analysis", "summarize",
-    "summarize_runs", "task_from_dict",
+    "CheckpointMismatchError", "LoadedModel", "LookupOutcome", "LookupSpec", "LookupTask", "ModelSource", "ProbeSpec",
+    "ProbeTask", "RunOptions", "StatsOptions", "VocabSpec", "build_task", "evaluate", "find_runs", "load_ckv_model",
+    "load_hf_model", "summarize", "summarize_runs", "task_from_dict",
 ]

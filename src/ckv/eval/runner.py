@@ -1,29 +1,22 @@
-"""Run a task on a model and write its folder: ``results.json``, per-sample ``results.csv`` and PNG plots.
-
-Also the hook for mechanistic analyses: an analysis is a function registered under a name; it receives an
-``AnalysisContext`` holding the model and the built lookup task, re-runs the same prompts on modified models
-through ``ctx.evaluate(logits_fn)`` and gets per-phase results back from ``ctx.report(outcome)``.
-"""
+"""Run a task on a model and write its folder: ``results.json``, per-sample ``results.csv`` and PNG plots."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional, Union
 
 from ckv import __version__
 from ckv.config import ConfigError
 from ckv.eval.hf_models import load_hf_model
-from ckv.eval.lookup import LookupOutcome, LookupSpec, LookupTask
+from ckv.eval.lookup import LookupSpec, LookupTask
 from ckv.eval.models import LoadedModel, load_ckv_model
 from ckv.eval.plots import plot_lookup, plot_probe
 from ckv.eval.probe import ProbeSpec, ProbeTask, lookup_prompt, text_prompt
 from ckv.io.results import RESULTS_CSV, RESULTS_JSON, write_csv, write_json
-from ckv.eval.scoring import LogitsFn
 from ckv.eval.stats import StatsOptions
 from ckv.eval.summary import find_runs, results_file, summarize
 from ckv.eval.vocab import build_codec
@@ -126,7 +119,8 @@ def output_dir(model: LoadedModel, spec: TaskSpec, options: RunOptions) -> Path:
     return model.out_dir / spec.name
 
 
-def _envelope(model: LoadedModel, spec: TaskSpec, options: RunOptions, report: dict) -> dict:
+def results_envelope(model: LoadedModel, spec: TaskSpec, options: RunOptions, report: dict) -> dict:
+    """What every results file holds around a task's ``report``: the model, the task and options, the version."""
     return {"model": {"name": model.name, **model.info},
             "eval": {"task": {"kind": report["task"], **dataclasses.asdict(spec)}, "options": options,
                      "ckv_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S")},
@@ -145,7 +139,7 @@ def evaluate(model: LoadedModel, spec: TaskSpec, options: RunOptions = RunOption
     else:
         report = task.evaluate(model.logits, **run)
         rows = report["lengths"]
-    results = _envelope(model, spec, options, report)
+    results = results_envelope(model, spec, options, report)
     write_json(out / RESULTS_JSON, results)
     write_csv(out / RESULTS_CSV, rows)
     if options.plots:
@@ -176,59 +170,3 @@ def summarize_runs(
 
     out = Path(out_dir) if out_dir else paths[0] / "summary" / spec.name
     return summarize(runs, spec.name, out, evaluate_missing=evaluate_run, rerun=rerun), out
-
-
-# ---- analyses ---------------------------------------------------------------------------------------------------
-@dataclass
-class AnalysisContext:
-    """What an analysis receives: the model, the built lookup task (the same prompts for every variant), the
-    run options, its parameters (the ``analysis`` config minus ``name``/``module``) and its output folder."""
-
-    model: LoadedModel
-    task: LookupTask
-    options: RunOptions
-    params: dict
-    out_dir: Path
-
-    def evaluate(self, logits: Optional[LogitsFn] = None) -> LookupOutcome:
-        """Score the task's prompts with ``logits`` (default: the unmodified model)."""
-        return self.task.evaluate(logits or self.model.logits, batch_size=self.options.batch_size,
-                                  device=self.model.device, progress=self.options.progress)
-
-    def report(self, outcome: LookupOutcome) -> dict:
-        """Per-residue and per-phase statistics of an outcome (see ``LookupTask.report``)."""
-        return self.task.report(outcome, self.options.stats)
-
-
-AnalysisFn = Callable[[AnalysisContext], dict]
-ANALYSES: dict[str, AnalysisFn] = {}
-
-
-def register_analysis(name: str) -> Callable[[AnalysisFn], AnalysisFn]:
-    """Decorator: make ``fn(ctx) -> JSON-ready dict`` runnable as ``eval.py analysis=<name>``."""
-
-    def deco(fn: AnalysisFn) -> AnalysisFn:
-        ANALYSES[name] = fn
-        return fn
-
-    return deco
-
-
-def run_analysis(config: dict[str, Any], model: LoadedModel, spec: LookupSpec, options: RunOptions = RunOptions()) -> dict:
-    """Run the analysis named ``config["name"]`` (importing ``config["module"]`` first, where it registers
-    itself) on the lookup task ``spec``; writes ``<out>/<name>.json`` and returns the envelope."""
-    params = dict(config)
-    name, module = params.pop("name", None), params.pop("module", None)
-    if module:
-        importlib.import_module(module)
-    if name not in ANALYSES:
-        raise ConfigError(f"analysis={name!r} is not registered; available: {sorted(ANALYSES)}")
-    if not isinstance(spec, LookupSpec):
-        raise ConfigError(f"analyses run on a lookup task; task.kind is {type(spec).__name__}")
-    task = build_task(spec, model, options.limit)
-    out = output_dir(model, spec, options) / name
-    result = ANALYSES[name](AnalysisContext(model, task, options, params, out))  # type: ignore[arg-type]
-    envelope = {**_envelope(model, spec, options, {"task": "lookup", **task.describe()}),
-                "analysis": {"name": name, "params": params, "results": result}}
-    write_json(out / f"{name}.json", envelope)
-    return envelope
