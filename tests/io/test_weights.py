@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
@@ -13,18 +12,10 @@ from ckv import ModelConfig, Transformer
 from ckv.io.weights import WEIGHTS_FILE, NonFiniteWeightsError, is_weights_dir, load_weights, save_weights
 from ckv.train.export import export_checkpoint
 
+from .helpers import poison
+
 TINY = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=32,
             attention={"kind": "full"})
-
-
-def poison(file: Path, name: str) -> None:
-    """Overwrite the payload of tensor ``name`` with NaN, leaving the safetensors header as it was."""
-    data = bytearray(file.read_bytes())
-    (n,) = struct.unpack("<Q", data[:8])
-    begin, end = json.loads(data[8 : 8 + n])[name]["data_offsets"]
-    start = 8 + n + begin
-    data[start : 8 + n + end] = struct.pack("<f", float("nan")) * ((end - begin) // 4)
-    file.write_bytes(bytes(data))
 
 
 def test_round_trip_and_nan_payload_is_refused_naming_the_tensor(tmp_path: Path) -> None:

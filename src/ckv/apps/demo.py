@@ -15,7 +15,6 @@ cannot meet the thresholds: it only shows that every stage runs), and a failed c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys

@@ -45,11 +45,10 @@ from ckv.io.layout import (
 from ckv.io.weights import NonFiniteWeightsError, check_finite, save_weights
 from ckv.train.config import RESUME_POLICIES
 from ckv.train.distributed import DistEnv, barrier
-from ckv.train.engine import ENGINE_TAG
+from ckv.train.engine import ENGINE_TAG, Engine
 
 if TYPE_CHECKING:
     from ckv.model import Transformer
-    from ckv.train.engine import Engine
 
 
 def _rank_file(rank: int) -> str:
@@ -145,7 +144,7 @@ class CheckpointManager:
                     shutil.rmtree(p, ignore_errors=True)
         barrier()
 
-    def save(self, engine: "Engine", step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any],
+    def save(self, engine: Engine, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any],
              tokenizer_path: Optional[str] = None) -> Path:
         """Write checkpoint ``step`` atomically, point ``latest`` at it and prune old ones. Returns its folder.
         A step this process already saved or resumed from is not written again."""
@@ -234,7 +233,7 @@ class CheckpointManager:
         moved = ", ".join(DAMAGED_PREFIX + p.name for p in damaged) or "nothing"
         return chosen, [*damage, f"trainer.resume=fallback: resuming from {chosen.name}; set aside: {moved}"]
 
-    def load(self, engine: "Engine", path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(self, engine: Engine, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore engine state and this rank's RNG states from ``path``; returns ``(trainer_state, rank_state)``
         (the rank state holds the data position). The restored parameters must be finite."""
         state = read_trainer_state(path)

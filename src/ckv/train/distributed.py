@@ -103,9 +103,9 @@ def _shutdown() -> None:
 
 @contextmanager
 def distributed(device: torch.device) -> Iterator[DistEnv]:
-    """The process group for ``device`` (``ckv.device.resolve_device``: CPU or CUDA), initialised on first use and kept for the life of the
-    process (DeepSpeed caches its groups, so several runs in one process — Hydra multirun, tests — share it).
-    At exit every rank waits at a barrier, then destroys the group, so that no rank leaves while another still
+    """The process group for ``device`` (CPU or CUDA, from ``ckv.device.resolve_device``), initialised on first
+    use and kept for the life of the process (DeepSpeed caches its groups, so several runs in one process — Hydra
+    multirun, tests — share it). At exit every rank waits at a barrier, then destroys the group, so that no rank leaves while another still
     talks to it; after a failed run the barrier is skipped."""
     global _clean_exit
     if not dist.is_initialized():
