@@ -30,7 +30,6 @@ import random
 import shutil
 import time
 import zipfile
-import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -43,7 +42,6 @@ from ckv.io.layout import (
     CheckpointError, latest_checkpoint, list_checkpoints, step_dir_name,
 )
 from ckv.io.weights import NonFiniteWeightsError, check_finite, save_weights
-from ckv.train.config import RESUME_POLICIES
 from ckv.train.distributed import DistEnv, barrier
 from ckv.train.engine import ENGINE_TAG, Engine
 
@@ -56,12 +54,16 @@ def _rank_file(rank: int) -> str:
 
 
 def _check_archive(path: Path) -> None:
-    """A ``torch.save`` file is a zip archive: read every member and check its CRC (a truncated, zero-filled or
-    overwritten file fails)."""
+    """Read a ``torch.save`` file in full: a zip archive (the default format) has every member's CRC checked, any
+    other file (DeepSpeed's ``checkpoint.serialization: false``) is unpickled. A truncated, zero-filled or
+    overwritten file fails with its path."""
     try:
+        if not zipfile.is_zipfile(path):
+            torch.load(path, map_location="cpu", weights_only=False)
+            return
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError, zlib.error) as e:
+    except Exception as e:  # unpickling a damaged file can raise almost anything; all of it means "damaged"
         raise CheckpointError(f"{path} is damaged: {type(e).__name__}: {e}") from e
     if bad is not None:
         raise CheckpointError(f"{path} is damaged: its member {bad!r} fails its checksum")
@@ -192,11 +194,9 @@ class CheckpointManager:
         """The checkpoint to resume from (``None``: a fresh run) and the damage found on the way, as messages
         (collective: every rank calls it and reaches the same answer).
 
-        The newest checkpoint (``latest``) is verified first. If it is damaged, ``policy="strict"`` raises a
-        ``CheckpointError`` naming the damaged file; ``"fallback"`` takes the newest intact older checkpoint,
-        moves the damaged newer ones aside (``damaged_step_...``), and points ``latest`` at the one it took."""
-        if policy not in RESUME_POLICIES:
-            raise CheckpointError(f"trainer.resume={policy!r}: choose one of {list(RESUME_POLICIES)}")
+        ``policy`` is ``trainer.resume``. The newest checkpoint (``latest``) is verified first. If it is damaged,
+        ``"strict"`` raises a ``CheckpointError`` naming the damaged file; ``"fallback"`` takes the newest intact
+        older checkpoint, moves the damaged newer ones aside (``damaged_step_...``) and points ``latest`` at it."""
         damage: list[str] = []
         candidates: list[Path] = []
         try:
@@ -221,8 +221,11 @@ class CheckpointManager:
         if not damage:
             return chosen, []
         if policy == "strict" or chosen is None:
-            hint = ("resume from the newest intact checkpoint, " + chosen.name + ", with trainer.resume=fallback "
-                    "(it moves the damaged ones aside, deleting nothing)") if chosen else                 "no intact checkpoint is left to fall back to: train into a new run folder"
+            if chosen is None:
+                hint = "no intact checkpoint is left to fall back to: train into a new run folder"
+            else:
+                hint = (f"resume from the newest intact checkpoint, {chosen.name}, with trainer.resume=fallback (it "
+                        "moves the damaged ones aside, deleting nothing)")
             raise CheckpointError(f"cannot resume {self.run_dir}: {damage[0]}\n{hint}")
         barrier()
         if self.env.is_main:
