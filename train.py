@@ -23,7 +23,7 @@ from omegaconf.errors import MissingMandatoryValue  # noqa: E402
 from ckv.config import ConfigError  # noqa: E402
 from ckv.data import DataError  # noqa: E402
 from ckv.train import (  # noqa: E402
-    CheckpointError, NonFiniteLossError, ResumeError, TrainConfig, TrainingInterrupted, train,
+    CheckpointError, DivergenceError, ResumeError, RunLockedError, TrainConfig, TrainingInterrupted, train,
 )
 
 MAX_DIR_NAME = 200
@@ -55,8 +55,8 @@ def main(cfg: DictConfig) -> None:
     except TrainingInterrupted as e:
         print(f"ckv: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except (ConfigError, DataError, ResumeError, CheckpointError, NonFiniteLossError, FileNotFoundError,
-            ImportError) as e:
+    except (ConfigError, DataError, ResumeError, CheckpointError, DivergenceError, RunLockedError,
+            FileNotFoundError, ImportError) as e:
         sys.exit(f"ckv: error: {e}")
 
 

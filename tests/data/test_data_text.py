@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ from tokenizers import Tokenizer
 from ckv.config import ConfigError
 from ckv.data import DataConfig, DataError, build_batches
 from ckv.data import tokenizer as tokenizer_module
-from ckv.data.corpus import bible_chapters, iter_documents, load_corpus
+from ckv.data.corpus import SkippedDocumentsWarning, bible_chapters, iter_documents, load_corpus
 from ckv.data.tokenizer import train_bpe
 
 T = 32
@@ -197,3 +198,34 @@ def test_stale_tokenizer_lock_is_reported(tmp_path: Path, monkeypatch: pytest.Mo
     Path(path + ".lock").touch()
     with pytest.raises(DataError, match="remove the stale lock"):
         train_bpe(["some text"] * 5, **kwargs)
+
+
+def _with_missing_text(path: Path, docs: list[str], missing: set[int]) -> Path:
+    """``docs`` as jsonl, where rows ``missing`` have an ``id`` but no ``body``."""
+    path.write_text("".join(json.dumps({"id": i} if i in missing else {"body": t, "id": i}) + "\n"
+                            for i, t in enumerate(docs)))
+    return path
+
+
+def test_rows_without_text_are_counted_and_stop_above_the_threshold(docs: list[str], cache_dir: str,
+                                                                     tmp_path: Path) -> None:
+    third = _with_missing_text(tmp_path / "third.jsonl", docs, set(range(1, len(docs), 3)))
+    with pytest.raises(DataError, match=rf"40 of {len(docs)} corpus rows \(33.3%\) have no 'body' value, more than "
+                                        r"data.text.max_skipped_fraction=0.01; the first is row 1: \{'body': None, "
+                                        r"'id': 1\}"):
+        _build(tmp_path, cache_dir, paths=[str(third)])
+    one = _with_missing_text(tmp_path / "one.jsonl", docs, {5})
+    with pytest.warns(SkippedDocumentsWarning, match=rf"skipped 1 of {len(docs)} corpus rows \(0.8%\) without a "
+                                                     r"'body' value; the first is row 5"):
+        _build(tmp_path, cache_dir, paths=[str(one)], max_skipped_fraction=0.01)
+    with pytest.warns(SkippedDocumentsWarning):  # a raised threshold lets it train, still reporting the count
+        _build(tmp_path, cache_dir, paths=[str(third)], max_skipped_fraction=0.5)
+    with pytest.raises(ConfigError, match="max_skipped_fraction=2 must be a number in"):
+        text_cfg(tmp_path, max_skipped_fraction=2)
+
+
+def test_empty_txt_corpus_is_named(cache_dir: str, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(DataError, match=rf"data.text.paths: '{empty}' is empty"):
+        _build(tmp_path, cache_dir, paths=[str(empty)])

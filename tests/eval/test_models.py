@@ -17,6 +17,8 @@ from ckv.eval import LookupSpec, RunOptions, StatsOptions, evaluate, load_ckv_mo
 from ckv.eval.models import CheckpointMismatchError, find_weights
 from ckv.io.weights import save_weights
 
+from tests.io.helpers import poison
+
 from .helpers import SPLIT_LOOKUP, make_run, png_ok
 
 FAST = StatsOptions(n_bootstrap=50, n_permutations=50)
@@ -69,6 +71,13 @@ def test_weights_not_matching_their_config_is_a_clear_error(tmp_path: Path) -> N
     (tmp_path / "w" / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointMismatchError, match="cannot load"):
         load_ckv_model(tmp_path / "w", device="cpu")
+
+
+def test_weights_with_nan_are_refused_naming_the_tensor(tmp_path: Path) -> None:
+    run = make_run(tmp_path, attention=GATE)
+    poison(run / "model" / "model.safetensors", "norm.weight")
+    with pytest.raises(CheckpointMismatchError, match=r"cannot load .*model: .*tensor 'norm.weight' holds 32 NaN/inf"):
+        load_ckv_model(run, device="cpu")
 
 
 def test_format_larger_than_the_model_vocabulary(tmp_path: Path) -> None:

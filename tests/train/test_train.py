@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from ckv.config import ConfigError
 from ckv.model import Transformer
 from ckv.train import (
-    NonFiniteLossError, ResumeError, TrainingInterrupted, latest_checkpoint, list_checkpoints, read_metrics, train,
+    DivergenceError, ResumeError, TrainingInterrupted, latest_checkpoint, list_checkpoints, read_metrics, train,
 )
 from ckv.train.engine import Engine
 from ckv.io.weights import load_weights
@@ -107,7 +107,8 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_config, monkeypatch)
         return out * float("nan") if len(calls) > 10 else out  # step 6 onwards
 
     monkeypatch.setattr(Transformer, "forward", forward)
-    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 6.*last good checkpoint is .*step_00000004"):
+    with pytest.raises(DivergenceError, match=r"diverged at step 6: the loss is not finite.*last good checkpoint is "
+                                              r".*step_00000004"):
         train(cfg)
     assert latest_checkpoint(cfg.run_dir).name == "step_00000004"
     assert load_weights(latest_checkpoint(cfg.run_dir) / "weights")

@@ -43,6 +43,8 @@ class TextConfig:
     document. ``streaming`` reads the corpus lazily (for corpora larger than memory), shuffling documents
     within blocks of ``shuffle_block``; otherwise the whole tokenised corpus is held in memory and its packed
     sequences are shuffled globally. Every ``val_every``-th document is held out for the ``val`` split.
+    Rows without a ``text_field`` value are skipped and counted; more than ``max_skipped_fraction`` of the rows
+    stops the run (``DataError`` naming the first such row).
     """
 
     paths: Optional[Union[str, list[str]]] = None
@@ -55,6 +57,7 @@ class TextConfig:
     streaming: bool = False
     shuffle_block: int = 1024
     val_every: int = 50
+    max_skipped_fraction: float = 0.01
 
     def __post_init__(self) -> None:
         o = "data.text"
@@ -72,6 +75,9 @@ class TextConfig:
         check_int(f"{o}.bpe_max_chars", self.bpe_max_chars, 1)
         check_int(f"{o}.shuffle_block", self.shuffle_block, 1)
         check_int(f"{o}.val_every", self.val_every, 2)
+        f = self.max_skipped_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
+            raise ConfigError(f"{o}.max_skipped_fraction={f!r} must be a number in [0, 1]")
 
 
 @dataclass

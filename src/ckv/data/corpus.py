@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Iterator, Union
+import warnings
+from typing import Any, Iterator, Optional, Union
 
 import datasets
 
@@ -22,6 +23,10 @@ READ_BATCH = 1000  # documents per read (and per tokenizer call)
 
 class DataError(ValueError):
     """Data files or a tokenizer are missing, unreadable or unusable; the message names the path and field."""
+
+
+class SkippedDocumentsWarning(UserWarning):
+    """Some corpus rows have no text and were skipped (no more than ``data.text.max_skipped_fraction`` of them)."""
 
 
 def bible_chapters() -> list[str]:
@@ -92,6 +97,9 @@ def load_corpus(cfg: TextConfig, *, cache_dir: str) -> Corpus:
             raise DataError(f"data.text.paths: give either one saved `datasets` folder or files, got {files}")
         ds: Corpus = _load_saved(folders[0])
     else:
+        empty = [f for f in files if os.path.getsize(f) == 0]
+        if empty:
+            raise DataError(f"data.text.paths: {empty[0]!r} is empty (0 bytes); remove it or give a corpus with text")
         builders = {_builder(f) for f in files}
         if len(builders) > 1:
             raise DataError(f"data.text.paths mixes file types ({sorted(builders)}); use one type per corpus")
@@ -110,18 +118,39 @@ def load_corpus(cfg: TextConfig, *, cache_dir: str) -> Corpus:
     return ds
 
 
+def _check_skipped(skipped: int, rows: int, first: Optional[tuple[int, Any]], text_field: str,
+                   max_fraction: float) -> None:
+    """After a full pass: stop when more than ``max_fraction`` of the rows had no text, else warn with the count."""
+    if not skipped or first is None:
+        return
+    share = f"{skipped} of {rows} corpus rows ({100 * skipped / rows:.1f}%)"
+    first_row = f"the first is row {first[0]}: {str(first[1])[:200]}"
+    if skipped > max_fraction * rows:
+        raise DataError(f"{share} have no {text_field!r} value, more than data.text.max_skipped_fraction="
+                        f"{max_fraction:g}; {first_row}. Fix the corpus or data.text.text_field, or raise the threshold")
+    warnings.warn(SkippedDocumentsWarning(f"skipped {share} without a {text_field!r} value; {first_row}"), stacklevel=2)
+
+
 def iter_documents(ds: Corpus, text_field: str, *, split: int, val_every: int, rank: int = 0,
-                   world_size: int = 1) -> Iterator[str]:
+                   world_size: int = 1, max_skipped_fraction: float = TextConfig.max_skipped_fraction) -> Iterator[str]:
     """The non-empty documents of one split and rank, in corpus order.
 
     Row ``i`` belongs to the ``val`` split (``split == 1``) iff ``i % val_every == val_every - 1``, else to
-    ``train``; the ``j``-th row of a split goes to rank ``j % world_size``.
+    ``train``; the ``j``-th row of a split goes to rank ``j % world_size``. Rows without text (a missing
+    ``text_field``) are counted over all rows; at the end of a full pass more than ``max_skipped_fraction`` of
+    them raises ``DataError`` (naming the first), fewer warn (``SkippedDocumentsWarning``).
     """
-    j = 0
+    j = rows = skipped = 0
+    first_skipped: Optional[tuple[int, Any]] = None
     for i0, batch in enumerate(ds.iter(batch_size=READ_BATCH)):
         if text_field not in batch:
             raise DataError(f"data.text.text_field={text_field!r} is not a column of the corpus; columns: {list(batch)}")
         for i, text in enumerate(batch[text_field], start=i0 * READ_BATCH):
+            rows += 1
+            if text is None:
+                skipped += 1
+                if first_skipped is None:
+                    first_skipped = (i, {k: v[i - i0 * READ_BATCH] for k, v in batch.items()})
             if (i % val_every == val_every - 1) != (split == 1):
                 continue
             j += 1
@@ -129,3 +158,4 @@ def iter_documents(ds: Corpus, text_field: str, *, split: int, val_every: int, r
                 if not isinstance(text, str):
                     raise DataError(f"data.text.text_field={text_field!r} holds {type(text).__name__}, not text (row {i})")
                 yield text
+    _check_skipped(skipped, rows, first_skipped, text_field, max_skipped_fraction)

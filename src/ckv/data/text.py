@@ -54,7 +54,7 @@ class TextSource:
 
     def documents(self, rank: int = 0, world_size: int = 1) -> Iterator[str]:
         return iter_documents(self.ds, self.cfg.text_field, split=self.split, val_every=self.cfg.val_every,
-                              rank=rank, world_size=world_size)
+                              rank=rank, world_size=world_size, max_skipped_fraction=self.cfg.max_skipped_fraction)
 
     def encode(self, texts: Iterator[str]) -> Iterator[np.ndarray]:
         """Token ids of each text followed by the end-of-document id, tokenised ``ENCODE_BATCH`` at a time."""
@@ -176,7 +176,8 @@ def build_text_source(cfg: TextConfig, seq_len: int, *, extra_special_tokens: li
     ds = load_corpus(cfg, cache_dir=cache_dir)
     if cfg.tokenizer is None:
         texts, chars = [], 0
-        train_docs = iter_documents(ds, cfg.text_field, split=0, val_every=cfg.val_every)
+        train_docs = iter_documents(ds, cfg.text_field, split=0, val_every=cfg.val_every,
+                                    max_skipped_fraction=cfg.max_skipped_fraction)
         for text in train_docs:
             texts.append(text[: cfg.bpe_max_chars - chars])
             chars += len(texts[-1])

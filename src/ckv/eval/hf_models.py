@@ -12,7 +12,9 @@ from typing import Any, Optional, Union
 import torch
 
 from ckv.config import ConfigError
-from ckv.eval.models import LoadedModel, resolve_device
+from ckv.device import resolve_device
+from ckv.eval.models import LoadedModel
+from ckv.io.weights import check_finite
 from ckv.eval.vocab import HFTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,7 +47,8 @@ def load_hf_model(
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Load a local transformers causal LM (and its tokenizer, from ``tokenizer`` or the model folder if
-    present). ``stride``: the model's compression stride when it has one (transformers configs do not say)."""
+    present), refusing weights with NaN/inf values. ``stride``: the model's compression stride when it has one
+    (transformers configs do not say)."""
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:  # pragma: no cover - transformers is in the dev extra
@@ -55,9 +58,10 @@ def load_hf_model(
         raise FileNotFoundError(f"model.path={str(p)!r} is not a transformers model folder (no config.json)")
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype={dtype!r} is not allowed; choose one of {list(DTYPES)}")
-    dev = resolve_device(device)
+    dev = resolve_device(device, "device")
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype], local_files_only=True,
                                                  trust_remote_code=trust_remote_code).to(dev).eval()
+    check_finite(dict(model.named_parameters()), p)
     tok_dir = Path(tokenizer) if tokenizer is not None else p
     has_tok = any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     if tokenizer is not None and not has_tok:

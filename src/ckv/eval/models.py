@@ -13,20 +13,23 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
-import yaml
 from safetensors import SafetensorError
 from tokenizers import Tokenizer
 
 from ckv.config import ConfigError, ModelConfig
+from ckv.data import lookup_format_for
 from ckv.data.config import DataConfig, LookupConfig
 from ckv.data.lookup import LookupFormat
-from ckv.data.tokenizer import lookup_special_tokens
+from ckv.device import resolve_device
 from ckv.eval.scoring import LogitsFn
 from ckv.eval.vocab import TextTokenizer, TokenizersTokenizer
+from ckv.io.layout import (
+    EVAL_DIR, MODEL_DIR, STATE_FILE, TOKENIZER_FILE, WEIGHTS_DIR, is_run_dir, latest_checkpoint, list_checkpoints,
+    read_run_config,
+)
+from ckv.io.weights import WEIGHTS_CONFIG_FILE, WEIGHTS_FILE, is_weights_dir, load_config, load_weights
 from ckv.model import Transformer
 from ckv.train.config import ModelSpec
-from ckv.io.layout import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, TOKENIZER_FILE, WEIGHTS_DIR, latest_checkpoint, list_checkpoints
-from ckv.io.weights import WEIGHTS_CONFIG_FILE, WEIGHTS_FILE, load_config, load_weights
 
 PathLike = Union[str, Path]
 
@@ -69,35 +72,24 @@ class CkvLastLogits:
         return self.model.lm_head(self.model.hidden_states(input_ids)[:, -1])  # (B, V)
 
 
-def resolve_device(device: str) -> torch.device:
-    """``auto`` is CUDA when available, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _is_weights_dir(p: Path) -> bool:
-    return (p / WEIGHTS_CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()
-
-
 def find_weights(path: PathLike, step: Union[int, str, None] = None) -> tuple[Path, Optional[Path]]:
     """``(weights_dir, run_dir)`` for a run folder or a weights folder.
 
-    For a run folder, ``step=None`` takes ``model/`` (else the latest checkpoint), ``"latest"`` the latest
-    checkpoint, an integer that checkpoint. A weights folder inside a run finds its run (for ``config.yaml``).
+    For a run folder (``ckv.io.layout.is_run_dir``), ``step=None`` takes ``model/`` (else the latest checkpoint),
+    ``"latest"`` the latest checkpoint, an integer that checkpoint. A weights folder inside a run finds its run
+    (for ``config.yaml``).
     """
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"model.path={str(p)!r} does not exist")
-    if _is_weights_dir(p):
+    if is_weights_dir(p):
         if step is not None:
             raise ConfigError(f"model.step={step!r} is for run folders; {p} is already a weights folder")
-        run = next((a for a in list(p.parents)[:3] if (a / CONFIG_FILE).is_file()), None)
-        return p, run
-    if not ((p / CONFIG_FILE).is_file() or (p / MODEL_DIR).is_dir() or (p / CHECKPOINTS_DIR).is_dir()):
-        raise FileNotFoundError(f"{p} is neither a ckv run folder (config.yaml, model/, checkpoints/) nor a weights "
-                                f"folder ({WEIGHTS_CONFIG_FILE} + {WEIGHTS_FILE})")
-    if step is None and _is_weights_dir(p / MODEL_DIR):
+        return p, next((a for a in list(p.parents)[:3] if is_run_dir(a)), None)
+    if not is_run_dir(p):
+        raise FileNotFoundError(f"{p} is neither a ckv run folder (config.yaml with model/ or checkpoints/) nor a "
+                                f"weights folder ({WEIGHTS_CONFIG_FILE} + {WEIGHTS_FILE})")
+    if step is None and is_weights_dir(p / MODEL_DIR):
         return p / MODEL_DIR, p
     if step is None or step == "latest":
         ckpt = latest_checkpoint(p)
@@ -108,16 +100,9 @@ def find_weights(path: PathLike, step: Union[int, str, None] = None) -> tuple[Pa
         if not isinstance(step, int) or step not in found:
             raise FileNotFoundError(f"model.step={step!r}: run {p} has checkpoints at steps {sorted(found)}")
         ckpt = found[step]
-    if not _is_weights_dir(ckpt / WEIGHTS_DIR):
+    if not is_weights_dir(ckpt / WEIGHTS_DIR):
         raise FileNotFoundError(f"checkpoint {ckpt} has no consolidated {WEIGHTS_DIR}/ folder")
     return ckpt / WEIGHTS_DIR, p
-
-
-def _read_run_config(run_dir: Optional[Path]) -> dict[str, Any]:
-    if run_dir is None:
-        return {}
-    cfg = yaml.safe_load((run_dir / CONFIG_FILE).read_text()) if (run_dir / CONFIG_FILE).is_file() else None
-    return cfg if isinstance(cfg, dict) else {}
 
 
 def check_against_run(config: ModelConfig, run_cfg: dict[str, Any], where: Path) -> None:
@@ -134,27 +119,27 @@ def check_against_run(config: ModelConfig, run_cfg: dict[str, Any], where: Path)
         raise CheckpointMismatchError(f"the checkpoint {where} does not match its run's config.yaml: " + "; ".join(diff))
 
 
-def _run_lookup(run_cfg: dict[str, Any], tokenizer: Optional[Tokenizer]) -> tuple[Optional[LookupConfig], Optional[LookupFormat]]:
-    """The lookup settings and id layout a run trained on (``None`` for pure text runs)."""
+def _run_lookup(run_cfg: dict[str, Any], tokenizer: Optional[Tokenizer],
+                where: Path) -> tuple[Optional[LookupConfig], Optional[LookupFormat]]:
+    """The lookup settings and id layout a run trained on (``None`` for pure text runs), resolved by the data
+    package's ``lookup_format_for`` with its checks."""
     data = run_cfg.get("data")
-    if not isinstance(data, dict) or data.get("kind") not in ("lookup", "mixture"):
+    if not isinstance(data, dict):
         return None, None
     dc = DataConfig.from_dict(data)
-    offset = dc.lookup.offset
-    if offset is None and dc.kind == "mixture":  # ckv's BPE reserved one special token per layout id
-        first = lookup_special_tokens(1)[0]
-        offset = tokenizer.token_to_id(first) if tokenizer is not None else None
-        if offset is None:
-            raise CheckpointMismatchError(f"the run mixes text and lookups but its tokenizer has no {first!r} token")
-    return dc.lookup, dc.lookup.format(offset or 0)
+    try:
+        fmt = lookup_format_for(dc, tokenizer)
+    except ValueError as e:  # DataError too: the run's tokenizer does not hold its lookup layout
+        raise CheckpointMismatchError(f"the lookup layout of {where}'s run cannot be resolved: {e}") from e
+    return (dc.lookup, fmt) if fmt is not None else (None, None)
 
 
 def _default_out_dir(weights: Path, run_dir: Optional[Path]) -> Path:
     if run_dir is not None and weights == run_dir / MODEL_DIR:
-        return run_dir / "eval"
+        return run_dir / EVAL_DIR
     if weights.name == WEIGHTS_DIR:  # checkpoints/step_X/weights -> checkpoints/step_X/eval
-        return weights.parent / "eval"
-    return weights / "eval"
+        return weights.parent / EVAL_DIR
+    return weights / EVAL_DIR
 
 
 def load_ckv_model(
@@ -164,9 +149,9 @@ def load_ckv_model(
     ``impl`` overrides ``attention.impl`` (e.g. ``torch`` for the reference)."""
     weights, run_dir = find_weights(path, step)
     config = load_config(weights)
-    run_cfg = _read_run_config(run_dir)
+    run_cfg = read_run_config(run_dir) if run_dir is not None else {}
     check_against_run(config, run_cfg, weights)
-    dev = resolve_device(device)
+    dev = resolve_device(device, "device")
     try:
         model = load_weights(weights, device=dev, **({"impl": impl} if impl else {}))
     except (ValueError, RuntimeError, SafetensorError) as e:
@@ -174,7 +159,7 @@ def load_ckv_model(
     model.eval()
     tok_path = weights / TOKENIZER_FILE
     raw_tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
-    lookup, fmt = _run_lookup(run_cfg, raw_tok)
+    lookup, fmt = _run_lookup(run_cfg, raw_tok, weights)
     a = config.attention
     info = {
         "kind": "ckv", "path": str(Path(path).resolve()), "weights": str(weights.resolve()),
@@ -183,7 +168,7 @@ def load_ckv_model(
         "attention": {"kind": a.kind, "window": a.window if a.compressed else None,
                       "stride": a.stride if a.compressed else None, "pooling": a.pooling if a.compressed else None},
     }
-    trainer_state = weights.parent / "trainer_state.json"
+    trainer_state = weights.parent / STATE_FILE
     if trainer_state.is_file():
         info["trainer_state"] = json.loads(trainer_state.read_text())
     return LoadedModel(

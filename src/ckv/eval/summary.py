@@ -32,7 +32,7 @@ def find_runs(root: PathLike, max_depth: int = 3) -> list[Path]:
 
 def results_file(run_dir: Path, task_name: str) -> Path:
     """Where ``eval.py`` writes a run's final-model results for ``task_name``."""
-    return run_dir / "eval" / task_name / RESULTS_JSON
+    return run_dir / EVAL_DIR / task_name / RESULTS_JSON
 
 
 def run_label(results: dict, run_dir: Optional[Path] = None) -> str:

@@ -35,6 +35,14 @@ def fsync_file(path: PathLike) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: PathLike) -> None:
+    """Flush every file under ``path`` and the folders holding them (before a folder is renamed into place)."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fsync_file(os.path.join(folder, name))
+        fsync_dir(folder)
+
+
 @contextmanager
 def atomic_path(path: PathLike) -> Iterator[Path]:
     """Yield a temp path to write ``path``'s new content to (by any writer: safetensors, csv, torch.save); on a

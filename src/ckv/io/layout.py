@@ -4,7 +4,9 @@
         config.yaml          resolved training config (CONFIG_FILE)
         run_info.jsonl       provenance: git SHA, package versions (RUN_INFO_FILE)
         metrics.jsonl        one row per log step (METRICS_FILE)
-        checkpoints/         step_XXXXXXXX/ {engine/, rank_XXXXX.pt, weights/, trainer_state.json}, latest
+        train.lock           held by the process training into the folder (LOCK_FILE; ``ckv.io.lock``)
+        checkpoints/         step_XXXXXXXX/ {engine/, rank_XXXXX.pt, weights/, trainer_state.json}, latest;
+                             damaged_step_XXXXXXXX/: a damaged checkpoint set aside by a fallback resume
         model/               the final consolidated weights (MODEL_DIR; ``ckv.io.weights`` format)
         eval/<task>/         results.json, results.csv, plots (written by evaluation)
 
@@ -28,7 +30,8 @@ LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
 WEIGHTS_DIR = "weights"
 TOKENIZER_FILE = "tokenizer.json"
-STEP_PREFIX, TMP_PREFIX, TRASH_PREFIX = "step_", ".tmp_", ".trash_"
+LOCK_FILE = "train.lock"
+STEP_PREFIX, TMP_PREFIX, TRASH_PREFIX, DAMAGED_PREFIX = "step_", ".tmp_", ".trash_", "damaged_"
 
 PathLike = Union[str, Path]
 
@@ -52,7 +55,13 @@ def read_run_config(run_dir: PathLike) -> dict[str, Any]:
     path = Path(run_dir) / CONFIG_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {CONFIG_FILE} in {run_dir}: not a ckv run folder")
-    return yaml.safe_load(path.read_text())
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{path} is not readable YAML: {e}") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path} does not hold a config mapping (got {type(cfg).__name__})")
+    return cfg
 
 
 def list_checkpoints(run_dir: PathLike) -> list[tuple[int, Path]]:

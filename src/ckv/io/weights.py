@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Union
+from typing import Mapping, Union
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,6 +22,26 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_CONFIG_FILE = "config.json"
 _OWN_FILES = (WEIGHTS_FILE, WEIGHTS_CONFIG_FILE, TOKENIZER_FILE)
 PathLike = Union[str, os.PathLike]
+
+
+class NonFiniteWeightsError(ValueError):
+    """A weights file holds NaN or infinite values; the message names the file and the first such tensor."""
+
+
+def is_weights_dir(path: PathLike) -> bool:
+    """A consolidated weights folder: ``config.json`` and ``model.safetensors``."""
+    p = Path(path)
+    return (p / WEIGHTS_CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()
+
+
+def check_finite(state: Mapping[str, torch.Tensor], where: PathLike) -> None:
+    """Raise ``NonFiniteWeightsError`` naming the first floating-point tensor of ``state`` that holds a NaN or an
+    infinity (and how many of its values do); ``where`` names the file in the message."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise NonFiniteWeightsError(f"{where}: tensor {name!r} holds {bad} NaN/inf value(s) of {t.numel()}; "
+                                        "refusing to use these weights")
 
 
 def _aliases(model: Transformer) -> set[str]:
@@ -57,8 +77,9 @@ def load_config(directory: PathLike) -> ModelConfig:
 
 
 def load_weights(directory: PathLike, device: Union[str, torch.device] = "cpu", **attention_overrides) -> Transformer:
-    """Build the model from ``config.json`` and load ``model.safetensors``. ``attention_overrides`` may change
-    fields that do not change parameters (e.g. ``impl``)."""
+    """Build the model from ``config.json`` and load ``model.safetensors``, refusing non-finite tensors
+    (``NonFiniteWeightsError``). ``attention_overrides`` may change fields that do not change parameters
+    (e.g. ``impl``)."""
     config = load_config(directory)
     if attention_overrides:
         config = ModelConfig.from_dict({**config.to_dict(), "attention": {**config.to_dict()["attention"], **attention_overrides}})
@@ -67,6 +88,7 @@ def load_weights(directory: PathLike, device: Union[str, torch.device] = "cpu", 
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
     model = Transformer(config)
     state = load_file(str(path))
+    check_finite(state, path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in _aliases(model)]
     if missing or unexpected:

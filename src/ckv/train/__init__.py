@@ -5,14 +5,15 @@ is imported only when a run starts.
 """
 
 from ckv.io.layout import CheckpointError, latest_checkpoint, list_checkpoints
+from ckv.io.lock import RunLockedError
 from ckv.train.config import ModelSpec, OptimConfig, TrainConfig, TrainerConfig, WandbConfig, resume_conflicts
-from ckv.train.loop import NonFiniteLossError, train
+from ckv.train.loop import DivergenceError, train
 from ckv.train.metrics import read_metrics
 from ckv.train.run import ResumeError
 from ckv.train.signals import TrainingInterrupted
 
 __all__ = [
-    "CheckpointError", "ModelSpec", "NonFiniteLossError", "OptimConfig", "ResumeError", "TrainConfig",
-    "TrainerConfig", "TrainingInterrupted", "WandbConfig", "latest_checkpoint",
+    "CheckpointError", "DivergenceError", "ModelSpec", "OptimConfig", "ResumeError", "RunLockedError",
+    "TrainConfig", "TrainerConfig", "TrainingInterrupted", "WandbConfig", "latest_checkpoint",
     "list_checkpoints", "read_metrics", "resume_conflicts", "train",
 ]

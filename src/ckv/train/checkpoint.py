@@ -11,10 +11,15 @@ Layout under ``<run_dir>/checkpoints/``::
 
 A checkpoint is written into ``.tmp_step_XXXXXXXX`` and renamed into place only when every rank has finished;
 the ``latest`` pointer is then replaced atomically. A process killed at any moment therefore leaves the previous
-checkpoint intact and ``latest`` pointing at a complete folder. Old checkpoints are renamed to ``.trash_...``
-before deletion, so a half-deleted folder never looks like a checkpoint. Leftovers are removed on the next start.
-The run folder must be on a filesystem every rank sees. ``export_model`` writes ``<run_dir>/model/`` (the final
-weights) the same way: into a temp folder, then renamed into place.
+checkpoint intact and ``latest`` pointing at a complete folder. Every file is fsync'ed before the rename. Old
+checkpoints are renamed to ``.trash_...`` before deletion, so a half-deleted folder never looks like a checkpoint.
+Leftovers are removed on the next start. The run folder must be on a filesystem every rank sees.
+``export_model`` writes ``<run_dir>/model/`` (the final weights) the same way: into a temp folder, then renamed.
+
+Before a resume, ``verify_checkpoint`` reads every file of the checkpoint (the CRCs of the ``torch.save`` zip
+archives, the JSON of ``trainer_state.json``), so damage is reported with the file's path, not as a traceback
+from inside DeepSpeed. ``trainer.resume=fallback`` then resumes from the newest intact checkpoint and moves the
+damaged newer ones aside to ``damaged_step_XXXXXXXX`` (nothing is deleted).
 """
 
 from __future__ import annotations
@@ -24,27 +29,73 @@ import os
 import random
 import shutil
 import time
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
 
-from ckv.io.atomic import replace_dir, write_text_atomic
+from ckv.io.atomic import fsync_file, fsync_tree, replace_dir, write_text_atomic
 from ckv.io.layout import (
-    CHECKPOINTS_DIR, LATEST_FILE, STATE_FILE, TMP_PREFIX, TOKENIZER_FILE, TRASH_PREFIX, WEIGHTS_DIR,
-    CheckpointError, list_checkpoints, step_dir_name,
+    CHECKPOINTS_DIR, DAMAGED_PREFIX, LATEST_FILE, STATE_FILE, TMP_PREFIX, TOKENIZER_FILE, TRASH_PREFIX, WEIGHTS_DIR,
+    CheckpointError, latest_checkpoint, list_checkpoints, step_dir_name,
 )
-from ckv.io.weights import save_weights
+from ckv.io.weights import NonFiniteWeightsError, check_finite, save_weights
 from ckv.train.distributed import DistEnv, barrier
+from ckv.train.engine import ENGINE_TAG, Engine
 
 if TYPE_CHECKING:
     from ckv.model import Transformer
-    from ckv.train.engine import Engine
 
 
 def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
+
+
+def _check_archive(path: Path) -> None:
+    """Read a ``torch.save`` file in full: a zip archive (the default format) has every member's CRC checked, any
+    other file (DeepSpeed's ``checkpoint.serialization: false``) is unpickled. A truncated, zero-filled or
+    overwritten file fails with its path."""
+    try:
+        if not zipfile.is_zipfile(path):
+            torch.load(path, map_location="cpu", weights_only=False)
+            return
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except Exception as e:  # unpickling a damaged file can raise almost anything; all of it means "damaged"
+        raise CheckpointError(f"{path} is damaged: {type(e).__name__}: {e}") from e
+    if bad is not None:
+        raise CheckpointError(f"{path} is damaged: its member {bad!r} fails its checksum")
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """The ``trainer_state.json`` of checkpoint folder ``path``, checked to hold the step, tokens and world size."""
+    file = path / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as e:  # ValueError: JSON and UTF-8 decoding
+        raise CheckpointError(f"{file} is damaged: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), int) for k in ("step", "tokens", "world_size")):
+        raise CheckpointError(f"{file} is damaged: it does not hold integer step, tokens and world_size")
+    return state
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Read every file a resume needs from checkpoint folder ``path`` (``trainer_state.json``, the engine's and
+    each rank's ``torch.save`` archives) and raise ``CheckpointError`` naming the first damaged or missing one.
+    Returns the trainer state."""
+    state = read_trainer_state(path)
+    engine_files = sorted((path / ENGINE_TAG).rglob("*.pt")) if (path / ENGINE_TAG).is_dir() else []
+    if not engine_files:
+        raise CheckpointError(f"{path / ENGINE_TAG} is missing or holds no engine state files")
+    rank_files = [path / _rank_file(r) for r in range(state["world_size"])]
+    for f in rank_files:
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing: the checkpoint is incomplete")
+    for f in engine_files + rank_files:
+        _check_archive(f)
+    return state
 
 
 def capture_rng() -> dict[str, Any]:
@@ -71,6 +122,7 @@ def export_model(model: Transformer, out: Path, tokenizer_path: Optional[str] = 
     save_weights(model, tmp)
     if tokenizer_path:
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        fsync_file(tmp / TOKENIZER_FILE)
     replace_dir(tmp, out)
     return out
 
@@ -94,7 +146,7 @@ class CheckpointManager:
                     shutil.rmtree(p, ignore_errors=True)
         barrier()
 
-    def save(self, engine: "Engine", step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any],
+    def save(self, engine: Engine, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any],
              tokenizer_path: Optional[str] = None) -> Path:
         """Write checkpoint ``step`` atomically, point ``latest`` at it and prune old ones. Returns its folder.
         A step this process already saved or resumed from is not written again."""
@@ -115,8 +167,9 @@ class CheckpointManager:
                     shutil.copyfile(tokenizer_path, tmp / WEIGHTS_DIR / TOKENIZER_FILE)
         barrier()
         if self.env.is_main:
+            fsync_tree(tmp)
             state = {**trainer_state, "step": step, "world_size": self.env.world_size, "time": time.time()}
-            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2))
             if final.exists():  # the same step saved again (e.g. by an earlier, interrupted invocation)
                 os.rename(final, self.root / (TRASH_PREFIX + final.name))
             os.rename(tmp, final)
@@ -137,10 +190,56 @@ class CheckpointManager:
             os.rename(path, trash)
             shutil.rmtree(trash, ignore_errors=True)
 
-    def load(self, engine: "Engine", path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    def resume_point(self, policy: str) -> tuple[Optional[Path], list[str]]:
+        """The checkpoint to resume from (``None``: a fresh run) and the damage found on the way, as messages
+        (collective: every rank calls it and reaches the same answer).
+
+        ``policy`` is ``trainer.resume``. The newest checkpoint (``latest``) is verified first. If it is damaged,
+        ``"strict"`` raises a ``CheckpointError`` naming the damaged file; ``"fallback"`` takes the newest intact
+        older checkpoint, moves the damaged newer ones aside (``damaged_step_...``) and points ``latest`` at it."""
+        damage: list[str] = []
+        candidates: list[Path] = []
+        try:
+            pointed = latest_checkpoint(self.run_dir)
+        except CheckpointError as e:
+            damage.append(str(e))
+            pointed = None
+        if pointed is not None:
+            candidates.append(pointed)
+        candidates += [p for _, p in reversed(list_checkpoints(self.run_dir)) if p != pointed]
+        damaged: list[Path] = []
+        chosen: Optional[Path] = None
+        for path in candidates:
+            try:
+                verify_checkpoint(path)
+            except CheckpointError as e:
+                damage.append(str(e))
+                damaged.append(path)
+                continue
+            chosen = path
+            break
+        if not damage:
+            return chosen, []
+        if policy == "strict" or chosen is None:
+            if chosen is None:
+                hint = "no intact checkpoint is left to fall back to: train into a new run folder"
+            else:
+                hint = (f"resume from the newest intact checkpoint, {chosen.name}, with trainer.resume=fallback (it "
+                        "moves the damaged ones aside, deleting nothing)")
+            raise CheckpointError(f"cannot resume {self.run_dir}: {damage[0]}\n{hint}")
+        barrier()
+        if self.env.is_main:
+            for path in damaged:
+                os.rename(path, path.with_name(DAMAGED_PREFIX + path.name))
+            write_text_atomic(self.root / LATEST_FILE, chosen.name + "\n")
+        barrier()
+        moved = ", ".join(DAMAGED_PREFIX + p.name for p in damaged) or "nothing"
+        return chosen, [*damage, f"trainer.resume=fallback: resuming from {chosen.name}; set aside: {moved}"]
+
+    def load(self, engine: Engine, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore engine state and this rank's RNG states from ``path``; returns ``(trainer_state, rank_state)``
-        (the rank state holds the data position)."""
-        state = json.loads((path / STATE_FILE).read_text())
+        (the rank state holds the data position). The restored parameters must be finite."""
+        state = read_trainer_state(path)
         if state["world_size"] != self.env.world_size:
             raise CheckpointError(
                 f"{path} was written by {state['world_size']} rank(s) but this run has {self.env.world_size}: the "
@@ -150,6 +249,10 @@ class CheckpointManager:
         if not rank_file.is_file():
             raise CheckpointError(f"{path} has no {rank_file.name}: the checkpoint is incomplete")
         engine.load(path)
+        try:
+            check_finite(dict(engine.module.named_parameters()), path / ENGINE_TAG)
+        except NonFiniteWeightsError as e:
+            raise CheckpointError(f"cannot resume from {path}: {e}") from e
         rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)
         restore_rng(rank_state.pop("rng"))
         self.last_saved = (state["step"], path)

@@ -16,6 +16,7 @@ from ckv.data import DataConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
+RESUME_POLICIES = ("strict", "fallback")
 PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
@@ -24,7 +25,7 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 RESUMABLE_CHANGES = (
     "name", "run_dir", "wandb.",
     "trainer.log_every", "trainer.val_every", "trainer.val_batches", "trainer.save_every", "trainer.keep_last",
-    "trainer.keep_every", "trainer.stop_at_step", "trainer.progress", "trainer.data_cache_dir",
+    "trainer.keep_every", "trainer.stop_at_step", "trainer.progress", "trainer.data_cache_dir", "trainer.resume",
 )
 
 
@@ -126,7 +127,8 @@ class TrainerConfig:
     off (a checkpoint is still written at the end and on SIGTERM/SIGINT). ``keep_last`` checkpoints are kept,
     plus every checkpoint whose step is a multiple of ``keep_every`` (for analyses over training).
     ``stop_at_step`` ends this invocation early (with a checkpoint) without ending the run, e.g. to split a run
-    into time-limited jobs. Training always resumes from the run folder's latest checkpoint.
+    into time-limited jobs. Training always resumes from the run folder's latest checkpoint; when that one is
+    damaged, ``resume=strict`` stops naming the damaged file and ``resume=fallback`` takes the newest intact one.
     """
 
     max_steps: int = 100
@@ -143,6 +145,7 @@ class TrainerConfig:
     stop_at_step: Optional[int] = None
     progress: bool = True
     data_cache_dir: Optional[str] = None
+    resume: str = "strict"
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "val_batches", "keep_last"):
@@ -153,6 +156,7 @@ class TrainerConfig:
             check_int("trainer.stop_at_step", self.stop_at_step, 1)
         check_choice("trainer.device", self.device, DEVICES)
         check_choice("trainer.precision", self.precision, PRECISIONS)
+        check_choice("trainer.resume", self.resume, RESUME_POLICIES)
         check_bool("trainer.progress", self.progress)
 
 

@@ -10,17 +10,18 @@ Every case then goes through the same ``deepspeed.init_distributed`` (gloo on CP
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from ckv.config import ConfigError
-from ckv.train.engine import import_deepspeed
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -65,13 +66,29 @@ def _launcher_vars() -> dict[str, str]:
             "MASTER_PORT": str(_free_port())}
 
 
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; ``cuda`` without a GPU is an error."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device='cuda' but torch sees no CUDA device; use trainer.device=cpu (or auto)")
-    return device
+def import_deepspeed(device: str) -> ModuleType:
+    """Import DeepSpeed with the accelerator for ``device`` (``cpu`` or ``cuda``); a clear error when missing.
+
+    On CPU, DeepSpeed's shared-memory collective op is marked unavailable so that a fresh machine does not compile
+    it (~50 s) before its first run: every collective goes through gloo, which is all CPU runs need."""
+    want = "cpu" if device == "cpu" else "cuda"
+    chosen = os.environ.setdefault("DS_ACCELERATOR", want)
+    if chosen != want:
+        raise ConfigError(f"DS_ACCELERATOR={chosen} does not match trainer.device={device}; unset DS_ACCELERATOR")
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except ImportError as e:
+        raise ImportError("training needs DeepSpeed: pip install 'ckv[deepspeed]' (deepspeed>=0.15)") from e
+    if get_accelerator().device_name() != want:
+        raise RuntimeError(f"DeepSpeed already runs on {get_accelerator().device_name()!r} in this process; "
+                           f"a {want} run needs a fresh process")
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    if want == "cpu":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
 
 
 _clean_exit = True  # False after a run failed: another rank may be gone, so the exit skips the barrier
@@ -85,21 +102,21 @@ def _shutdown() -> None:
 
 
 @contextmanager
-def distributed(device: str) -> Iterator[DistEnv]:
-    """The process group for ``device`` (``cpu``/``cuda``), initialised on first use and kept for the life of the
-    process (DeepSpeed caches its groups, so several runs in one process — Hydra multirun, tests — share it).
-    At exit every rank waits at a barrier, then destroys the group, so that no rank leaves while another still
+def distributed(device: torch.device) -> Iterator[DistEnv]:
+    """The process group for ``device`` (CPU or CUDA, from ``ckv.device.resolve_device``), initialised on first
+    use and kept for the life of the process (DeepSpeed caches its groups, so several runs in one process — Hydra
+    multirun, tests — share it). At exit every rank waits at a barrier, then destroys the group, so that no rank leaves while another still
     talks to it; after a failed run the barrier is skipped."""
     global _clean_exit
     if not dist.is_initialized():
         os.environ.update(_launcher_vars())
     rank, world, local = (int(os.environ[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if device == "cuda":
+    if device.type == "cuda":
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-    deepspeed = import_deepspeed(device)
+    deepspeed = import_deepspeed(dev.type)
     if not dist.is_initialized():
         deepspeed.init_distributed(verbose=False)
         atexit.register(_shutdown)

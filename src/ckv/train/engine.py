@@ -1,19 +1,14 @@
 """The DeepSpeed engine behind the few operations the training loop needs.
 
 One code path for a laptop CPU (fp32, gloo, one process) and a GPU cluster (bf16, NCCL, ZeRO 0-3). DeepSpeed is
-imported lazily. On CPU, DeepSpeed's shared-memory collective op is marked unavailable so that a fresh machine
-does not compile it (~50 s) before its first run: every collective goes through gloo, which is all that CPU
-smoke and test runs need.
+imported lazily (``ckv.train.distributed.import_deepspeed``).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,38 +16,14 @@ import torch.nn.functional as F
 from ckv.config import ConfigError
 from ckv.model import Transformer
 from ckv.train.config import TrainConfig
+from ckv.train.distributed import DistEnv, import_deepspeed
 from ckv.train.schedule import build_scheduler
-
-if TYPE_CHECKING:
-    from ckv.train.distributed import DistEnv
 
 IGNORE_INDEX = -100
 ENGINE_TAG = "engine"  # the DeepSpeed tag (sub-folder) inside a ckv checkpoint folder
 # DeepSpeed config keys that ckv fills in from the trainer and optim sections
 RESERVED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                  "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler")
-
-
-def import_deepspeed(device: str) -> ModuleType:
-    """Import DeepSpeed with the accelerator for ``device`` (``cpu`` or ``cuda``); a clear error when missing."""
-    want = "cpu" if device == "cpu" else "cuda"
-    chosen = os.environ.setdefault("DS_ACCELERATOR", want)
-    if chosen != want:
-        raise ConfigError(f"DS_ACCELERATOR={chosen} does not match trainer.device={device}; unset DS_ACCELERATOR")
-    try:
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
-    except ImportError as e:
-        raise ImportError("training needs DeepSpeed: pip install 'ckv[deepspeed]' (deepspeed>=0.15)") from e
-    if get_accelerator().device_name() != want:
-        raise RuntimeError(f"DeepSpeed already runs on {get_accelerator().device_name()!r} in this process; "
-                           f"a {want} run needs a fresh process")
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    if want == "cpu":
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return deepspeed
 
 
 def resolve_precision(precision: str, device: str) -> str:
@@ -110,7 +81,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class Engine:
     """A DeepSpeed engine with the operations the loop needs: micro-steps, evaluation, save/load, export."""
 
-    def __init__(self, model: Transformer, cfg: TrainConfig, env: "DistEnv") -> None:
+    def __init__(self, model: Transformer, cfg: TrainConfig, env: DistEnv) -> None:
         self.env = env
         self.precision = resolve_precision(cfg.trainer.precision, env.device.type)
         self._deepspeed = import_deepspeed(env.device.type)
@@ -132,10 +103,19 @@ class Engine:
         """The learning rate the next optimizer step uses."""
         return float(self.ds.get_lr()[0])
 
+    def grad_norm_tensor(self) -> Optional[torch.Tensor]:
+        """Global gradient norm of the last optimizer step (before clipping) as a 0-d float64 tensor on the
+        engine's device, without a host sync where DeepSpeed keeps it there; ``None`` where DeepSpeed does not
+        compute it (ZeRO stage 0 in fp32)."""
+        norm = self.ds.get_global_grad_norm()
+        if norm is None:
+            return None
+        return torch.as_tensor(norm).detach().to(device=self.env.device, dtype=torch.float64)
+
     @property
     def grad_norm(self) -> Optional[float]:
-        """Global gradient norm of the last optimizer step (before clipping), when DeepSpeed computed it."""
-        norm = self.ds.get_global_grad_norm()
+        """``grad_norm_tensor`` as a float (a host sync)."""
+        norm = self.grad_norm_tensor()
         return None if norm is None else float(norm)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

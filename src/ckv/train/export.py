@@ -13,20 +13,26 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from ckv.io.atomic import replace_dir
+from safetensors.torch import load_file
+
+from ckv.io.atomic import fsync_tree, replace_dir
 from ckv.io.layout import CHECKPOINTS_DIR, MODEL_DIR, WEIGHTS_DIR, CheckpointError, latest_checkpoint
+from ckv.io.weights import WEIGHTS_FILE, NonFiniteWeightsError, check_finite, is_weights_dir
 
 
 def export_checkpoint(run_dir: Path, checkpoint: Optional[str] = None, out: Optional[Path] = None) -> Path:
-    """Copy a checkpoint's consolidated weights (default: the latest) to ``out`` (default ``<run_dir>/model``)."""
+    """Copy a checkpoint's consolidated weights (default: the latest) to ``out`` (default ``<run_dir>/model``),
+    refusing weights with NaN/inf values (``NonFiniteWeightsError``)."""
     run_dir = Path(run_dir)
     ckpt = run_dir / CHECKPOINTS_DIR / checkpoint if checkpoint else latest_checkpoint(run_dir)
-    if ckpt is None or not (ckpt / WEIGHTS_DIR).is_dir():
+    if ckpt is None or not is_weights_dir(ckpt / WEIGHTS_DIR):
         raise CheckpointError(f"no checkpoint weights to export in {run_dir} (checkpoint={checkpoint or 'latest'})")
+    check_finite(load_file(str(ckpt / WEIGHTS_DIR / WEIGHTS_FILE)), ckpt / WEIGHTS_DIR / WEIGHTS_FILE)
     out = Path(out) if out is not None else run_dir / MODEL_DIR
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(ckpt / WEIGHTS_DIR, tmp)
+    fsync_tree(tmp)
     replace_dir(tmp, out)
     return out
 
@@ -39,7 +45,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(args.run_dir, args.checkpoint, args.out)
-    except CheckpointError as e:
+    except (CheckpointError, NonFiniteWeightsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(out)

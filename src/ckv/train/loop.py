@@ -17,19 +17,67 @@ import torch
 
 from ckv.config import ConfigError
 from ckv.data import BatchStream, build_batches
-from ckv.model import Transformer
+from ckv.device import resolve_device
 from ckv.io.layout import MODEL_DIR, latest_checkpoint
+from ckv.io.lock import RunLock, RunLockedError
+from ckv.model import Transformer
 from ckv.train.checkpoint import CheckpointManager, export_model
 from ckv.train.config import TrainConfig
-from ckv.train.distributed import DistEnv, all_reduce_max, all_reduce_mean, barrier, distributed, resolve_device
+from ckv.train.distributed import DistEnv, all_reduce_max, all_reduce_mean, barrier, distributed
 from ckv.train.engine import Engine, accumulation_steps
 from ckv.train.metrics import MetricsLogger, truncate_metrics
 from ckv.train.run import check_resumable, plain, provenance, write_run_files
 from ckv.train.signals import StopRequest, TrainingInterrupted
 
+EXPLODED_LOSS_FACTOR = 4.0  # a loss above 4 x ln(vocab), four times a uniform guess's, counts as diverged
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; the run stopped without saving over its last good checkpoint."""
+
+class DivergenceError(RuntimeError):
+    """The run diverged (a NaN/inf or exploding loss, or a non-finite gradient norm): it stopped without saving over
+    its last good checkpoint and without exporting."""
+
+
+class DivergenceWatch:
+    """The first step whose loss or gradient norm went bad, kept on the device so that training needs no host
+    sync per step; ``check`` reads it (a collective) at log steps and before every save and export."""
+
+    def __init__(self, device: torch.device, vocab_size: int) -> None:
+        self.loss_limit = EXPLODED_LOSS_FACTOR * math.log(vocab_size)
+        self.first = torch.full((), -1, dtype=torch.int64, device=device)  # () first bad step, -1: none yet
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)  # () its loss
+        self.grad_norm = torch.zeros((), dtype=torch.float64, device=device)  # () its gradient norm
+        self.device = device
+
+    def update(self, step: int, loss: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> None:
+        """Record ``step`` if it is the first bad one (no host sync)."""
+        loss = loss.detach().to(torch.float64)
+        norm = grad_norm if grad_norm is not None else torch.zeros_like(loss)
+        new = (~torch.isfinite(loss) | (loss > self.loss_limit) | ~torch.isfinite(norm)) & (self.first < 0)
+        self.first = torch.where(new, step, self.first)
+        self.loss = torch.where(new, loss, self.loss)
+        self.grad_norm = torch.where(new, norm, self.grad_norm)
+
+    def check(self, run_dir: Path) -> None:
+        """Raise ``DivergenceError`` on every rank when any rank recorded a bad step (a collective)."""
+        first = int(self.first)
+        at = -all_reduce_max([-float(first) if first >= 0 else -math.inf], self.device)[0]
+        if not math.isfinite(at):
+            return
+        if first == int(at):
+            loss, norm = float(self.loss), float(self.grad_norm)
+            why = ("the loss is not finite" if not math.isfinite(loss) else
+                   "the gradient norm is not finite" if not math.isfinite(norm) else
+                   f"the loss exploded above {self.loss_limit:.2f} = {EXPLODED_LOSS_FACTOR:g} x ln(vocab)")
+            seen = f"{why} (loss {loss:.6g}, grad_norm {norm:.6g})"
+        else:
+            seen = "another rank saw a non-finite or exploding loss or gradient norm"
+        latest = latest_checkpoint(run_dir)
+        raise DivergenceError(
+            f"training diverged at step {int(at)}: {seen}; stopping without saving or exporting. The last good "
+            f"checkpoint is {latest or 'none (no checkpoint was written yet)'}. Rerunning resumes from it with the "
+            "same batches; a changed optimisation (e.g. a lower optim.lr, longer optim.warmup_steps) needs a new "
+            "run folder"
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -55,7 +103,7 @@ def _streams(cfg: TrainConfig, env: DistEnv) -> tuple[BatchStream, BatchStream]:
 class _Loop:
     """The state of one invocation: engine, streams, checkpoints, logger, counters."""
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv, info: Optional[dict[str, Any]]) -> None:
+    def __init__(self, cfg: TrainConfig, env: DistEnv, info: Optional[dict[str, Any]], notes: list[str]) -> None:
         self.cfg, self.env = cfg, env
         self.run_dir = Path(cfg.run_dir)
         t = cfg.trainer
@@ -70,6 +118,7 @@ class _Loop:
                               f"{model_cfg.max_seq_len}; raise model.max_seq_len or lower data.seq_len")
         torch.manual_seed(cfg.seed)
         self.engine = Engine(Transformer(model_cfg), cfg, env)
+        self.watch = DivergenceWatch(env.device, model_cfg.vocab_size)
         self.ckpts = CheckpointManager(self.run_dir, env, t.keep_last, t.keep_every)
         self.step, self.tokens = 0, 0
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
@@ -80,7 +129,7 @@ class _Loop:
                 "parameters": sum(p.numel() for p in self.engine.module.parameters()),
             }))
         self.ckpts.clean_leftovers()
-        self._resume()
+        notes = [*notes, *self._resume()]
         self.target = min(t.max_steps, t.stop_at_step or t.max_steps)
         self.log = MetricsLogger(self.run_dir, env.is_main, cfg.wandb, f"{cfg.name}/{self.run_dir.name}",
                                  plain(cfg.to_dict()), self.step, t.max_steps, t.progress)
@@ -90,23 +139,28 @@ class _Loop:
             f"{self.engine.precision}, {self.engine.accumulation_steps} accumulation step(s) | "
             + (f"resumed at step {self.step}" if self.step else "fresh start")
         )
+        for note in notes:
+            self.log.message(note)
 
-    def _resume(self) -> None:
-        latest = latest_checkpoint(self.run_dir)
-        if latest is None:
-            return
-        state, rank_state = self.ckpts.load(self.engine, latest)
+    def _resume(self) -> list[str]:
+        """Restore the latest intact checkpoint (see ``CheckpointManager.resume_point``); returns what it found."""
+        path, notes = self.ckpts.resume_point(self.cfg.trainer.resume)
+        if path is None:
+            return notes
+        state, rank_state = self.ckpts.load(self.engine, path)
         self.train_stream.load_state_dict(rank_state["data"])
         self.step, self.tokens = state["step"], state["tokens"]
         if self.env.is_main:
             truncate_metrics(self.run_dir, self.step)
+        return notes
 
     def _batches(self) -> Iterator[dict[str, torch.Tensor]]:
         for _ in range(self.engine.accumulation_steps):
             yield next(self.train_stream)
 
     def save(self) -> Path:
-        """Checkpoint the current step."""
+        """Checkpoint the current step, after checking that no step since the last check diverged."""
+        self.watch.check(self.run_dir)
         return self.ckpts.save(self.engine, self.step, {"tokens": self.tokens},
                                {"data": self.train_stream.state_dict()}, self.train_stream.tokenizer_path)
 
@@ -118,20 +172,14 @@ class _Loop:
         self.engine.train(True)
         return all_reduce_mean([torch.stack(losses).mean().item()], self.env.device)[0]
 
-    def train_step(self) -> float:
-        """One optimizer step over all accumulation micro-batches; returns the loss averaged over ranks."""
+    def train_step(self) -> torch.Tensor:
+        """One optimizer step over all accumulation micro-batches; returns this rank's mean loss (on the device,
+        no host sync) after recording it in the divergence watch."""
         losses = [self.engine.micro_step(batch) for batch in self._batches()]
         self.step += 1
         self.tokens += self.tokens_per_step
-        loss = all_reduce_mean([torch.stack(losses).mean().item()], self.env.device)[0]
-        if not math.isfinite(loss):
-            latest = latest_checkpoint(self.run_dir)
-            raise NonFiniteLossError(
-                f"the training loss is {loss} at step {self.step}; stopping without saving. The last good "
-                f"checkpoint is {latest or 'none (no checkpoint was written yet)'}. Rerunning resumes from it with "
-                "the same batches; a changed optimisation (e.g. a lower optim.lr, longer optim.warmup_steps) "
-                "needs a new run folder"
-            )
+        loss = torch.stack(losses).mean()
+        self.watch.update(self.step, loss, self.engine.grad_norm_tensor())
         return loss
 
     def run(self) -> Path:
@@ -140,8 +188,9 @@ class _Loop:
         with StopRequest() as stop:
             while self.step < self.target:
                 lr = self.engine.lr
-                loss = self.train_step()
+                step_loss = self.train_step()
                 if self.step % t.log_every == 0 or self.step == self.target:
+                    loss = all_reduce_mean([step_loss.item()], self.env.device)[0]  # the mean over ranks
                     now = time.perf_counter()
                     tok_s = (self.step - last_step) * self.tokens_per_step / max(now - last_time, 1e-9)
                     last_time, last_step = now, self.step
@@ -149,6 +198,7 @@ class _Loop:
                                   "tokens": self.tokens, "tokens_per_s": tok_s})
                     self.log.progress(self.step, **{"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
                                                     "lr": f"{lr:.2e}"})
+                    self.watch.check(self.run_dir)
                 if t.val_every and (self.step % t.val_every == 0 or self.step == t.max_steps):
                     val = self.validate()
                     self.log.log({"step": self.step, "val_loss": val})
@@ -175,16 +225,35 @@ class _Loop:
         self.log.close(ok)
 
 
+def _lock_run(run_dir: Path, env: DistEnv) -> Optional[RunLock]:
+    """Rank 0 takes the run folder's lock for the whole job; when it cannot, every rank raises (a collective)."""
+    lock, error = None, None
+    if env.is_main:
+        try:
+            lock = RunLock(run_dir).acquire()
+        except RunLockedError as e:
+            error = e
+    if all_reduce_max([1.0 if error else 0.0], env.device)[0]:
+        raise error or RunLockedError(f"rank 0 could not lock {run_dir}: another process trains into it")
+    return lock
+
+
 def train(cfg: TrainConfig, info: Optional[dict[str, Any]] = None) -> Path:
     """Train (or resume) the run in ``cfg.run_dir`` and return that folder. ``info`` (e.g. the Hydra overrides)
-    is added to the run's provenance record. Raises ``TrainingInterrupted`` after a signal-triggered
-    checkpoint and ``NonFiniteLossError`` on a NaN/inf loss."""
-    with distributed(resolve_device(cfg.trainer.device)) as env:
-        loop = _Loop(cfg, env, info)
-        ok = False
+    is added to the run's provenance record. Raises ``RunLockedError`` when another process trains into the
+    folder, ``TrainingInterrupted`` after a signal-triggered checkpoint and ``DivergenceError`` when the run
+    diverges."""
+    with distributed(resolve_device(cfg.trainer.device, "trainer.device")) as env:
+        lock = _lock_run(Path(cfg.run_dir), env)
         try:
-            run_dir = loop.run()
-            ok = True
-            return run_dir
+            loop = _Loop(cfg, env, info, [lock.stale] if lock and lock.stale else [])
+            ok = False
+            try:
+                run_dir = loop.run()
+                ok = True
+                return run_dir
+            finally:
+                loop.close(ok)
         finally:
-            loop.close(ok)
+            if lock is not None:
+                lock.release()

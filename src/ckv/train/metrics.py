@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -86,14 +87,18 @@ class MetricsLogger:
                           resume="allow", dir=str(self.run_dir), config=config, mode=mode, tags=list(cfg.tags))
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one record (must hold ``step``)."""
+        """Append one record (must hold ``step``). ``None`` values are left out; a NaN or infinite value is
+        written as ``null`` and its key listed under ``nonfinite``, so that every line is strict JSON."""
         if not self.enabled:
             return
-        record = {**{k: v for k, v in record.items() if v is not None}, "time": round(time.time(), 3)}
-        self._file.write(json.dumps(record) + "\n")
+        nonfinite = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+        record = {**{k: (None if k in nonfinite else v) for k, v in record.items() if v is not None},
+                  **({"nonfinite": nonfinite} if nonfinite else {}), "time": round(time.time(), 3)}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=record["step"])
+            self._wandb.log({k: v for k, v in record.items() if k not in ("step", "time", "nonfinite") and v is not None},
+                            step=record["step"])
 
     def progress(self, step: int, **fields: Any) -> None:
         """Show progress at ``step`` with ``fields`` (e.g. loss, tokens/s): a live bar on a terminal, otherwise

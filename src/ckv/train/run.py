@@ -15,7 +15,7 @@ from typing import Any, Optional
 import yaml
 
 from ckv.io.atomic import write_text_atomic
-from ckv.io.layout import CONFIG_FILE, RUN_INFO_FILE, latest_checkpoint
+from ckv.io.layout import CONFIG_FILE, RUN_INFO_FILE, list_checkpoints, read_run_config
 from ckv.train.config import TrainConfig, resume_conflicts
 
 PACKAGES = ("ckv", "torch", "deepspeed", "numpy", "safetensors", "hydra-core", "omegaconf", "datasets", "tokenizers",
@@ -72,19 +72,13 @@ def provenance(extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     }
 
 
-def read_run_config(run_dir: Path) -> Optional[dict[str, Any]]:
-    path = Path(run_dir) / CONFIG_FILE
-    return yaml.safe_load(path.read_text()) if path.is_file() else None
-
-
 def check_resumable(cfg: TrainConfig) -> None:
     """Refuse to resume a run folder whose checkpoints come from an incompatible config (every rank calls this
     before any collective, so that all of them fail alike)."""
     run_dir = Path(cfg.run_dir)
-    saved = read_run_config(run_dir)
-    if saved is None or latest_checkpoint(run_dir) is None:
+    if not (run_dir / CONFIG_FILE).is_file() or not list_checkpoints(run_dir):
         return
-    conflicts = resume_conflicts(saved, plain(cfg.to_dict()))
+    conflicts = resume_conflicts(read_run_config(run_dir), plain(cfg.to_dict()))
     if conflicts:
         raise ResumeError(
             f"cannot resume {run_dir}: its checkpoints were trained with a different config "
@@ -94,9 +88,11 @@ def check_resumable(cfg: TrainConfig) -> None:
 
 
 def write_run_files(cfg: TrainConfig, info: dict[str, Any]) -> None:
-    """Rank 0: write the resolved ``config.yaml`` and append one provenance line to ``run_info.jsonl``."""
+    """Rank 0: write the resolved ``config.yaml`` and add one provenance line to ``run_info.jsonl`` (both
+    atomically: the file is rewritten with the new line)."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / CONFIG_FILE, yaml.safe_dump(plain(cfg.to_dict()), sort_keys=False))
-    with open(run_dir / RUN_INFO_FILE, "a") as f:
-        f.write(json.dumps(plain(info)) + "\n")
+    info_file = run_dir / RUN_INFO_FILE
+    before = info_file.read_text() if info_file.is_file() else ""
+    write_text_atomic(info_file, before + json.dumps(plain(info)) + "\n")
