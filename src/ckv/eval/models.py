@@ -24,7 +24,7 @@ from ckv.data.tokenizer import lookup_special_tokens
 from ckv.eval.scoring import LogitsFn
 from ckv.eval.vocab import TextTokenizer, TokenizersTokenizer
 from ckv.model import Transformer
-from ckv.train.config import ModelSpec
+from ckv.config import ModelSpec
 from ckv.io.layout import CHECKPOINTS_DIR, CONFIG_FILE, MODEL_DIR, TOKENIZER_FILE, WEIGHTS_DIR, latest_checkpoint, list_checkpoints
 from ckv.io.weights import WEIGHTS_CONFIG_FILE, WEIGHTS_FILE, load_config, load_weights
 
