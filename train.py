@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Sequence
 
 from ckv.train.distributed import strip_local_rank_arg
 
@@ -17,6 +18,7 @@ sys.argv = strip_local_rank_arg(sys.argv)  # the deepspeed launcher's --local_ra
 
 import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import MissingMandatoryValue  # noqa: E402
 
@@ -25,14 +27,27 @@ from ckv.data import DataError  # noqa: E402
 from ckv.train import (  # noqa: E402
     CheckpointError, DivergenceError, ResumeError, RunLockedError, TrainConfig, TrainingInterrupted, train,
 )
+from ckv.train.config import trajectory_neutral  # noqa: E402
 
 MAX_DIR_NAME = 200
+# Keys that place the run folder rather than name it: ${out_dir}/${name}/ holds it (experiment sets name) and the
+# seed is appended to every folder name.
+PLACEMENT_KEYS = ("experiment", "out_dir", "seed")
 
 
-def job_dir_name(override_dirname: str, seed: int) -> str:
-    """A job's folder name: its command-line overrides plus its seed (``attention.stride=4,seed=0``); path
-    separators are replaced, and an over-long name is shortened with a hash of the full one."""
-    name = ",".join(p for p in (override_dirname, f"seed={seed}") if p).replace("/", "_")
+def override_dirname(overrides: Sequence[str]) -> str:
+    """The command-line overrides that change what is trained, sorted and joined by ``,`` (Hydra's
+    ``override_dirname`` rule); ``PLACEMENT_KEYS`` and the keys of ``RESUMABLE_CHANGES`` are left out."""
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    return ",".join(sorted(o.input_line for o in parsed
+                           if o.key_or_group not in PLACEMENT_KEYS and not trajectory_neutral(o.key_or_group)))
+
+
+def job_dir_name(overrides: Sequence[str], seed: int) -> str:
+    """A job's folder name: its trajectory-changing command-line overrides plus its seed
+    (``attention.stride=4,seed=0``); path separators are replaced, and an over-long name is shortened with a
+    hash of the full one."""
+    name = ",".join(p for p in (override_dirname(overrides), f"seed={seed}") if p).replace("/", "_")
     if len(name) > MAX_DIR_NAME:
         name = f"{name[:MAX_DIR_NAME - 17]}-{hashlib.sha1(name.encode()).hexdigest()[:16]}"
     return name

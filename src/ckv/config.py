@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -10,9 +12,9 @@ import numpy as np
 
 from ckv.geometry import ENTRY_ROPE_POSITIONS
 
+# ``kind`` and ``impl`` are not here: the attention registry (ckv.attention) owns them, since the backends
+# registered there decide which kinds exist and which implementations each one runs.
 _CHOICES: dict[str, tuple[Any, ...]] = {
-    "kind": ("full", "compressed"),
-    "impl": ("auto", "torch", "triton"),
     "pooling": ("gate", "mean"),
     "gate": ("scalar", "vector"),
     "offset_maps": ("specific", "shared"),
@@ -45,6 +47,37 @@ def check_int(field: str, value: Any, minimum: int = 1) -> None:
         raise ConfigError(f"{field}={value!r} must be an integer >= {minimum}")
 
 
+def check_float(field: str, value: Any, low: Optional[float] = None, high: Optional[float] = None, *,
+                low_open: bool = False, high_open: bool = False) -> None:
+    """Raise ConfigError naming ``field`` unless ``value`` is a finite real number (an int or float, not a bool or
+    a string) within the bounds: ``low``/``high`` are inclusive unless ``low_open``/``high_open``."""
+    bounds = []
+    if low is not None:
+        bounds.append(f"{'>' if low_open else '>='} {low}")
+    if high is not None:
+        bounds.append(f"{'<' if high_open else '<='} {high}")
+    wanted = "a finite number" + (f" {' and '.join(bounds)}" if bounds else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+        raise ConfigError(f"{field}={value!r} must be {wanted}")
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if below or above:
+        raise ConfigError(f"{field}={value!r} must be {wanted}")
+
+
+def reject_unknown(d: Mapping[str, Any], allowed: Iterable[str], owner: str) -> None:
+    """Raise ConfigError listing the keys of ``d`` that are not in ``allowed`` (``owner`` names the section)."""
+    allowed = set(allowed)
+    unknown = set(d) - allowed
+    if unknown:
+        raise ConfigError(f"unknown {owner} field(s) {sorted(unknown)}; valid fields: {sorted(allowed)}")
+
+
+def field_names(cls: type) -> list[str]:
+    """The field names of dataclass ``cls``."""
+    return [f.name for f in dataclasses.fields(cls)]
+
+
 @dataclass
 class AttentionConfig:
     """Which attention backend a model uses and every knob of the chunked compressor.
@@ -52,7 +85,9 @@ class AttentionConfig:
     ``window`` and ``stride`` follow docs/attention.md: entry ``j`` pools positions
     ``[(j+1)*stride - window, (j+1)*stride - 1]``. ``local_window`` is the number of exact recent tokens a query
     keeps (including itself) or ``"tail"`` (the tokens of the current unfinished stride block).
-    ``kv_heads=None`` takes the model's ``n_kv_heads``.
+    ``kv_heads=None`` takes the model's ``n_kv_heads``. ``kind`` names a backend registered in ``ckv.attention``
+    and ``impl`` one of that backend's implementations; the registry checks both when the model is built (see
+    ``ckv.attention.check_attention``), so a newly registered backend needs no change here.
     """
 
     kind: str = "full"
@@ -76,7 +111,10 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         o = "attention"
-        for name in ("kind", "impl", "rope", "pooling", "gate", "offset_maps", "kv", "compressed_norm", "entry_rope_position"):
+        for name in ("kind", "impl"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ConfigError(f"{o}.{name}={getattr(self, name)!r} must be a non-empty string")
+        for name in ("rope", "pooling", "gate", "offset_maps", "kv", "compressed_norm", "entry_rope_position"):
             check_choice(f"{o}.{name}", getattr(self, name), _CHOICES[name])
         for name in ("qk_norm", "gate_bias"):
             check_bool(f"{o}.{name}", getattr(self, name))
@@ -136,7 +174,8 @@ class ModelConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 
     def __post_init__(self) -> None:
-        if isinstance(self.attention, dict):
+        if isinstance(self.attention, Mapping):
+            reject_unknown(self.attention, field_names(AttentionConfig), "AttentionConfig")
             self.attention = AttentionConfig(**self.attention)
         o = "model"
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
@@ -148,8 +187,10 @@ class ModelConfig:
                 f"model.n_heads={self.n_heads} is not divisible by the number of KV heads ({self.kv_heads}); "
                 "grouped-query attention needs n_heads % kv_heads == 0"
             )
-        if self.rope_theta <= 0:
-            raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
+        check_float(f"{o}.rope_theta", self.rope_theta, 0, low_open=True)
+        check_float(f"{o}.norm_eps", self.norm_eps, 0, low_open=True)
+        check_float(f"{o}.init_std", self.init_std, 0, low_open=True)
+        check_bool(f"{o}.tie_embeddings", self.tie_embeddings)
         a = self.attention
         if a.rope == "partial":
             if not isinstance(a.rope_dims, int) or a.rope_dims < 2 or a.rope_dims % 2 or a.rope_dims > self.head_dim:
@@ -172,10 +213,7 @@ class ModelConfig:
         """A preset (``qwen3_0.6b``, ``small``, ``tiny``) with fields overridden; ``attention`` may be a dict."""
         if name not in PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(overrides) - fields
-        if unknown:
-            raise ConfigError(f"unknown ModelConfig field(s) {sorted(unknown)}; valid fields: {sorted(fields)}")
+        reject_unknown(overrides, field_names(cls), "ModelConfig")
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
@@ -184,13 +222,52 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
-        if unknown:
-            raise ConfigError(f"unknown ModelConfig field(s) {sorted(unknown)}")
+        reject_unknown(d, field_names(cls), "ModelConfig")
         att = d.pop("attention", {}) or {}
-        afields = {f.name for f in dataclasses.fields(AttentionConfig)}
-        bad = set(att) - afields
-        if bad:
-            raise ConfigError(f"unknown AttentionConfig field(s) {sorted(bad)}; valid fields: {sorted(afields)}")
+        reject_unknown(att, field_names(AttentionConfig), "AttentionConfig")
         return cls(**d, attention=AttentionConfig(**att))
+
+
+@dataclass
+class ModelSpec:
+    """Which model to build: a preset (``PRESETS``) plus ``ModelConfig`` field overrides, as a run's config names it.
+
+    ``vocab_size="auto"`` takes the data's vocabulary (the tokenizer's size, or the lookup layout's). The
+    attention fields come from a separate ``attention`` mapping (the run config's attention group). The preset
+    and the override names are checked on construction; ``build`` checks the values.
+    """
+
+    preset: str = "tiny"
+    vocab_size: Union[int, str] = "auto"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.vocab_size, str):
+            if self.vocab_size != "auto":
+                raise ConfigError(f"model.vocab_size={self.vocab_size!r} must be an integer or 'auto'")
+        else:
+            check_int("model.vocab_size", self.vocab_size, 1)
+        if self.preset not in PRESETS:
+            raise ConfigError(f"model.preset={self.preset!r} is not a preset; choose one of {sorted(PRESETS)}")
+        if "attention" in self.overrides:
+            raise ConfigError("set attention fields in the attention group, not under model")
+        reject_unknown(self.overrides, set(field_names(ModelConfig)) - {"attention", "vocab_size"}, "model")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
+        """``{"preset": ..., "vocab_size": ..., <any other ModelConfig field>: ...}`` (flat, as in conf/model)."""
+        d = dict(d)
+        if "preset" not in d:
+            raise ConfigError(f"model needs a 'preset' (one of {sorted(PRESETS)}); got keys {sorted(d)}")
+        preset, vocab = d.pop("preset"), d.pop("vocab_size", "auto")
+        return cls(preset=preset, vocab_size=vocab, overrides=d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"preset": self.preset, "vocab_size": self.vocab_size, **self.overrides}
+
+    def build(self, attention: Mapping[str, Any], data_vocab_size: int) -> ModelConfig:
+        """The validated ``ModelConfig``; ``data_vocab_size`` fills ``vocab_size="auto"`` and bounds a fixed one."""
+        vocab = data_vocab_size if self.vocab_size == "auto" else self.vocab_size
+        if vocab < data_vocab_size:
+            raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary ({data_vocab_size} ids)")
+        return ModelConfig.from_preset(self.preset, vocab_size=vocab, attention=dict(attention), **self.overrides)

@@ -52,6 +52,9 @@ def test_text_files_preset_needs_paths() -> None:
         ({"lookup": {"filler": [0, 2], "n_filler": 0}}, "set data.lookup.n_filler >= 1"),
         ({"kind": "lookup", "seq_len": 20}, "data.seq_len=20 is too short"),
         ({"kind": "mixture", "mixture_ratio": 1.0}, "data.mixture_ratio=1.0"),
+        ({"kind": "mixture", "mixture_ratio": "half"}, "data.mixture_ratio='half'"),
+        ({"kind": "mixture", "mixture_ratio": float("nan")}, "data.mixture_ratio=nan"),
+        ({"text": []}, "data.text must be a mapping"),
     ],
 )
 def test_bad_config_names_the_field(d: dict, match: str) -> None:

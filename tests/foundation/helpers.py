@@ -4,16 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from ckv import ModelConfig
+from ckv.apps.smoke import load_variant
 
 ATTENTION_DIR = Path(__file__).resolve().parents[2] / "conf" / "attention"
 VARIANTS = sorted(p.stem for p in ATTENTION_DIR.glob("*.yaml"))
 
 
 def variant(name: str) -> dict:
-    return OmegaConf.to_container(OmegaConf.load(ATTENTION_DIR / f"{name}.yaml"))
+    return load_variant(ATTENTION_DIR, name)
 
 
 def small_config(attention: dict, **overrides) -> ModelConfig:

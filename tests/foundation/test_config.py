@@ -9,16 +9,16 @@ from ckv import AttentionConfig, ConfigError, ModelConfig, Transformer
     [
         (dict(kind="compressed", stride=0), "stride"),
         (dict(kind="compressed", window=4, stride=8), "window"),
-        (dict(kind="sparse"), "kind"),
         (dict(pooling="max"), "pooling"),
         (dict(gate="matrix"), "gate"),
         (dict(local_window=-1), "local_window"),
         (dict(local_window="head"), "local_window"),
         (dict(rope="partial"), "rope_dims"),
         (dict(rope="full", rope_dims=8), "rope_dims"),
-        (dict(impl="cuda"), "impl"),
         (dict(kv="shared"), "kv"),
         (dict(qk_norm="yes"), "qk_norm"),
+        (dict(kind=""), "kind"),
+        (dict(impl=None), "impl"),
     ],
 )
 def test_bad_attention_config_names_the_field(kwargs, field):
@@ -35,6 +35,11 @@ def test_bad_attention_config_names_the_field(kwargs, field):
         (dict(attention=dict(rope="partial", rope_dims=7)), "rope_dims"),
         (dict(attention=dict(rope="partial", rope_dims=32)), "rope_dims"),
         (dict(vocab_size=0), "vocab_size"),
+        (dict(rope_theta=float("inf")), "rope_theta"),
+        (dict(norm_eps=0.0), "norm_eps"),
+        (dict(init_std="abc"), "init_std"),
+        (dict(tie_embeddings=1), "tie_embeddings"),
+        (dict(attention=dict(windw=8)), "windw"),
     ],
 )
 def test_bad_model_config_names_the_field(kwargs, field):

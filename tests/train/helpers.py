@@ -29,8 +29,8 @@ def base_config(run_dir: Path, cache_dir: Path) -> dict[str, Any]:
         "attention": {"kind": "full"},
         "data": copy.deepcopy(LOOKUP_DATA),
         "optim": {"lr": 3e-3, "warmup_steps": 2},
-        "trainer": {"max_steps": 8, "global_batch_size": 8, "micro_batch_size": 4, "log_every": 1, "device": "cpu",
-                    "progress": False, "data_cache_dir": str(cache_dir)},
+        "trainer": {"max_steps": 8, "global_batch_size": 8, "micro_batch_size": 4, "log_every": 1, "val_every": 0,
+                    "device": "cpu", "progress": False, "data_cache_dir": str(cache_dir)},
         "deepspeed": {"zero_optimization": {"stage": 0}},
         "wandb": {"enabled": False},
     }

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -31,10 +33,42 @@ def test_from_dict_builds_every_section(make_config):
     ("optim", {"schedule": "linear"}, "optim.schedule"),
     ("wandb", {"mode": "sometimes"}, "wandb.mode"),
     ("attention", {"kind": "compressed", "window": 4, "stride": 8}, "attention.window"),
+    ("attention", {"kind": "sparse"}, "attention.kind='sparse' has no registered backend"),
+    ("attention", {"impl": "triton"}, "does not support attention.impl='triton'"),
+    ("attention", {"windw": 8}, "unknown attention field(s) ['windw']"),
+    ("model", {"n_layr": 2}, "unknown model field(s) ['n_layr']"),
+    ("model", {"n_heads": 3}, "model.n_heads=3"),
+    ("model", {"preset": "huge"}, "model.preset='huge'"),
+    ("wandb", {"tags": "a"}, "wandb.tags"),
 ])
 def test_bad_values_name_the_field(make_config, section, value, needle):
-    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
         make_config(**{section: value})
+
+
+FLOAT_FIELDS = {  # every float field of OptimConfig, with a value just outside its range
+    "lr": 0.0, "weight_decay": -0.1, "beta1": 1.0, "beta2": -0.5, "eps": 0.0, "grad_clip": -1.0,
+    "min_lr_ratio": 1.5, "decay_fraction": 0.0,
+}
+
+
+def test_float_fields_are_listed():
+    floats = {f.name for f in dataclasses.fields(OptimConfig) if f.type == "float"}
+    assert floats == set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT_FIELDS))
+@pytest.mark.parametrize("bad", ["abc", float("inf"), float("-inf"), float("nan"), True, None, "out of range"])
+def test_bad_float_is_one_config_error_line(make_config, name, bad):
+    """optim.lr=abc used to raise a raw TypeError and optim.lr=inf to pass; every float field now refuses both."""
+    value = FLOAT_FIELDS[name] if bad == "out of range" else bad
+    with pytest.raises(ConfigError, match=re.escape(f"optim.{name}={value!r} must be a finite number")) as e:
+        make_config(optim={name: value})
+    assert "\n" not in str(e.value)
+
+
+def test_float_fields_take_integers(make_config):
+    assert make_config(optim={"lr": 1, "grad_clip": 0}).optim.lr == 1
 
 
 def test_model_spec_vocab(make_config):

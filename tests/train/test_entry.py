@@ -3,6 +3,7 @@ well-formed, job folders are named by overrides and seed, and train.py runs end 
 
 from __future__ import annotations
 
+import dataclasses
 import runpy
 import subprocess
 import sys
@@ -14,7 +15,9 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from ckv.config import ModelSpec
 from ckv.train import TrainConfig, read_metrics
+from ckv.train.config import RESUMABLE_CHANGES, TrainerConfig, trajectory_neutral
 
 from .helpers import REPO, child_env
 
@@ -36,7 +39,91 @@ def _train_config(overrides: list[str]) -> TrainConfig:
 def test_default_config_composes():  # plain `python train.py`
     cfg = _train_config([])
     assert (cfg.name, cfg.model.preset, cfg.data.kind, cfg.deepspeed["zero_optimization"]["stage"]) == (
-        "default", "tiny", "text", 1)
+        "default", "tiny", "text", 0)
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_leaves(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def test_default_options_state_the_dataclass_defaults():
+    """One source of defaults: what `python train.py` composes (each group's default option) states exactly the
+    TrainConfig field defaults; optim, trainer and wandb state every field (so any field can be overridden)."""
+    composed = OmegaConf.to_container(_compose([]), resolve=True)
+    defaults = TrainConfig(run_dir="unused").to_dict()
+    for section in ("name", "seed", "attention", "data", "optim", "trainer", "deepspeed", "wandb"):
+        stated, default = _leaves({section: composed[section]}), _leaves({section: defaults[section]})
+        assert {k: v for k, v in stated.items()} == {k: default[k] for k in stated}, section
+        if section in ("optim", "trainer", "wandb", "deepspeed"):
+            assert stated.keys() == default.keys(), section
+    assert set(composed) - set(defaults) == {"out_dir"}  # the entry point's own key (not a TrainConfig field)
+    # model: the preset and vocab of ModelSpec(), and every stated override is the preset's own value
+    attention = defaults["attention"]
+    assert ModelSpec.from_dict(composed["model"]).build(attention, 100) == ModelSpec().build(attention, 100)
+    assert composed["model"]["preset"] == ModelSpec().preset
+
+
+GROUP_BASES = {"attention": "full", "optim": "adamw_cosine", "trainer": "default"}
+
+
+@pytest.mark.parametrize("group", sorted(GROUP_BASES))
+def test_group_options_state_only_their_difference(group):
+    """Every option of these groups starts (Hydra defaults) from the group's default option or another option of
+    the group, and states only the fields whose value it changes."""
+    base = GROUP_BASES[group]
+    assert _compose([]).get(group) == _compose([f"{group}={base}"]).get(group)  # config.yaml's default option
+    for path in sorted((REPO / "conf" / group).glob("*.yaml")):
+        raw = yaml.safe_load(path.read_text())
+        if path.stem == base:
+            assert "defaults" not in raw
+            continue
+        parents = [d for d in raw.pop("defaults") if d != "_self_"]
+        assert len(parents) == 1 and (REPO / "conf" / group / f"{parents[0]}.yaml").is_file(), path.name
+        inherited = OmegaConf.to_container(_compose([f"{group}={parents[0]}"])[group])
+        same = {k: v for k, v in raw.items() if k in inherited and inherited[k] == v}
+        assert raw and not same, f"{path.name} restates {same}"
+
+
+ATTENTION_FIELDS = ("kind", "impl", "rope", "rope_dims", "qk_norm", "kv_heads", "window", "stride", "pooling", "gate",
+                    "gate_bias", "offset_maps", "kv", "compressed_norm", "entry_rope_position", "local_window")
+# The composed attention group of each option before its file was reduced to its difference (computed from the
+# full files of commit 7524006 with compose(overrides=["attention=NAME"]); full options state the first six).
+ATTENTION_RESOLVED = {
+    "deepseek_w8s4": ('compressed', 'auto', 'partial', 16, True, 1, 8, 4, 'gate', 'vector', True, 'shared', 'tied', 'post', 'block_start', 16),
+    "deepseek_w8s4_scalar": ('compressed', 'auto', 'partial', 16, True, 1, 8, 4, 'gate', 'scalar', True, 'shared', 'tied', 'post', 'block_start', 16),
+    "full": ('full', 'auto', 'full', None, True, None),
+    "full_kv1": ('full', 'auto', 'full', None, True, 1),
+    "full_kv4": ('full', 'auto', 'full', None, True, 4),
+    "full_kv8": ('full', 'auto', 'full', None, True, 8),
+    "w12s12": ('compressed', 'auto', 'full', None, True, 1, 12, 12, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w4s4": ('compressed', 'auto', 'full', None, True, 1, 4, 4, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s4": ('compressed', 'auto', 'full', None, True, 1, 8, 4, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s6": ('compressed', 'auto', 'full', None, True, 1, 8, 6, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_kv2": ('compressed', 'auto', 'full', None, True, 2, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_kv4": ('compressed', 'auto', 'full', None, True, 4, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_kv8": ('compressed', 'auto', 'full', None, True, 8, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_mean": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'mean', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_mean_tied_postnorm": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'mean', 'scalar', True, 'specific', 'tied', 'post', 'block_start', 16),
+    "w8s8_no_gate_bias": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'scalar', False, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_no_qk_norm": ('compressed', 'auto', 'full', None, False, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_no_rope": ('compressed', 'auto', 'none', None, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_rope16": ('compressed', 'auto', 'partial', 16, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "w8s8_tail": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 'tail'),
+    "w8s8_tail_kv8": ('compressed', 'auto', 'full', None, True, 8, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 'tail'),
+    "w8s8_tied_kv": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'tied', 'pre', 'block_start', 16),
+    "w8s8_vector_gate": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'vector', True, 'specific', 'separate', 'pre', 'block_start', 16),
+}
+
+
+def test_every_attention_option_resolves_as_before():
+    assert set(ATTENTION_RESOLVED) == {p.stem for p in (REPO / "conf" / "attention").glob("*.yaml")}
+    for name, values in ATTENTION_RESOLVED.items():
+        composed = OmegaConf.to_container(_compose([f"attention={name}"]).attention)
+        assert composed == dict(zip(ATTENTION_FIELDS, values)), name
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
@@ -114,11 +201,50 @@ def test_slurm_launcher_config(monkeypatch, tmp_path):
 
 def test_job_dir_name():
     name = ENTRY["job_dir_name"]
-    assert name("", 3) == "seed=3"
-    assert name("attention.stride=4,attention.window=8", 0) == "attention.stride=4,attention.window=8,seed=0"
-    assert "/" not in name("data.text.paths=[/a/b]", 1)
-    long = name("x=" + "a" * 300, 0)
-    assert len(long) == ENTRY["MAX_DIR_NAME"] and long != name("x=" + "a" * 299 + "b", 0)
+    assert name([], 3) == "seed=3"
+    assert name(["attention.window=8", "attention.stride=4"], 0) == "attention.stride=4,attention.window=8,seed=0"
+    assert "/" not in name(["data.text.paths=[/a/b]"], 1)
+    long = name(["x=" + "a" * 300], 0)
+    assert len(long) == ENTRY["MAX_DIR_NAME"] and long != name(["x=" + "a" * 299 + "b"], 0)
+
+
+NEUTRAL_VALUES = {"name": "other", "run_dir": "/elsewhere", "trainer.progress": "false",
+                  "trainer.data_cache_dir": "/tmp/cache"}
+
+
+def _override(key: str) -> str:
+    value = NEUTRAL_VALUES.get(key, "3")
+    return f"{'+' if key == 'run_dir' else ''}{key}={value}"
+
+
+def test_run_folder_name_leaves_out_exactly_the_resumable_keys():
+    """The folder name and resume_conflicts share RESUMABLE_CHANGES: every key in it (and the keys that place the
+    folder: experiment, out_dir, seed) is left out of the name; every other trainer field stays in it."""
+    neutral = [_override(k if not k.endswith(".") else k + "mode") for k in RESUMABLE_CHANGES]
+    neutral = [o.replace("wandb.mode=3", "wandb.mode=offline") for o in neutral]
+    kept = [f"trainer.{f.name}={4 if f.name != 'device' else 'cpu'}" for f in dataclasses.fields(TrainerConfig)
+            if not trajectory_neutral(f"trainer.{f.name}") and f.name != "precision"]
+    assert len(kept) >= 4 and "trainer.max_steps=4" in kept
+    placement = ["experiment=cpu_smoke", "out_dir=/runs", "seed=3"]
+    cfg = _compose(neutral + kept + placement + ["attention=w8s8"], hydra_node=True)
+    expected = ",".join(sorted(kept + ["attention=w8s8"])) + ",seed=3"
+    assert cfg.hydra.run.dir == f"/runs/other/{expected}"
+    assert (cfg.hydra.sweep.dir, cfg.hydra.sweep.subdir) == ("/runs/other", expected)
+
+
+@pytest.mark.parametrize("typo, field", [("+model.n_layr=2", "unknown model field(s) ['n_layr']"),
+                                          ("+attention.windw=8", "unknown attention field(s) ['windw']"),
+                                          ("optim.lr=abc", "optim.lr='abc' must be a finite number > 0"),
+                                          ("optim.lr=inf", "optim.lr=inf must be a finite number > 0")])
+def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field):
+    """The default data (the shipped corpus) would train a BPE tokenizer first; a bad model, attention or optim
+    value must fail before that, in one line, and leave the tokenizer cache untouched."""
+    cache = tmp_path / "cache"
+    proc = _run_entry([typo, f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache}", "wandb.enabled=false"],
+                      timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"ckv: error: {field}"), proc.stderr
+    assert not cache.exists()
 
 
 def _run_entry(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

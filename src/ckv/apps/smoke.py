@@ -10,9 +10,17 @@ import time
 from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ckv import ModelConfig, Transformer
+
+
+def load_variant(conf_dir: str | Path, name: str) -> dict:
+    """Attention option ``name`` of ``conf_dir`` composed by Hydra: the option it starts from (its ``defaults``,
+    e.g. ``w8s8``) with its own fields merged over it."""
+    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
+        return OmegaConf.to_container(compose(config_name=name))
 
 
 def check_variant(attention: dict, seq_len: int = 61, seed: int = 0) -> dict:
@@ -43,7 +51,7 @@ def main(conf_dir: str = "conf/attention") -> int:
     worst = 0.0
     for f in files:
         t0 = time.perf_counter()
-        r = check_variant(OmegaConf.to_container(OmegaConf.load(f)))
+        r = check_variant(load_variant(conf_dir, f.stem))
         worst = max(worst, r["decode_err"])
         print(f"{f.stem:26s} {r['loss']:7.3f} {r['grad_norm']:8.3f} {r['decode_err']:11.2e} "
               f"{r['cache_bytes'] / 1024:10.1f} {time.perf_counter() - t0:7.2f}")

@@ -1,4 +1,9 @@
-"""Attention backends behind one registry: ``kind`` -> backend class."""
+"""Attention backends behind one registry: ``kind`` -> backend class.
+
+The registry is the one place that knows which kinds exist: ``AttentionConfig`` only checks that ``kind`` and
+``impl`` are strings, and ``check_attention`` (called by ``build_attention``, and by ``TrainConfig`` before any
+data is prepared) finds the backend and lets it refuse a configuration it cannot run.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +14,30 @@ REGISTRY: dict[str, type[AttentionBackend]] = {}
 
 
 def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Register backend ``cls`` under ``cls.kind`` (usable as a class decorator); a kind is registered once."""
+    if cls.kind in REGISTRY and REGISTRY[cls.kind] is not cls:
+        raise ValueError(f"attention.kind={cls.kind!r} is already registered by {REGISTRY[cls.kind].__name__}")
     REGISTRY[cls.kind] = cls
     return cls
 
 
-def build_attention(config: ModelConfig, layer_idx: int) -> AttentionBackend:
-    """The attention module of one layer, chosen by ``config.attention.kind``."""
-    kind = config.attention.kind
+def check_attention(config: ModelConfig) -> type[AttentionBackend]:
+    """The backend class of ``config.attention.kind``, after it has checked ``config``; ConfigError naming the
+    field when the kind is not registered or the backend cannot run the configuration."""
+    backend = _backend(config.attention.kind)
+    backend.check(config)
+    return backend
+
+
+def _backend(kind: str) -> type[AttentionBackend]:
     if kind not in REGISTRY:
         raise ConfigError(f"attention.kind={kind!r} has no registered backend; available: {sorted(REGISTRY)}")
-    return REGISTRY[kind](config, layer_idx)
+    return REGISTRY[kind]
+
+
+def build_attention(config: ModelConfig, layer_idx: int) -> AttentionBackend:
+    """The attention module of one layer, chosen by ``config.attention.kind`` (the backend checks ``config``)."""
+    return _backend(config.attention.kind)(config, layer_idx)
 
 
 from ckv.attention.compressed import CompressedAttention  # noqa: E402
@@ -27,4 +46,5 @@ from ckv.attention.full import FullAttention  # noqa: E402
 register(FullAttention)
 register(CompressedAttention)
 
-__all__ = ["REGISTRY", "AttentionBackend", "CompressedAttention", "FullAttention", "build_attention", "register"]
+__all__ = ["REGISTRY", "AttentionBackend", "CompressedAttention", "FullAttention", "build_attention",
+           "check_attention", "register"]

@@ -13,12 +13,12 @@ from ckv.norm import RMSNorm
 
 
 class AttentionBackend(nn.Module):
-    """Base class of the attention backends. Subclasses declare ``kind``, the ``impls`` they run and the
-    optional features they support, and implement ``forward(x, cache)`` and ``new_cache(batch_size)``."""
+    """Base class of the attention backends. Subclasses declare ``kind`` and the ``impls`` they run, may extend
+    ``check`` to refuse configurations they cannot run, override ``resolve_impl`` when ``impl="auto"`` has a
+    choice to make, and implement ``forward(x, cache)`` and ``new_cache(batch_size)``."""
 
     kind: ClassVar[str]
     impls: ClassVar[tuple[str, ...]] = ("auto", "torch")
-    features: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -35,6 +35,8 @@ class AttentionBackend(nn.Module):
         self.q_norm = RMSNorm(hd, config.norm_eps) if a.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if a.qk_norm else nn.Identity()
         self.rotary = Rotary(config.rope_dims, config.rope_theta)
+        self.impl = a.impl
+        self._resolved_impls: dict[tuple[torch.device, torch.dtype], str] = {}
 
     @classmethod
     def check(cls, config: ModelConfig) -> None:
@@ -44,6 +46,18 @@ class AttentionBackend(nn.Module):
             raise ConfigError(
                 f"attention.kind={cls.kind!r} does not support attention.impl={a.impl!r}; it supports {list(cls.impls)}"
             )
+
+    @classmethod
+    def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:
+        """The implementation ``impl`` runs as on ``device`` for activations of ``dtype`` (``auto`` -> ``torch``)."""
+        return "torch" if impl == "auto" else impl
+
+    def impl_for(self, x: torch.Tensor) -> str:
+        """This module's ``impl`` resolved for ``x``'s device and dtype, once per (device, dtype)."""
+        key = (x.device, x.dtype)
+        if key not in self._resolved_impls:
+            self._resolved_impls[key] = self.resolve_impl(self.impl, x.device, x.dtype)
+        return self._resolved_impls[key]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (B, T, d) -> q (B, T, H, D), k and v (B, T, KV, D), normalised and rotated (v = k when tied)."""

@@ -7,6 +7,7 @@ keys of its local window. ``impl`` picks the PyTorch reference (the oracle) or t
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Optional
 
@@ -39,6 +40,7 @@ def resolve_impl(impl: str, device: torch.device) -> str:
     return impl
 
 
+@functools.lru_cache(maxsize=1)
 def _triton_available() -> bool:
     try:
         import ckv_kernels  # noqa: F401
@@ -151,10 +153,6 @@ class CompressedAttention(AttentionBackend):
 
     kind = "compressed"
     impls = ("auto", "torch", "triton")
-    features = (
-        "gqa", "qk_norm", "rope_full", "rope_partial", "rope_none", "kv_cache", "gate_scalar", "gate_vector",
-        "gate_bias", "pooling_mean", "offset_maps_shared", "kv_tied", "post_norm", "local_tail", "window_gt_stride",
-    )
 
     @classmethod
     def check(cls, config: ModelConfig) -> None:
@@ -163,11 +161,15 @@ class CompressedAttention(AttentionBackend):
         if a.impl == "triton" and not _triton_available():
             raise ConfigError("attention.impl='triton' needs the ckv_kernels package and triton (pip install '.[gpu]')")
 
+    @classmethod
+    def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:
+        return resolve_impl(impl, device)
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         a = config.attention
         self.window, self.stride, self.local_window = a.window, a.stride, a.local_window
-        self.impl, self.entry_rope = a.impl, a.entry_rope_position
+        self.entry_rope = a.entry_rope_position
         self.ck_norm = RMSNorm(config.head_dim, config.norm_eps) if a.qk_norm else None  # compressed keys
         self.norm_before_pooling = a.compressed_norm == "pre"
         self.k_compressor = Compressor(config)
@@ -181,12 +183,13 @@ class CompressedAttention(AttentionBackend):
         if bool((present & (idx < 0)).any()):
             raise ValueError("hidden states do not reach back to the start of a window being pooled")
         hw = h[:, idx.clamp(min=0)] * present[None, :, :, None].to(h.dtype)  # (B, n, W, d)
-        kc = self.k_compressor(hw, present, impl=self.impl, norm=self.ck_norm if self.norm_before_pooling else None)
+        impl = self.impl_for(h)
+        kc = self.k_compressor(hw, present, impl=impl, norm=self.ck_norm if self.norm_before_pooling else None)
         if self.ck_norm is not None and not self.norm_before_pooling:
             kc = self.ck_norm(kc)
         j = torch.arange(first, first + n, device=h.device)
         kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope))
-        vc = kc if self.v_compressor is None else self.v_compressor(hw, present, impl=self.impl)
+        vc = kc if self.v_compressor is None else self.v_compressor(hw, present, impl=impl)
         return kc, vc
 
     def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
@@ -214,7 +217,7 @@ class CompressedAttention(AttentionBackend):
             cache.pending = h[:, h.shape[1] - keep_p:]
             cache.length = n
         out = joint_attention(q, kc, vc, k_all, v_all, stride=self.stride, local_window=self.local_window,
-                              q_start=start, impl=self.impl)  # (B, T, H, D)
+                              q_start=start, impl=self.impl_for(x))  # (B, T, H, D)
         return self.o_proj(out.reshape(B, T, -1))
 
     def new_cache(self, batch_size: int) -> CompressedLayerCache:

@@ -1,19 +1,25 @@
-"""Causal grouped-query attention through SDPA (flash-attn when installed, on CUDA, in fp16/bf16)."""
+"""Causal grouped-query attention: PyTorch SDPA (``impl=torch``) or flash-attn (``impl=flash``, CUDA, fp16/bf16).
+
+``impl=auto`` takes flash-attn on CUDA for fp16/bf16 activations when the package imports, SDPA otherwise.
+"""
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ckv.attention.base import AttentionBackend
 from ckv.cache import FullLayerCache
+from ckv.config import ConfigError, ModelConfig
+
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=1)
-def _flash_attn_func():
+def _flash_attn_func() -> Optional[Callable[..., torch.Tensor]]:
     try:
         from flash_attn import flash_attn_func  # type: ignore
 
@@ -22,13 +28,13 @@ def _flash_attn_func():
         return None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
+                     impl: str = "torch") -> torch.Tensor:
     """q: (B, Tq, H, D) at positions ``q_start..``; k, v: (B, Tk, KV, D) at positions ``0..Tk-1`` with
-    ``Tk = q_start + Tq``. Returns (B, Tq, H, D)."""
+    ``Tk = q_start + Tq``. ``impl``: a resolved implementation, ``torch`` (SDPA) or ``flash``. Returns (B, Tq, H, D)."""
     Tq, Tk = q.shape[1], k.shape[1]
-    flash = _flash_attn_func()
-    if flash is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        return flash(q, k, v, causal=True)  # bottom-right aligned causal mask, native GQA
+    if impl == "flash":
+        return _flash_attn_func()(q, k, v, causal=True)  # bottom-right aligned causal mask, native GQA
     G = q.shape[2] // k.shape[2]
     qt = q.transpose(1, 2)  # (B, H, Tq, D)
     kt = k.transpose(1, 2).repeat_interleave(G, dim=1)  # (B, H, Tk, D)
@@ -46,8 +52,26 @@ class FullAttention(AttentionBackend):
     """Full causal attention: every query sees every earlier token exactly."""
 
     kind = "full"
-    impls = ("auto", "torch")
-    features = ("gqa", "qk_norm", "rope_full", "rope_partial", "rope_none", "kv_cache", "flash_attn")
+    impls = ("auto", "torch", "flash")
+
+    @classmethod
+    def check(cls, config: ModelConfig) -> None:
+        super().check(config)
+        if config.attention.impl == "flash" and _flash_attn_func() is None:
+            raise ConfigError("attention.impl='flash' needs the flash-attn package (pip install flash-attn); "
+                              "impl='torch' runs PyTorch SDPA")
+
+    @classmethod
+    def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:
+        """``auto`` -> ``flash`` on CUDA for fp16/bf16 when flash-attn imports, else ``torch``; ``flash`` on another
+        device or dtype is a ConfigError (flash-attn runs only there)."""
+        flash_fits = device.type == "cuda" and dtype in FLASH_DTYPES
+        if impl == "auto":
+            return "flash" if flash_fits and _flash_attn_func() is not None else "torch"
+        if impl == "flash" and not flash_fits:
+            raise ConfigError(f"attention.impl='flash' runs on CUDA in fp16/bf16, not on {device.type} in {dtype}; "
+                              "use impl='auto' or 'torch' (SDPA)")
+        return impl
 
     def forward(self, x: torch.Tensor, cache: Optional[FullLayerCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -55,7 +79,7 @@ class FullAttention(AttentionBackend):
         q, k, v = self.project(x, torch.arange(start, start + T, device=x.device))
         if cache is not None:
             k, v = cache.append(k, v)
-        out = causal_attention(q, k, v, q_start=start)  # (B, T, H, D)
+        out = causal_attention(q, k, v, q_start=start, impl=self.impl_for(q))  # (B, T, H, D)
         return self.o_proj(out.reshape(B, T, -1))
 
     def new_cache(self, batch_size: int) -> FullLayerCache:

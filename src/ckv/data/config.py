@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from ckv.config import ConfigError, check_bool, check_choice, check_int
+from ckv.config import ConfigError, check_bool, check_choice, check_float, check_int, field_names, reject_unknown
 from ckv.data.lookup import LookupFormat
 
 KINDS = ("text", "lookup", "mixture")
@@ -23,11 +24,10 @@ def _int_range(name: str, value: Any) -> tuple[int, int]:
     return pair  # type: ignore[return-value]
 
 
-def _from_dict(cls: type, d: dict[str, Any], owner: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    if unknown:
-        raise ConfigError(f"unknown {owner} field(s) {sorted(unknown)}; valid fields: {sorted(names)}")
+def _from_dict(cls: type, d: Mapping[str, Any], owner: str) -> Any:
+    if not isinstance(d, Mapping):
+        raise ConfigError(f"{owner} must be a mapping, got {type(d).__name__}")
+    reject_unknown(d, field_names(cls), owner)
     return cls(**d)
 
 
@@ -145,9 +145,9 @@ class DataConfig:
     mixture_ratio: float = 0.5
 
     def __post_init__(self) -> None:
-        if isinstance(self.text, dict):
+        if not isinstance(self.text, TextConfig):
             self.text = _from_dict(TextConfig, self.text, "data.text")
-        if isinstance(self.lookup, dict):
+        if not isinstance(self.lookup, LookupConfig):
             self.lookup = _from_dict(LookupConfig, self.lookup, "data.lookup")
         check_choice("data.kind", self.kind, KINDS)
         check_int("data.seq_len", self.seq_len, 2)
@@ -157,13 +157,8 @@ class DataConfig:
                 f"{self.lookup.max_len} tokens (seq_len + 1 = inputs plus the last target); raise data.seq_len or "
                 "lower data.lookup.n_records / n_queries / filler / prefix_pad"
             )
-        if self.kind == "mixture":
-            r = self.mixture_ratio
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r < 1:
-                raise ConfigError(
-                    f"data.mixture_ratio={r!r} must be a fraction strictly between 0 and 1 (the share of lookup "
-                    "sequences); use kind 'text' or 'lookup' for a pure stream"
-                )
+        # the share of lookup sequences in a mixture (kind 'text' or 'lookup' is a pure stream)
+        check_float("data.mixture_ratio", self.mixture_ratio, 0, 1, low_open=True, high_open=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DataConfig":

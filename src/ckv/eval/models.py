@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer
 
-from ckv.config import ConfigError, ModelConfig
+from ckv.config import ConfigError, ModelConfig, ModelSpec
 from ckv.data import lookup_format_for
 from ckv.data.config import DataConfig, LookupConfig
 from ckv.data.lookup import LookupFormat
@@ -29,7 +29,6 @@ from ckv.io.layout import (
 )
 from ckv.io.weights import WEIGHTS_CONFIG_FILE, WEIGHTS_FILE, is_weights_dir, load_config, load_weights
 from ckv.model import Transformer
-from ckv.train.config import ModelSpec
 
 PathLike = Union[str, Path]
 

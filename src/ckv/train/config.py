@@ -8,10 +8,15 @@ and what a resumed run is compared against (``resume_conflicts``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
-from ckv.config import AttentionConfig, ConfigError, ModelConfig, check_bool, check_choice, check_int
+from ckv.attention import check_attention
+from ckv.config import (
+    AttentionConfig, ConfigError, ModelSpec, check_bool, check_choice, check_float, check_int, field_names,
+    reject_unknown,
+)
 from ckv.data import DataConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -20,13 +25,19 @@ RESUME_POLICIES = ("strict", "fallback")
 PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
-# Config keys (dotted, or a prefix ending in ".") that may change when a run resumes: they affect neither the
-# model, the data order nor the optimisation trajectory.
+# The one list of config keys (dotted, or a prefix ending in ".") that do not change a run's trajectory: they
+# affect neither the model, the data order nor the optimisation. They may change when a run resumes, and they are
+# left out of a run's folder name (train.py's ckv_job_dir resolver).
 RESUMABLE_CHANGES = (
     "name", "run_dir", "wandb.",
     "trainer.log_every", "trainer.val_every", "trainer.val_batches", "trainer.save_every", "trainer.keep_last",
     "trainer.keep_every", "trainer.stop_at_step", "trainer.progress", "trainer.data_cache_dir", "trainer.resume",
 )
+
+
+def trajectory_neutral(key: str) -> bool:
+    """Whether dotted config ``key`` is in ``RESUMABLE_CHANGES`` (itself, or under one of its prefixes)."""
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUMABLE_CHANGES)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -37,49 +48,9 @@ def _check(cond: bool, message: str) -> None:
 def _from_dict(cls: type, d: Any, owner: str) -> Any:
     if isinstance(d, cls):
         return d
-    _check(isinstance(d, dict), f"{owner} must be a mapping, got {type(d).__name__}")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    _check(not unknown, f"unknown {owner} field(s) {sorted(unknown)}; valid fields: {sorted(names)}")
+    _check(isinstance(d, Mapping), f"{owner} must be a mapping, got {type(d).__name__}")
+    reject_unknown(d, field_names(cls), owner)
     return cls(**d)
-
-
-@dataclass
-class ModelSpec:
-    """Which model to build: a ``ckv.config`` preset plus ``ModelConfig`` field overrides.
-
-    ``vocab_size="auto"`` takes the data's vocabulary (the tokenizer's size, or the lookup layout's). The
-    attention fields come from the separate ``attention`` group (see ``TrainConfig``).
-    """
-
-    preset: str = "tiny"
-    vocab_size: Union[int, str] = "auto"
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.vocab_size, str):
-            _check(self.vocab_size == "auto", f"model.vocab_size={self.vocab_size!r} must be an integer or 'auto'")
-        else:
-            check_int("model.vocab_size", self.vocab_size, 1)
-        _check("attention" not in self.overrides, "set attention fields in the attention group, not under model")
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
-        """``{"preset": ..., "vocab_size": ..., <any other ModelConfig field>: ...}`` (flat, as in conf/model)."""
-        d = dict(d)
-        _check("preset" in d, f"model needs a 'preset' (one of the ckv.config presets); got keys {sorted(d)}")
-        preset, vocab = d.pop("preset"), d.pop("vocab_size", "auto")
-        return cls(preset=preset, vocab_size=vocab, overrides=d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"preset": self.preset, "vocab_size": self.vocab_size, **self.overrides}
-
-    def build(self, attention: dict[str, Any], data_vocab_size: int) -> ModelConfig:
-        """The validated ``ModelConfig``; ``data_vocab_size`` fills ``vocab_size="auto"`` and bounds a fixed one."""
-        vocab = data_vocab_size if self.vocab_size == "auto" else self.vocab_size
-        if vocab < data_vocab_size:
-            raise ConfigError(f"model.vocab_size={vocab} is smaller than the data's vocabulary ({data_vocab_size} ids)")
-        return ModelConfig.from_preset(self.preset, vocab_size=vocab, attention=dict(attention), **self.overrides)
 
 
 @dataclass
@@ -99,21 +70,21 @@ class OptimConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0
     schedule: str = "cosine"
-    warmup_steps: int = 0
+    warmup_steps: int = 100
     min_lr_ratio: float = 0.1
     decay_fraction: float = 0.2
 
     def __post_init__(self) -> None:
         check_choice("optim.schedule", self.schedule, SCHEDULES)
         check_int("optim.warmup_steps", self.warmup_steps, 0)
-        _check(self.lr > 0, f"optim.lr={self.lr} must be > 0")
-        _check(self.weight_decay >= 0, f"optim.weight_decay={self.weight_decay} must be >= 0")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
-               f"optim betas ({self.beta1}, {self.beta2}) must lie in [0, 1)")
-        _check(self.eps > 0, f"optim.eps={self.eps} must be > 0")
-        _check(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip} must be >= 0 (0 turns clipping off)")
-        _check(0 <= self.min_lr_ratio <= 1, f"optim.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
-        _check(0 < self.decay_fraction <= 1, f"optim.decay_fraction={self.decay_fraction} must lie in (0, 1]")
+        check_float("optim.lr", self.lr, 0, low_open=True)
+        check_float("optim.weight_decay", self.weight_decay, 0)
+        check_float("optim.beta1", self.beta1, 0, 1, high_open=True)
+        check_float("optim.beta2", self.beta2, 0, 1, high_open=True)
+        check_float("optim.eps", self.eps, 0, low_open=True)
+        check_float("optim.grad_clip", self.grad_clip, 0)  # 0 turns clipping off
+        check_float("optim.min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_float("optim.decay_fraction", self.decay_fraction, 0, 1, low_open=True)
 
 
 @dataclass
@@ -131,15 +102,15 @@ class TrainerConfig:
     damaged, ``resume=strict`` stops naming the damaged file and ``resume=fallback`` takes the newest intact one.
     """
 
-    max_steps: int = 100
-    global_batch_size: int = 8
+    max_steps: int = 1000
+    global_batch_size: int = 32
     micro_batch_size: int = 8
     device: str = "auto"
     precision: str = "auto"
     log_every: int = 10
-    val_every: int = 0
-    val_batches: int = 4
-    save_every: int = 0
+    val_every: int = 200
+    val_batches: int = 8
+    save_every: int = 200
     keep_last: int = 2
     keep_every: int = 0
     stop_at_step: Optional[int] = None
@@ -174,12 +145,19 @@ class WandbConfig:
     def __post_init__(self) -> None:
         check_choice("wandb.mode", self.mode, WANDB_MODES)
         check_bool("wandb.enabled", self.enabled)
+        _check(isinstance(self.tags, list) and all(isinstance(t, str) for t in self.tags),
+               f"wandb.tags={self.tags!r} must be a list of strings")
 
 
 @dataclass
 class TrainConfig:
-    """Everything one training run needs. ``deepspeed`` is a DeepSpeed config fragment (ZeRO settings etc.);
-    batch sizes, precision, clipping and the optimizer are filled in from the other sections."""
+    """Everything one training run needs. The field defaults are the defaults of ``python train.py`` too: the
+    option each conf/ group takes by default states these values and no others (tests/train/test_entry.py). ``deepspeed`` is a DeepSpeed config fragment (ZeRO settings etc.);
+    batch sizes, precision, clipping and the optimizer are filled in from the other sections.
+
+    Construction validates every section, including the model the ``model`` and ``attention`` sections describe
+    (its field values and the attention backend's checks), so a bad override fails before any data is prepared.
+    """
 
     run_dir: str
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -190,21 +168,24 @@ class TrainConfig:
     deepspeed: dict[str, Any] = field(default_factory=lambda: {"zero_optimization": {"stage": 0}})
     wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = 0
-    name: str = "run"
+    name: str = "default"
 
     def __post_init__(self) -> None:
-        if isinstance(self.model, dict):
+        if isinstance(self.model, Mapping):
             self.model = ModelSpec.from_dict(self.model)
-        if isinstance(self.data, dict):
+        if isinstance(self.data, Mapping):
             self.data = DataConfig.from_dict(self.data)
         self.optim = _from_dict(OptimConfig, self.optim, "optim")
         self.trainer = _from_dict(TrainerConfig, self.trainer, "trainer")
         self.wandb = _from_dict(WandbConfig, self.wandb, "wandb")
         _check(isinstance(self.deepspeed, dict), "deepspeed must be a mapping (a DeepSpeed config fragment)")
-        _check(isinstance(self.attention, dict), "attention must be a mapping of AttentionConfig fields")
+        _check(isinstance(self.attention, Mapping), "attention must be a mapping of AttentionConfig fields")
         self.attention = dataclasses.asdict(_from_dict(AttentionConfig, self.attention, "attention"))
         check_int("seed", self.seed, 0)
         _check(bool(self.run_dir), "run_dir must be a folder path")
+        # the model's values and the backend's checks; vocab_size=1 stands in for the data's vocabulary, whose
+        # bound on a fixed model.vocab_size is checked once the data is prepared
+        check_attention(self.model.build(self.attention, data_vocab_size=1))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], run_dir: Optional[str] = None) -> "TrainConfig":
@@ -246,7 +227,7 @@ def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str
     lines = []
     for key in sorted(set(a) | set(b)):
         k = key.rstrip(".")
-        if any(k == p or (p.endswith(".") and k.startswith(p)) for p in RESUMABLE_CHANGES):
+        if trajectory_neutral(k):
             continue
         old, new = a.get(key, unset), b.get(key, unset)
         if old != new:
