@@ -47,7 +47,7 @@ def check_against_reference(B, Tq, H, KV, D, stride, local_window, dtype=torch.f
     return out, lse, grads
 
 
-# Every axis of the issue is covered here, without the full cartesian product:
+# Every axis the kernels support is covered here, without the full cartesian product:
 # lengths 1, 5, 63, 130, 250 (not multiples of stride or of the tiles), strides 1, 4, 6, 8, local 0 / 16 / tail,
 # GQA ratio 1, 2, 3, 8, head dim 64 and 128, fp32, fp16, bf16, batch 2, chunked prefill and decoding (q_start).
 FAST = [
