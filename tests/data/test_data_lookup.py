@@ -133,7 +133,8 @@ def test_queries_are_drawn_with_replacement_from_the_records() -> None:
 def _read_back(fmt: LookupFormat, tokens: list[int], n_records: int) -> dict:
     """Recover records, pads and queries from a sequence using only the layout's id ranges and token maps
     (tested above to be injective); asserts the sequence has the documented shape on the way."""
-    records = {tuple(fmt.record_tokens(k, v)): (k, v) for k, v in itertools.product(range(fmt.n_keys), range(fmt.n_values))}
+    pairs = itertools.product(range(fmt.n_keys), range(fmt.n_values))
+    records = {tuple(fmt.record_tokens(k, v)): (k, v) for k, v in pairs}
     queries = {tuple(fmt.query_tokens(k)): k for k in range(fmt.n_keys)}
     answers = {tuple(fmt.answer_tokens(v)): v for v in range(fmt.n_values)}
     assert tokens[0] == fmt.bos_id

@@ -9,11 +9,17 @@ from ckv.io.hf import from_hf, load_hf, save_hf, to_hf
 from .helpers import VARIANTS, small_config, variant
 
 
+# A rope theta that is no default anywhere (ckv's and transformers' 1e4, the 1e6 ckv.io.hf falls back to), so a
+# conversion that drops it in either direction changes the rotation of every position and fails the parity.
+THETA = 100.0
+
+
 def test_parity_with_qwen3_for_causal_lm(tmp_path):
     transformers = pytest.importorskip("transformers")  # noqa: F841  (a dev dependency: always installed in CI)
-    cfg = small_config(dict(kind="full"), n_kv_heads=2, tie_embeddings=False, rope_theta=1e6)
+    cfg = small_config(dict(kind="full"), n_kv_heads=2, tie_embeddings=False, rope_theta=THETA)
     model = Transformer(cfg).eval()
     hf = to_hf(model).eval()
+    assert hf.config.rope_parameters["rope_theta"] == THETA
     ids = torch.randint(0, cfg.vocab_size, (2, 45))
     with torch.no_grad():
         ours, theirs = model(ids), hf(ids).logits
@@ -21,6 +27,7 @@ def test_parity_with_qwen3_for_causal_lm(tmp_path):
     back = from_hf(hf)
     save_hf(model, tmp_path)
     loaded = load_hf(tmp_path)
+    assert back.config.rope_theta == loaded.config.rope_theta == THETA
     with torch.no_grad():
         assert torch.equal(back(ids), ours)
         assert torch.equal(loaded(ids), ours)
@@ -32,6 +39,16 @@ def test_parity_with_tied_embeddings():
     ids = torch.randint(0, cfg.vocab_size, (1, 20))
     with torch.no_grad():
         assert (model(ids) - to_hf(model).eval()(ids).logits).abs().max().item() < 1e-5
+
+
+def test_hf_config_without_rope_theta_is_refused():
+    from types import SimpleNamespace
+
+    from ckv.config import ConfigError
+    from ckv.io.hf import from_hf_config
+
+    with pytest.raises(ConfigError, match=r"no rope_parameters\['rope_theta'\]"):
+        from_hf_config(SimpleNamespace(model_type="qwen3", rope_parameters={"rope_type": "default"}))
 
 
 def test_compressed_model_has_no_hf_peer():
