@@ -15,11 +15,10 @@ Record formats (``LookupFormat.record``):
 
 - ``kv``: the paper's: a single-token key immediately followed by a single-token value; a query is the key
   token again, the answer the value token.
-- ``kkvv``: 2-token keys and 2-token values ``k1 k2 v1 v2``. A key ``k`` is written as
-  two digits ``divmod(k, key_base)`` from one range of ``key_base`` ids (values likewise with ``value_base``).
-- ``split``: a record is two adjacent tokens ``X(k_hi, v) Y(k_lo, v)``, both carrying
-  the value and each half of the key (``key = k_hi * key_base + k_lo``); query keys and answer values have
-  their own id ranges.
+- ``kkvv``: 2-token keys and 2-token values ``k1 k2 v1 v2``. A key ``k`` is written as two digits
+  ``divmod(k, key_base)`` from one range of ``key_base`` ids (values likewise with ``value_base``).
+- ``split``: a record is two adjacent tokens ``X(k_hi, v) Y(k_lo, v)``, both carrying the value and each half
+  of the key (``key = k_hi * key_base + k_lo``); query keys and answer values have their own id ranges.
 
 Id layout, relative to ``offset``: ``pad, bos, sep``, then ``n_filler`` filler ids, then the format's ranges in
 the order of ``LookupFormat.ranges``. ``offset`` lets the layout sit inside a bigger vocabulary.
