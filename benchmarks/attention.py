@@ -200,8 +200,9 @@ def run_case(T: int, layout: str, geometry: str, args, device: torch.device, dty
         rows.append(row)
 
     if kernels:
-        attn = measure(lambda: ckv_kernels.joint_attention(*ins, stride=S, local_window=LOCAL_WINDOW)[0], ins,
-                       device, args.repeats, args.warmup)
+        span = local_span(LOCAL_WINDOW, S)
+        attn = measure(lambda: ckv_kernels.joint_attention(*ins, stride=S, local_span=span)[0], ins, device,
+                       args.repeats, args.warmup)
         add("triton", attn, flops)
         _, present = window_positions(0, E, W, S, device=device)
         payloads = [leaf((B, E, W, KV, D), device, dtype) for _ in range(2)]
@@ -254,7 +255,7 @@ def check(device: torch.device, dtype: torch.dtype) -> list[dict]:
             T = 1000 if device.type == "cuda" else 100
             ins = [leaf(s, device, dtype) for s in ((1, T, H, D), (1, T // S, KV, D), (1, T // S, KV, D), (1, T, KV, D),
                                                     (1, T, KV, D))]
-            o = ckv_kernels.joint_attention(*ins, stride=S, local_window=LOCAL_WINDOW)[0]
+            o = ckv_kernels.joint_attention(*ins, stride=S, local_span=local_span(LOCAL_WINDOW, S))[0]
             g = torch.randn_like(o)
             got = [o, *torch.autograd.grad(o, ins, g)]
             ref_ins = [x.detach().float().requires_grad_() for x in ins]

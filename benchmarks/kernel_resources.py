@@ -33,8 +33,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import ckv_kernels.attention as A  # noqa: E402
 P = importlib.import_module("ckv_kernels.pool")  # the module (the package re-exports a function of that name)
 
-INT_ARGS = ("Tq", "Tk", "E", "KV", "q_start", "k_start", "stride", "n_local", "n_keys", "span", "chunk", "split_stride",
-            "W", "D")
+INT_ARGS = ("Tq", "Tk", "E", "KV", "q_start", "k_start", "stride", "n_keys", "span", "chunk", "split_stride", "W", "D")
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:

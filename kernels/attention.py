@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ckv.geometry import LocalWindow, local_span, local_start
 from ckv_kernels._common import INTERPRET, autotune, check_float, check_runnable, upcast_loads
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
@@ -58,21 +57,23 @@ _INTERPRETER_CONFIG = _cfg(64, 32, 4, 1)
 
 
 @triton.jit
-def _local_lo(t, stride, n_local, TAIL: tl.constexpr):
-    """First exact key position of the local window of the query at t (geometry.local_start)."""
+def _local_lo(t, stride, span, TAIL: tl.constexpr):
+    """First exact key position of the local window of the query at t (may exceed t: empty window): the last
+    ``span`` tokens, or in TAIL mode the tokens of t's unfinished stride block (``ckv.geometry.local_start``).
+    Plain arithmetic, so the launcher evaluates it in Python too (``_local_lo.fn``)."""
     if TAIL:
         return ((t + 1) // stride) * stride
-    return t - n_local + 1
+    return t - span + 1
 
 
 @triton.jit
-def _visible(t, col, E, stride, k_start, n_local, COMPRESSED: tl.constexpr, TAIL: tl.constexpr):
+def _visible(t, col, E, stride, k_start, span, COMPRESSED: tl.constexpr, TAIL: tl.constexpr):
     """Whether column ``col`` (entry index, or exact-key index at position ``k_start + col``) is visible to the
     query at position ``t`` (geometry.compressed_mask / local_mask); t and col broadcast."""
     if COMPRESSED:
         return col < tl.minimum((t + 1) // stride, E)
     p = k_start + col
-    return (p >= _local_lo(t, stride, n_local, TAIL)) & (p <= t)
+    return (p >= _local_lo(t, stride, span, TAIL)) & (p <= t)
 
 
 @triton.jit
@@ -94,7 +95,7 @@ def _load(ptrs, mask, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _query_step(acc, m_i, l_i, q, do, t, KEY, VAL, cols, n_cols, row_stride, E, stride, k_start, n_local, qk_scale,
+def _query_step(acc, m_i, l_i, q, do, t, KEY, VAL, cols, n_cols, row_stride, E, stride, k_start, span, qk_scale,
                 D: tl.constexpr, MASKED: tl.constexpr, COMPRESSED: tl.constexpr, TAIL: tl.constexpr,
                 BWD: tl.constexpr, UPCAST: tl.constexpr):
     """One key tile for a row tile. Forward: online-softmax update of (acc, m, l). Backward (BWD): m holds the
@@ -105,7 +106,7 @@ def _query_step(acc, m_i, l_i, q, do, t, KEY, VAL, cols, n_cols, row_stride, E, 
     val = _load(VAL + offs, cols[:, None] < n_cols, UPCAST)
     s = tl.dot(q, tl.trans(key)) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASKED:
-        s = tl.where(_visible(t[:, None], cols[None, :], E, stride, k_start, n_local, COMPRESSED, TAIL), s, float("-inf"))
+        s = tl.where(_visible(t[:, None], cols[None, :], E, stride, k_start, span, COMPRESSED, TAIL), s, float("-inf"))
     if BWD:
         p = tl.exp2(s - m_i[:, None])
         ds = p * (tl.dot(do, tl.trans(val)) - l_i[:, None])
@@ -124,7 +125,7 @@ def _query_step(acc, m_i, l_i, q, do, t, KEY, VAL, cols, n_cols, row_stride, E, 
 @triton.jit
 def _query_kernel(
     Q, KC, VC, K, V, O, LSE, DO, DQ, DELTA,
-    Tq, Tk, E, KV, q_start, k_start, stride, n_local, qk_scale, sm_scale,
+    Tq, Tk, E, KV, q_start, k_start, stride, span, qk_scale, sm_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, TAIL: tl.constexpr, LOCAL: tl.constexpr,
     BWD: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -164,19 +165,19 @@ def _query_kernel(
     kc_base = (b * E).to(tl.int64) * KV * D + kv * D
     for j0 in range(0, n_all, BLOCK_N):
         acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, KC + kc_base, VC + kc_base, j0 + tl.arange(0, BLOCK_N),
-                                    n_hi, KV * D, E, stride, k_start, n_local, qk_scale,
+                                    n_hi, KV * D, E, stride, k_start, span, qk_scale,
                                     D, False, True, TAIL, BWD, UPCAST)
     for j0 in range(n_all, n_hi, BLOCK_N):
         acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, KC + kc_base, VC + kc_base, j0 + tl.arange(0, BLOCK_N),
-                                    n_hi, KV * D, E, stride, k_start, n_local, qk_scale,
+                                    n_hi, KV * D, E, stride, k_start, span, qk_scale,
                                     D, True, True, TAIL, BWD, UPCAST)
     # (b) the band of exact keys the tile's local windows cover
     if LOCAL:
         k_base = (b * Tk).to(tl.int64) * KV * D + kv * D
-        c_lo = tl.maximum(_local_lo(t_first, stride, n_local, TAIL) - k_start, 0)
+        c_lo = tl.maximum(_local_lo(t_first, stride, span, TAIL) - k_start, 0)
         for c0 in range(c_lo, t_last - k_start + 1, BLOCK_N):
             acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, K + k_base, V + k_base, c0 + tl.arange(0, BLOCK_N),
-                                        Tk, KV * D, E, stride, k_start, n_local, qk_scale,
+                                        Tk, KV * D, E, stride, k_start, span, qk_scale,
                                         D, True, False, TAIL, BWD, UPCAST)
 
     if BWD:
@@ -191,7 +192,7 @@ def _query_kernel(
 
 @triton.jit
 def _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride, k_start,
-              n_local, qk_scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr,
+              span, qk_scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr,
               COMPRESSED: tl.constexpr, TAIL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
     """One row tile's contribution to dk, dv of a key tile (everything transposed: keys x rows). Q, DO, LSE,
     DELTA point at this batch's planes."""
@@ -205,7 +206,7 @@ def _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols,
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     p = tl.exp2(tl.dot(key, tl.trans(q)) * qk_scale - lse[None, :])  # (BLOCK_N, BLOCK_M)
     if MASKED:
-        vis = _visible(q_start + i[None, :], cols[:, None], E, stride, k_start, n_local, COMPRESSED, TAIL)
+        vis = _visible(q_start + i[None, :], cols[:, None], E, stride, k_start, span, COMPRESSED, TAIL)
         p = tl.where(vis & row_ok[None, :], p, 0.0)
     dv += tl.dot(p.to(do.dtype), do)
     ds = p * (tl.dot(val, tl.trans(do)) - delta[None, :])
@@ -218,7 +219,7 @@ def _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols,
 @triton.jit
 def _key_kernel(
     Q, KEY, VAL, DO, LSE, DELTA, DKEY, DVAL,
-    Tq, n_keys, E, KV, q_start, k_start, stride, n_local, span, chunk, split_stride, qk_scale, sm_scale,
+    Tq, n_keys, E, KV, q_start, k_start, stride, span, chunk, split_stride, qk_scale, sm_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, TAIL: tl.constexpr, COMPRESSED: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -255,30 +256,28 @@ def _key_kernel(
     i_mid = tl.maximum(tl.cdiv(i_mask_end, BLOCK_Q) * BLOCK_Q, i_first)
     for i0 in range(i_first, tl.minimum(i_mid, chunk_hi), BLOCK_Q):
         dk, dv = _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride,
-                           k_start, n_local, qk_scale, G, G_PAD, D, True, COMPRESSED, TAIL, UPCAST, BLOCK_M)
+                           k_start, span, qk_scale, G, G_PAD, D, True, COMPRESSED, TAIL, UPCAST, BLOCK_M)
     if COMPRESSED:
         for i0 in range(i_mid, chunk_hi, BLOCK_Q):
             dk, dv = _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride,
-                               k_start, n_local, qk_scale, G, G_PAD, D, False, COMPRESSED, TAIL, UPCAST, BLOCK_M)
+                               k_start, span, qk_scale, G, G_PAD, D, False, COMPRESSED, TAIL, UPCAST, BLOCK_M)
     out = base + tl.program_id(1).to(tl.int64) * split_stride
     tl.store(DKEY + out + offs, (dk * sm_scale).to(DKEY.dtype.element_ty), mask=cols[:, None] < n_keys)
     tl.store(DVAL + out + offs, dv.to(DVAL.dtype.element_ty), mask=cols[:, None] < n_keys)
 
 
-def _first_needed_key(q_start: int, Tq: int, local_window: LocalWindow, stride: int) -> Optional[int]:
+def _first_needed_key(q_start: int, Tq: int, stride: int, span: int, tail: bool) -> Optional[int]:
     """Earliest exact-key position any query's local window holds, or None when no window holds a key.
-    Window starts never decrease with the query position, and at most one window in a row is empty."""
-    if local_span(local_window, stride) == 0:
+    Window starts never decrease with the query position, so it is the first query's window start; in tail
+    mode that window is empty when the first query closes a stride block, and the next query's window then
+    starts at the same position, ``q_start + 1``."""
+    if span == 0 or Tq == 0:
         return None
-    for t in range(q_start, min(q_start + 2, q_start + Tq)):
-        lo = max(int(local_start(t, local_window, stride)), 0)
-        if lo <= t:
-            return lo
-    return None
+    return max(int(_local_lo.fn(q_start, stride, span, tail)), 0)
 
 
 def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  stride: int, local_window: LocalWindow, q_start: int) -> None:
+                  stride: int, local_span: int, tail: bool, q_start: int) -> None:
     """Raise a clear error on any input the kernels do not support."""
     for name, t in (("q", q), ("kc", kc), ("vc", vc), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -299,14 +298,18 @@ def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.
         raise ValueError(f"head_dim={D} is not supported by the Triton kernels; supported: {SUPPORTED_HEAD_DIMS}")
     if not isinstance(stride, int) or stride < 1:
         raise ValueError(f"stride={stride!r} must be an integer >= 1")
-    if local_window != "tail" and (not isinstance(local_window, int) or local_window < 0):
-        raise ValueError(f"local_window={local_window!r} must be an integer >= 0 or 'tail'")
-    if q_start < 0:
-        raise ValueError(f"q_start={q_start} must be >= 0")
+    if not isinstance(local_span, int) or isinstance(local_span, bool) or local_span < 0:
+        raise ValueError(f"local_span={local_span!r} must be an integer >= 0")
+    if not isinstance(tail, bool):
+        raise ValueError(f"tail={tail!r} must be a bool")
+    if tail and local_span != stride - 1:
+        raise ValueError(f"tail mode keeps at most stride - 1 = {stride - 1} exact keys, got local_span={local_span}")
+    if not isinstance(q_start, int) or isinstance(q_start, bool) or q_start < 0:
+        raise ValueError(f"q_start={q_start!r} must be an integer >= 0")
     k_start = q_start + Tq - k.shape[1]
     if k_start < 0:
         raise ValueError(f"{k.shape[1]} exact keys end at position {q_start + Tq - 1}, so they would start before 0")
-    first = _first_needed_key(q_start, Tq, local_window, stride)
+    first = _first_needed_key(q_start, Tq, stride, local_span, tail)
     if first is not None and first < k_start:
         raise ValueError(f"exact keys start at position {k_start}, but a local window reaches back to {first}")
     check_runnable(q, kc, vc, k, v)
@@ -315,7 +318,7 @@ def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.
 class _Problem:
     """Sizes and geometry of one call, turned into kernel arguments once."""
 
-    def __init__(self, q: torch.Tensor, kc: torch.Tensor, k: torch.Tensor, stride: int, local_window: LocalWindow,
+    def __init__(self, q: torch.Tensor, kc: torch.Tensor, k: torch.Tensor, stride: int, local_span: int, tail: bool,
                  q_start: int, scale: Optional[float]) -> None:
         self.B, self.Tq, H, self.D = q.shape
         self.E, self.KV, self.Tk = kc.shape[1], kc.shape[2], k.shape[1]
@@ -323,9 +326,7 @@ class _Problem:
         self.g_pad = triton.next_power_of_2(self.G)
         self.stride, self.q_start = stride, q_start
         self.k_start = q_start + self.Tq - self.Tk
-        self.tail = local_window == "tail"
-        self.n_local = 0 if self.tail else int(local_window)
-        self.span = local_span(local_window, stride)
+        self.tail, self.span = tail, local_span
         self.sm_scale = self.D**-0.5 if scale is None else float(scale)
         self.upcast = upcast_loads(q.dtype)
 
@@ -345,7 +346,7 @@ class _Problem:
     def run_query(self, q, kc, vc, k, v, o, lse, do, dq, delta, bwd: bool) -> None:
         _query_kernel[self.query_grid](
             q, kc, vc, k, v, o, lse, do, dq, delta,
-            self.Tq, self.Tk, self.E, self.KV, self.q_start, self.k_start, self.stride, self.n_local,
+            self.Tq, self.Tk, self.E, self.KV, self.q_start, self.k_start, self.stride, self.span,
             self.sm_scale * LOG2E, self.sm_scale,
             G=self.G, G_PAD=self.g_pad, D=self.D, TAIL=self.tail, LOCAL=self.span > 0, BWD=bwd, UPCAST=self.upcast)
 
@@ -361,7 +362,7 @@ class _Problem:
             dval, split_stride = torch.empty_like(dkey), key.numel()
         _key_kernel[lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), n_chunks, self.B * self.KV)](
             q, key, val, do, lse, delta, dkey, dval,
-            self.Tq, n_keys, self.E, self.KV, self.q_start, self.k_start, self.stride, self.n_local, self.span,
+            self.Tq, n_keys, self.E, self.KV, self.q_start, self.k_start, self.stride, self.span,
             chunk, split_stride, self.sm_scale * LOG2E, self.sm_scale,
             G=self.G, G_PAD=self.g_pad, D=self.D, TAIL=self.tail, COMPRESSED=compressed, UPCAST=self.upcast)
         if n_chunks > 1:
@@ -403,20 +404,23 @@ class JointAttentionFunction(torch.autograd.Function):
 
 def joint_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    stride: int, local_window: LocalWindow, q_start: int = 0, scale: Optional[float] = None,
+    stride: int, local_span: int, tail: bool = False, q_start: int = 0, scale: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over visible compressed entries and the exact keys of each query's local window (Triton;
     same contract as ``ckv.attention.reference.joint_attention_reference``).
 
     q: (B, Tq, H, D) at positions ``q_start .. q_start+Tq-1``; kc, vc: (B, E, KV, D) compressed entries
     ``0..E-1`` (entry j visible from position ``(j+1)*stride - 1``); k, v: (B, Tk, KV, D) exact keys at
-    positions ``q_start+Tq-Tk ..``; ``local_window``: N recent tokens (0 = none) or ``"tail"``. H % KV == 0 with
-    H/KV <= 64; D in SUPPORTED_HEAD_DIMS; all inputs fp32, fp16 or bf16 (one dtype), accumulation in fp32.
+    positions ``q_start+Tq-Tk ..``. The exact local window of the query at t is its last ``local_span`` tokens
+    ``[t - local_span + 1, t]`` (0 = none), or with ``tail`` the tokens of its unfinished stride block
+    ``[((t+1) // stride) * stride, t]`` (then ``local_span`` must be ``stride - 1``, the widest such block); the
+    caller derives both from the geometry (``ckv.geometry.local_span``). H % KV == 0 with H/KV <= 64; D in
+    SUPPORTED_HEAD_DIMS; all inputs fp32, fp16 or bf16 (one dtype), accumulation in fp32.
     Returns out (B, Tq, H, D) in q's dtype (0 where a query sees nothing) and the log-sum-exp (B, Tq, H) fp32
     (-inf there). Differentiable in q, kc, vc, k, v.
     """
-    _check_inputs(q, kc, vc, k, v, stride, local_window, q_start)
-    prob = _Problem(q, kc, k, stride, local_window, q_start, scale)
+    _check_inputs(q, kc, vc, k, v, stride, local_span, tail, q_start)
+    prob = _Problem(q, kc, k, stride, local_span, tail, q_start, scale)
     q, kc, vc, k, v = (t.contiguous() for t in (q, kc, vc, k, v))
     return JointAttentionFunction.apply(q, kc, vc, k, v, prob)
 

@@ -5,7 +5,7 @@ states, from which the next entry is pooled when its window closes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -48,10 +48,6 @@ class CompressedLayerCache:
     pending: Optional[torch.Tensor] = None
     length: int = 0
 
-    @property
-    def n_entries(self) -> int:
-        return 0 if self.kc is None else self.kc.shape[1]
-
     def nbytes(self) -> dict[str, int]:
         tied = self.v is self.k
         return {
@@ -59,9 +55,6 @@ class CompressedLayerCache:
             "local": _nbytes(self.k, None if tied else self.v),
             "pending": _nbytes(self.pending),
         }
-
-
-LayerCache = Union[FullLayerCache, CompressedLayerCache]
 
 
 @dataclass

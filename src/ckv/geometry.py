@@ -11,8 +11,8 @@ Conventions (DeepSeek-V4's, see docs/attention.md):
   mode, the tokens no visible entry covers yet: ``[((t+1) // stride) * stride, t]`` (empty when ``t`` closes a
   stride block).
 
-Everything here is pure and cheap; the reference, the kernels' launchers, the cache, evaluation and the
-analyses import it instead of recomputing any of it.
+Everything here is pure and cheap; the reference, the attention backends (which hand the Triton kernels the
+plain integers derived here), the cache, evaluation and the analyses import it instead of recomputing any of it.
 """
 
 from __future__ import annotations
@@ -44,11 +44,6 @@ def entry_start(j: int | torch.Tensor, window: int, stride: int) -> int | torch.
 def entry_end(j: int | torch.Tensor, stride: int) -> int | torch.Tensor:
     """Last position covered by entry ``j``; also the first query position that sees it."""
     return (j + 1) * stride - 1
-
-
-def visible_entries(t: int | torch.Tensor, stride: int) -> int | torch.Tensor:
-    """How many entries (``0..n-1``) a query at position ``t`` sees."""
-    return (t + 1) // stride
 
 
 def entry_rope_position(j: torch.Tensor, window: int, stride: int, mode: EntryRopePosition) -> torch.Tensor:
@@ -122,26 +117,3 @@ def pending_keep(seq_len: int, window: int, stride: int) -> int:
     next_start = entry_start(seq_len // stride, window, stride)
     return max(seq_len - max(next_start, 0), 0)
 
-
-def kv_cache_elements(
-    seq_len: int,
-    *,
-    window: int,
-    stride: int,
-    local_window: LocalWindow,
-    kv_heads: int,
-    head_dim: int,
-    d_model: int,
-    tied_kv: bool,
-) -> dict[str, int]:
-    """Elements one compressed layer's decoding cache holds after ``seq_len`` tokens.
-
-    ``entries``: finished entries (keys, and values unless tied); ``local``: exact keys/values the next query
-    may still need; ``pending``: hidden states of the unfinished window, kept to pool its entry when it closes.
-    """
-    per_token = kv_heads * head_dim * (1 if tied_kv else 2)
-    return {
-        "entries": num_entries(seq_len, stride) * per_token,
-        "local": local_keep(seq_len, local_window, stride) * per_token,
-        "pending": pending_keep(seq_len, window, stride) * d_model,
-    }

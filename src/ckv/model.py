@@ -110,20 +110,41 @@ class Transformer(nn.Module):
         """input_ids (B, T) -> logits (B, T, V). With a cache, the tokens continue the cached sequence."""
         return self.lm_head(self.hidden_states(input_ids, cache))
 
+    def next_token_logits(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, V) of the next token: the LM head runs on the last position only."""
+        return self.lm_head(self.hidden_states(input_ids, cache)[:, -1])
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: Optional[int] = None) -> torch.Tensor:
-        """Greedy decoding with the KV cache. Returns (B, T + generated) token ids."""
+        """Greedy decoding with the KV cache: (B, T) prompt -> (B, T + generated) token ids.
+
+        The prefill computes logits for the last prompt position only; each step then feeds one token. With
+        ``eos_token_id``, a sequence that produced it continues with it, and decoding stops once all have.
+        Raises ValueError on a negative or non-integer ``max_new_tokens``, an ``eos_token_id`` outside the
+        vocabulary, or a prompt plus ``max_new_tokens`` longer than ``max_seq_len``.
+        """
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+        if eos_token_id is not None and (not isinstance(eos_token_id, int) or isinstance(eos_token_id, bool)
+                                         or not 0 <= eos_token_id < self.config.vocab_size):
+            raise ValueError(f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {self.config.vocab_size})")
+        self._check_input(input_ids, 0)
+        if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
+            raise ValueError(f"a prompt of {input_ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                             f"model.max_seq_len={self.config.max_seq_len}")
+        if max_new_tokens == 0:
+            return input_ids
         cache = self.new_cache(input_ids.shape[0])
-        logits = self(input_ids, cache)
+        logits = self.next_token_logits(input_ids, cache)  # (B, V)
         out = [input_ids]
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        for _ in range(max_new_tokens):
-            nxt = logits[:, -1].argmax(-1)  # (B,)
+        for step in range(max_new_tokens):
+            nxt = logits.argmax(-1)  # (B,)
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id
             out.append(nxt[:, None])
-            if eos_token_id is not None and bool(done.all()):
+            if step == max_new_tokens - 1 or (eos_token_id is not None and bool(done.all())):
                 break
-            logits = self(nxt[:, None], cache)
+            logits = self.next_token_logits(nxt[:, None], cache)
         return torch.cat(out, dim=1)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ckv.config import ConfigError
-from ckv.data.lookup import LookupFormat, make_lookup_example
+from ckv.data.lookup import RECORDS, LookupFormat, assemble_lookup, make_lookup_example
 
 FORMATS = [
     LookupFormat(record="kv", n_keys=12, n_values=10, n_filler=3),
@@ -127,3 +127,96 @@ def test_queries_are_drawn_with_replacement_from_the_records() -> None:
         ex = make_lookup_example(fmt, rng, 4, 8)
         counts += np.bincount(ex.query_records, minlength=4)
     assert counts.min() > 0.2 * counts.sum() / 4  # every record index is asked, roughly uniformly
+
+
+# ---- the one assembler: a property test over random layouts (all three records, several filler ids) --------
+def _read_back(fmt: LookupFormat, tokens: list[int], n_records: int) -> dict:
+    """Recover records, pads and queries from a sequence using only the layout's id ranges and token maps
+    (tested above to be injective); asserts the sequence has the documented shape on the way."""
+    pairs = itertools.product(range(fmt.n_keys), range(fmt.n_values))
+    records = {tuple(fmt.record_tokens(k, v)): (k, v) for k, v in pairs}
+    queries = {tuple(fmt.query_tokens(k)): k for k in range(fmt.n_keys)}
+    answers = {tuple(fmt.answer_tokens(v)): v for v in range(fmt.n_values)}
+    assert tokens[0] == fmt.bos_id
+    i, pads, starts, keys, values = 1, [0], [], [], []
+    while tokens[i] == fmt.pad_id:
+        pads[0], i = pads[0] + 1, i + 1
+    for _ in range(n_records):
+        starts.append(i)
+        key, value = records[tuple(tokens[i : i + fmt.record_len])]
+        keys.append(key)
+        values.append(value)
+        i += fmt.record_len
+        pads.append(0)
+        while tokens[i] in fmt.filler_ids:
+            pads[-1], i = pads[-1] + 1, i + 1
+    assert tokens[i : i + 2] == [fmt.sep_id, fmt.sep_id]
+    i += 2
+    queried, answer_positions = [], []
+    while i < len(tokens):
+        key = queries[tuple(tokens[i : i + fmt.query_len])]
+        i += fmt.query_len
+        answer_positions.append(i)
+        assert answers[tuple(tokens[i : i + fmt.answer_len])] == values[keys.index(key)]  # the record's value
+        i += fmt.answer_len
+        queried.append(keys.index(key))
+    assert i == len(tokens)
+    return dict(keys=keys, values=values, pads=pads, queried=queried, starts=starts, answer_positions=answer_positions)
+
+
+def _random_format(rng: np.random.Generator) -> LookupFormat:
+    return LookupFormat(record=RECORDS[int(rng.integers(3))], n_keys=int(rng.integers(2, 26)),
+                        n_values=int(rng.integers(1, 26)), n_filler=int(rng.choice([1, 2, 3, 5])),
+                        offset=int(rng.integers(0, 40)))
+
+
+def test_training_examples_and_evaluation_prompts_come_from_one_assembler() -> None:
+    """For random layouts, records, pads and queries: the assembled sequence reads back to its inputs; a
+    training example reads back to its recorded draws; an evaluation prompt plus its answer reads back to a
+    sequence of the same layout whose last query asks the target record; fillers use every filler id."""
+    from ckv.eval.lookup import LookupSpec, LookupTask
+
+    rng = np.random.default_rng(2024)
+    fillers_seen: dict[int, set] = {}
+    for case in range(300):
+        fmt = _random_format(rng)
+        n = int(rng.integers(1, fmt.n_keys + 1))
+        keys = rng.choice(fmt.n_keys, n, replace=False)
+        values = rng.integers(0, fmt.n_values, n)
+        pads = rng.integers(0, 4, n + 1)
+        queried = rng.integers(0, n, int(rng.integers(1, 7)))
+        ex = assemble_lookup(fmt, keys, values, pads, queried, np.random.default_rng(case))
+        got = _read_back(fmt, ex.tokens.tolist(), n)
+        assert (got["keys"], got["values"], got["pads"], got["queried"]) == (
+            keys.tolist(), values.tolist(), pads.tolist(), queried.tolist())
+        assert got["starts"] == ex.record_starts.tolist() and got["answer_positions"] == ex.answer_positions.tolist()
+        mask = np.zeros(len(ex.tokens), dtype=bool)
+        for pos in ex.answer_positions:
+            mask[pos : pos + fmt.answer_len] = True
+        assert (ex.loss_mask == mask).all()
+        assert len(ex.tokens) == fmt.example_len(n, len(queried), int(pads[1:].sum()), int(pads[0]))
+        # the evaluation prompt is the sequence up to the last query's scored answer
+        assert ex.prompt.tolist() + [ex.answer_id] == ex.tokens[: ex.answer_positions[-1] + 1].tolist()
+        assert ex.answer_id == fmt.answer_tokens(int(values[queried[-1]]))[0]
+        fillers_seen.setdefault(fmt.n_filler, set()).update(
+            t - fmt.filler_ids.start for t in ex.tokens.tolist() if t in fmt.filler_ids)
+
+        train = make_lookup_example(fmt, np.random.default_rng(case), n, 4, filler=(0, 2), prefix_pad=int(pads[0]))
+        got = _read_back(fmt, train.tokens.tolist(), n)
+        assert got["keys"] == train.keys.tolist() and got["values"] == train.values.tolist()
+        assert got["queried"] == train.query_records.tolist() and got["pads"][0] == pads[0]
+
+        if case % 10 == 0 and n >= 2:
+            spec = LookupSpec(n_records=n, n_demos=min(2, n - 1), n_base=8, modulus=4, fixed_query=False,
+                              padding=("prefix", "in_sequence")[case % 20 // 10], seed=case)
+            task = LookupTask(spec, fmt, max_len=10_000)
+            tab = task.table
+            for j, prompt in enumerate(task.prompts):
+                full = prompt.tolist() + fmt.answer_tokens(int(tab["value"][j]))
+                got = _read_back(fmt, full, n)
+                target = int(tab["target_record"][j])
+                assert got["queried"][-1] == target and got["starts"][target] == tab["target_position"][j]
+                assert (got["keys"][target], got["values"][target]) == (tab["key"][j], tab["value"][j])
+                assert tab["answer_id"][j] == full[len(prompt)] and len(got["queried"]) == spec.n_demos + 1
+    for n_filler, seen in fillers_seen.items():
+        assert seen == set(range(n_filler)), f"n_filler={n_filler}: filler ids used {sorted(seen)}"

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from ckv.config import ConfigError
-from ckv.data.lookup import LookupFormat, make_lookup_example
-from ckv.eval.codec import FormatCodec, TokenCodec, assemble
+from ckv.data.lookup import LookupFormat, assemble_lookup, make_lookup_example
+from ckv.eval.codec import TokenCodec
 from ckv.eval.design import base_offsets, choose_targets, make_design, slot_pads
 from ckv.eval.lookup import LookupSpec, LookupTask
 from ckv.eval.stats import StatsOptions
@@ -78,12 +78,12 @@ def test_prefix_padding_shifts_every_record_by_the_same_amount() -> None:
     keys, values = np.arange(10), np.arange(10) + 5
     queried = np.array([1, 2, 4])
     rng = np.random.default_rng(0)
-    base = assemble(CODEC, keys, values, slot_pads(4, 2, 9, 10, "prefix", rng), queried, rng)
+    base = assemble_lookup(CODEC, keys, values, slot_pads(4, 2, 9, 10, "prefix", rng), queried, rng)
     for k in range(1, 8):
-        shifted = assemble(CODEC, keys, values, slot_pads(4, 2 + k, 9 - k, 10, "prefix", rng), queried, rng)
+        shifted = assemble_lookup(CODEC, keys, values, slot_pads(4, 2 + k, 9 - k, 10, "prefix", rng), queried, rng)
         np.testing.assert_array_equal(shifted.record_starts - base.record_starts, np.full(10, k))
-        np.testing.assert_array_equal(_record_positions(shifted.tokens, list(keys)) - base.record_starts, np.full(10, k))
-        assert len(shifted.tokens) == len(base.tokens)  # query position fixed
+        np.testing.assert_array_equal(_record_positions(shifted.prompt, list(keys)) - base.record_starts, np.full(10, k))
+        assert len(shifted.prompt) == len(base.prompt)  # query position fixed
 
 
 def test_in_sequence_padding_moves_target_exactly_and_distractors_variably() -> None:
@@ -93,23 +93,24 @@ def test_in_sequence_padding_moves_target_exactly_and_distractors_variably() -> 
     for k in range(8):
         pads = slot_pads(6, 3 + k, 12 - k, 10, "in_sequence", rng)
         assert pads[:7].sum() == 3 + k and pads[7:].sum() == 12 - k
-        p = assemble(CODEC, keys, values, pads, np.array([6]), rng)
+        p = assemble_lookup(CODEC, keys, values, pads, np.array([6]), rng)
         moved.append(p.record_starts)
     moved = np.array(moved) - moved[0]
     np.testing.assert_array_equal(moved[:, 6], np.arange(8))
     assert np.any(moved[:, :6] != np.arange(8)[:, None])  # records before the target do not move in lockstep
 
 
-def test_prompts_match_the_training_generator() -> None:
-    fmt = LookupFormat(record="kv", n_keys=20, n_values=20, n_filler=1)
+def test_prompt_is_the_training_example_up_to_the_scored_answer() -> None:
+    fmt = LookupFormat(record="kkvv", n_keys=20, n_values=20, n_filler=1)
     keys, values = np.array([3, 7, 1, 9]), np.array([0, 5, 5, 2])
     fillers, queried = np.array([0, 2, 1, 3]), np.array([2, 0, 1])
     ex = make_lookup_example(fmt, np.random.default_rng(0), 4, 3, prefix_pad=5, keys=keys, values=values,
                              fillers=fillers, query_records=queried)
-    ours = assemble(FormatCodec(fmt), keys, values, np.array([5, *fillers]), queried, np.random.default_rng(1))
-    np.testing.assert_array_equal(ours.tokens, ex.tokens[: ex.answer_positions[-1]])
-    np.testing.assert_array_equal(ours.record_starts, ex.record_starts)
-    assert ours.answer_id == ex.tokens[ex.answer_positions[-1]]
+    # bos, 5 pads, 4 records and their fillers, sep sep, two answered queries, the last query
+    n_prompt = 1 + 5 + 4 * fmt.record_len + fillers.sum() + 2 + 2 * (fmt.query_len + fmt.answer_len) + fmt.query_len
+    np.testing.assert_array_equal(ex.prompt, ex.tokens[:n_prompt])
+    assert ex.prompt[-fmt.query_len:].tolist() == fmt.query_tokens(7)  # the last query asks record 1 (key 7)
+    assert ex.answer_id == fmt.answer_tokens(5)[0] == ex.tokens[n_prompt]
 
 
 @pytest.mark.parametrize("padding", ["prefix", "in_sequence"])
@@ -125,7 +126,7 @@ def test_always_correct_model_scores_one_in_every_group(padding: str) -> None:
 
 def test_format_codec_with_kv_records_and_oracle() -> None:
     fmt = LookupFormat(record="kv", n_keys=32, n_values=32, n_filler=2)
-    task = LookupTask(LookupSpec(n_records=20, n_demos=4, n_base=64, modulus=8, stride=4), FormatCodec(fmt), max_len=256)
+    task = LookupTask(LookupSpec(n_records=20, n_demos=4, n_base=64, modulus=8, stride=4), fmt, max_len=256)
     out = task.evaluate(ReadingOracle(fmt.vocab_size), progress=False)
     assert out.correct.mean() == 1.0
 
@@ -202,7 +203,7 @@ def test_vocabulary_errors() -> None:
 
 
 def test_layout_without_filler_needs_unfixed_query() -> None:
-    codec = FormatCodec(LookupFormat(record="split", n_keys=16, n_values=16, n_filler=0))
+    codec = LookupFormat(record="split", n_keys=16, n_values=16, n_filler=0)
     with pytest.raises(ConfigError, match="no filler ids"):
         LookupTask(LookupSpec(n_records=16, n_demos=3, n_base=4, modulus=4), codec, max_len=256)
     task = LookupTask(LookupSpec(n_records=16, n_demos=3, n_base=4, modulus=4, fixed_query=False), codec, max_len=256)

@@ -1,4 +1,4 @@
-"""The geometry module against brute-force readings of the definitions in science.md."""
+"""The geometry module against brute-force readings of its conventions (module docstring, docs/attention.md)."""
 
 import pytest
 import torch

@@ -9,11 +9,17 @@ from ckv.io.hf import from_hf, load_hf, save_hf, to_hf
 from .helpers import VARIANTS, small_config, variant
 
 
+# A rope theta that is no default anywhere (ckv's and transformers' 1e4, the 1e6 ckv.io.hf falls back to), so a
+# conversion that drops it in either direction changes the rotation of every position and fails the parity.
+THETA = 100.0
+
+
 def test_parity_with_qwen3_for_causal_lm(tmp_path):
     transformers = pytest.importorskip("transformers")  # noqa: F841  (a dev dependency: always installed in CI)
-    cfg = small_config(dict(kind="full"), n_kv_heads=2, tie_embeddings=False, rope_theta=1e6)
+    cfg = small_config(dict(kind="full"), n_kv_heads=2, tie_embeddings=False, rope_theta=THETA)
     model = Transformer(cfg).eval()
     hf = to_hf(model).eval()
+    assert hf.config.rope_parameters["rope_theta"] == THETA
     ids = torch.randint(0, cfg.vocab_size, (2, 45))
     with torch.no_grad():
         ours, theirs = model(ids), hf(ids).logits
@@ -21,6 +27,7 @@ def test_parity_with_qwen3_for_causal_lm(tmp_path):
     back = from_hf(hf)
     save_hf(model, tmp_path)
     loaded = load_hf(tmp_path)
+    assert back.config.rope_theta == loaded.config.rope_theta == THETA
     with torch.no_grad():
         assert torch.equal(back(ids), ours)
         assert torch.equal(loaded(ids), ours)
@@ -32,6 +39,16 @@ def test_parity_with_tied_embeddings():
     ids = torch.randint(0, cfg.vocab_size, (1, 20))
     with torch.no_grad():
         assert (model(ids) - to_hf(model).eval()(ids).logits).abs().max().item() < 1e-5
+
+
+def test_hf_config_without_rope_theta_is_refused():
+    from types import SimpleNamespace
+
+    from ckv.config import ConfigError
+    from ckv.io.hf import from_hf_config
+
+    with pytest.raises(ConfigError, match=r"no rope_parameters\['rope_theta'\]"):
+        from_hf_config(SimpleNamespace(model_type="qwen3", rope_parameters={"rope_type": "default"}))
 
 
 def test_compressed_model_has_no_hf_peer():
@@ -82,3 +99,48 @@ def test_generate_matches_argmax_of_full_forward():
     with torch.no_grad():
         for t in range(9, 20):
             assert torch.equal(model(out[:, :t])[:, -1].argmax(-1), out[:, t])
+
+
+def test_generate_runs_the_lm_head_on_one_position_per_step():
+    cfg = small_config(variant("w4s4"))
+    model = Transformer(cfg).eval()
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(tuple(args[0].shape)))
+    out = model.generate(torch.randint(0, cfg.vocab_size, (2, 17)), max_new_tokens=5)
+    assert out.shape == (2, 22)
+    # prefill of 17 tokens and 4 one-token steps (the 5th token needs no further forward): one position each
+    assert seen == [(2, cfg.d_model)] * 5
+
+
+def test_generate_stops_at_eos_and_pads_finished_rows_with_it():
+    cfg = small_config(variant("w4s4"))
+    model = Transformer(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    free = model.generate(ids, max_new_tokens=8)
+    eos = int(free[0, 11])  # row 0 produces it by its 3rd new token at the latest
+    out = model.generate(ids, max_new_tokens=8, eos_token_id=eos)
+    ends = [9 + int((row[9:] == eos).nonzero()[0]) if (row[9:] == eos).any() else None for row in free]
+    length = 17 if None in ends else max(ends) + 1  # decoding stops once every row has produced eos
+    assert out.shape == (2, length)
+    for r, end in enumerate(ends):  # rows decode independently; after its first eos a row repeats it
+        stop = length if end is None else end + 1
+        assert torch.equal(out[r, :stop], free[r, :stop]) and (out[r, stop:] == eos).all()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_new_tokens=-1), "max_new_tokens=-1 must be an integer >= 0"),
+    (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
+    (dict(max_new_tokens=True), "max_new_tokens=True must be an integer"),
+    (dict(max_new_tokens=3, eos_token_id=64), r"eos_token_id=64 must be None or a token id in \[0, 64\)"),
+    (dict(max_new_tokens=120), "plus max_new_tokens=120 exceeds model.max_seq_len=128"),
+])
+def test_generate_rejects_bad_arguments(kw, match):
+    model = Transformer(small_config(variant("w4s4"))).eval()
+    with pytest.raises(ValueError, match=match):
+        model.generate(torch.zeros(1, 9, dtype=torch.long), **kw)
+
+
+def test_generate_zero_new_tokens_returns_the_prompt():
+    model = Transformer(small_config(variant("w4s4"))).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    assert torch.equal(model.generate(ids, max_new_tokens=0), ids)

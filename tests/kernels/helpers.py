@@ -5,10 +5,15 @@ from __future__ import annotations
 import torch
 
 import ckv_kernels
-from ckv.geometry import num_entries
+from ckv.geometry import LocalWindow, local_span, num_entries
 
 # CUDA when the kernels are compiled for it (TRITON_INTERPRET=0 on a GPU machine), else the interpreter on CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not ckv_kernels.INTERPRET else "cpu")
+
+
+def local_args(local_window: LocalWindow, stride: int) -> dict:
+    """The kernels' plain local-window arguments for a ckv ``local_window`` (as ``ckv.attention`` passes them)."""
+    return {"local_span": local_span(local_window, stride), "tail": local_window == "tail"}
 
 
 def rel_rms(x: torch.Tensor, ref: torch.Tensor) -> float:

@@ -12,7 +12,7 @@ import ckv_kernels
 from ckv.attention.reference import joint_attention_reference
 from ckv_kernels import joint_attention
 
-from .helpers import DEVICE, attention_inputs, fp32_leaves, rel_max, rel_rms
+from .helpers import DEVICE, attention_inputs, fp32_leaves, local_args, rel_max, rel_rms
 
 # Relative RMS error allowed per input dtype; observed under the interpreter: fp32 ~5e-7, fp16 ~3e-4,
 # bf16 ~4e-3. fp32 also bounds the max-abs error (relative to the largest reference value) at 10x this.
@@ -24,7 +24,7 @@ def check_against_reference(B, Tq, H, KV, D, stride, local_window, dtype=torch.f
     """Run kernel and reference forward and backward on the same inputs and assert every error is in TOL.
     Returns the kernel's outputs and gradients."""
     inputs = attention_inputs(B, Tq, H, KV, D, stride=stride, q_start=q_start, extra_entries=extra_entries, dtype=dtype)
-    out, lse = joint_attention(*inputs, stride=stride, local_window=local_window, q_start=q_start)
+    out, lse = joint_attention(*inputs, stride=stride, q_start=q_start, **local_args(local_window, stride))
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, grad_out)
 
@@ -47,7 +47,7 @@ def check_against_reference(B, Tq, H, KV, D, stride, local_window, dtype=torch.f
     return out, lse, grads
 
 
-# Every axis of the issue is covered here, without the full cartesian product:
+# Every axis the kernels support is covered here, without the full cartesian product:
 # lengths 1, 5, 63, 130, 250 (not multiples of stride or of the tiles), strides 1, 4, 6, 8, local 0 / 16 / tail,
 # GQA ratio 1, 2, 3, 8, head dim 64 and 128, fp32, fp16, bf16, batch 2, chunked prefill and decoding (q_start).
 FAST = [
@@ -102,7 +102,7 @@ def test_repeat_runs_are_bitwise_identical():
     grad_out = None
     results = []
     for _ in range(2):
-        out, lse = joint_attention(*inputs, stride=4, local_window=16)
+        out, lse = joint_attention(*inputs, stride=4, local_span=16)
         grad_out = torch.randn_like(out) if grad_out is None else grad_out
         results.append([out, lse, *torch.autograd.grad(out, inputs, grad_out)])
     for a, b in zip(*results):
@@ -111,14 +111,14 @@ def test_repeat_runs_are_bitwise_identical():
 
 def test_explicit_scale():
     inputs = attention_inputs(1, 40, 4, 2, 64, stride=4)
-    out, lse = joint_attention(*inputs, stride=4, local_window=16, scale=0.3)
+    out, lse = joint_attention(*inputs, stride=4, local_span=16, scale=0.3)
     ref_out, ref_lse = joint_attention_reference(*fp32_leaves(inputs), stride=4, local_window=16, scale=0.3)
     assert rel_rms(out, ref_out) < TOL[torch.float32] and rel_rms(lse, ref_lse) < 1e-5
 
 
 def test_lse_is_not_differentiable():
     inputs = attention_inputs(1, 10, 2, 1, 64, stride=4)
-    _, lse = joint_attention(*inputs, stride=4, local_window=4)
+    _, lse = joint_attention(*inputs, stride=4, local_span=4)
     assert not lse.requires_grad
 
 
@@ -139,11 +139,23 @@ def _inputs(**shape):
 ])
 def test_unsupported_inputs_raise_clear_errors(change, match):
     with pytest.raises((ValueError, TypeError), match=match):
-        joint_attention(*change(_inputs()), stride=4, local_window=16)
+        joint_attention(*change(_inputs()), stride=4, local_span=16)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(local_span=-1), "local_span=-1 must be an integer >= 0"),
+    (dict(local_span=2.0), "must be an integer"),
+    (dict(local_span=2, tail=True), "tail mode keeps at most stride - 1 = 3"),
+    (dict(local_span=3, tail="tail"), "must be a bool"),
+    (dict(local_span=3, q_start=-1), "q_start=-1 must be an integer >= 0"),
+])
+def test_bad_window_arguments_raise_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        joint_attention(*_inputs(), stride=4, **kw)
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(ckv_kernels._common, "INTERPRET", False)
     inputs = [t.detach().cpu() for t in _inputs()]
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        joint_attention(*inputs, stride=4, local_window=16)
+        joint_attention(*inputs, stride=4, local_span=16)

@@ -22,6 +22,7 @@ from ckv.geometry import (
     LocalWindow,
     entry_rope_position,
     local_keep,
+    local_span,
     num_entries,
     pending_keep,
     window_positions,
@@ -88,7 +89,8 @@ def joint_attention(
     if resolve_impl(impl, q.device) == "triton":
         from ckv_kernels import joint_attention as joint_attention_triton
 
-        return joint_attention_triton(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start)[0]
+        return joint_attention_triton(q, kc, vc, k, v, stride=stride, local_span=local_span(local_window, stride),
+                                      tail=local_window == "tail", q_start=q_start)[0]
     return joint_attention_reference(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start)[0]
 
 

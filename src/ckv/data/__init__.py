@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 from ckv.config import ConfigError
 from ckv.data.config import DataConfig, LookupConfig, TextConfig
 from ckv.data.corpus import DataError
-from ckv.data.lookup import LookupExample, LookupFormat, make_lookup_example
+from ckv.data.lookup import LookupExample, LookupFormat, RecordCodec, assemble_lookup, make_lookup_example
 from ckv.data.mixture import Mixture
 from ckv.data.stream import IGNORE, SPLITS, BatchStream
 from ckv.data.synthetic import LookupSequences
@@ -32,7 +32,8 @@ from ckv.data.tokenizer import lookup_special_tokens
 
 __all__ = [
     "IGNORE", "BatchStream", "DataConfig", "DataError", "LookupConfig", "LookupExample", "LookupFormat",
-    "TextConfig", "build_batches", "default_cache_dir", "lookup_format_for", "make_lookup_example",
+    "RecordCodec", "TextConfig", "assemble_lookup", "build_batches", "default_cache_dir", "lookup_format_for",
+    "make_lookup_example",
 ]
 
 

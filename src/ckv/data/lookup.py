@@ -1,19 +1,24 @@
-"""Synthetic key->value record lookups: a tokenizer-agnostic id layout and a deterministic example generator.
+"""Synthetic key->value record lookups: a tokenizer-agnostic id layout, the one sequence assembler, and a
+deterministic example generator.
 
-A sequence is ``[bos] [pad]*prefix (record [filler]*)* [sep sep] (query answer)*``: records use distinct keys,
-each followed by a random number of filler tokens; queries ask keys that occurred (with replacement) and each is
-followed by its answer. The scored answer token is the answer's FIRST token (the model predicts it from the
-query's last token).
+A sequence is ``prefix [pad]* (record [filler]*)* separator (query answer)*``; for ckv's layout the prefix is
+``bos`` and the separator ``sep sep``. Records use distinct keys, each followed by some filler tokens; queries
+ask keys that occurred (with replacement) and each is followed by its answer. The scored answer token is the
+answer's FIRST token (the model predicts it from the query's last token).
+
+``assemble_lookup`` is the only code that lays these tokens out: training examples (``make_lookup_example``,
+drawn by ``ckv.data.synthetic``) and evaluation prompts (``ckv.eval``: ``LookupExample.prompt``, the sequence
+up to the last query's scored answer) both come from it, for any ``RecordCodec`` (``LookupFormat`` here, the
+tokenizer codec in ``ckv.eval.codec``).
 
 Record formats (``LookupFormat.record``):
 
 - ``kv``: the paper's: a single-token key immediately followed by a single-token value; a query is the key
   token again, the answer the value token.
-- ``kkvv`` (cpu-findings format A): 2-token keys and 2-token values ``k1 k2 v1 v2``. A key ``k`` is written as
-  two digits ``divmod(k, key_base)`` from one range of ``key_base`` ids (values likewise with ``value_base``).
-- ``split`` (cpu-findings format C): a record is two adjacent tokens ``X(k_hi, v) Y(k_lo, v)``, both carrying
-  the value and each half of the key (``key = k_hi * key_base + k_lo``); query keys and answer values have
-  their own id ranges.
+- ``kkvv``: 2-token keys and 2-token values ``k1 k2 v1 v2``. A key ``k`` is written as two digits
+  ``divmod(k, key_base)`` from one range of ``key_base`` ids (values likewise with ``value_base``).
+- ``split``: a record is two adjacent tokens ``X(k_hi, v) Y(k_lo, v)``, both carrying the value and each half
+  of the key (``key = k_hi * key_base + k_lo``); query keys and answer values have their own id ranges.
 
 Id layout, relative to ``offset``: ``pad, bos, sep``, then ``n_filler`` filler ids, then the format's ranges in
 the order of ``LookupFormat.ranges``. ``offset`` lets the layout sit inside a bigger vocabulary.
@@ -24,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Sequence
+from typing import Optional, Protocol, Sequence
 
 import numpy as np
 
@@ -34,9 +39,47 @@ RECORDS = ("kv", "kkvv", "split")
 N_SPECIAL = 3  # pad, bos, sep
 
 
+class RecordCodec(Protocol):
+    """The token ids of every part of a lookup sequence: what ``assemble_lookup`` lays out.
+
+    ``prefix`` opens the sequence, ``pad_id`` fills the slot after it, ``filler_ids`` are drawn uniformly for
+    the slots after records, ``separator`` ends the records. Keys are ``0..n_keys-1``, values
+    ``0..n_values-1``; ``describe`` is the JSON-ready identity of the codec for results files.
+    """
+
+    @property
+    def prefix(self) -> list[int]: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def filler_ids(self) -> Sequence[int]: ...
+
+    @property
+    def separator(self) -> list[int]: ...
+
+    @property
+    def n_keys(self) -> int: ...
+
+    @property
+    def n_values(self) -> int: ...
+
+    @property
+    def record_len(self) -> int: ...
+
+    def record_tokens(self, key: int, value: int) -> list[int]: ...
+
+    def query_tokens(self, key: int) -> list[int]: ...
+
+    def answer_tokens(self, value: int) -> list[int]: ...
+
+    def describe(self) -> dict: ...
+
+
 @dataclass(frozen=True)
 class LookupFormat:
-    """Where every token of a synthetic lookup sequence lives in the vocabulary.
+    """Where every token of a synthetic lookup sequence lives in the vocabulary (a ``RecordCodec``).
 
     ``key_base``: for ``kkvv`` the number of ids per key digit (default ``ceil(sqrt(n_keys))``); for ``split``
     the number of low key halves ``k_lo`` (default ``ceil(sqrt(n_keys))``). ``value_base``: for ``kkvv`` the
@@ -134,6 +177,20 @@ class LookupFormat:
         return self.ranges["filler"]
 
     @property
+    def prefix(self) -> list[int]:
+        return [self.bos_id]
+
+    @property
+    def separator(self) -> list[int]:
+        return [self.sep_id, self.sep_id]
+
+    def describe(self) -> dict:
+        """The layout's fields, for results files."""
+        return {"source": "format", "record": self.record, "n_keys": self.n_keys, "n_values": self.n_values,
+                "n_filler": self.n_filler, "key_base": self.key_base, "value_base": self.value_base,
+                "offset": self.offset}
+
+    @property
     def answer_range(self) -> range:
         """The ids a scored (first) answer token can take."""
         return self.ranges["answer" if self.record == "split" else "value"]
@@ -210,7 +267,7 @@ class LookupFormat:
 
 @dataclass
 class LookupExample:
-    """One generated lookup sequence and where everything in it is.
+    """One assembled lookup sequence and where everything in it is.
 
     Shapes: ``tokens``/``loss_mask`` (L,); ``record_starts``/``keys``/``values`` (n_records,);
     ``answer_positions``/``query_records`` (n_queries,). ``answer_positions[q]`` is the position of the scored
@@ -225,6 +282,77 @@ class LookupExample:
     values: np.ndarray
     answer_positions: np.ndarray
     query_records: np.ndarray
+
+    @property
+    def prompt(self) -> np.ndarray:
+        """(answer_positions[-1],) the tokens before the last query's scored answer: an evaluation prompt."""
+        if not len(self.answer_positions):
+            raise ValueError("an example without queries has no prompt")
+        return self.tokens[: self.answer_positions[-1]]
+
+    @property
+    def answer_id(self) -> int:
+        """The scored (first) answer token of the last query: what the prompt must be continued with."""
+        return int(self.tokens[self.prompt.shape[0]])
+
+
+def assemble_lookup(
+    codec: RecordCodec,
+    keys: Sequence[int],
+    values: Sequence[int],
+    pads: Sequence[int],
+    queried: Sequence[int],
+    rng: np.random.Generator,
+) -> LookupExample:
+    """Lay out one lookup sequence: records ``(keys[i], values[i])``, ``pads[0]`` pad tokens after the prefix,
+    ``pads[i + 1]`` filler tokens after record ``i`` (each drawn uniformly from ``codec.filler_ids`` with
+    ``rng``, slot by slot), the separator, then every queried record's query followed by its answer.
+
+    Shapes: keys/values (N,), pads (N + 1,), queried (Q,) record indices. Keys must be distinct (else a query
+    has two answers). Training examples and evaluation prompts are both built here.
+    """
+    keys_, values_ = np.asarray(keys, dtype=np.int64), np.asarray(values, dtype=np.int64)
+    pads_, queried_ = np.asarray(pads, dtype=np.int64), np.asarray(queried, dtype=np.int64)
+    n = len(keys_)
+    if values_.shape != (n,) or pads_.shape != (n + 1,) or queried_.ndim != 1:
+        raise ValueError(f"a lookup sequence needs N keys and values, N + 1 pad slots and a 1-d list of queries; "
+                         f"got shapes {keys_.shape}, {values_.shape}, {pads_.shape}, {queried_.shape}")
+    if n and (keys_.min() < 0 or keys_.max() >= codec.n_keys or values_.min() < 0 or values_.max() >= codec.n_values):
+        raise ValueError(f"keys must lie in [0, {codec.n_keys}) and values in [0, {codec.n_values}); got keys "
+                         f"{keys_.tolist()}, values {values_.tolist()}")
+    if len(set(keys_.tolist())) != n:
+        raise ValueError(f"keys must be distinct, got {keys_.tolist()}")
+    if (pads_ < 0).any() or ((queried_ < 0) | (queried_ >= n)).any():
+        raise ValueError(f"pads must be >= 0 and queries must index the records; got pads {pads_.tolist()}, "
+                         f"queries {queried_.tolist()}")
+    filler_ids = np.asarray(codec.filler_ids, dtype=np.int64)
+    if pads_[1:].sum() and not len(filler_ids):
+        raise ValueError("filler tokens requested but the layout has no filler ids (lookup.n_filler=0)")
+
+    # assemble with plain Python ints (numpy scalars are slow to index one by one)
+    keys_l, values_l, pads_l = keys_.tolist(), values_.tolist(), pads_.tolist()
+    tokens: list[int] = list(codec.prefix) + [codec.pad_id] * pads_l[0]
+    record_starts = []
+    for key, value, n_fill in zip(keys_l, values_l, pads_l[1:]):
+        record_starts.append(len(tokens))
+        tokens += codec.record_tokens(key, value)
+        if n_fill:
+            tokens += filler_ids[rng.integers(0, len(filler_ids), n_fill)].tolist()
+    tokens += codec.separator
+    answer_positions, answer_mask = [], []
+    for r in queried_.tolist():
+        tokens += codec.query_tokens(keys_l[r])
+        answer_positions.append(len(tokens))
+        answer = codec.answer_tokens(values_l[r])
+        answer_mask += range(len(tokens), len(tokens) + len(answer))
+        tokens += answer
+    loss_mask = np.zeros(len(tokens), dtype=bool)
+    loss_mask[answer_mask] = True
+    return LookupExample(
+        tokens=np.asarray(tokens, dtype=np.int64), loss_mask=loss_mask,
+        record_starts=np.asarray(record_starts, dtype=np.int64), keys=keys_, values=values_,
+        answer_positions=np.asarray(answer_positions, dtype=np.int64), query_records=queried_,
+    )
 
 
 def _given_or(arr: Optional[Sequence[int]], n: int, name: str, draw) -> np.ndarray:
@@ -249,7 +377,7 @@ def make_lookup_example(
     fillers: Optional[Sequence[int]] = None,
     query_records: Optional[Sequence[int]] = None,
 ) -> LookupExample:
-    """Generate one lookup sequence, deterministically given ``rng``.
+    """Draw one training lookup sequence, deterministically given ``rng``, and assemble it (``assemble_lookup``).
 
     ``filler=(lo, hi)``: the number of filler tokens after each record is uniform in ``[lo, hi]``;
     ``prefix_pad`` pad tokens follow ``bos``. Keys are distinct, values drawn with replacement, queried
@@ -263,41 +391,9 @@ def make_lookup_example(
     lo, hi = filler
     if not 0 <= lo <= hi:
         raise ValueError(f"filler={filler} must be (lo, hi) with 0 <= lo <= hi")
-    # draws in a fixed order so that the same rng state gives the same example
+    # draws in a fixed order so that the same rng state gives the same example (the filler tokens come last)
     keys_ = _given_or(keys, n_records, "keys", lambda: rng.choice(fmt.n_keys, n_records, replace=False))
     values_ = _given_or(values, n_records, "values", lambda: rng.integers(0, fmt.n_values, n_records))
     fillers_ = _given_or(fillers, n_records, "fillers", lambda: rng.integers(lo, hi + 1, n_records))
     queried = _given_or(query_records, n_queries, "query_records", lambda: rng.integers(0, n_records, n_queries))
-    if len(set(keys_.tolist())) != n_records:
-        raise ValueError(f"keys must be distinct, got {keys_.tolist()}")
-    if (fillers_ < 0).any() or ((queried < 0) | (queried >= n_records)).any():
-        raise ValueError("fillers must be >= 0 and query_records must index the records")
-    if fillers_.sum() and fmt.n_filler == 0:
-        raise ValueError("filler tokens requested but the format has no filler ids (lookup.n_filler=0)")
-    n_fill_total = int(fillers_.sum())
-    filler_tokens = rng.integers(fmt.filler_ids.start, fmt.filler_ids.stop, n_fill_total).tolist() if n_fill_total else []
-
-    # assemble with plain Python ints (numpy scalars are slow to index one by one)
-    keys_l, values_l, fillers_l = keys_.tolist(), values_.tolist(), fillers_.tolist()
-    tokens: list[int] = [fmt.bos_id] + [fmt.pad_id] * prefix_pad
-    record_starts, used = [], 0
-    for key, value, n_fill in zip(keys_l, values_l, fillers_l):
-        record_starts.append(len(tokens))
-        tokens += fmt.record_tokens(key, value)
-        tokens += filler_tokens[used : used + n_fill]
-        used += n_fill
-    tokens += [fmt.sep_id, fmt.sep_id]
-    answer_positions, answer_mask = [], []
-    for r in queried.tolist():
-        tokens += fmt.query_tokens(keys_l[r])
-        answer_positions.append(len(tokens))
-        answer = fmt.answer_tokens(values_l[r])
-        answer_mask += range(len(tokens), len(tokens) + len(answer))
-        tokens += answer
-    loss_mask = np.zeros(len(tokens), dtype=bool)
-    loss_mask[answer_mask] = True
-    return LookupExample(
-        tokens=np.asarray(tokens, dtype=np.int64), loss_mask=loss_mask,
-        record_starts=np.asarray(record_starts, dtype=np.int64), keys=keys_, values=values_,
-        answer_positions=np.asarray(answer_positions, dtype=np.int64), query_records=queried,
-    )
+    return assemble_lookup(fmt, keys_, values_, np.concatenate([[prefix_pad], fillers_]), queried, rng)

@@ -45,11 +45,6 @@ class PositionDesign:
     def pad_budget(self) -> int:
         return self.max_base_pad + self.modulus - 1
 
-    @property
-    def max_offset(self) -> int:
-        """Largest base target offset (target position minus ``prefix_len``) of the schedule."""
-        return self.modulus * self.n_coarse + self.modulus - 2
-
 
 def make_design(modulus: int, n_records: int, record_len: int, prefix_len: int) -> PositionDesign:
     """Spread base targets over as many coarse levels as the record block allows, with the smallest pad

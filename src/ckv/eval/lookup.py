@@ -22,7 +22,7 @@ import torch
 
 from ckv.config import ConfigError
 from ckv.data.config import LookupConfig
-from ckv.eval.codec import RecordCodec, assemble
+from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.design import PADDINGS, base_offsets, choose_targets, make_design, slot_pads
 from ckv.eval.scoring import LogitsFn, score_next_token
 from ckv.eval.stats import StatsOptions, summarize_groups
@@ -128,7 +128,7 @@ class LookupTask:
             raise ConfigError(f"task.n_records={n} exceeds the {c.n_values} values with task.distinct_values=true")
         if self.n_demos > n - 1:
             raise ConfigError(f"task.n_demos={self.n_demos} needs more than {n} records (demos ask other records)")
-        if not len(c.gap_ids) and (self.spec.padding == "in_sequence" or self.spec.fixed_query):
+        if not len(c.filler_ids) and (self.spec.padding == "in_sequence" or self.spec.fixed_query):
             raise ConfigError("this layout has no filler ids to put between or after records (lookup n_filler=0); "
                               "use task.padding=prefix with task.fixed_query=false")
         if self.spec.n_base % self.modulus:
@@ -175,12 +175,12 @@ class LookupTask:
             for k in range(m):
                 pre = int(base_pads[i]) + k
                 post = d.pad_budget - pre if s.fixed_query else 0
-                prompt = assemble(c, keys, values, slot_pads(t, pre, post, n, s.padding, rng), queried, rng)
-                position = int(prompt.record_starts[t])
-                prompts.append(prompt.tokens)
+                ex = assemble_lookup(c, keys, values, slot_pads(t, pre, post, n, s.padding, rng), queried, rng)
+                position = int(ex.record_starts[t])
+                prompts.append(ex.prompt)
                 rows.append(dict(base=i, shift=k, target_record=t, target_position=position, residue=position % m,
-                                 phase=int(phase(position, self.stride)), query_position=len(prompt.tokens) - 1,
-                                 key=int(keys[t]), value=int(values[t]), answer_id=prompt.answer_id))
+                                 phase=int(phase(position, self.stride)), query_position=len(ex.prompt) - 1,
+                                 key=int(keys[t]), value=int(values[t]), answer_id=ex.answer_id))
         return prompts, {col: np.array([r[col] for r in rows], dtype=np.int64) for col in rows[0]}
 
     # ---- evaluation ---------------------------------------------------------------------------------------

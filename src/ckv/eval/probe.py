@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ckv.config import ConfigError
-from ckv.eval.codec import RecordCodec, assemble
+from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.scoring import LogitsFn, score_next_token
 from ckv.eval.stats import dominant_period, periodicity_chance, periodicity_score
 from ckv.eval.vocab import TextTokenizer, TokenSpec, VocabSpec
@@ -113,8 +113,8 @@ def lookup_prompt(spec: ProbeSpec, codec: RecordCodec, n_records: int) -> ProbeP
     keys = rng.choice(codec.n_keys, n_records, replace=False)
     values = rng.integers(0, codec.n_values, n_records)
     t = n_records // 2
-    prompt = assemble(codec, keys, values, np.zeros(n_records + 1, dtype=np.int64), np.array([t]), rng)
-    ids, labels = [prompt.answer_id], ["target"]
+    ex = assemble_lookup(codec, keys, values, np.zeros(n_records + 1, dtype=np.int64), np.array([t]), rng)
+    ids, labels = [ex.answer_id], ["target"]
     for d in sorted(range(-t, n_records - t), key=lambda x: (abs(x), x))[1:]:  # nearest records first
         if len(ids) > spec.n_distractors:
             break
@@ -123,7 +123,7 @@ def lookup_prompt(spec: ProbeSpec, codec: RecordCodec, n_records: int) -> ProbeP
             ids.append(cand)
             labels.append(f"record {d:+d}")
     k = len(codec.prefix)
-    tokens = prompt.tokens.tolist()
+    tokens = ex.prompt.tolist()
     return ProbePrompt(tokens[:k], [codec.pad_id], tokens[k:], ids, labels)
 
 

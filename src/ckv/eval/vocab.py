@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Union
 
 from ckv.config import ConfigError
-from ckv.data.lookup import LookupFormat
-from ckv.eval.codec import FormatCodec, RecordCodec, TokenCodec
+from ckv.data.lookup import LookupFormat, RecordCodec
+from ckv.eval.codec import TokenCodec
 
 SOURCES = ("format", "words", "ids")
 TokenSpec = Union[int, str, None]
@@ -185,7 +185,7 @@ def build_codec(
 ) -> RecordCodec:
     """The codec of ``spec`` for a model with ``vocab_size`` ids and (optionally) a tokenizer."""
     if spec.source == "format":
-        return FormatCodec(resolve_format(spec, run_format, vocab_size))
+        return resolve_format(spec, run_format, vocab_size)
     if spec.source == "words":
         if tokenizer is None:
             raise ConfigError("task.vocab.source='words' needs a tokenizer, but the model has none "

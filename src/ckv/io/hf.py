@@ -1,7 +1,9 @@
 """Weight conversion between ckv's ``Transformer`` (full attention) and transformers' ``Qwen3ForCausalLM``.
 
-ckv's module names follow Qwen3's, so conversion is a rename (``model.`` prefix) plus a config mapping.
-Compressed-attention models have no HF peer: converting one raises."""
+ckv's module names follow Qwen3's, so conversion is a rename (``model.`` prefix) plus a config mapping; the
+rope theta travels in ``Qwen3Config.rope_parameters``, which needs transformers >= 5.0 (4.x configs take
+``rope_theta`` and would keep their default). Compressed-attention models have no HF peer: converting one
+raises."""
 
 from __future__ import annotations
 
@@ -44,7 +46,9 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
         raise ConfigError(f"rope scaling {rope.get('rope_type')!r} is not supported by ckv")
-    theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 1e6))
+    if "rope_theta" not in rope:
+        raise ConfigError("the Qwen3 config has no rope_parameters['rope_theta'] (transformers >= 5.0 sets it)")
+    theta = rope["rope_theta"]
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_sliding_window", False):
         raise ConfigError("attention biases and sliding-window layers are not supported by ckv")
     return ModelConfig(
