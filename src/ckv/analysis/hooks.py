@@ -10,7 +10,6 @@ a mean replaces the layer's attention output by the mean of that output.
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence, TypeVar
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 from ckv.attention.compressed import Compressor
-from ckv.config import ConfigError
+from ckv.config import ConfigError, field_names, reject_unknown
 from ckv.model import Transformer
 
 T = TypeVar("T")
@@ -32,10 +31,7 @@ class AnalysisNotApplicable(ConfigError):
 def settings_from_params(cls: type[T], params: dict[str, Any], analysis: str) -> T:
     """Build an analysis' settings dataclass from its config parameters; unknown keys are an error naming the
     valid ones. Lists become tuples (settings are frozen)."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = set(params) - names
-    if unknown:
-        raise ConfigError(f"unknown parameter(s) {sorted(unknown)} for analysis={analysis}; valid: {sorted(names)}")
+    reject_unknown(params, field_names(cls), f"analysis={analysis} parameter")
     return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in params.items()})
 
 

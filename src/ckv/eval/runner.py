@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ckv import __version__
-from ckv.config import ConfigError
+from ckv.config import ConfigError, field_names, reject_unknown
 from ckv.eval.hf_models import load_hf_model
 from ckv.eval.lookup import LookupSpec, LookupTask
 from ckv.eval.models import LoadedModel, load_ckv_model
@@ -85,10 +85,7 @@ def task_from_dict(d: dict[str, Any]) -> TaskSpec:
     if kind not in TASK_KINDS:
         raise ConfigError(f"task.kind={kind!r} is not allowed; choose one of {sorted(TASK_KINDS)}")
     cls = TASK_KINDS[kind]
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    if unknown:
-        raise ConfigError(f"unknown task field(s) {sorted(unknown)} for kind {kind!r}; valid: {sorted(names)}")
+    reject_unknown(d, field_names(cls), f"task (kind {kind!r})")
     return cls(**d)
 
 
