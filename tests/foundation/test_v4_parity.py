@@ -58,7 +58,7 @@ def ckv_layer(layer_type: str) -> CompressedAttention:
 
 @torch.no_grad()
 def randomise(module: torch.nn.Module) -> None:
-    """Non-trivial values everywhere (V4 leaves position_bias uninitialised and sinks at 0)."""
+    """Non-trivial values everywhere (V4 initialises position_bias and sinks at 0, norm gains at 1)."""
     for name, p in module.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(1 + 0.2 * torch.randn_like(p))
