@@ -124,13 +124,15 @@ def _query_step(acc, m_i, l_i, q, do, t, KEY, VAL, cols, n_cols, row_stride, E, 
 @autotune(_QUERY_CONFIGS, _INTERPRETER_CONFIG, key=["Tq", "E", "D", "G_PAD", "TAIL", "BWD"], prune=_prune_rows)
 @triton.jit
 def _query_kernel(
-    Q, KC, VC, K, V, O, LSE, DO, DQ, DELTA,
+    Q, KC, VC, K, V, O, LSE, DO, DQ, DELTA, SINK,
     Tq, Tk, E, KV, q_start, k_start, stride, span, qk_scale, sm_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, TAIL: tl.constexpr, LOCAL: tl.constexpr,
-    BWD: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BWD: tl.constexpr, UPCAST: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Forward (O, LSE) or, with BWD, the dq pass (DQ, DELTA) for one row tile of one (batch, KV head).
-    Q, O, DO, DQ: (B, Tq, H, D); KC, VC: (B, E, KV, D); K, V: (B, Tk, KV, D); LSE, DELTA: (B, Tq, H) fp32."""
+    Q, O, DO, DQ: (B, Tq, H, D); KC, VC: (B, E, KV, D); K, V: (B, Tk, KV, D); LSE, DELTA: (B, Tq, H) fp32;
+    SINK (H,) fp32 with HAS_SINK: the forward starts each row's online softmax from its head's sink logit (a
+    column of value 0), so LSE includes it and the backward, which recomputes P from LSE, needs nothing more."""
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
     H = KV * G
     tile = tl.cdiv(Tq, BLOCK_Q) - 1 - tl.program_id(0)  # the last rows see the most entries: start them first
@@ -156,6 +158,9 @@ def _query_kernel(
         do = q  # unused in the forward
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINK:  # the sink column: m = its logit (log2 units), l = exp2(0); row % H is the row's head
+            m_i = tl.load(SINK + tl.where(row_ok, row % H, kv * G)) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
 
     # (a) compressed entries: tiles every row sees unmasked, then the tiles where visibility changes
     t_first = q_start + i0
@@ -343,12 +348,13 @@ class _Problem:
         n = max(1, min(wanted, 16, triton.cdiv(self.Tq, 128)))
         return triton.cdiv(triton.cdiv(self.Tq, n), 128) * 128
 
-    def run_query(self, q, kc, vc, k, v, o, lse, do, dq, delta, bwd: bool) -> None:
+    def run_query(self, q, kc, vc, k, v, o, lse, do, dq, delta, bwd: bool, sinks: Optional[torch.Tensor] = None) -> None:
         _query_kernel[self.query_grid](
-            q, kc, vc, k, v, o, lse, do, dq, delta,
+            q, kc, vc, k, v, o, lse, do, dq, delta, lse if sinks is None else sinks,  # SINK unread without sinks
             self.Tq, self.Tk, self.E, self.KV, self.q_start, self.k_start, self.stride, self.span,
             self.sm_scale * LOG2E, self.sm_scale,
-            G=self.G, G_PAD=self.g_pad, D=self.D, TAIL=self.tail, LOCAL=self.span > 0, BWD=bwd, UPCAST=self.upcast)
+            G=self.G, G_PAD=self.g_pad, D=self.D, TAIL=self.tail, LOCAL=self.span > 0, BWD=bwd, UPCAST=self.upcast,
+            HAS_SINK=sinks is not None)
 
     def run_key(self, q, key, val, do, lse, delta, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """dk, dv of one source (compressed entries or exact keys)."""
@@ -375,36 +381,42 @@ class JointAttentionFunction(torch.autograd.Function):
     recomputes P. The log-sum-exp output is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, kc, vc, k, v, prob: _Problem):
+    def forward(ctx, q, kc, vc, k, v, sinks, prob: _Problem):
         o = torch.empty_like(q)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # (B, Tq, H)
+        sinks32 = None if sinks is None else sinks.detach().float().contiguous()
         if prob.Tq:
-            prob.run_query(q, kc, vc, k, v, o, lse, o, o, lse, bwd=False)  # DO, DQ, DELTA unused
-        ctx.save_for_backward(q, kc, vc, k, v, o, lse)
+            prob.run_query(q, kc, vc, k, v, o, lse, o, o, lse, bwd=False, sinks=sinks32)  # DO, DQ, DELTA unused
+        ctx.save_for_backward(q, kc, vc, k, v, o, lse, sinks32)
         ctx.prob = prob
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, kc, vc, k, v, o, lse = ctx.saved_tensors
+        q, kc, vc, k, v, o, lse, sinks = ctx.saved_tensors
         prob: _Problem = ctx.prob
         do = do.contiguous()
         if prob.Tq == 0:
-            return tuple(torch.zeros_like(t) for t in (q, kc, vc, k, v)) + (None,)
+            dsink = None if sinks is None else torch.zeros_like(sinks, dtype=ctx.sinks_dtype)
+            return tuple(torch.zeros_like(t) for t in (q, kc, vc, k, v)) + (dsink, None)
         dq, delta = torch.empty_like(q), torch.empty_like(lse)
         prob.run_query(q, kc, vc, k, v, o, lse, do, dq, delta, bwd=True)  # dq, and delta for the key pass
+        # d sink_h = -sum over (batch, query) of P(sink) * delta, P(sink) = exp(sink_h - lse)
+        dsink = None if sinks is None else (-(sinks - lse).exp() * delta).sum((0, 1)).to(ctx.sinks_dtype)
         dkc, dvc = prob.run_key(q, kc, vc, do, lse, delta, compressed=True) if prob.E else (torch.zeros_like(kc), torch.zeros_like(vc))
         if prob.span and prob.Tk:
             dk, dv = prob.run_key(q, k, v, do, lse, delta, compressed=False)
         else:  # no local window: exact keys get no gradient
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        return dq, dkc, dvc, dk, dv, None
+        return dq, dkc, dvc, dk, dv, dsink, None
 
 
 def joint_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     stride: int, local_span: int, tail: bool = False, q_start: int = 0, scale: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over visible compressed entries and the exact keys of each query's local window (Triton;
     same contract as ``ckv.attention.reference.joint_attention_reference``).
@@ -416,11 +428,18 @@ def joint_attention(
     ``[((t+1) // stride) * stride, t]`` (then ``local_span`` must be ``stride - 1``, the widest such block); the
     caller derives both from the geometry (``ckv.geometry.local_span``). H % KV == 0 with H/KV <= 64; D in
     SUPPORTED_HEAD_DIMS; all inputs fp32, fp16 or bf16 (one dtype), accumulation in fp32.
-    Returns out (B, Tq, H, D) in q's dtype (0 where a query sees nothing) and the log-sum-exp (B, Tq, H) fp32
-    (-inf there). Differentiable in q, kc, vc, k, v.
+    ``sinks`` (H,), any float dtype: one extra logit per head whose probability is dropped (DeepSeek-V4).
+    Returns out (B, Tq, H, D) in q's dtype (0 where a query sees nothing) and the log-sum-exp (B, Tq, H) fp32,
+    sinks included (-inf where a query sees nothing and there are no sinks). Differentiable in q, kc, vc, k, v
+    and sinks.
     """
     _check_inputs(q, kc, vc, k, v, stride, local_span, tail, q_start)
+    if sinks is not None:
+        check_float("sinks", sinks)
+        if sinks.shape != (q.shape[2],) or sinks.device != q.device:
+            raise ValueError(f"sinks must have shape (H,) = ({q.shape[2]},) on {q.device}, got "
+                             f"{tuple(sinks.shape)} on {sinks.device}")
     prob = _Problem(q, kc, k, stride, local_span, tail, q_start, scale)
     q, kc, vc, k, v = (t.contiguous() for t in (q, kc, vc, k, v))
-    return JointAttentionFunction.apply(q, kc, vc, k, v, prob)
+    return JointAttentionFunction.apply(q, kc, vc, k, v, sinks, prob)
 

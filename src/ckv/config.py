@@ -17,11 +17,18 @@ from ckv.geometry import ENTRY_ROPE_POSITIONS
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "pooling": ("gate", "mean"),
     "gate": ("scalar", "vector"),
-    "offset_maps": ("specific", "shared"),
+    "offset_maps": ("specific", "shared", "series"),
     "kv": ("separate", "tied"),
     "compressed_norm": ("pre", "post"),
     "rope": ("full", "partial", "none"),
     "entry_rope_position": ENTRY_ROPE_POSITIONS,
+}
+# DeepSeek-V4's options (docs/attention.md, "DeepSeek-V4"): where RoPE sits in a head and how it pairs dims, and
+# whether the output's RoPE is undone (tied values carry the keys' rotation)
+_V4_CHOICES: dict[str, tuple[Any, ...]] = {
+    "rope_side": ("leading", "trailing"),
+    "rope_pairing": ("half", "interleaved"),
+    "output_rope": ("keep", "inverse"),
 }
 
 
@@ -103,11 +110,18 @@ class AttentionConfig:
     pooling: str = "gate"
     gate: str = "scalar"
     gate_bias: bool = True
-    offset_maps: str = "specific"  # offset-specific gate/payload maps, or shared maps + offset bias (DeepSeek)
+    offset_maps: str = "specific"  # offset-specific maps, shared maps + offset bias, or per-series maps (V4)
     kv: str = "separate"  # separate K and V branches, or V reuses the normalised, rotated keys
     compressed_norm: str = "pre"  # RMSNorm of compressed keys before pooling (per token) or after (post-norm)
     entry_rope_position: str = "block_start"
     local_window: Union[int, str] = 16
+    # DeepSeek-V4 (all off by default): RoPE layout and this layer's own theta (None = model.rope_theta), one
+    # learned attention-sink logit per query head, and the output rotated back by the query's position
+    rope_side: str = "leading"
+    rope_pairing: str = "half"
+    rope_theta: Optional[float] = None
+    sink: bool = False
+    output_rope: str = "keep"
 
     def __post_init__(self) -> None:
         o = "attention"
@@ -134,6 +148,24 @@ class AttentionConfig:
                 raise ConfigError(f"{o}.rope='partial' needs attention.rope_dims (an even number of dims per head)")
         elif self.rope_dims is not None:
             raise ConfigError(f"{o}.rope_dims={self.rope_dims} is only used with attention.rope='partial' (got rope={self.rope!r})")
+        self._check_v4_options()
+
+    def _check_v4_options(self) -> None:
+        o = "attention"
+        for name, allowed in _V4_CHOICES.items():
+            check_choice(f"{o}.{name}", getattr(self, name), allowed)
+        check_bool(f"{o}.sink", self.sink)
+        if self.rope_theta is not None and (isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float))
+                                            or self.rope_theta <= 0):
+            raise ConfigError(f"{o}.rope_theta={self.rope_theta!r} must be a number > 0 (or null: model.rope_theta)")
+        if self.offset_maps == "series" and self.window % self.stride:
+            raise ConfigError(f"{o}.offset_maps='series' shares maps within each stride block of the window, so "
+                              f"attention.window={self.window} must be a multiple of attention.stride={self.stride}")
+        if self.kind != "compressed" and (self.sink or self.output_rope != "keep"):
+            raise ConfigError(f"{o}.sink and {o}.output_rope are options of kind='compressed' (got kind={self.kind!r})")
+        if self.output_rope == "inverse" and self.kv != "tied":
+            raise ConfigError(f"{o}.output_rope='inverse' undoes the RoPE that tied values carry; it needs "
+                              f"attention.kv='tied' (got {self.kv!r})")
 
     @property
     def compressed(self) -> bool:

@@ -57,6 +57,15 @@ def entry_rope_position(j: torch.Tensor, window: int, stride: int, mode: EntryRo
     raise ValueError(f"entry_rope_position must be one of {ENTRY_ROPE_POSITIONS}, got {mode!r}")
 
 
+def offset_series(window: int, stride: int) -> torch.Tensor:
+    """(window,) int64: the series of each offset, ``offset // stride``. Series ``s`` holds the window's tokens of
+    stride block ``j - (window // stride - 1) + s`` of entry ``j`` (DeepSeek-V4's CSA, W = 2S: series 0 = "Ca",
+    the previous block, series 1 = "Cb", the entry's own block). Needs ``window % stride == 0``."""
+    if window % stride:
+        raise ValueError(f"window={window} is not a multiple of stride={stride}: offsets do not form series")
+    return torch.arange(window) // stride
+
+
 def window_positions(first_entry: int, n: int, window: int, stride: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions covered by entries ``first_entry .. first_entry + n - 1``.
 

@@ -64,7 +64,8 @@ def test_query_with_nothing_visible_outputs_zero():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
 
 
-@pytest.mark.parametrize("name, local", [("w8s8", 16), ("w8s6", 5), ("w8s8_tied_kv", 16), ("w8s8_tail", "tail")])
+@pytest.mark.parametrize("name, local", [("w8s8", 16), ("w8s6", 5), ("w8s8_tied_kv", 16), ("w8s8_tail", "tail"),
+                                         ("deepseek_v4_csa", 5)])
 @pytest.mark.parametrize("T", [1, 7, 8, 23, 40])
 def test_cache_memory_is_entries_plus_local_window(name, local, T):
     att = dict(variant(name), local_window=local)

@@ -60,9 +60,10 @@ def test_compressed_model_has_no_hf_peer():
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_variant_causal_decodes_like_prefill_and_trains(name):
-    cfg = small_config(variant(name))
+    cfg = small_config(variant(name), max_seq_len=512)
     model = Transformer(cfg).eval()
-    T = 29  # not a multiple of any stride in the variants
+    S = cfg.attention.stride
+    T = 29 if S < 29 else S + 29  # not a multiple of any stride in the variants; an entry for long strides too
     ids = torch.randint(0, cfg.vocab_size, (2, T))
     with torch.no_grad():
         full = model(ids)
@@ -71,12 +72,13 @@ def test_variant_causal_decodes_like_prefill_and_trains(name):
         changed = ids.clone()
         changed[:, t + 1:] = torch.randint(0, cfg.vocab_size, (2, T - t - 1))
         assert torch.equal(model(changed)[:, : t + 1], full[:, : t + 1])
-        # decode == prefill: a prefill of 7 tokens, chunks of 3, then single tokens
+        # decode == prefill: a prefill of 7 tokens, chunks of 3, then single tokens (from 16 for T = 29)
         cache = model.new_cache(2)
         parts = [model(ids[:, :7], cache)]
-        for s in range(7, 16, 3):
+        split = 7 + 3 * ((T - 18) // 3)
+        for s in range(7, split, 3):
             parts.append(model(ids[:, s:s + 3], cache))
-        for s in range(16, T):
+        for s in range(split, T):
             parts.append(model(ids[:, s:s + 1], cache))
         assert cache.length == T
         assert (torch.cat(parts, 1) - full).abs().max().item() < 1e-4

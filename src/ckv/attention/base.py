@@ -34,7 +34,8 @@ class AttentionBackend(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, config.norm_eps) if a.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if a.qk_norm else nn.Identity()
-        self.rotary = Rotary(config.rope_dims, config.rope_theta)
+        theta = config.rope_theta if a.rope_theta is None else a.rope_theta
+        self.rotary = Rotary(config.rope_dims, theta, side=a.rope_side, pairing=a.rope_pairing)
         self.impl = a.impl
         self._resolved_impls: dict[tuple[torch.device, torch.dtype], str] = {}
 

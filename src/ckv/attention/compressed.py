@@ -24,6 +24,7 @@ from ckv.geometry import (
     local_keep,
     local_span,
     num_entries,
+    offset_series,
     pending_keep,
     window_positions,
 )
@@ -84,14 +85,16 @@ def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.T
 def joint_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     stride: int, local_window: LocalWindow, q_start: int = 0, impl: str = "torch",
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Dispatch of ``reference.joint_attention_reference`` (see there for shapes); returns the output only."""
     if resolve_impl(impl, q.device) == "triton":
         from ckv_kernels import joint_attention as joint_attention_triton
 
         return joint_attention_triton(q, kc, vc, k, v, stride=stride, local_span=local_span(local_window, stride),
-                                      tail=local_window == "tail", q_start=q_start)[0]
-    return joint_attention_reference(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start)[0]
+                                      tail=local_window == "tail", q_start=q_start, sinks=sinks)[0]
+    return joint_attention_reference(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start,
+                                     sinks=sinks)[0]
 
 
 class Pooling(nn.Module):
@@ -108,8 +111,9 @@ class Compressor(nn.Module):
 
     Offset-specific maps (``offset_maps="specific"``): gate logits ``s_i = Z_i h_i + b_i`` and payload
     ``C_i h_i`` with one ``Z_i``, ``C_i`` per offset ``i``; shared maps (DeepSeek style): one ``Z`` and ``C`` for
-    all offsets and an offset-specific bias ``b_i`` only. Parameters are stacked offset-first so that gate
-    cycling is ``torch.roll(..., dims=0)``.
+    all offsets and an offset-specific bias ``b_i`` only; per-series maps (DeepSeek-V4's CSA): one ``Z_s``,
+    ``C_s`` per series ``s = i // stride`` (``geometry.offset_series``) and the offset-specific bias. Parameters
+    are stacked offset-first (series-first for per-series maps) so that gate cycling is ``torch.roll(..., dims=0)``.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -120,7 +124,10 @@ class Compressor(nn.Module):
         out = self.kv_heads * self.head_dim
         self.gate_dim = self.kv_heads if a.gate == "scalar" else out
         self.specific = a.offset_maps == "specific"
-        lead = (W,) if self.specific else ()
+        # per-series maps: the series of each offset, (W,); None for offset-specific or shared maps
+        self.register_buffer("series", offset_series(W, a.stride) if a.offset_maps == "series" else None,
+                             persistent=False)
+        lead = (W,) if self.specific else (W // a.stride,) if self.series is not None else ()
         self.payload = nn.Parameter(torch.empty(*lead, d, out))  # C_i: (W, d, KV*D) or C: (d, KV*D)
         self.gate_weight = nn.Parameter(torch.empty(*lead, d, self.gate_dim)) if a.pooling == "gate" else None
         self.gate_bias = nn.Parameter(torch.zeros(W, self.gate_dim)) if a.pooling == "gate" and a.gate_bias else None
@@ -129,6 +136,8 @@ class Compressor(nn.Module):
     def _map(self, hw: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.specific:
             return torch.einsum("bewd,wdo->bewo", hw, weight)
+        if self.series is not None:
+            return torch.einsum("bewd,wdo->bewo", hw, weight[self.series])  # (W, d, o): each offset's series map
         return hw @ weight
 
     def forward(self, hw: torch.Tensor, present: torch.Tensor, impl: str = "torch",
@@ -176,6 +185,8 @@ class CompressedAttention(AttentionBackend):
         self.norm_before_pooling = a.compressed_norm == "pre"
         self.k_compressor = Compressor(config)
         self.v_compressor = None if a.tied_kv else Compressor(config)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if a.sink else None  # one logit per query head
+        self.inverse_output_rope = a.output_rope == "inverse"
 
     def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool entries ``first .. first+n-1`` from hidden states h (B, Th, d) at positions ``h_start..``.
@@ -197,7 +208,8 @@ class CompressedAttention(AttentionBackend):
     def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0
-        q, k, v = self.project(x, torch.arange(start, start + T, device=x.device))  # (B, T, H|KV, D)
+        positions = torch.arange(start, start + T, device=x.device)
+        q, k, v = self.project(x, positions)  # (B, T, H|KV, D)
         tied = self.v_compressor is None
         first, end = num_entries(start, self.stride), num_entries(start + T, self.stride)
         if cache is None:
@@ -219,7 +231,9 @@ class CompressedAttention(AttentionBackend):
             cache.pending = h[:, h.shape[1] - keep_p:]
             cache.length = n
         out = joint_attention(q, kc, vc, k_all, v_all, stride=self.stride, local_window=self.local_window,
-                              q_start=start, impl=self.impl_for(x))  # (B, T, H, D)
+                              q_start=start, impl=self.impl_for(x), sinks=self.sinks)  # (B, T, H, D)
+        if self.inverse_output_rope:  # tied values carry RoPE: rotate back by the query's position
+            out = self.rotary(out, positions, inverse=True)
         return self.o_proj(out.reshape(B, T, -1))
 
     def new_cache(self, batch_size: int) -> CompressedLayerCache:

@@ -40,14 +40,16 @@ def joint_attention_reference(
     local_window: LocalWindow,
     q_start: int = 0,
     scale: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over visible compressed entries and the exact keys of each query's local window.
 
     q: (B, Tq, H, D) at positions ``q_start .. q_start+Tq-1``; kc, vc: (B, E, KV, D) entries ``0..E-1``;
     k, v: (B, Tk, KV, D) exact keys at positions ``q_start+Tq-Tk .. q_start+Tq-1`` (they must reach back as far
-    as any query's local window). H % KV == 0 (grouped-query attention).
-    Returns out (B, Tq, H, D) in q's dtype and the log-sum-exp (B, Tq, H) in fp32 (-inf where a query sees
-    nothing, in which case its output is 0).
+    as any query's local window). H % KV == 0 (grouped-query attention). ``sinks`` (H,): one extra logit per
+    head in every query's softmax (DeepSeek-V4's attention sink) whose probability is dropped (its value is 0).
+    Returns out (B, Tq, H, D) in q's dtype and the log-sum-exp (B, Tq, H) in fp32, sinks included (-inf where a
+    query sees nothing and there is no sink; its output is 0 either way).
     """
     B, Tq, H, D = q.shape
     E, KV, Tk = kc.shape[1], k.shape[2], k.shape[1]
@@ -63,7 +65,9 @@ def joint_attention_reference(
 
     L = local_span(local_window, stride)
     if E + L == 0:  # nothing can ever be visible (no entries yet, no local window)
-        return torch.zeros_like(q), q.new_full((B, Tq, H), float("-inf"), dtype=torch.float32)
+        if sinks is None:
+            return torch.zeros_like(q), q.new_full((B, Tq, H), float("-inf"), dtype=torch.float32)
+        return torch.zeros_like(q), sinks.float().expand(B, Tq, H)  # only the sink: lse = its logit
     band = q_pos[:, None] - L + 1 + torch.arange(L, device=dev)[None, :]  # (Tq, L) key positions
     mask_l = (band >= local_start(q_pos, local_window, stride)[:, None]) & (band >= 0)
     if bool((mask_l & (band < k_start)).any()):
@@ -74,12 +78,17 @@ def joint_attention_reference(
     s_l = torch.einsum("btkgd,btlkd->bkgtl", qg, k_l.float()) * scale  # (B, KV, G, Tq, L)
 
     mask = torch.cat([mask_c, mask_l], dim=-1)  # (Tq, E + L)
-    scores = torch.cat([s_c, s_l], dim=-1).masked_fill(~mask, torch.finfo(torch.float32).min)
+    scores = torch.cat([s_c, s_l], dim=-1)
+    if sinks is not None:  # the sink: one more always-visible column per head, probability dropped below
+        sink = sinks.float().view(1, KV, G, 1, 1).expand(B, KV, G, Tq, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        mask = torch.cat([mask, mask.new_ones(Tq, 1)], dim=-1)
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
     m = scores.amax(dim=-1, keepdim=True).detach()
     p = torch.exp(scores - m) * mask  # masked columns are exactly 0, also where a row is all masked
     denom = p.sum(dim=-1)  # (B, KV, G, Tq)
     o = torch.einsum("bkgte,bekd->btkgd", p[..., :E], vc.float())
-    o = o + torch.einsum("bkgtl,btlkd->btkgd", p[..., E:], v_l.float())
+    o = o + torch.einsum("bkgtl,btlkd->btkgd", p[..., E:E + L], v_l.float())
     o = o / denom.clamp_min(1e-30).permute(0, 3, 1, 2)[..., None]
     lse = torch.where(denom > 0, m.squeeze(-1) + denom.clamp_min(1e-30).log(), float("-inf"))
     return o.reshape(B, Tq, H, D).to(q.dtype), lse.permute(0, 3, 1, 2).reshape(B, Tq, H)

@@ -1,0 +1,85 @@
+"""ckv's DeepSeek-V4 options on their own: config checks, the RoPE layouts, per-series maps and the visibility
+rule of the two V4 variants (test_v4_parity.py checks them against transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckv import AttentionConfig, ConfigError, Transformer
+from ckv.attention.rope import Rotary
+from ckv.geometry import offset_series
+
+from .helpers import small_config, variant
+from .test_geometry import brute_influence
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(offset_maps="series", window=8, stride=6), "offset_maps"),
+    (dict(output_rope="inverse", kv="separate"), "output_rope"),
+    (dict(kind="full", sink=True), "sink"),
+    (dict(rope_side="middle"), "rope_side"),
+    (dict(rope_pairing="pairs"), "rope_pairing"),
+    (dict(rope_theta=0.0), "rope_theta"),
+    (dict(sink=1), "sink"),
+])
+def test_bad_v4_options_raise_a_config_error_naming_the_field(change, field):
+    with pytest.raises(ConfigError, match=field):
+        AttentionConfig(**{**variant("deepseek_v4_csa"), **change})
+
+
+def test_offset_series_groups_the_window_by_stride_block():
+    assert offset_series(8, 4).tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert offset_series(4, 4).tolist() == [0, 0, 0, 0]
+    with pytest.raises(ValueError, match="multiple"):
+        offset_series(8, 6)
+
+
+@pytest.mark.parametrize("side, pairing", [("leading", "half"), ("trailing", "half"), ("trailing", "interleaved")])
+def test_rotary_rotates_the_chosen_dims_preserves_norms_and_inverts(side, pairing):
+    rot = Rotary(4, 100.0, side=side, pairing=pairing)
+    x = torch.randn(1, 5, 2, 10)
+    pos = torch.arange(5) * 3
+    y = rot(x, pos)
+    fixed = slice(4, None) if side == "leading" else slice(0, 6)
+    assert torch.equal(y[..., fixed], x[..., fixed])
+    # each rotated pair keeps its norm: pairs (i, i + 2) for halves, (2i, 2i + 1) interleaved
+    r = y[..., :4] if side == "leading" else y[..., 6:]
+    xr = x[..., :4] if side == "leading" else x[..., 6:]
+    pairs = [(0, 2), (1, 3)] if pairing == "half" else [(0, 1), (2, 3)]
+    for a, b in pairs:
+        assert torch.allclose(r[..., a] ** 2 + r[..., b] ** 2, xr[..., a] ** 2 + xr[..., b] ** 2, atol=1e-5)
+    assert torch.allclose(rot(y, pos, inverse=True), x, atol=1e-5)
+    # relative positions: <R(p) q, R(p') k> depends on p - p' only
+    q, k = torch.randn(1, 1, 1, 10), torch.randn(1, 1, 1, 10)
+    dots = [(rot(q, torch.tensor([p + 7])) * rot(k, torch.tensor([p]))).sum() for p in (0, 5)]
+    assert torch.allclose(dots[0], dots[1], atol=1e-5)
+
+
+def test_per_series_maps_use_one_map_per_stride_block():
+    """A token's payload in entry j depends on its series (which block of the window it sits in), not on its
+    exact offset: the CSA entry j pools block j-1 through map 0 ("Ca") and block j through map 1 ("Cb")."""
+    cfg = small_config(dict(variant("deepseek_v4_csa"), impl="torch"), n_layers=1)
+    comp = Transformer(cfg).layers[0].self_attn.k_compressor
+    assert comp.payload.shape == (2, cfg.d_model, cfg.head_dim)
+    hw = torch.randn(1, 3, 8, cfg.d_model)
+    mapped = comp._map(hw, comp.payload)  # (B, E, W, D)
+    for i in range(8):
+        assert torch.allclose(mapped[:, :, i], hw[:, :, i] @ comp.payload[i // 4], atol=1e-6)
+
+
+@pytest.mark.parametrize("name, window, stride, local", [("deepseek_v4_csa", 8, 4, 3), ("deepseek_v4_csa", 8, 4, "tail"),
+                                                         ("deepseek_v4_hca", 4, 4, 2)])
+def test_a_token_influences_a_query_only_through_visible_entries_or_the_local_window(name, window, stride, local):
+    att = dict(variant(name), impl="torch", window=window, stride=stride, local_window=local)
+    layer = Transformer(small_config(att, n_layers=1)).layers[0].self_attn
+    T = 18
+    x = torch.randn(1, T, layer.config.d_model, requires_grad=True)
+    y = layer(x)  # (1, T, d)
+    for t in range(T):
+        (grad,) = torch.autograd.grad(y[0, t].sum(), x, retain_graph=True)
+        touched = grad[0].abs().sum(-1) > 0  # (T,)
+        sees = [brute_influence(t, p, window, stride, local) for p in range(T)]
+        # the query's own token acts through q too, unless the query sees nothing (then its output is 0)
+        expected = torch.tensor([s or (p == t and any(sees)) for p, s in enumerate(sees)])
+        assert torch.equal(touched, expected), f"query {t}"
