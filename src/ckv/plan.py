@@ -193,13 +193,16 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--loss-chunk", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk of the fused loss")
     p.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
+    p.add_argument("--config-dir", type=Path, default=CONF_DIR, help="the Hydra config folder (default: conf/)")
     args = p.parse_args(argv)
+    from hydra.errors import HydraException
+
     try:
-        result = plan(compose_train_config(args.overrides), gpus=args.gpus, gpu_mem_gib=args.gpu_mem, mfu=args.mfu,
+        result = plan(compose_train_config(args.overrides, args.config_dir), gpus=args.gpus, gpu_mem_gib=args.gpu_mem, mfu=args.mfu,
                       gpu=args.gpu, peak=args.peak, vocab_size=args.vocab_size, loss_chunk_tokens=args.loss_chunk,
                       reserve=args.reserve)
-    except ConfigError as e:
-        sys.exit(f"ckv.plan: error: {e}")
+    except (ConfigError, HydraException) as e:  # Hydra's: an unknown config group or option, a bad override
+        sys.exit(f"ckv.plan: error: {' '.join(str(e).split())}")
     print(json.dumps(result, indent=1) if args.json else format_plan(result))
     return result
 
