@@ -81,3 +81,25 @@ def test_command_line():
     assert "parameters" in out and "8 x h200 (141 GiB" in out and out.count("\n") >= 9
     bad = subprocess.run([sys.executable, "-m", "ckv.plan", "experiment=cpu_smoke"], capture_output=True, text=True)
     assert bad.returncode != 0 and "ckv.plan: error:" in bad.stderr and "--vocab-size" in bad.stderr
+
+
+def test_activation_estimate_is_near_what_autograd_saves():
+    """Full attention (SDPA's fused CPU kernel keeps no score matrix, as the GPU kernels): the estimate lies within
+    25% of the bytes of the tensors autograd saves in the blocks (unique storages, parameters excluded)."""
+    from ckv.config import ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, mlp_dim=384)
+    model, T = Transformer(cfg), 256
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    x = model.embed_tokens(torch.randint(0, 64, (1, T))).detach().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for block in model.layers:
+            x = block(x)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(n for ptr, n in saved.items() if ptr not in params) / T
+    assert abs(activation_bytes_per_token(cfg, 4, False) / measured - 1) < 0.25
