@@ -64,10 +64,11 @@ def parameter_count(config: ModelConfig) -> int:
         block += 2 * hd
     branches = _compressor_branches(config)
     if branches:
-        lead = a.window if a.offset_maps == "specific" else 1
+        lead = {"specific": a.window, "series": a.window // a.stride}.get(a.offset_maps, 1)  # maps per branch
         out, g = config.kv_heads * hd, _gate_dim(config)
         per_branch = lead * d * out + lead * d * g + (a.window * g if g and a.gate_bias else 0)
         block += branches * per_branch + (hd if a.qk_norm else 0)  # + the compressed-key norm
+        block += config.n_heads if a.sink else 0  # one attention-sink logit per query head
     embed = config.vocab_size * d
     return config.n_layers * block + embed * (1 if config.tie_embeddings else 2) + d  # + the final norm
 

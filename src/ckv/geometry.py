@@ -46,6 +46,11 @@ def entry_end(j: int | torch.Tensor, stride: int) -> int | torch.Tensor:
     return (j + 1) * stride - 1
 
 
+def visible_entries(t: int | torch.Tensor, stride: int) -> int | torch.Tensor:
+    """How many entries (``0..n-1``) a query at position ``t`` sees (entry j is visible iff ``(j+1)S - 1 <= t``)."""
+    return (t + 1) // stride
+
+
 def entry_rope_position(j: torch.Tensor, window: int, stride: int, mode: EntryRopePosition) -> torch.Tensor:
     """Position at which the compressed key of entry ``j`` is rotated."""
     if mode == "block_start":  # DeepSeek-V4: first token of the entry's own stride block

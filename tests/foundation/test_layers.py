@@ -1,10 +1,11 @@
 """The import layers of ckv (docs/architecture.md): every import in ``src/ckv`` and ``kernels/`` — top-level,
 inside functions, under ``TYPE_CHECKING`` or through ``importlib.import_module("...")`` — points down or sideways.
 
-    L0  model    ckv (package), ckv.config, ckv.device, ckv.geometry, ckv.norm, ckv.model, ckv.cache, ckv.attention.*
+    L0  model    ckv (package), ckv.config, ckv.device, ckv.geometry, ckv.norm, ckv.model, ckv.cache, ckv.flops,
+                 ckv.loss, ckv.checkpointing, ckv.attention.*
     L0k kernels  ckv_kernels.*: imports nothing from ckv; only ckv.attention.* imports it
     L1  ckv.io.*      L2 ckv.data.*      L3 ckv.train.* | ckv.eval.* (neither imports the other)
-    L4  ckv.analysis.*                   L5 ckv.apps.*
+    L4  ckv.analysis.*                   L5 ckv.apps.*, ckv.plan
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Iterator, Optional
 
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"ckv": REPO / "src" / "ckv", "ckv_kernels": REPO / "kernels"}
-MODEL_LAYER = {"ckv", "ckv.config", "ckv.device", "ckv.geometry", "ckv.norm", "ckv.model", "ckv.cache"}
+MODEL_LAYER = {"ckv", "ckv.config", "ckv.device", "ckv.geometry", "ckv.norm", "ckv.model", "ckv.cache", "ckv.flops",
+               "ckv.loss", "ckv.checkpointing"}
+APPS = {"ckv.plan"}  # python -m ckv.plan composes Hydra configs like train.py
 PACKAGE_LAYERS = {"ckv.attention": 0, "ckv.io": 1, "ckv.data": 2, "ckv.train": 3, "ckv.eval": 3,
                   "ckv.analysis": 4, "ckv.apps": 5}
 KERNELS = "ckv_kernels"
@@ -45,6 +48,8 @@ def layer(module: str) -> Optional[tuple[int, str]]:
         return None
     if module in MODEL_LAYER:
         return 0, "model"
+    if module in APPS:
+        return PACKAGE_LAYERS["ckv.apps"], "ckv.apps"
     package = ".".join(module.split(".")[:2])
     if package not in PACKAGE_LAYERS:
         raise AssertionError(f"{module} is in no layer of this test's table: add it (and to docs/architecture.md)")

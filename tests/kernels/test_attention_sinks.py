@@ -10,7 +10,7 @@ import torch
 from ckv.attention.reference import joint_attention_reference
 from ckv_kernels import joint_attention
 
-from .helpers import DEVICE, attention_inputs, fp32_leaves, rel_max, rel_rms
+from .helpers import DEVICE, attention_inputs, fp32_leaves, local_args, rel_max, rel_rms
 from .test_attention import TOL
 
 NAMES = ("dq", "dkc", "dvc", "dk", "dv", "dsinks")
@@ -27,7 +27,7 @@ def test_sinks_match_reference(B, Tq, H, KV, D, stride, local, q_start, dtype):
     torch.manual_seed(0)
     inputs = attention_inputs(B, Tq, H, KV, D, stride=stride, q_start=q_start, dtype=dtype)
     sinks = (2 * torch.randn(H, device=DEVICE)).requires_grad_()  # fp32, like V4's
-    out, lse = joint_attention(*inputs, stride=stride, local_window=local, q_start=q_start, sinks=sinks)
+    out, lse = joint_attention(*inputs, stride=stride, q_start=q_start, sinks=sinks, **local_args(local, stride))
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, [*inputs, sinks], grad_out)
 
@@ -52,7 +52,7 @@ def test_sinks_match_reference(B, Tq, H, KV, D, stride, local, q_start, dtype):
 def test_rows_that_see_only_the_sink_output_zero_and_its_logit_as_lse():
     q, kc, vc, k, v = attention_inputs(1, 3, 2, 1, 16, stride=4)  # queries 0..2 see no entry
     sinks = torch.tensor([0.3, -0.7], device=DEVICE)
-    out, lse = joint_attention(q, kc, vc, k, v, stride=4, local_window=0, sinks=sinks)
+    out, lse = joint_attention(q, kc, vc, k, v, stride=4, local_span=0, sinks=sinks)
     assert torch.equal(out, torch.zeros_like(out))
     assert torch.allclose(lse, sinks.expand_as(lse))
 
@@ -60,4 +60,4 @@ def test_rows_that_see_only_the_sink_output_zero_and_its_logit_as_lse():
 def test_bad_sinks_raise_a_clear_error():
     inputs = attention_inputs(1, 8, 4, 1, 16, stride=4)
     with pytest.raises(ValueError, match=r"sinks must have shape \(H,\)"):
-        joint_attention(*inputs, stride=4, local_window=3, sinks=torch.zeros(3, device=DEVICE))
+        joint_attention(*inputs, stride=4, local_span=3, sinks=torch.zeros(3, device=DEVICE))

@@ -119,11 +119,23 @@ ATTENTION_RESOLVED = {
 }
 
 
+# The DeepSeek-V4 options, added after 7524006: their composed group as first written out in full (commit b845f52).
+V4_FIELDS = ("rope_side", "rope_pairing", "rope_theta", "sink", "output_rope")
+V4_RESOLVED = {
+    "deepseek_v4_csa": (('compressed', 'auto', 'partial', 16, True, 1, 8, 4, 'gate', 'vector', True, 'series', 'tied',
+                         'post', 'block_start', 128), ('trailing', 'interleaved', 160000.0, True, 'inverse')),
+    "deepseek_v4_hca": (('compressed', 'auto', 'partial', 16, True, 1, 128, 128, 'gate', 'vector', True, 'shared',
+                         'tied', 'post', 'block_start', 128), ('trailing', 'interleaved', 160000.0, True, 'inverse')),
+}
+
+
 def test_every_attention_option_resolves_as_before():
-    assert set(ATTENTION_RESOLVED) == {p.stem for p in (REPO / "conf" / "attention").glob("*.yaml")}
-    for name, values in ATTENTION_RESOLVED.items():
+    assert set(ATTENTION_RESOLVED) | set(V4_RESOLVED) == {p.stem for p in (REPO / "conf" / "attention").glob("*.yaml")}
+    expected = {name: dict(zip(ATTENTION_FIELDS, values)) for name, values in ATTENTION_RESOLVED.items()}
+    expected |= {name: dict(zip(ATTENTION_FIELDS + V4_FIELDS, base + v4)) for name, (base, v4) in V4_RESOLVED.items()}
+    for name, values in expected.items():
         composed = OmegaConf.to_container(_compose([f"attention={name}"]).attention)
-        assert composed == dict(zip(ATTENTION_FIELDS, values)), name
+        assert composed == values, name
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
