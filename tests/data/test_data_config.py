@@ -26,7 +26,7 @@ def test_presets_load(name: str) -> None:
         assert cfg.lookup.max_len <= cfg.seq_len + 1
 
 
-def test_lookup_split_preset_is_the_cpu_findings_recipe() -> None:
+def test_lookup_split_preset_is_the_demo_recipe() -> None:
     lk = _load("lookup_split").lookup
     assert (lk.record, lk.n_keys, lk.n_values, lk.n_records, lk.n_queries, lk.filler) == ("split", 16, 16, 16, 8, (0, 0))
 

@@ -14,7 +14,7 @@ from ckv.train import TrainConfig, read_metrics
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).with_name("workers.py")
 
-# cpu-findings format C at 64 tokens: a task a tiny model makes progress on within a few dozen steps
+# split fused records at 64 tokens: a task a tiny model makes progress on within a few dozen steps
 LOOKUP_DATA = {"kind": "lookup", "seq_len": 64,
                "lookup": {"record": "split", "n_keys": 16, "n_values": 16, "key_base": 4, "n_records": 16,
                           "n_queries": 8, "prefix_pad": [0, 7]}}
