@@ -151,7 +151,8 @@ def test_limit_keeps_the_same_first_examples() -> None:
 
 
 def test_stride_resolution() -> None:
-    assert _task(stride=None).stride == 4  # no model stride: the modulus
+    assert _task(stride=None).stride is None  # no model stride and none asked: no phase groups (never the modulus)
+    assert _task(stride=2).stride == 2
     assert LookupTask(LookupSpec(n_records=12, n_demos=3, n_base=8, modulus=8), CODEC, max_len=512, model_stride=2).stride == 2
 
 
