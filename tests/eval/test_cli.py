@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from ..train.helpers import child_env
 from .helpers import make_run, png_ok
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,11 +100,12 @@ def test_audit_mode_cli(tmp_path: Path) -> None:
     assert png_ok(tmp_path / "hf" / "eval" / "lookup_ids" / "lookup_ids.png")
 
 
+@pytest.mark.smoke
 def test_default_evaluation_of_a_text_trained_run(tmp_path: Path) -> None:
     """A new user's path: ``train.py experiment=cpu_smoke`` (2 steps here), then ``eval.py model.path=`` followed by
     the run folder exactly as train.py printed it (it holds '=' and ','); the default task draws single-token keys
     and values from the run's own tokenizer and names them."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    env = {**child_env(), "WANDB_MODE": "offline"}  # no rank variables an in-process training test left behind
     train = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=cpu_smoke", "trainer.max_steps=2",
                             "trainer.val_every=0", "trainer.save_every=0", f"out_dir={tmp_path}",
                             f"trainer.data_cache_dir={tmp_path / 'cache'}", "wandb.enabled=false"],

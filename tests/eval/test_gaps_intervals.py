@@ -92,3 +92,19 @@ def test_cluster_bootstrap_covers_clustered_accuracy_at_its_nominal_rate_where_w
     mc_error = np.sqrt(0.95 * 0.05 / n_datasets)  # 1.1 points
     assert abs(covered[CLUSTER_BOOTSTRAP] / n_datasets - 0.95) < 3.5 * mc_error
     assert covered[WILSON] / n_datasets < 0.95 - 6 * mc_error
+
+
+def test_a_model_without_stride_plots_residues_only_and_summaries_refuse_mixed_moduli(tmp_path) -> None:
+    from ckv.eval.plots import plot_lookup
+    from ckv.eval.summary import check_comparable, summary_row
+
+    from .helpers import png_ok
+
+    alone = _report(None, None)
+    assert png_ok(plot_lookup(alone, tmp_path / "full.png", "full"))
+    results = {"model": {"attention": {"kind": "full"}, "seed": 0}, "results": alone}
+    row = summary_row("full", results)
+    assert row["phase_gap"] is None and row["residue_gap"] == 0.0 and row["residue_gap_interval"] == CLUSTER_BOOTSTRAP
+    check_comparable([row, {**row, "run": "other"}])
+    with pytest.raises(ValueError, match="different task.modulus"):
+        check_comparable([row, {**row, "modulus": 24}])

@@ -64,7 +64,8 @@ def _yerr(y: np.ndarray, groups: list[dict]) -> np.ndarray:
 
 def _group_curve(ax: Axes, grouping: dict, *, stride: Optional[int], label: Optional[str] = None,
                  color=None, bars: bool = False) -> None:
-    """Accuracy per group with Wilson intervals and the mean line (points coloured by phase if ``stride``)."""
+    """Accuracy per group with its intervals (the grouping's ``interval`` kind) and the mean line (points coloured
+    by phase if ``stride``)."""
     groups = grouping["groups"]
     x = np.array([g["group"] for g in groups])
     y = np.array([_pct(g["accuracy"]) for g in groups])
