@@ -106,5 +106,5 @@ def test_a_model_without_stride_plots_residues_only_and_summaries_refuse_mixed_m
     row = summary_row("full", results)
     assert row["phase_gap"] is None and row["residue_gap"] == 0.0 and row["residue_gap_interval"] == CLUSTER_BOOTSTRAP
     check_comparable([row, {**row, "run": "other"}])
-    with pytest.raises(ValueError, match="different task.modulus"):
+    with pytest.raises(ConfigError, match="different task.modulus"):
         check_comparable([row, {**row, "modulus": 24}])

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from ckv.config import ConfigError
 from ckv.eval.plots import plot_grid_summary, plot_lookup_comparison, plot_phase_overlay
 from ckv.io.layout import CHECKPOINTS_DIR, EVAL_DIR, MODEL_DIR, is_run_dir
 from ckv.io.results import RESULTS_JSON, read_json, write_csv, write_json
@@ -62,7 +63,8 @@ def summary_row(label: str, results: dict) -> dict:
         **{f"residue_{k}": h.get(f"residue_{k}") for k in SUMMARY_GAP_FIELDS},
         **{f"phase_{k}": h.get(f"phase_{k}") for k in SUMMARY_GAP_FIELDS},
         "worst_phase": h.get("worst_phase"), "worst_phase_accuracy": h.get("worst_phase_accuracy"),
-        "worst_phase_accuracy_lower": h.get("worst_phase_lower"), "worst_phase_accuracy_upper": h.get("worst_phase_upper"),
+        "worst_phase_accuracy_lower": h.get("worst_phase_lower"),
+        "worst_phase_accuracy_upper": h.get("worst_phase_upper"),
         "group_interval": h.get("phase_group_interval") or h.get("residue_group_interval"),
         "periodicity_score": h["periodicity_score"], "dominant_period": h["dominant_period"],
     }
@@ -70,11 +72,11 @@ def summary_row(label: str, results: dict) -> dict:
 
 def check_comparable(rows: Sequence[dict]) -> None:
     """Runs of one summary are compared on one yardstick: the residue gap needs the same modulus for all runs
-    (``ValueError`` otherwise); a full-attention control's phase gap is comparable only at a stride some
+    (``ConfigError`` otherwise: one line from eval.py); a full-attention control's phase gap is comparable only at a stride some
     compressed run has (a warning otherwise)."""
     moduli = sorted({r["modulus"] for r in rows})
     if len(moduli) > 1:
-        raise ValueError(f"the runs were evaluated with different task.modulus {moduli}: their residue gaps are not "
+        raise ConfigError(f"the runs were evaluated with different task.modulus {moduli}: their residue gaps are not "
                          "comparable; re-evaluate them with one modulus (summary_rerun=true)")
     strides = {r["stride"] for r in rows if r["stride"] is not None}
     for r in rows:
