@@ -57,6 +57,9 @@ def test_gate_cycling_end_to_end(trained_run: Path, tmp_path: Path) -> None:
     assert d0["identical_to_clean"] and d0["observed"] == r["clean"]["accuracy"] and d0["r2"] is None
     assert r["deltas"][3]["identical_to_clean"]  # a shift by W is the identity
     assert r["deltas"][1]["predicted"] == [r["clean"]["accuracy"][(p - 1) % 4] for p in range(4)]
+    # per-phase intervals resample the key->value mappings (several shifts of one mapping share a phase)
+    assert r["clean"]["interval"] == "cluster_bootstrap" and {d["interval"] for d in r["deltas"]} == {"cluster_bootstrap"}
+    assert all(lo <= a <= hi for lo, a, hi in zip(r["clean"]["lower"], r["clean"]["accuracy"], r["clean"]["upper"]))
     assert set(r["pooled"]) == {"r2", "r2_corr"}
     assert png_ok(tmp_path / "gate_cycling" / "gate_cycling.png")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -78,12 +80,17 @@ def test_calibration_drops_prompts_that_are_scored(trained: LoadedModel, tmp_pat
 
 def test_knockout_runs_on_full_attention(tmp_path: Path) -> None:
     run = make_run(tmp_path, attention=dict(kind="full"), preset_overrides=dict(n_heads=4, n_kv_heads=2))
-    env = run_analysis({"name": "knockout", "calibration": 2},
-                       load_ckv_model(run, device="cpu"), SPEC, options(tmp_path / "out", limit=4))
+    model = load_ckv_model(run, device="cpu")
+    with pytest.raises(ConfigError, match="set task.stride"):  # full attention has phases only at a given stride
+        run_analysis({"name": "knockout", "calibration": 2}, model, SPEC, options(tmp_path / "out", limit=4))
+    env = run_analysis({"name": "knockout", "calibration": 2}, model, dataclasses.replace(SPEC, stride=4),
+                       options(tmp_path / "out", limit=4))
     units = env["analysis"]["results"]["units"]
     expected = [(0, None, [0, 1, 2, 3]), (0, 0, [0, 1]), (0, 1, [2, 3])]  # the layer, then its two KV groups
     assert [(u["layer"], u["kv_head"], u["heads"]) for u in units] == expected
     assert all(len(u["phases"]) == 4 for u in units)
+    # each mapping is scored at 4 shifts but lands once per phase here (modulus = stride); still clustered
+    assert {p["knocked_interval"] for u in units for p in u["phases"]} == {"cluster_bootstrap"}
 
 
 def test_bad_settings_are_named() -> None:

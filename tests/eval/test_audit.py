@@ -73,17 +73,20 @@ def test_text_probe_runs_and_groups_by_phase(hf_dir: Path, tmp_path: Path) -> No
                      lengths=(4, 15), stride=4)
     results, out = evaluate(model, spec, RunOptions(progress=False, out_dir=str(tmp_path / "probe")))
     r = results["results"]
-    assert [row["units"] for row in r["lengths"]] == list(range(4, 16))
+    assert [row["filler_tokens"] for row in r["lengths"]] == list(range(4, 16))
+    assert [row["filler_text"] for row in r["lengths"]] == [" filler" * n for n in range(4, 16)]
     assert [row["phase"] for row in r["lengths"]] == [n % 4 for n in range(4, 16)]
-    p = np.array([[row["p[8]"], row["p[32]"]] for row in r["lengths"]])
-    assert np.all((p > 0) & (p < 1)) and len(r["phases"]) == 4
+    logp = np.array([[row["logp[8]"], row["logp[32]"]] for row in r["lengths"]])
+    assert np.all(logp < 0) and len(r["phases"]) == 4
     assert png_ok(out / "probe_tiny.png")
     lines = (out / "results.csv").read_text().splitlines()
-    assert len(lines) == 13 and "p[8]" in lines[0]
+    assert len(lines) == 13 and "logp[8]" in lines[0] and "top1_token" in lines[0]
 
 
 def test_shipped_fp8_probe_config_parses(hf_dir: Path) -> None:
     spec = task_from_dict(_task_config("probe_fp8"))
     assert isinstance(spec, ProbeSpec) and spec.lengths == (24, 39) and spec.stride == 4
-    task = build_task(spec, load_hf_model(hf_dir, device="cpu"))
-    assert len(task.prompts) == 16 and np.all(np.diff([len(p) for p in task.prompts]) == 1)
+    assert spec.unit == "=" and spec.candidates == ("8", "32")
+    # a word-level tokenizer makes any run of "=" one token: no filler of 24 tokens exists, and that is an error
+    with pytest.raises(ConfigError, match=r"task.unit='=': no repeat of it tokenises to exactly \[24, 25"):
+        build_task(spec, load_hf_model(hf_dir, device="cpu"))

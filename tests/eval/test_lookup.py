@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -151,7 +153,8 @@ def test_limit_keeps_the_same_first_examples() -> None:
 
 
 def test_stride_resolution() -> None:
-    assert _task(stride=None).stride == 4  # no model stride: the modulus
+    assert _task(stride=None).stride is None  # no model stride and none asked: no phase groups (never the modulus)
+    assert _task(stride=2).stride == 2
     assert LookupTask(LookupSpec(n_records=12, n_demos=3, n_base=8, modulus=8), CODEC, max_len=512, model_stride=2).stride == 2
 
 
@@ -209,3 +212,32 @@ def test_layout_without_filler_needs_unfixed_query() -> None:
     task = LookupTask(LookupSpec(n_records=16, n_demos=3, n_base=4, modulus=4, fixed_query=False), codec, max_len=256)
     assert len({len(p) for p in task.prompts}) > 1  # the query moves with the shift
     assert len({m["mean"] for m in task.position_moments()}) == 1
+
+
+class _WordTokenizer:
+    """Id i decodes to WORDS[i]; a text encodes to the ids of its whitespace-kept pieces (or the unknown id 0)."""
+
+    WORDS = ["<unk>", "\n", " a", " cat", " dog", "!", " owl", " 7", " ox", "ab", " bee", " yak", " Emu"]
+    bos_id, unk_id = None, 0
+
+    def encode(self, text: str) -> list[int]:
+        return [self.WORDS.index(text)] if text in self.WORDS else [0, 0]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.WORDS[i] for i in ids)
+
+
+def test_tokenizer_vocabulary_draws_single_token_words_and_auto_prefers_the_run_layout() -> None:
+    tok, n = _WordTokenizer(), len(_WordTokenizer.WORDS)
+    spec = VocabSpec(source="tokenizer", n_tokens=3, pad="\n", separator="\n")
+    codec = build_codec(spec, vocab_size=n, tokenizer=tok, run_format=None)
+    words = [" cat", " dog", " owl", " ox", " bee", " yak"]  # " a" (one letter), " 7", "ab" (no prefix) are skipped
+    assert codec.labels["keys"] == words[0::2] and codec.labels["values"] == words[1::2]
+    assert codec.key_ids == tuple(tok.WORDS.index(w) for w in words[0::2]) and codec.pad_id == 1
+    with pytest.raises(ConfigError, match="only 7 single-token words"):
+        build_codec(dataclasses.replace(spec, n_tokens=4), vocab_size=n, tokenizer=tok, run_format=None)
+    auto = dataclasses.replace(spec, source="auto")
+    drawn = build_codec(auto, vocab_size=n, tokenizer=tok, run_format=None)
+    assert drawn.labels["drawn_from"] == "the model's tokenizer"
+    fmt = LookupFormat(n_keys=4, n_values=4)
+    assert build_codec(auto, vocab_size=100, tokenizer=tok, run_format=fmt) is fmt

@@ -41,11 +41,11 @@ def test_probe_finds_period_of_a_phase_sensitive_model() -> None:
 
     rep = task.evaluate(confused, progress=False)
     expected = [(target_pos + n) % 4 != 3 for n in range(16)]
-    assert [r["expected_is_top"] for r in rep["lengths"]] == expected
+    assert [r["expected_is_top1"] for r in rep["lengths"]] == expected
     assert [r["phase"] for r in rep["lengths"]] == [n % 4 for n in range(16)]
     assert rep["periodicity"]["dominant_period"] == 4 and rep["periodicity"]["score"] == pytest.approx(1.0)
     assert rep["flips"] == 8
-    shares = {p["phase"]: p["expected_top_share"] for p in rep["phases"]}
+    shares = {p["phase"]: p["expected_top1_share"] for p in rep["phases"]}
     assert sorted(shares.values()) == [0.0, 1.0, 1.0, 1.0]
 
 

@@ -29,7 +29,7 @@ from ckv.analysis.paired import interval, paired_replicates
 from ckv.analysis.plots import plot_gate_cycling
 from ckv.analysis.registry import AnalysisContext, register_analysis
 from ckv.config import ConfigError
-from ckv.eval.stats import group_accuracy
+from ckv.eval.stats import group_accuracy, with_cluster_intervals
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,10 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
         with cycled_gates(module, d, settings.layers):
             observed.append(ctx.evaluate().correct)
     t, opts, boundary = clean.table, ctx.options.stats, S - 1
-    a0 = group_accuracy(clean.correct, t["phase"], S)
-    acc = [group_accuracy(o, t["phase"], S) for o in observed]
-    obs = np.stack([a.accuracy for a in acc])  # (K, S)
     reps = paired_replicates([clean.correct, *observed], t["phase"], S, t["base"], opts)  # (R, 1 + K, S)
+    a0, *acc = [with_cluster_intervals(group_accuracy(o, t["phase"], S), reps[:, i], opts.level)
+                for i, o in enumerate([clean.correct, *observed])]
+    obs = np.stack([a.accuracy for a in acc])  # (K, S)
     per_delta = []
     for k, (d, a) in enumerate(zip(deltas, acc)):
         fit = _r2_dict(reps[:, [0, 1 + k]], a0.accuracy, obs[[k]], [d], boundary, opts.level) if d % S else None
@@ -158,13 +158,14 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
             "delta": d, "mean": float(np.mean(observed[k])),
             "identical_to_clean": bool(np.array_equal(observed[k], clean.correct)),
             "observed": a.accuracy.tolist(), "lower": a.lower.tolist(), "upper": a.upper.tolist(),
+            "interval": a.interval,
             "predicted": predicted_accuracy(a0.accuracy, d).tolist(), **(fit or {"r2": None, "r2_corr": None}),
         })
     return {
         "stride": S, "boundary_phase": boundary, "shifted": shifted,
         "layers": list(settings.layers) if settings.layers is not None else "all",
         "clean": {"mean": float(np.mean(clean.correct)), "accuracy": a0.accuracy.tolist(), "lower": a0.lower.tolist(),
-                  "upper": a0.upper.tolist()},
+                  "upper": a0.upper.tolist(), "interval": a0.interval},
         "deltas": per_delta, "pooled": _r2_dict(reps, a0.accuracy, obs, deltas, boundary, opts.level),
     }
 

@@ -26,7 +26,7 @@ from ckv.analysis.registry import AnalysisContext, register_analysis
 from ckv.config import ConfigError
 from ckv.eval.lookup import LookupOutcome, LookupTask
 from ckv.eval.scoring import score_next_token
-from ckv.eval.stats import group_accuracy
+from ckv.eval.stats import group_accuracy, with_cluster_intervals
 from ckv.io.results import write_csv
 
 log = logging.getLogger(__name__)
@@ -115,12 +115,13 @@ def _flat(prefix: str, iv: dict) -> dict:
 def knockout_effects(ctx: AnalysisContext, clean: LookupOutcome, knocked: list[np.ndarray]) -> list[dict]:
     """Per knocked outcome: the overall and per-phase effect ``100 * (knocked - clean) / clean`` and difference
     ``knocked - clean`` (accuracy fractions), each with a paired cluster-bootstrap interval, and the knocked
-    per-phase accuracy with its Wilson interval."""
-    t, S, opts = clean.table, ctx.task.stride, ctx.options.stats
+    per-phase accuracy with its cluster-bootstrap interval (over key->value mappings; ``interval`` names it)."""
+    t, S, opts = clean.table, ctx.task.require_stride("analysis=knockout"), ctx.options.stats
     outcomes = [clean.correct, *knocked]
     reps = paired_replicates(outcomes, t["phase"], S, t["base"], opts)  # (R, 1 + U, S)
     reps_all = paired_replicates(outcomes, np.zeros_like(t["phase"]), 1, t["base"], opts)[..., 0]  # (R, 1 + U)
-    acc = [group_accuracy(o, t["phase"], S) for o in outcomes]
+    acc = [with_cluster_intervals(group_accuracy(o, t["phase"], S), reps[:, i], opts.level)
+           for i, o in enumerate(outcomes)]
     means = [float(np.mean(o)) for o in outcomes]
     out = []
     for u in range(1, len(outcomes)):
@@ -130,6 +131,7 @@ def knockout_effects(ctx: AnalysisContext, clean: LookupOutcome, knocked: list[n
             phases.append({
                 "phase": r, "clean": float(c), "knocked": float(k),
                 "knocked_lower": float(acc[u].lower[r]), "knocked_upper": float(acc[u].upper[r]),
+                "knocked_interval": acc[u].interval,
                 **_flat("effect", interval(relative_change(reps[:, 0, r], reps[:, u, r]), relative_change(c, k),
                                            opts.level)),
                 **_flat("delta", interval(reps[:, u, r] - reps[:, 0, r], k - c, opts.level)),
@@ -147,6 +149,7 @@ def knockout_effects(ctx: AnalysisContext, clean: LookupOutcome, knocked: list[n
 def run_knockout(ctx: AnalysisContext, settings: KnockoutSettings) -> dict:
     """Knock out every unit of ``settings.units`` and measure its per-phase effect (see the module docstring).
     Returns the JSON-ready result: ``stride``, ``calibration``, ``clean`` (per-phase report), ``units``."""
+    stride = ctx.task.require_stride("analysis=knockout")  # a full-attention model: the comparison's task.stride
     sites = attention_sites(ctx.model.module)
     means, calibration = calibration_means(ctx, sites, settings)
     clean = ctx.evaluate()
@@ -164,7 +167,7 @@ def run_knockout(ctx: AnalysisContext, settings: KnockoutSettings) -> dict:
     effects = knockout_effects(ctx, clean, knocked)
     report = ctx.report(clean)
     return {
-        "stride": ctx.task.stride, "position": "final query position (the last prompt token, whose logits are scored)",
+        "stride": stride, "position": "final query position (the last prompt token, whose logits are scored)",
         "calibration": calibration, "clean": {"headline": report["headline"], "phase": report["phase"]},
         "units": [{"layer": u.layer, "kv_head": u.kv_head, "heads": list(u.heads), "label": u.label, **e}
                   for u, e in zip(units, effects)],

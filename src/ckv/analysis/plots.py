@@ -4,7 +4,8 @@ Heatmaps use diverging colour maps centred on "no effect": knock-out effects in 
 (red = accuracy lost, blue = gained, centred at 0) and gate profiles as log2 of the mass relative to uniform
 (green = above uniform, brown = below, centred at uniform). Values outside the colour range saturate; the
 numbers in the cells are the real values. Grey cells are undefined (e.g. a phase the clean model never gets
-right). Accuracy plots show percent on a fixed 0-100 axis with Wilson 95% intervals.
+right). Accuracy plots show percent on a fixed 0-100 axis with 95% intervals (cluster bootstrap over key->value
+mappings: the results' ``interval``).
 """
 
 from __future__ import annotations
@@ -180,8 +181,9 @@ def _fmt_r2(fit: Optional[dict]) -> str:
 
 
 def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
-    """Per shift d: observed accuracy per phase (Wilson bars), the prediction ``A_0((r - d) mod S)`` and the clean
-    curve; last panel: predicted vs observed change over all shifts (hollow: boundary phase, excluded from R^2)."""
+    """Per shift d: observed accuracy per phase (cluster-bootstrap bars), the prediction ``A_0((r - d) mod S)`` and
+    the clean curve; last panel: predicted vs observed change over all shifts (hollow: boundary phase, excluded
+    from R^2)."""
     S, boundary, deltas, clean = result["stride"], result["boundary_phase"], result["deltas"], result["clean"]
     n = len(deltas) + 1
     ncols = min(4, n)

@@ -4,8 +4,11 @@ N records (key immediately followed by value), D demonstrations (queries of othe
 then the target query; score: full-vocabulary top-1 of the target's (first) answer token. Every base example
 is evaluated at shifts ``k = 0..M-1`` (see ``ckv.eval.design``), so each target is scored in every residue group
 ``target position mod M``; the query position is fixed and the target-position moments are equal across groups.
-Phase = target position mod S (S = the model's stride). The target position is that of the target record's
-first token.
+Phase = target position mod S (S = ``task.stride``, else the model's stride; a full-attention model has a phase
+only when the task names the stride of the comparison). The target position is that of the target record's
+first token. Two gaps (best minus worst group accuracy), each with a cluster-bootstrap interval over mappings,
+permutation p and noise floor: the **residue gap** over the groups mod M (the paper's headline; the same M for
+every model of a comparison) and the **phase gap** over the groups mod S.
 
 ``LookupTask`` holds the built prompts; ``evaluate`` scores them with any logits callable (so an analysis can
 re-run the same prompts on a modified model) and ``report`` computes every statistic.
@@ -30,6 +33,7 @@ from ckv.eval.vocab import VocabSpec
 from ckv.geometry import phase
 
 log = logging.getLogger(__name__)
+PAPER_N_RECORDS, PAPER_N_DEMOS = 64, 8  # the paper's lookup, for models that did not train on lookups
 
 
 @dataclass(frozen=True)
@@ -37,10 +41,11 @@ class LookupSpec:
     """Settings of the position-matched lookup.
 
     ``n_records``/``n_demos``: ``None`` takes the model's training settings (records; queries minus one) when
-    it trained on synthetic lookups (else ``n_records`` is required and ``n_demos`` is 8, the paper's). ``n_base``: base examples (key->value mappings), each evaluated at all
-    ``modulus`` shifts; a multiple of ``modulus**2`` matches mean and variance of the target position across
-    residue groups exactly (a multiple of ``modulus`` the means). ``stride``: phase period; ``None`` takes the
-    model's stride (or ``modulus`` for models without one). ``padding``: ``prefix`` or ``in_sequence``.
+    it trained on synthetic lookups, else the paper's 64 records and 8 demonstrations. ``n_base``: base examples
+    (key->value mappings), each evaluated at all ``modulus`` shifts; a multiple of ``modulus**2`` matches mean
+    and variance of the target position across residue groups exactly (a multiple of ``modulus`` the means).
+    ``stride``: phase period; ``None`` takes the model's stride (a model without one, full attention, then gets
+    no phase groups: set the comparison's stride). ``padding``: ``prefix`` or ``in_sequence``.
     ``fixed_query``: keep the query position fixed (the pads a shift adds before the target are taken from
     after it); ``False`` only adds pads, so the query moves with the target. ``distinct_values``: values
     drawn without replacement (else with replacement, as ckv's training data).
@@ -73,9 +78,13 @@ class LookupSpec:
                 raise ConfigError(f"task.{name}={v!r} must be null or an integer >= {low}")
 
 
-def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulus: int) -> int:
-    """The phase period: the task's, else the model's, else ``modulus``; it must divide ``modulus``."""
-    stride = requested or model_stride or modulus
+def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulus: int) -> Optional[int]:
+    """The phase period: the task's, else the model's; ``None`` for a model without a stride (full attention)
+    when the task names none (its phase gap is then not defined: give ``task.stride``, the stride of the
+    comparison). It must divide ``modulus``."""
+    stride = requested or model_stride
+    if stride is None:
+        return None
     if modulus < stride:
         raise ConfigError(f"task.modulus={modulus} is smaller than the stride {stride}: residues mod {modulus} cannot "
                           f"separate the {stride} phases; use a multiple of {stride} (the paper uses 24)")
@@ -83,6 +92,19 @@ def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulu
         raise ConfigError(f"task.modulus={modulus} is not a multiple of the stride {stride}: phase groups would "
                           f"not be balanced; use a common multiple (the paper uses 24)")
     return stride
+
+
+def gap_headline(report: Optional[dict], prefix: str) -> dict:
+    """The headline fields of one grouping's gap (``summarize_groups``): ``<prefix>_gap`` with its interval,
+    interval kind, permutation p and noise floor, and the worst group with its accuracy and interval; all
+    ``None`` when the grouping was not made (a phase gap without a stride)."""
+    g = (report or {}).get("gap", {})
+    return {f"{prefix}_gap": g.get("value"), f"{prefix}_gap_lower": g.get("lower"),
+            f"{prefix}_gap_upper": g.get("upper"), f"{prefix}_gap_interval": g.get("interval"),
+            f"{prefix}_p_value": g.get("p_value"), f"{prefix}_noise_floor": g.get("noise_floor"),
+            f"worst_{prefix}": g.get("worst_group"), f"worst_{prefix}_accuracy": g.get("worst_accuracy"),
+            f"worst_{prefix}_lower": g.get("worst_lower"), f"worst_{prefix}_upper": g.get("worst_upper"),
+            f"{prefix}_group_interval": (report or {}).get("interval")}
 
 
 @dataclass
@@ -102,15 +124,14 @@ class LookupOutcome:
 
 class LookupTask:
     """The built prompts of one lookup task. ``table`` columns (P,): base (the key->value mapping), shift,
-    target_record, target_position, residue, phase, query_position, key, value, answer_id."""
+    target_record, target_position, residue, phase (-1 without a stride), query_position, key, value, answer_id."""
 
     def __init__(self, spec: LookupSpec, codec: RecordCodec, *, max_len: int, model_stride: Optional[int] = None,
                  training: Optional[LookupConfig] = None, limit: Optional[int] = None) -> None:
         self.spec, self.codec = spec, codec
-        self.n_records = spec.n_records or (training.n_records if training else None)
-        if self.n_records is None:
-            raise ConfigError("task.n_records is null and the model did not train on lookups; set task.n_records")
-        self.n_demos = spec.n_demos if spec.n_demos is not None else (training.n_queries - 1 if training else 8)
+        self.n_records = spec.n_records or (training.n_records if training else PAPER_N_RECORDS)
+        default_demos = training.n_queries - 1 if training else PAPER_N_DEMOS
+        self.n_demos = spec.n_demos if spec.n_demos is not None else default_demos
         self.modulus = spec.modulus
         self.stride = resolve_stride(spec.stride, model_stride, spec.modulus)
         self.n_base = min(spec.n_base, limit) if limit else spec.n_base
@@ -179,7 +200,8 @@ class LookupTask:
                 position = int(ex.record_starts[t])
                 prompts.append(ex.prompt)
                 rows.append(dict(base=i, shift=k, target_record=t, target_position=position, residue=position % m,
-                                 phase=int(phase(position, self.stride)), query_position=len(ex.prompt) - 1,
+                                 phase=int(phase(position, self.stride)) if self.stride else -1,
+                                 query_position=len(ex.prompt) - 1,
                                  key=int(keys[t]), value=int(values[t]), answer_id=ex.answer_id))
         return prompts, {col: np.array([r[col] for r in rows], dtype=np.int64) for col in rows[0]}
 
@@ -214,19 +236,25 @@ class LookupTask:
                        "target_position_by_residue": self.position_moments()},
         }
 
+    def require_stride(self, what: str) -> int:
+        """The phase period, or a ``ConfigError`` naming ``what`` needs it (a model without a stride)."""
+        if self.stride is None:
+            raise ConfigError(f"{what} groups targets by phase, but the model has no stride (full attention): set "
+                              f"task.stride to the stride of the comparison")
+        return self.stride
+
     def report(self, outcome: LookupOutcome, options: StatsOptions = StatsOptions()) -> dict:
-        """Every statistic of one evaluation (residue groups mod M, phase groups mod S) plus a headline."""
+        """Every statistic of one evaluation: residue groups mod M, phase groups mod S (``None`` without a
+        stride) and a headline with both gaps. Intervals are cluster bootstraps over the key->value mappings."""
         t = outcome.table
         residue = summarize_groups(outcome.correct, t["residue"], self.modulus, t["base"], options, period=self.stride)
-        phases = summarize_groups(outcome.correct, t["phase"], self.stride, t["base"], options)
-        per = residue.get("periodicity", {})
+        phases = (summarize_groups(outcome.correct, t["phase"], self.stride, t["base"], options)
+                  if self.stride else None)
+        per, mean = residue.get("periodicity", {}), residue["mean"]
         headline = {
-            "mean": phases["mean"]["value"], "mean_lower": phases["mean"]["lower"], "mean_upper": phases["mean"]["upper"],
-            "phase_gap": phases["gap"]["value"], "phase_gap_lower": phases["gap"]["lower"],
-            "phase_gap_upper": phases["gap"]["upper"], "phase_p_value": phases["gap"]["p_value"],
-            "phase_noise_floor": phases["gap"]["noise_floor"], "worst_phase": phases["gap"]["worst_group"],
-            "worst_phase_accuracy": phases["gap"]["worst_accuracy"],
-            "residue_gap": residue["gap"]["value"], "residue_noise_floor": residue["gap"]["noise_floor"],
+            "mean": mean["value"], "mean_lower": mean["lower"], "mean_upper": mean["upper"],
+            "modulus": self.modulus, **gap_headline(residue, "residue"),
+            "stride": self.stride, **gap_headline(phases, "phase"),
             "periodicity_score": per.get("score"), "dominant_period": per.get("dominant_period"),
         }
         return {"task": "lookup", "name": self.spec.name, "modulus": self.modulus, "stride": self.stride,

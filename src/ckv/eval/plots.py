@@ -64,7 +64,8 @@ def _yerr(y: np.ndarray, groups: list[dict]) -> np.ndarray:
 
 def _group_curve(ax: Axes, grouping: dict, *, stride: Optional[int], label: Optional[str] = None,
                  color=None, bars: bool = False) -> None:
-    """Accuracy per group with Wilson intervals and the mean line (points coloured by phase if ``stride``)."""
+    """Accuracy per group with its intervals (the grouping's ``interval`` kind) and the mean line (points coloured
+    by phase if ``stride``)."""
     groups = grouping["groups"]
     x = np.array([g["group"] for g in groups])
     y = np.array([_pct(g["accuracy"]) for g in groups])
@@ -96,22 +97,28 @@ def _phase_legend(ax: Axes, stride: int) -> None:
 
 
 def plot_lookup(report: dict, path: PathLike, title: str) -> Path:
-    """Accuracy vs residue (coloured by phase) and vs phase, with intervals, mean line and the gap statistics."""
-    M, S = report["modulus"], report["stride"]
-    fig = Figure(figsize=(13, 4.4))
-    ax_r, ax_p = fig.subplots(1, 2, gridspec_kw={"width_ratios": [max(M, 8), max(S, 4) + 2]})
+    """Accuracy vs residue (coloured by phase) and vs phase, with intervals, mean line and both gaps' statistics
+    (the residue gap mod M, the phase gap mod S); one panel only for a model evaluated without a stride."""
+    M, S, phases = report["modulus"], report["stride"], report["phase"]
+    fig = Figure(figsize=(13, 4.4) if phases else (8, 4.4))
+    if phases:
+        ax_r, ax_p = fig.subplots(1, 2, gridspec_kw={"width_ratios": [max(M, 8), max(S, 4) + 2]})
+    else:
+        ax_r, ax_p = fig.subplots(), None
     _group_curve(ax_r, report["residue"], stride=S)
     ax_r.set_xlabel(f"residue of the target position (mod {M})")
     ax_r.set_xticks(range(M))
-    ax_r.set_title(f"per residue: {gap_text(report['residue'])}", fontsize=9)
-    _phase_legend(ax_r, S)
-    _group_curve(ax_p, report["phase"], stride=None, bars=True)
-    ax_p.set_xlabel(f"phase of the target position (mod {S})")
-    ax_p.set_xticks(range(S))
-    ax_p.set_title(f"per phase: {gap_text(report['phase'])}", fontsize=9)
-    ax_p.legend(fontsize=7, loc="best")
+    ax_r.set_title(f"residue {gap_text(report['residue'])} ({_interval_label(report['residue'])})", fontsize=9)
+    if S:
+        _phase_legend(ax_r, S)
+    if ax_p is not None:
+        _group_curve(ax_p, phases, stride=None, bars=True)
+        ax_p.set_xlabel(f"phase of the target position (mod {S})")
+        ax_p.set_xticks(range(S))
+        ax_p.set_title(f"phase {gap_text(phases)}", fontsize=9)
+        ax_p.legend(fontsize=7, loc="best")
     per = report["residue"].get("periodicity") or {}
-    extra = ""
+    extra = "" if S else " | no stride: no phase gap (set task.stride)"
     if per:
         score = "n/a" if per["score"] is None else f"{per['score']:.2f}"
         dom = "none" if per["dominant_period"] is None else f"{per['dominant_period']:g}"
@@ -120,8 +127,14 @@ def plot_lookup(report: dict, path: PathLike, title: str) -> Path:
     return _save(fig, path)
 
 
+def _interval_label(grouping: dict) -> str:
+    """``error bars: cluster bootstrap 95%`` from a grouping's interval kind."""
+    kind = grouping.get("interval", "wilson").replace("_", " ")
+    return f"error bars: {kind} {round(PCT * grouping['gap']['level'])}%"
+
+
 def plot_lookup_comparison(items: Sequence[tuple[str, dict]], path: PathLike, ncols: int = 4) -> Path:
-    """One panel per run (accuracy vs residue, shared axes), each titled with its mean and phase gap."""
+    """One panel per run (accuracy vs residue, shared axes), each titled with its mean and residue gap."""
     if not items:
         raise ValueError("nothing to compare: no lookup reports")
     n = len(items)
@@ -130,23 +143,28 @@ def plot_lookup_comparison(items: Sequence[tuple[str, dict]], path: PathLike, nc
     fig = Figure(figsize=(4.2 * ncols, 3.4 * nrows))
     axes = np.atleast_1d(fig.subplots(nrows, ncols, sharey=True, squeeze=False)).ravel()
     for ax, (label, rep) in zip(axes, items):
-        _group_curve(ax, rep["residue"], stride=rep["stride"])
-        ph = rep["phase"]
-        ax.set_title(f"{label}\nmean {_fmt_pct(ph['mean']['value'])}%, phase {gap_text(ph)}", fontsize=8)
-        ax.set_xlabel(f"residue (mod {rep['modulus']}); colour = phase (mod {rep['stride']})", fontsize=8)
-        ax.set_xticks(range(0, rep["modulus"], rep["stride"]))
+        res = rep["residue"]
+        _group_curve(ax, res, stride=rep["stride"])
+        ax.set_title(f"{label}\nmean {_fmt_pct(res['mean']['value'])}%, residue {gap_text(res)}", fontsize=8)
+        colour = f"; colour = phase (mod {rep['stride']})" if rep["stride"] else ""
+        ax.set_xlabel(f"residue (mod {rep['modulus']}){colour}", fontsize=8)
+        ax.set_xticks(range(0, rep["modulus"], rep["stride"] or 1))
         ax.legend(fontsize=7, loc="best")
     for ax in axes[n:]:
         ax.set_visible(False)
-    fig.suptitle("lookup accuracy per residue, one panel per run (error bars: Wilson 95%; dashed: mean)", fontsize=10)
+    kinds = sorted({rep["residue"].get("interval", "wilson").replace("_", " ") for _, rep in items})
+    fig.suptitle(f"lookup accuracy per residue, one panel per run (error bars: {' / '.join(kinds)} 95%; dashed: mean)",
+                 fontsize=10)
     fig.tight_layout()
     return _save(fig, path)
 
 
 def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Path:
-    """All runs' accuracy vs phase in one plot, with Wilson intervals and each run's mean as a dashed line."""
+    """All runs' accuracy vs phase in one plot, with their per-group intervals and each run's mean as a dashed
+    line; runs evaluated without a stride (no phase groups) are left out."""
+    items = [(label, rep) for label, rep in items if rep["phase"]]
     if not items:
-        raise ValueError("nothing to compare: no lookup reports")
+        raise ValueError("nothing to compare: no lookup report has phase groups")
     fig = Figure(figsize=(7.5, 4.6))
     ax = fig.subplots()
     offsets = np.linspace(-0.15, 0.15, len(items)) if len(items) > 1 else [0.0]
@@ -166,19 +184,21 @@ def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Pat
     ax.grid(axis="y", alpha=0.3)
     # below the axes: inside, it would hide the worst phases, which sit at the bottom
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2 if len(items) > 4 else 1)
-    ax.set_title("lookup accuracy per phase (Wilson 95% intervals; dashed: each run's mean)", fontsize=10)
+    kinds = sorted({rep["phase"].get("interval", "wilson").replace("_", " ") for _, rep in items})
+    ax.set_title(f"lookup accuracy per phase ({' / '.join(kinds)} 95% intervals; dashed: each run's mean)", fontsize=10)
     return _save(fig, path)
 
 
 def plot_probe(report: dict, path: PathLike, title: str) -> Path:
-    """Each candidate's probability vs filler length; filled markers where that candidate ranks first."""
+    """Each candidate's (whole-sequence) probability vs filler length; filled markers where that candidate's first
+    token is the full-vocabulary top-1; the title counts flips of the top-1."""
     rows, labels, S = report["lengths"], report["labels"], report["stride"]
     x = np.array([r["filler_tokens"] for r in rows])
     fig = Figure(figsize=(9, 4.4))
     ax = fig.subplots()
     for lab, color in zip(labels, _colors(len(labels))):
-        y = np.array([PCT * r[f"p[{lab}]"] for r in rows])
-        top = np.array([r["top_candidate"] == lab for r in rows])
+        y = np.array([0.0 if r[f"logp[{lab}]"] is None else PCT * np.exp(r[f"logp[{lab}]"]) for r in rows])
+        top = np.array([r["top1_is"] == lab for r in rows])
         ax.plot(x, y, "-", color=color, lw=1.2, label=f"p({lab})")
         ax.scatter(x[top], y[top], color=color, s=36, edgecolors="black", zorder=3)
         ax.scatter(x[~top], y[~top], facecolors="white", edgecolors=color, s=20, zorder=3)
@@ -187,19 +207,21 @@ def plot_probe(report: dict, path: PathLike, title: str) -> Path:
             ax.axvline(b, color="0.85", lw=0.8, zorder=0)
         ax.set_xticks(x[x % S == 0])
     ax.set_xlabel(f"filler length (tokens); grey lines: length = 0 mod {S}")
-    ax.set_ylabel("probability of the candidate's first token (%)")
-    top_p = max(PCT * r[f"p[{lab}]"] for r in rows for lab in labels)
+    ax.set_ylabel("probability of the candidate (whole sequence, %)")
+    top_p = max((PCT * np.exp(r[f"logp[{lab}]"]) for r in rows for lab in labels if r[f"logp[{lab}]"] is not None),
+                default=1.0)
     ax.set_ylim(-2, min(103.0, 1.15 * top_p + 3))  # small probabilities stay visible
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, title="filled: ranked first", title_fontsize=8)
+    ax.legend(fontsize=8, title="filled: the full-vocabulary top-1", title_fontsize=8)
     per = report.get("periodicity") or {}
     dom = per.get("dominant_period")
-    ax.set_title(f"{title}: {report['name']}, {report['flips']} flips of the top candidate, dominant period of "
-                 f"p({labels[0]}): {'none' if dom is None else f'{dom:g}'}", fontsize=9)
+    ax.set_title(f"{title}: {report['name']}, {report['flips']} flips of the full-vocabulary top-1, dominant period "
+                 f"of p({labels[0]}): {'none' if dom is None else f'{dom:g}'}", fontsize=9)
     return _save(fig, path)
 
 
-GRID_METRICS = (("phase_gap", "phase gap (pp)", "Reds"), ("worst_phase_accuracy", "worst-phase accuracy (%)", "Blues"),
+GRID_METRICS = (("phase_gap", "phase gap mod S (pp)", "Reds"),
+                ("worst_phase_accuracy", "worst-phase accuracy (%)", "Blues"),
                 ("mean", "mean accuracy (%)", "Greens"))
 
 
@@ -288,9 +310,12 @@ def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
     title = "sweep summary over stride x window (cells: value, [95% interval] for one run; grey: not run)"
     if full:
         gaps = [r["phase_gap"] for r in full if r.get("phase_gap") is not None]
+        residue = [r["residue_gap"] for r in full if r.get("residue_gap") is not None]
         means = [r["mean"] for r in full if r.get("mean") is not None]
         title += (f"\nfull attention ({len(full)} runs): mean {PCT * np.mean(means):.1f}%" if means else
-                  f"\nfull attention ({len(full)} runs)") + (f", phase gap {PCT * np.mean(gaps):.1f} pp" if gaps else "")
+                  f"\nfull attention ({len(full)} runs)")
+        title += f", residue gap mod {full[0]['modulus']} {PCT * np.mean(residue):.1f} pp" if residue else ""
+        title += f", phase gap {PCT * np.mean(gaps):.1f} pp" if gaps else ""
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return _save(fig, path)

@@ -1,17 +1,22 @@
 """The filler-length probe (the paper's code-completion probe, generalised).
 
-A prompt ``before + unit * n + after`` is scored for ``n`` in a range of lengths: the probability of each
-candidate answer's first token, the top-ranked candidate and the full-vocabulary top-1, grouped by
-``filler tokens mod S``. With chunked compression the filler length moves everything after it across
-compression boundaries, so a phase-sensitive model flips its answer with period S.
+A prompt ``before + filler(n) + after`` is scored for every filler length ``n`` (in TOKENS, exact under the
+model's own tokenizer) of a range: the full-vocabulary top-1 next token and the log-probability of each
+candidate answer, a multi-token candidate (``"32"`` is two tokens in Qwen's vocabulary) scored as a whole
+sequence (teacher-forced: the sum of its tokens' log-probabilities). With chunked compression the filler length
+moves everything after it across compression boundaries, so a phase-sensitive model flips its top-1 with period
+S. A flip is a change of the full-vocabulary top-1 between consecutive lengths: a swap of the two candidates'
+order below some third token is not a flip (``candidate_flips`` counts those separately).
 
-Two sources: ``text`` (a template with a ``{filler}`` slot, a filler unit and candidate strings, for models
-with a tokenizer; e.g. the paper's FP8 prompt) and ``lookup`` (one synthetic lookup prompt with the filler as
-prefix padding; candidates are the target's value and the values of its neighbouring records).
+Two sources: ``text`` (a template with a ``{filler}`` slot, a filler unit repeated until the filler has exactly
+``n`` tokens, and candidate strings; e.g. ``conf/eval/task/probe_fp8.yaml``, a reconstruction of the paper's FP8
+prompt) and ``lookup`` (one synthetic lookup prompt with ``n`` pad tokens of prefix padding as the filler;
+candidates are the target's value and the values of its neighbouring records).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -26,17 +31,20 @@ from ckv.eval.vocab import TextTokenizer, TokenSpec, VocabSpec
 
 SOURCES = ("text", "lookup")
 SLOT = "{filler}"
+MAX_REPEATS_PER_TOKEN = 64  # the longest filler searched: 64 units per token asked (a 16-char "=" token is 16)
 
 
 @dataclass(frozen=True)
 class ProbeSpec:
     """Settings of the filler-length probe.
 
-    ``lengths``: ``[first, last]`` number of filler units (inclusive). ``stride``: phase period (``None``: the
-    model's, else 1). Text source: ``template`` (with one ``{filler}``), ``unit`` (the filler text repeated),
-    ``candidates`` (answer strings; the FIRST token of each is scored, the first candidate is the expected
-    answer), ``bos`` (``"auto"``, an id or ``None``). Lookup source: ``vocab`` (as the lookup task's),
-    ``n_records`` (``None``: the run's), ``n_distractors`` neighbouring records' values as extra candidates.
+    ``lengths``: ``[first, last]`` filler lengths in tokens (inclusive). ``stride``: phase period (``None``: the
+    model's, else 1). Text source: ``template`` (with one ``{filler}``), ``unit`` (the filler text, repeated
+    until the filler tokenises to exactly the length asked; a length no repeat count reaches is an error),
+    ``candidates`` (answer strings, each scored as a whole token sequence; the first is the expected answer;
+    their first tokens must differ, so that the top-1 names at most one of them), ``bos`` (``"auto"``, an id or
+    ``None``). Lookup source: ``vocab`` (as the lookup task's), ``n_records`` (``None``: the run's),
+    ``n_distractors`` neighbouring records' values as extra candidates.
     """
 
     name: str = "probe"
@@ -73,40 +81,81 @@ class ProbeSpec:
 
 @dataclass(frozen=True)
 class ProbePrompt:
-    """The parts of a probe prompt as token ids, and the candidates' scored ids with their labels."""
+    """The parts of a probe prompt as token ids: ``fillers[n]`` holds the filler of exactly ``n`` tokens (with its
+    text in ``filler_texts`` for a text probe), ``candidates`` each answer's token sequence, ``labels`` their
+    names; ``canonical[n]`` says whether the whole prompt's text tokenises to the same ids (the parts are
+    tokenised separately so that the filler never merges with its neighbours; ``None`` without a tokenizer)."""
 
     before: list[int]
-    unit: list[int]
+    fillers: dict[int, list[int]]
     after: list[int]
-    candidate_ids: list[int]
+    candidates: list[list[int]]
     labels: list[str]
+    filler_texts: dict[int, str] = field(default_factory=dict)
+    canonical: dict[int, Optional[bool]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.unit:
-            raise ConfigError("the filler unit is empty after tokenization")
-        dup = {i for i in self.candidate_ids if self.candidate_ids.count(i) > 1}
+        bad = {n: len(f) for n, f in self.fillers.items() if len(f) != n}
+        if bad:
+            raise ConfigError(f"fillers of the wrong length (asked: got) {bad}")
+        if any(not c for c in self.candidates):
+            raise ConfigError(f"a candidate of {self.labels} is empty after tokenization")
+        firsts = [c[0] for c in self.candidates]
+        dup = sorted({i for i in firsts if firsts.count(i) > 1})
         if dup:
-            raise ConfigError(f"candidates {self.labels} share first tokens {sorted(dup)}; they cannot be told apart")
+            raise ConfigError(f"candidates {self.labels} share first tokens {dup}; the top-1 cannot tell them apart")
+
+    def ids(self, n: int) -> np.ndarray:
+        """The prompt with the filler of ``n`` tokens. (T,)"""
+        return np.asarray(self.before + self.fillers[n] + self.after, dtype=np.int64)
+
+
+def exact_fillers(tokenizer: TextTokenizer, unit: str, lengths: range) -> dict[int, tuple[str, list[int]]]:
+    """For each length ``n``, the shortest repeat ``unit * k`` that tokenises to exactly ``n`` tokens, with its ids.
+
+    BPE merges runs (``"===="`` may be one token), so ``k`` repeats need not give ``k`` tokens; raises
+    ``ConfigError`` naming the lengths that no repeat count up to ``MAX_REPEATS_PER_TOKEN * (last + 1)``
+    reaches."""
+    lo, hi = lengths.start, lengths.stop - 1
+    found: dict[int, tuple[str, list[int]]] = {}
+    k, below = 0, 0
+    # stop 8 repeats after the count passed the range, or when even 64 repeats per token would not reach it
+    while len(found) < len(lengths) and below < 8 and k <= MAX_REPEATS_PER_TOKEN * (hi + 1):
+        text = unit * k
+        ids = tokenizer.encode(text) if k else []
+        n = len(ids)
+        if lo <= n <= hi and n not in found:
+            found[n] = (text, ids)
+        below = below + 1 if n > hi else 0
+        k += 1
+    missing = [n for n in lengths if n not in found]
+    if missing:
+        raise ConfigError(f"task.unit={unit!r}: no repeat of it tokenises to exactly {missing} tokens in the model's "
+                          "tokenizer; choose another unit (or lengths)")
+    return found
 
 
 def text_prompt(spec: ProbeSpec, tokenizer: Optional[TextTokenizer]) -> ProbePrompt:
-    """Tokenize a text probe (each part separately, so the filler never merges with its neighbours)."""
+    """Tokenize a text probe: before, filler and after separately (so the filler never merges with its
+    neighbours); every filler exactly its length in tokens; candidates as whole token sequences."""
     if tokenizer is None:
         raise ConfigError("task.source='text' needs a tokenizer but the model has none; use source 'lookup'")
     before, after = spec.template.split(SLOT)  # type: ignore[union-attr]
     bos = tokenizer.bos_id if spec.bos == "auto" else spec.bos
-    ids = []
-    for c in spec.candidates:
-        enc = tokenizer.encode(c)
-        if not enc:
-            raise ConfigError(f"candidate {c!r} is empty after tokenization")
-        ids.append(enc[0])
-    return ProbePrompt(([] if bos is None else [int(bos)]) + tokenizer.encode(before), tokenizer.encode(spec.unit),
-                       tokenizer.encode(after), ids, list(spec.candidates))
+    lo, hi = spec.lengths
+    fillers = exact_fillers(tokenizer, spec.unit, range(lo, hi + 1))  # type: ignore[arg-type]
+    head = [] if bos is None else [int(bos)]
+    before_ids, after_ids = tokenizer.encode(before), tokenizer.encode(after)
+    canonical = {n: tokenizer.encode(before + text + after) == before_ids + ids + after_ids
+                 for n, (text, ids) in fillers.items()}
+    return ProbePrompt(head + before_ids, {n: ids for n, (_, ids) in fillers.items()}, after_ids,
+                       [tokenizer.encode(c) for c in spec.candidates], list(spec.candidates),
+                       filler_texts={n: text for n, (text, _) in fillers.items()}, canonical=canonical)
 
 
 def lookup_prompt(spec: ProbeSpec, codec: RecordCodec, n_records: int) -> ProbePrompt:
-    """One synthetic lookup prompt whose prefix padding is the filler; the target is the middle record."""
+    """One synthetic lookup prompt whose prefix padding (``n`` pad tokens) is the filler; the target is the
+    middle record."""
     if not 3 <= n_records <= codec.n_keys:
         raise ConfigError(f"task.n_records={n_records} must lie in [3, {codec.n_keys} keys]")
     rng = np.random.default_rng(spec.seed)
@@ -114,17 +163,23 @@ def lookup_prompt(spec: ProbeSpec, codec: RecordCodec, n_records: int) -> ProbeP
     values = rng.integers(0, codec.n_values, n_records)
     t = n_records // 2
     ex = assemble_lookup(codec, keys, values, np.zeros(n_records + 1, dtype=np.int64), np.array([t]), rng)
-    ids, labels = [ex.answer_id], ["target"]
+    cands, labels = [codec.answer_tokens(int(values[t]))], ["target"]
     for d in sorted(range(-t, n_records - t), key=lambda x: (abs(x), x))[1:]:  # nearest records first
-        if len(ids) > spec.n_distractors:
+        if len(cands) > spec.n_distractors:
             break
-        cand = codec.answer_tokens(int(values[t + d]))[0]
-        if cand not in ids:
-            ids.append(cand)
+        cand = codec.answer_tokens(int(values[t + d]))
+        if cand[0] not in [c[0] for c in cands]:
+            cands.append(cand)
             labels.append(f"record {d:+d}")
     k = len(codec.prefix)
     tokens = ex.prompt.tolist()
-    return ProbePrompt(tokens[:k], [codec.pad_id], tokens[k:], ids, labels)
+    lo, hi = spec.lengths
+    return ProbePrompt(tokens[:k], {n: [codec.pad_id] * n for n in range(lo, hi + 1)}, tokens[k:], cands, labels)
+
+
+def _log(p: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.log(p)
 
 
 class ProbeTask:
@@ -135,45 +190,71 @@ class ProbeTask:
         self.spec, self.prompt, self.tokenizer = spec, prompt, tokenizer
         self.stride = spec.stride or model_stride or 1
         lo, hi = spec.lengths
-        self.units = np.arange(lo, hi + 1)[:limit] if limit else np.arange(lo, hi + 1)
-        self.filler_tokens = self.units * len(prompt.unit)
-        self.prompts = [np.asarray(prompt.before + prompt.unit * int(n) + prompt.after, dtype=np.int64) for n in self.units]
-        longest = max(len(p) for p in self.prompts)
+        self.filler_tokens = np.arange(lo, hi + 1)[:limit] if limit else np.arange(lo, hi + 1)
+        self.prompts = [prompt.ids(int(n)) for n in self.filler_tokens]
+        longest = max(len(p) for p in self.prompts) + max(len(c) for c in prompt.candidates) - 1
         if longest > max_len:
             raise ConfigError(f"probe prompts need up to {longest} tokens but the model's context is {max_len}; "
                               "lower task.lengths")
 
     def evaluate(self, model: LogitsFn, *, batch_size: int = 64, device: torch.device | str = "cpu",
                  progress: bool = True) -> dict:
-        """Score every length; returns the report (per length, per phase, periodicity of p(expected))."""
-        cand = np.tile(np.asarray(self.prompt.candidate_ids)[None, :], (len(self.prompts), 1))
-        scores = score_next_token(model, self.prompts, cand, batch_size=batch_size, device=device,
-                                  progress=progress, desc=self.spec.name)
-        return self.report(scores.probs, scores.top1)
+        """Score every length: full-vocabulary top-1 and each candidate's sequence log-probability; returns the
+        report (``report``)."""
+        cands = self.prompt.candidates
+        run = dict(batch_size=batch_size, device=device, progress=progress, desc=self.spec.name)
+        first = np.tile(np.array([c[0] for c in cands])[None, :], (len(self.prompts), 1))  # (L, C)
+        scores = score_next_token(model, self.prompts, first, **run)
+        logp = _log(scores.probs)  # (L, C)
+        # teacher forcing: token j of a candidate after the prompt and the candidate's first j tokens
+        later = [(i, c, j) for i in range(len(self.prompts)) for c, seq in enumerate(cands) for j in range(1, len(seq))]
+        if later:
+            extended = [np.concatenate([self.prompts[i], np.asarray(cands[c][:j], dtype=np.int64)])
+                        for i, c, j in later]
+            targets = np.array([[cands[c][j]] for _, c, j in later])
+            rest = score_next_token(model, extended, targets, **run)
+            rows, cols = np.array([i for i, _, _ in later]), np.array([c for _, c, _ in later])
+            np.add.at(logp, (rows, cols), _log(rest.probs[:, 0]))
+        return self.report(logp, scores.top1)
 
-    def report(self, probs: np.ndarray, top1: np.ndarray) -> dict:
-        """``probs`` (L, C) candidate probabilities and ``top1`` (L,) ids -> the JSON-ready report."""
-        labels, S = self.prompt.labels, self.stride
+    def report(self, logp: np.ndarray, top1: np.ndarray) -> dict:
+        """``logp`` (L, C) candidate sequence log-probabilities and ``top1`` (L,) full-vocabulary top-1 ids ->
+        the JSON-ready report: per length (top-1 token, which candidate it is, each candidate's log-probability),
+        per phase, flips of the top-1, and the periodicity of p(expected)."""
+        labels, S, n = self.prompt.labels, self.stride, len(self.filler_tokens)
+        firsts = [c[0] for c in self.prompt.candidates]
         phases = self.filler_tokens % S
-        top = probs.argmax(1)
-        rows = [{"units": int(n), "filler_tokens": int(f), "phase": int(ph), "top_candidate": labels[int(tc)],
-                 "top1_id": int(t1), "top1_token": self.tokenizer.decode([int(t1)]) if self.tokenizer else None,
-                 "expected_is_top": bool(tc == 0), **{f"p[{lab}]": float(p) for lab, p in zip(labels, pr)}}
-                for n, f, ph, tc, t1, pr in zip(self.units, self.filler_tokens, phases, top, top1, probs)]
+        top1_is = [labels[firsts.index(int(t))] if int(t) in firsts else None for t in top1]  # a candidate or None
+        best = logp.argmax(1)  # the more probable candidate, whatever the top-1
+        rows = [{"filler_tokens": int(f), "phase": int(ph), "top1_id": int(t),
+                 "top1_token": self.tokenizer.decode([int(t)]) if self.tokenizer else None, "top1_is": ti,
+                 "expected_is_top1": ti == labels[0], "best_candidate": labels[int(b)],
+                 **{f"logp[{lab}]": (float(v) if math.isfinite(v) else None) for lab, v in zip(labels, lp)},
+                 **({"filler_text": self.prompt.filler_texts[int(f)], "canonical": self.prompt.canonical[int(f)]}
+                    if self.prompt.filler_texts else {})}
+                for f, ph, t, ti, b, lp in zip(self.filler_tokens, phases, top1, top1_is, best, logp)]
+        expected_top = np.array([r["expected_is_top1"] for r in rows])
         per_phase = []
         for ph in range(S):
             sel = phases == ph
             if not sel.any():
                 continue
-            per_phase.append({"phase": ph, "n_lengths": int(sel.sum()), "expected_top_share": float((top[sel] == 0).mean()),
-                              **{f"p[{lab}]": {"mean": float(probs[sel, c].mean()), "min": float(probs[sel, c].min()),
-                                               "max": float(probs[sel, c].max())} for c, lab in enumerate(labels)}})
-        curve = probs[:, 0]
+            per_phase.append({"phase": ph, "n_lengths": int(sel.sum()),
+                              "expected_top1_share": float(expected_top[sel].mean()),
+                              **{f"logp[{lab}]": {"mean": float(logp[sel, c].mean()), "min": float(logp[sel, c].min()),
+                                                  "max": float(logp[sel, c].max())} for c, lab in enumerate(labels)}})
+        curve = np.exp(logp[:, 0])  # p(expected answer), a whole-sequence probability
         periodicity = None
-        if len(curve) >= 2 and len(self.prompt.unit) == 1 and S <= len(curve):
+        if n >= 2 and S <= n:
             dom = dominant_period(curve)
-            periodicity = {"period": S, "score": periodicity_score(curve, S), "chance": periodicity_chance(len(curve), S),
-                           "dominant_period": dom.period, "dominant_p_value": dom.p_value}
+            periodicity = {"of": f"p({labels[0]})", "period": S, "score": periodicity_score(curve, S),
+                           "chance": periodicity_chance(n, S), "dominant_period": dom.period,
+                           "dominant_p_value": dom.p_value}
+        flips = int(np.sum(top1[1:] != top1[:-1]))
+        headline = {"flips": flips, "candidate_flips": int(np.sum(best[1:] != best[:-1])),
+                    "expected_top1_share": float(expected_top.mean()),
+                    "top1_by_length": {r["filler_tokens"]: r["top1_token"] if self.tokenizer else r["top1_id"] for r in rows},
+                    "dominant_period": (periodicity or {}).get("dominant_period")}
         return {"task": "probe", "name": self.spec.name, "stride": S, "labels": labels,
-                "candidate_ids": self.prompt.candidate_ids, "spec": asdict(self.spec), "lengths": rows,
-                "phases": per_phase, "flips": int(np.sum(top[1:] != top[:-1])), "periodicity": periodicity}
+                "candidate_ids": self.prompt.candidates, "spec": asdict(self.spec), "headline": headline,
+                "lengths": rows, "phases": per_phase, "flips": flips, "periodicity": periodicity}

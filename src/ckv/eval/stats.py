@@ -8,6 +8,7 @@ with no samples has accuracy NaN. Randomised statistics take an explicit ``seed`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -15,6 +16,9 @@ from typing import Optional
 import numpy as np
 
 Z95 = 1.959963984540054  # two-sided 95% standard-normal quantile
+WILSON = "wilson"  # interval kinds, named in every output that carries an interval
+CLUSTER_BOOTSTRAP = "cluster_bootstrap"
+BOOTSTRAP = "bootstrap"  # over single samples (no clusters given)
 _CHUNK_ELEMENTS = 4_000_000  # bounds the memory of vectorised resampling (replicates x samples)
 
 
@@ -35,13 +39,15 @@ def wilson_interval(successes: np.ndarray | int, n: np.ndarray | int, z: float =
 
 @dataclass(frozen=True)
 class GroupAccuracy:
-    """Per-group accuracy with Wilson 95% intervals; arrays of shape (n_groups,)."""
+    """Per-group accuracy with 95% intervals; arrays of shape (n_groups,). ``interval`` names their kind:
+    ``wilson`` (prompts independent) or ``cluster_bootstrap`` (see ``with_cluster_intervals``)."""
 
     n: np.ndarray
     correct: np.ndarray
     accuracy: np.ndarray
     lower: np.ndarray
     upper: np.ndarray
+    interval: str = WILSON
 
     @property
     def n_groups(self) -> int:
@@ -69,6 +75,22 @@ def group_accuracy(correct: np.ndarray, groups: np.ndarray, n_groups: int, z: fl
         acc = np.where(n > 0, k / np.maximum(n, 1), np.nan)
     lo, hi = wilson_interval(k, n, z)
     return GroupAccuracy(n=n, correct=k.round().astype(np.int64), accuracy=acc, lower=lo, upper=hi)
+
+
+def with_cluster_intervals(acc: GroupAccuracy, replicates: np.ndarray, level: float = 0.95) -> GroupAccuracy:
+    """``acc`` with each group's interval replaced by the percentile interval of its cluster-bootstrap
+    ``replicates`` (R, n_groups) (``bootstrap_group_accuracy`` with the key->value mappings as clusters).
+
+    Wilson intervals treat prompts as independent; a mapping scored at several shifts of one group gives
+    correlated prompts, and the Wilson interval is then too narrow (by the square root of the design effect).
+    """
+    r = np.asarray(replicates, dtype=np.float64)
+    if r.ndim != 2 or r.shape[1] != acc.n_groups:
+        raise ValueError(f"replicates must be (R, {acc.n_groups}), got {r.shape}")
+    ivs = [percentile_interval(r[:, i], float(acc.accuracy[i]), level) for i in range(acc.n_groups)]
+    lo = np.array([iv.lower if acc.n[i] else 0.0 for i, iv in enumerate(ivs)])
+    hi = np.array([iv.upper if acc.n[i] else 1.0 for i, iv in enumerate(ivs)])
+    return dataclasses.replace(acc, lower=lo, upper=hi, interval=CLUSTER_BOOTSTRAP)
 
 
 def best_minus_worst(accuracy: np.ndarray) -> np.ndarray:
@@ -349,14 +371,17 @@ def summarize_groups(
 ) -> dict:
     """The full report of one grouping, as plain JSON-ready values (NaN becomes ``None``).
 
-    Keys: ``groups`` (per group: n, correct, accuracy and Wilson interval), ``mean`` (overall accuracy with a
-    cluster-bootstrap interval), ``gap`` (best minus worst group with a cluster-bootstrap interval, the best and
-    worst groups, the permutation p-value and noise floor) and, when ``period`` is given, ``periodicity``
-    (score at ``period`` with its chance level, and the dominant period of the group curve; only for
-    ``2 <= period < n_groups``).
+    Keys: ``groups`` (per group: n, correct, accuracy and its interval), ``interval`` (the per-group interval
+    kind: ``cluster_bootstrap`` over ``clusters`` when given, else ``wilson``), ``mean`` (overall accuracy with a
+    bootstrap interval), ``gap`` (best minus worst group with a bootstrap interval, its ``interval`` kind, the
+    best and worst groups, the permutation p-value and noise floor) and, when ``period`` is given,
+    ``periodicity`` (score at ``period`` with its chance level, and the dominant period of the group curve;
+    only for ``2 <= period < n_groups``).
     """
     acc = group_accuracy(correct, groups, n_groups)
     boot_groups, boot_mean = bootstrap_group_accuracy(correct, groups, n_groups, clusters, options.n_bootstrap, options.seed)
+    if clusters is not None:
+        acc = with_cluster_intervals(acc, boot_groups, options.level)
     perm = permutation_test(correct, groups, n_groups, clusters, options.n_permutations, 1 - options.alpha, options.seed)
     c = np.asarray(correct, dtype=np.float64)
     gap = percentile_interval(best_minus_worst(boot_groups), perm.observed_gap, options.level)
@@ -364,18 +389,21 @@ def summarize_groups(
     filled = np.where(np.isnan(acc.accuracy), np.inf, acc.accuracy)
     worst = int(np.argmin(filled))
     best = int(np.argmax(np.where(np.isnan(acc.accuracy), -np.inf, acc.accuracy)))
+    boot_kind = CLUSTER_BOOTSTRAP if clusters is not None else BOOTSTRAP
     out: dict = {
         "groups": [
             {"group": i, "n": int(acc.n[i]), "correct": int(acc.correct[i]), "accuracy": _finite(acc.accuracy[i]),
-             "lower": float(acc.lower[i]), "upper": float(acc.upper[i])}
+             "lower": _finite(acc.lower[i]), "upper": _finite(acc.upper[i])}
             for i in range(n_groups)
         ],
-        "mean": {"value": _finite(mean.value), "lower": _finite(mean.lower), "upper": _finite(mean.upper), "n": len(c)},
+        "interval": acc.interval,
+        "mean": {"value": _finite(mean.value), "lower": _finite(mean.lower), "upper": _finite(mean.upper), "n": len(c),
+                 "interval": boot_kind},
         "gap": {
             "value": _finite(gap.value), "lower": _finite(gap.lower), "upper": _finite(gap.upper),
-            "best_group": best, "worst_group": worst,
+            "interval": boot_kind, "best_group": best, "worst_group": worst,
             "best_accuracy": _finite(acc.accuracy[best]), "worst_accuracy": _finite(acc.accuracy[worst]),
-            "worst_lower": float(acc.lower[worst]), "worst_upper": float(acc.upper[worst]),
+            "worst_lower": _finite(acc.lower[worst]), "worst_upper": _finite(acc.upper[worst]),
             "p_value": perm.p_value, "noise_floor": perm.noise_floor, "n_permutations": perm.n_permutations,
             "n_bootstrap": options.n_bootstrap, "level": options.level,
         },

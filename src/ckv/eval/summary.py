@@ -1,16 +1,20 @@
-"""Summaries over many runs (a multirun sweep folder or a list of run folders): a table, a grid plot of phase gap
-and worst-phase accuracy against stride and window, and comparison plots of the per-residue/per-phase curves."""
+"""Summaries over many runs (a multirun sweep folder or a list of run folders): a table (residue gap and phase gap
+of every run), a grid plot of the phase gap (mod each run's stride) and worst-phase accuracy against stride and
+window, and comparison plots of the per-residue/per-phase curves."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from ckv.config import ConfigError
 from ckv.eval.plots import plot_grid_summary, plot_lookup_comparison, plot_phase_overlay
 from ckv.io.layout import CHECKPOINTS_DIR, EVAL_DIR, MODEL_DIR, is_run_dir
 from ckv.io.results import RESULTS_JSON, read_json, write_csv, write_json
 
 PathLike = Union[str, Path]
+log = logging.getLogger(__name__)
 SKIP = {CHECKPOINTS_DIR, EVAL_DIR, MODEL_DIR, ".hydra", "summary", "wandb"}
 
 
@@ -40,25 +44,46 @@ def run_label(results: dict, run_dir: Optional[Path] = None) -> str:
     return run_dir.name if run_dir is not None else str(results["model"].get("name"))
 
 
+SUMMARY_GAP_FIELDS = ("gap", "gap_lower", "gap_upper", "gap_interval", "p_value", "noise_floor")
+
+
 def summary_row(label: str, results: dict) -> dict:
-    """One table row of a lookup results.json: model geometry and headline statistics (fractions)."""
+    """One table row of a lookup results.json: model geometry and headline statistics (fractions): the residue
+    gap (mod ``modulus``) and the phase gap (mod ``eval_stride``; ``None`` for a model evaluated without a
+    stride), each with interval, interval kind, permutation p and noise floor, and the worst phase."""
     att = results["model"].get("attention") or {}
     rep = results["results"]
-    h, ph = rep["headline"], rep["phase"]
-    worst = ph["groups"][ph["gap"]["worst_group"]]
+    h = rep["headline"]
     kind = att.get("kind")
     return {
         "run": label, "kind": kind, "pooling": att.get("pooling") if kind == "compressed" else kind,
         "window": att.get("window"), "stride": att.get("stride"), "seed": results["model"].get("seed"),
         "eval_stride": rep["stride"], "modulus": rep["modulus"], "n_prompts": rep["n_prompts"],
         "mean": h["mean"], "mean_lower": h["mean_lower"], "mean_upper": h["mean_upper"],
-        "phase_gap": h["phase_gap"], "phase_gap_lower": h["phase_gap_lower"], "phase_gap_upper": h["phase_gap_upper"],
-        "phase_p_value": h["phase_p_value"], "phase_noise_floor": h["phase_noise_floor"],
-        "worst_phase": h["worst_phase"], "worst_phase_accuracy": h["worst_phase_accuracy"],
-        "worst_phase_accuracy_lower": worst["lower"], "worst_phase_accuracy_upper": worst["upper"],
-        "residue_gap": h["residue_gap"], "residue_noise_floor": h["residue_noise_floor"],
+        **{f"residue_{k}": h.get(f"residue_{k}") for k in SUMMARY_GAP_FIELDS},
+        **{f"phase_{k}": h.get(f"phase_{k}") for k in SUMMARY_GAP_FIELDS},
+        "worst_phase": h.get("worst_phase"), "worst_phase_accuracy": h.get("worst_phase_accuracy"),
+        "worst_phase_accuracy_lower": h.get("worst_phase_lower"),
+        "worst_phase_accuracy_upper": h.get("worst_phase_upper"),
+        "group_interval": h.get("phase_group_interval") or h.get("residue_group_interval"),
         "periodicity_score": h["periodicity_score"], "dominant_period": h["dominant_period"],
     }
+
+
+def check_comparable(rows: Sequence[dict]) -> None:
+    """Runs of one summary are compared on one yardstick: the residue gap needs the same modulus for all runs
+    (``ConfigError`` otherwise: one line from eval.py); a full-attention control's phase gap is comparable only at a stride some
+    compressed run has (a warning otherwise)."""
+    moduli = sorted({r["modulus"] for r in rows})
+    if len(moduli) > 1:
+        raise ConfigError(f"the runs were evaluated with different task.modulus {moduli}: their residue gaps are not "
+                         "comparable; re-evaluate them with one modulus (summary_rerun=true)")
+    strides = {r["stride"] for r in rows if r["stride"] is not None}
+    for r in rows:
+        if r["stride"] is None and strides and r["eval_stride"] not in strides:
+            log.warning("%s: full attention evaluated at stride %s, compressed runs at %s: its phase gap is not "
+                        "comparable (evaluate it with task.stride=<one of them>)", r["run"], r["eval_stride"],
+                        sorted(strides))
 
 
 def summarize(
@@ -93,6 +118,7 @@ def summarize(
     if not items:
         raise FileNotFoundError(f"none of the {len(runs)} runs has {task_name} results: {missing[:5]}")
     rows = [summary_row(label, r) for label, r in items]
+    check_comparable(rows)
     out = Path(out_dir)
     summary = {"task": task_name, "runs": rows, "missing": missing}
     write_json(out / "summary.json", summary)
@@ -103,5 +129,8 @@ def summarize(
     else:  # no stride x window to map; a grid from an earlier summary here would describe other runs
         (out / "summary_grid.png").unlink(missing_ok=True)
     plot_lookup_comparison(reports, out / "comparison_residues.png")
-    plot_phase_overlay(reports, out / "comparison_phases.png")
+    if any(rep["phase"] for _, rep in reports):
+        plot_phase_overlay(reports, out / "comparison_phases.png")
+    else:  # no run was evaluated with a stride
+        (out / "comparison_phases.png").unlink(missing_ok=True)
     return summary

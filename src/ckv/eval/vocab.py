@@ -1,4 +1,5 @@
-"""Key and value vocabularies of the lookup task: ckv's synthetic layout, word lists or token-id ranges.
+"""Key and value vocabularies of the lookup task: ckv's synthetic layout, word lists, token-id ranges, or words
+drawn from the model's own tokenizer.
 
 ``VocabSpec`` says where keys and values come from; ``build_codec`` turns it into a ``RecordCodec`` for one
 model, checking that every word is a single token of the model's tokenizer and every id fits its vocabulary.
@@ -13,7 +14,7 @@ from ckv.config import ConfigError
 from ckv.data.lookup import LookupFormat, RecordCodec
 from ckv.eval.codec import TokenCodec
 
-SOURCES = ("format", "words", "ids")
+SOURCES = ("auto", "format", "words", "ids", "tokenizer")
 TokenSpec = Union[int, str, None]
 
 
@@ -68,7 +69,12 @@ class VocabSpec:
         layout the model's run trained on.
       - ``words``: ``keys``/``values`` are word lists; each ``word_prefix + word`` must be ONE token.
       - ``ids``: ``keys``/``values`` are ``[start, stop)`` token-id ranges.
-    For ``words``/``ids``: ``pad`` (a single-token string or an id) fills padding, ``separator`` (a string or
+      - ``tokenizer``: ``n_tokens`` keys and as many values drawn from the model's own tokenizer: the tokens, in
+        id order (a BPE's most frequent merges first), that decode to ``word_prefix`` + an ASCII word of at
+        least two letters and encode back to themselves; alternately a key and a value.
+      - ``auto``: ``format`` when the model trained on lookups (or ``format`` is given), else ``tokenizer``
+        (a text-trained model has no synthetic layout).
+    For ``words``/``ids``/``tokenizer``: ``pad`` (a single-token string or an id) fills padding, ``separator`` (a string or
     a list of ids) separates records from queries, ``bos`` is ``"auto"`` (the tokenizer's BOS, if any), an id
     or ``None``.
     """
@@ -81,14 +87,17 @@ class VocabSpec:
     pad: TokenSpec = None
     separator: Union[str, list, None] = None
     bos: TokenSpec = "auto"
+    n_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ConfigError(f"task.vocab.source={self.source!r} is not allowed; choose one of {list(SOURCES)}")
+        if not isinstance(self.n_tokens, int) or isinstance(self.n_tokens, bool) or self.n_tokens < 2:
+            raise ConfigError(f"task.vocab.n_tokens={self.n_tokens!r} must be an integer >= 2")
+        if self.source in ("format", "auto", "tokenizer") and (self.keys is not None or self.values is not None):
+            raise ConfigError(f"task.vocab.keys/values are for source 'words' or 'ids'; source {self.source!r} "
+                              "takes keys and values from the lookup layout or the tokenizer")
         if self.source == "format":
-            if self.keys is not None or self.values is not None:
-                raise ConfigError("task.vocab.keys/values are for source 'words' or 'ids'; source 'format' takes "
-                                  "keys and values from the lookup layout")
             return
         for name in ("keys", "values"):
             if self.source == "words" and not getattr(self, name):
@@ -165,6 +174,21 @@ def _separator(spec: Union[str, list, None], tok: Optional[TextTokenizer], vocab
     return [_token(int(s), None, "separator", vocab_size) for s in spec]  # type: ignore[misc]
 
 
+def tokenizer_words(tok: TextTokenizer, vocab_size: int, prefix: str, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``n`` key and ``n`` value ids drawn from ``tok`` (see ``VocabSpec``, source ``tokenizer``), disjoint."""
+    found: list[int] = []
+    for i in range(vocab_size):
+        text = tok.decode([i])
+        word = text[len(prefix):]
+        if (text.startswith(prefix) and len(word) >= 2 and word.isascii() and word.isalpha()
+                and _one_token_problem(tok, text, tok.encode(text)) is None and tok.encode(text)[0] == i):
+            found.append(i)
+            if len(found) == 2 * n:
+                return tuple(found[0::2]), tuple(found[1::2])
+    raise ConfigError(f"task.vocab.source='tokenizer': the model's tokenizer has only {len(found)} single-token words "
+                      f"{prefix!r} + letters, {2 * n} needed; lower task.vocab.n_tokens (and task.n_records)")
+
+
 def resolve_format(spec: VocabSpec, run_format: Optional[LookupFormat], vocab_size: int) -> LookupFormat:
     """The synthetic layout to evaluate: the spec's, else the run's; it must fit the model's vocabulary."""
     if spec.format is not None:
@@ -184,9 +208,19 @@ def build_codec(
     spec: VocabSpec, *, vocab_size: int, tokenizer: Optional[TextTokenizer], run_format: Optional[LookupFormat]
 ) -> RecordCodec:
     """The codec of ``spec`` for a model with ``vocab_size`` ids and (optionally) a tokenizer."""
-    if spec.source == "format":
+    source = spec.source
+    if source == "auto":
+        source = "format" if spec.format is not None or run_format is not None else "tokenizer"
+    if source == "format":
         return resolve_format(spec, run_format, vocab_size)
-    if spec.source == "words":
+    if source == "tokenizer":
+        if tokenizer is None:
+            raise ConfigError("task.vocab.source='tokenizer' needs a tokenizer, but the model has none and did not "
+                              "train on lookups; use source 'ids'")
+        keys, values = tokenizer_words(tokenizer, vocab_size, spec.word_prefix, spec.n_tokens)
+        labels = {"keys": [tokenizer.decode([i]) for i in keys], "values": [tokenizer.decode([i]) for i in values],
+                  "drawn_from": "the model's tokenizer"}
+    elif source == "words":
         if tokenizer is None:
             raise ConfigError("task.vocab.source='words' needs a tokenizer, but the model has none "
                               "(a ckv run keeps it in model/tokenizer.json); use source 'ids' instead")

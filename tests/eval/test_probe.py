@@ -1,0 +1,114 @@
+"""The filler-length probe measures like the paper: flips of the full-vocabulary top-1, whole-sequence candidate
+log-probabilities, filler lengths that are exact token counts of the model's own tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from ckv.config import ConfigError
+from ckv.eval.probe import ProbeSpec, ProbeTask, exact_fillers, text_prompt
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 400
+RUN = 300  # ids 300..303: runs of 1..4 "=" (a BPE-like merge)
+
+
+class RunMergingTokenizer:
+    """Characters are tokens (id = code point), except that runs of ``=`` merge greedily into tokens of up to 4."""
+
+    bos_id: Optional[int] = None
+    unk_id: Optional[int] = None
+
+    def encode(self, text: str) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            if text[i] == "=":
+                j = i
+                while j < len(text) and text[j] == "=" and j - i < 4:
+                    j += 1
+                ids.append(RUN + j - i - 1)
+                i = j
+            else:
+                ids.append(ord(text[i]))
+                i += 1
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join("=" * (i - RUN + 1) if i >= RUN else chr(i) for i in ids)
+
+
+TOK = RunMergingTokenizer()
+SPEC = ProbeSpec(template="def f():\n    \"\"\"{filler}\"\"\"\n    return torch.float", unit="=", candidates=("8", "32"),
+                 lengths=(4, 11), stride=4, bos=None)
+
+
+def test_fillers_are_exact_token_counts_of_the_models_tokenizer() -> None:
+    prompt = text_prompt(SPEC, TOK)
+    for n in range(4, 12):
+        text = prompt.filler_texts[n]
+        assert len(TOK.encode(text)) == n and prompt.fillers[n] == TOK.encode(text)
+        assert set(text) == {"="} and len(text) > n  # "=" runs merge: more characters than tokens
+    assert prompt.candidates == [[ord("8")], [ord("3"), ord("2")]]  # "32" is scored as two tokens
+    with pytest.raises(ConfigError, match=r"exactly \[3\] tokens"):  # "ab" repeats give only even counts
+        exact_fillers(TOK, "ab", range(2, 5))
+
+
+def _fixed_top1(input_ids: torch.Tensor) -> torch.Tensor:
+    """Top-1 is always "x" (neither candidate); below it "8" and "3" trade places with the prompt length's parity;
+    after "3" the next token is "2" (up to about e^-12)."""
+    logits = torch.zeros(input_ids.shape[0], VOCAB)
+    logits[:, ord("x")] = 8.0
+    even = input_ids.shape[1] % 2 == 0
+    logits[:, ord("8")], logits[:, ord("3")] = (3.0, 1.0) if even else (1.0, 3.0)
+    after_3 = input_ids[:, -1] == ord("3")
+    logits[after_3, ord("2")] = 20.0  # "2" all but certain after "3": p("32") ~ p("3")
+    return logits
+
+
+def test_shipped_fp8_reconstruction_has_exact_filler_lengths() -> None:
+    cfg = yaml.safe_load((ROOT / "conf" / "eval" / "task" / "probe_fp8.yaml").read_text())
+    cfg.pop("kind")
+    spec = ProbeSpec(**cfg)
+    task = ProbeTask(spec, text_prompt(spec, TOK), max_len=2048, tokenizer=TOK)
+    assert list(task.filler_tokens) == list(range(24, 40)) and np.all(np.diff([len(p) for p in task.prompts]) == 1)
+    assert task.prompt.candidates == [[ord("8")], [ord("3"), ord("2")]]
+    assert TOK.decode(task.prompts[0][-5:].tolist()) == "float" and "\"\"\"" in TOK.decode(task.prompt.before)
+
+
+def test_no_flip_is_counted_while_the_top1_is_neither_candidate() -> None:
+    task = ProbeTask(SPEC, text_prompt(SPEC, TOK), max_len=256, tokenizer=TOK)
+    rep = task.evaluate(_fixed_top1, progress=False)
+    rows = rep["lengths"]
+    assert {r["top1_token"] for r in rows} == {"x"} and {r["top1_is"] for r in rows} == {None}
+    assert rep["flips"] == 0 and rep["headline"]["flips"] == 0
+    assert rep["headline"]["candidate_flips"] == len(rows) - 1  # the candidates' order swaps at every length
+    assert not any(r["expected_is_top1"] for r in rows)
+
+
+def test_multi_token_candidates_are_scored_as_whole_sequences() -> None:
+    prompt = text_prompt(SPEC, TOK)
+    rep = ProbeTask(SPEC, prompt, max_len=256, tokenizer=TOK).evaluate(_fixed_top1, progress=False)
+    for row in rep["lengths"]:
+        ids = torch.as_tensor(prompt.ids(row["filler_tokens"]))[None]
+        first = torch.log_softmax(_fixed_top1(ids), -1)[0]
+        second = torch.log_softmax(_fixed_top1(torch.cat([ids, torch.tensor([[ord("3")]])], 1)), -1)[0]
+        assert row["logp[8]"] == pytest.approx(float(first[ord("8")]), abs=1e-5)
+        assert row["logp[32]"] == pytest.approx(float(first[ord("3")] + second[ord("2")]), abs=1e-5)
+
+
+def test_a_flip_of_the_top1_is_counted() -> None:
+    def flipping(input_ids: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(input_ids.shape[0], VOCAB)
+        logits[:, ord("8") if input_ids.shape[1] % 4 else ord("3")] = 9.0  # "3" is top-1 at one phase
+        return logits
+
+    rep = ProbeTask(SPEC, text_prompt(SPEC, TOK), max_len=256, tokenizer=TOK).evaluate(flipping, progress=False)
+    top = [r["top1_is"] for r in rep["lengths"]]
+    assert set(top) == {"8", "32"} and rep["flips"] == sum(a != b for a, b in zip(top, top[1:])) >= 3
+    assert rep["periodicity"]["dominant_period"] == 4
