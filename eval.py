@@ -99,7 +99,7 @@ def _run(c: dict) -> None:
         return
     results, out = evaluate(model, spec, options)
     r = results["results"]
-    brief = r["headline"] if r["task"] == "lookup" else {x["units"]: x["top_candidate"] for x in r["lengths"]}
+    brief = r["headline"] if r["task"] != "probe" else {x["units"]: x["top_candidate"] for x in r["lengths"]}
     print(json.dumps(brief, indent=2))
     print(f"results -> {out}")
 
