@@ -135,8 +135,7 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, build in (("qwen3", tiny_qwen3), ("deepseek_v4", tiny_deepseek_v4)):
         torch.manual_seed(0)
         dirs[name] = tmp_path_factory.mktemp(name)
-        (build(len(fast), max_len=4096) if build is tiny_deepseek_v4 else build(len(fast), max_len=4096)) \
-            .save_pretrained(dirs[name])
+        build(len(fast), max_len=4096).save_pretrained(dirs[name])
         fast.save_pretrained(dirs[name])
     return dirs
 
@@ -147,7 +146,7 @@ def test_eval_py_runs_the_needle_on_a_tiny_hf_model(hf_models: dict[str, Path], 
     ids = tok.convert_tokens_to_ids
     keys, values = [ids("cat"), ids("cat") + 20], [ids("Alice"), ids("Alice") + 20]  # 20 animals, 20 names
     out = tmp_path / "needle"
-    args = [f"model=hf", f"model.path={hf_models[name]}", "model.stride=4", "task=needle", "task.context_tokens=2048",
+    args = ["model=hf", f"model.path={hf_models[name]}", "model.stride=4", "task=needle", "task.context_tokens=2048",
             "task.prefill_chunk=512", "task.vocab.source=ids", f"task.vocab.keys=[{keys[0]},{keys[1]}]",
             f"task.vocab.values=[{values[0]},{values[1]}]", f"task.vocab.pad={ids('pad')}",
             f"task.vocab.separator=[{ids(':')}]", "task.vocab.bos=null", "limit=1", "batch_size=8", f"out_dir={out}",
