@@ -56,7 +56,8 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
     cases = {
         "nosuch=1": "ckv: error: Could not override 'nosuch'. To append to your config use +nosuch=1",
         "task=nosuch": "ckv: error: In 'config': Could not find 'task/nosuch'; choose one of ['demo_lookup', "
-                       "'lookup', 'lookup_ids', 'lookup_words', 'probe_fp8', 'probe_synthetic']",
+                       "'lookup', 'lookup_ids', 'lookup_words', 'needle', 'probe_fp8', "
+                       "'probe_synthetic']",
         f"model.path={missing}": f"ckv: error: model.path={str(missing)!r} does not exist",
     }
     for override, line in cases.items():

@@ -1,11 +1,15 @@
 """Audit mode: run ckv's tasks on any local transformers causal LM (a model ckv did not train).
 
 Nothing is downloaded: the model folder must hold the config, the weights and (for word vocabularies and text
-probes) the tokenizer. transformers is imported only here.
+probes) the tokenizer. transformers is imported only here. Any causal LM loads (``AutoModelForCausalLM``, e.g.
+Qwen3 or DeepSeek-V4); remote code runs only with ``trust_remote_code=True``. On CUDA with several devices and
+accelerate installed, ``device_map="auto"`` spreads a large model over all of them; otherwise it sits on one device.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -14,6 +18,7 @@ import torch
 from ckv.config import ConfigError
 from ckv.device import resolve_device
 from ckv.eval.models import LoadedModel
+from ckv.eval.scoring import check_chunk
 from ckv.io.weights import check_finite
 from ckv.eval.vocab import HFTokenizer
 
@@ -21,13 +26,37 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class HFLastLogits:
-    """Last-position logits of a transformers causal LM (``logits_to_keep=1``: the LM head runs once)."""
+    """Last-position logits of a transformers causal LM (``logits_to_keep=1``: the LM head runs once).
 
-    def __init__(self, model: Any) -> None:
-        self.model = model
+    ``chunk=None``: one forward without a cache. ``chunk=c``: chunked prefill, ``c`` tokens per forward through
+    the model's own cache (``DynamicCache``, passed as ``cache`` or, for older model code, ``past_key_values``),
+    so activation and attention memory are bounded by the chunk; equals the full forward (tested on Qwen3 and
+    DeepSeek-V4)."""
+
+    def __init__(self, model: Any, chunk: Optional[int] = None) -> None:
+        if chunk is not None:
+            check_chunk(chunk)
+        self.model, self.chunk = model, chunk
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits[:, -1]  # (B, V)
+        if self.chunk is None:
+            return self.model(input_ids=input_ids, use_cache=False, logits_to_keep=1).logits[:, -1]  # (B, V)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for start in range(0, input_ids.shape[1], self.chunk):
+            out = self.model(input_ids=input_ids[:, start : start + self.chunk], use_cache=True, logits_to_keep=1,
+                             **{self._cache_arg: cache})  # the cache grows in place
+        return out.logits[:, -1]  # (B, V)
+
+
+def device_map_for(device: torch.device) -> Optional[str]:
+    """``"auto"`` when the device is CUDA, more than one CUDA device exists and accelerate is installed
+    (transformers then spreads the layers over every GPU); else ``None`` (the model sits on ``device``)."""
+    several = device.type == "cuda" and torch.cuda.device_count() > 1
+    return "auto" if several and importlib.util.find_spec("accelerate") is not None else None
 
 
 def _max_len(config: Any) -> int:
@@ -48,7 +77,7 @@ def load_hf_model(
 ) -> LoadedModel:
     """Load a local transformers causal LM (and its tokenizer, from ``tokenizer`` or the model folder if
     present), refusing weights with NaN/inf values. ``stride``: the model's compression stride when it has one
-    (transformers configs do not say)."""
+    (transformers configs do not say). On several GPUs the model is spread over all of them (``device_map_for``)."""
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:  # pragma: no cover - transformers is in the dev extra
@@ -59,8 +88,14 @@ def load_hf_model(
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype={dtype!r} is not allowed; choose one of {list(DTYPES)}")
     dev = resolve_device(device, "device")
+    device_map = device_map_for(dev)
     model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype], local_files_only=True,
-                                                 trust_remote_code=trust_remote_code).to(dev).eval()
+                                                 trust_remote_code=trust_remote_code, device_map=device_map)
+    if device_map is None:
+        model = model.to(dev)
+    else:  # inputs go to the device of the first layers (the embedding)
+        dev = next(model.parameters()).device
+    model.eval()
     check_finite(dict(model.named_parameters()), p)
     tok_dir = Path(tokenizer) if tokenizer is not None else p
     has_tok = any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
@@ -70,6 +105,7 @@ def load_hf_model(
                                         trust_remote_code=trust_remote_code) if has_tok else None
     cfg = model.config
     info = {"kind": "hf", "path": str(p.resolve()), "architecture": type(model).__name__, "dtype": dtype,
+            "device_map": getattr(model, "hf_device_map", None) if device_map else None,
             "config": cfg.to_dict(), "attention": {"kind": "unknown" if stride is None else "compressed",
                                                    "stride": stride, "window": None, "pooling": None}}
     return LoadedModel(

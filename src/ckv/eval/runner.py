@@ -11,20 +11,23 @@ from typing import Any, Optional, Union
 
 from ckv import __version__
 from ckv.config import ConfigError, field_names, reject_unknown
-from ckv.eval.hf_models import load_hf_model
+from ckv.eval.hf_models import HFLastLogits, load_hf_model
 from ckv.eval.lookup import LookupSpec, LookupTask
 from ckv.eval.models import LoadedModel, load_ckv_model
+from ckv.eval.needle import NeedleSpec, NeedleTask
 from ckv.eval.plots import plot_lookup, plot_probe
 from ckv.eval.probe import ProbeSpec, ProbeTask, lookup_prompt, text_prompt
 from ckv.io.results import RESULTS_CSV, RESULTS_JSON, write_csv, write_json
+from ckv.eval.scoring import CkvChunkedLastLogits, LogitsFn
 from ckv.eval.stats import StatsOptions
 from ckv.eval.summary import find_runs, results_file, summarize
 from ckv.eval.vocab import build_codec
+from ckv.model import Transformer
 
 log = logging.getLogger(__name__)
 
-TaskSpec = Union[LookupSpec, ProbeSpec]
-TASK_KINDS = {"lookup": LookupSpec, "probe": ProbeSpec}
+TaskSpec = Union[LookupSpec, NeedleSpec, ProbeSpec]
+TASK_KINDS = {"lookup": LookupSpec, "needle": NeedleSpec, "probe": ProbeSpec}
 MODEL_KINDS = ("ckv", "hf")
 
 
@@ -95,6 +98,10 @@ def build_task(spec: TaskSpec, model: LoadedModel, limit: Optional[int] = None) 
         codec = build_codec(spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer,
                             run_format=model.lookup_format)
         return LookupTask(spec, codec, max_len=model.max_len, model_stride=model.stride, training=model.lookup, limit=limit)
+    if isinstance(spec, NeedleSpec):
+        codec = build_codec(spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer,
+                            run_format=model.lookup_format)
+        return NeedleTask(spec, codec, max_len=model.max_len, model_stride=model.stride, limit=limit)
     if spec.source == "text":
         prompt = text_prompt(spec, model.tokenizer)
     else:
@@ -105,6 +112,18 @@ def build_task(spec: TaskSpec, model: LoadedModel, limit: Optional[int] = None) 
             raise ConfigError("task.n_records is null and the model did not train on lookups; set task.n_records")
         prompt = lookup_prompt(spec, codec, n)
     return ProbeTask(spec, prompt, max_len=model.max_len, model_stride=model.stride, tokenizer=model.tokenizer, limit=limit)
+
+
+def task_logits(model: LoadedModel, spec: TaskSpec) -> LogitsFn:
+    """The logits callable a task scores with: chunked prefill (``spec.prefill_chunk``) for the needle test on
+    ckv and transformers models, the model's own last-position logits otherwise."""
+    if not isinstance(spec, NeedleSpec):
+        return model.logits
+    if isinstance(model.module, Transformer):
+        return CkvChunkedLastLogits(model.module, spec.prefill_chunk)
+    if isinstance(model.logits, HFLastLogits):
+        return HFLastLogits(model.module, spec.prefill_chunk)
+    raise ConfigError(f"the needle test needs a ckv or transformers model for chunked prefill, not {model.name}")
 
 
 def output_dir(model: LoadedModel, spec: TaskSpec, options: RunOptions) -> Path:
@@ -130,8 +149,8 @@ def evaluate(model: LoadedModel, spec: TaskSpec, options: RunOptions = RunOption
     task = build_task(spec, model, options.limit)
     out = output_dir(model, spec, options)
     run = dict(batch_size=options.batch_size, device=model.device, progress=options.progress)
-    if isinstance(task, LookupTask):
-        outcome = task.evaluate(model.logits, **run)
+    if isinstance(task, LookupTask):  # the needle task too
+        outcome = task.evaluate(task_logits(model, spec), **run)
         report, rows = task.report(outcome, options.stats), outcome.rows()
     else:
         report = task.evaluate(model.logits, **run)

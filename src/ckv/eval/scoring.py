@@ -2,19 +2,67 @@
 
 A model is any callable ``input_ids (B, T) -> logits`` returning ``(B, T, V)`` or just the last position's
 ``(B, V)``; ``ckv.eval.models`` wraps ckv and transformers models so that only the last position is computed.
-Prompts are grouped by length, so batches need no padding and no attention mask.
+Prompts are grouped by length, so batches need no padding and no attention mask. Long prompts (the needle test)
+are scored by chunked prefill through the model's KV cache (``CkvChunkedLastLogits`` here, ``HFLastLogits`` with
+``chunk`` in ``ckv.eval.hf_models``) and may be built on demand (``LazyPrompts``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence, Union
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ckv.model import Transformer
+
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def check_chunk(chunk: int) -> None:
+    """A prefill chunk must be a positive integer number of tokens."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"prefill chunk={chunk!r} must be an integer >= 1 (tokens per forward)")
+
+
+class CkvChunkedLastLogits:
+    """Last-position logits of a ckv ``Transformer`` by chunked prefill: ``chunk`` tokens per forward through
+    the model's own KV cache, the LM head on the last position only. Activation and attention memory are
+    bounded by the chunk (scores ``(B, H, chunk, cached)``); no ``(T, V)`` logits exist. Equals one full forward
+    (tested for full and compressed attention)."""
+
+    def __init__(self, model: Transformer, chunk: int) -> None:
+        check_chunk(chunk)
+        self.model, self.chunk = model, chunk
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        cache = self.model.new_cache(input_ids.shape[0])
+        for start in range(0, input_ids.shape[1], self.chunk):
+            hidden = self.model.hidden_states(input_ids[:, start : start + self.chunk], cache)  # (B, c, d)
+        return self.model.lm_head(hidden[:, -1])  # (B, V)
+
+
+class LazyPrompts(Sequence[np.ndarray]):
+    """Prompts of known ``lengths`` (P,) built one at a time by ``build(i)`` when scored (a 128K-token prompt set
+    does not fit in memory at once)."""
+
+    def __init__(self, lengths: np.ndarray, build: Callable[[int], np.ndarray]) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self._build = build
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:  # type: ignore[override]
+        prompt = self._build(int(i))
+        if len(prompt) != self.lengths[i]:
+            raise RuntimeError(f"prompt {i} has {len(prompt)} tokens, its declared length is {self.lengths[i]}")
+        return prompt
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
 
 
 @dataclass(frozen=True)
@@ -40,7 +88,7 @@ def length_batches(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
 
 def score_next_token(
     model: LogitsFn,
-    prompts: Sequence[np.ndarray],
+    prompts: Union[Sequence[np.ndarray], LazyPrompts],
     candidates: np.ndarray,
     *,
     batch_size: int = 64,
@@ -49,11 +97,12 @@ def score_next_token(
     desc: str = "scoring",
 ) -> Scores:
     """Score the token after each prompt: its full-vocabulary top-1 and the probabilities of ``candidates``
-    (P, C) ids. Runs under ``torch.inference_mode``, in float32 softmax."""
+    (P, C) ids. Runs under ``torch.inference_mode``, in float32 softmax. ``LazyPrompts`` are built batch by
+    batch."""
     cand = np.asarray(candidates, dtype=np.int64)
     if cand.ndim != 2 or cand.shape[0] != len(prompts):
         raise ValueError(f"candidates must be (n_prompts={len(prompts)}, C), got {cand.shape}")
-    lengths = np.array([len(p) for p in prompts], dtype=np.int64)
+    lengths = prompts.lengths if isinstance(prompts, LazyPrompts) else np.array([len(p) for p in prompts], dtype=np.int64)
     top1 = np.zeros(len(prompts), dtype=np.int64)
     probs = np.zeros(cand.shape, dtype=np.float64)
     batches = length_batches(lengths, batch_size)
