@@ -22,7 +22,8 @@ def test_every_model_of_a_task_shares_the_demo_budget_and_local_window(task):
 def test_dense_task_packs_four_whole_records_into_an_eight_token_window():
     cfg = _train_config(["experiment=robust_dense"])
     lookup = cfg.data.lookup
-    assert lookup.record == "kv" and tuple(lookup.filler) == (0, 0)  # 2-token records back to back: 8 / 2 = 4 per window
+    # 2-token records back to back: 8 / 2 = 4 per window
+    assert lookup.record == "kv" and tuple(lookup.filler) == (0, 0)
 
 
 def test_paper_robust_sweep_holds_existing_fixes_at_the_paper_local_window():

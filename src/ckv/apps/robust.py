@@ -141,7 +141,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/robust", help="output folder (default: outputs/robust)")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="models trained at once")
     ap.add_argument("--quick", action="store_true", help="seed 0 only, a few steps per model: pipeline check only")
@@ -156,7 +157,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("\n" + table(rows) + "\n")
     png = out / "worst_phase_vs_kv_bytes.png"
     plot(rows, png)
-    write_json(out / "robust.json", {"quick": args.quick, "seconds": time.monotonic() - clock.start, "rows": rows, "plot": str(png)})
+    write_json(out / "robust.json", {"quick": args.quick, "seconds": time.monotonic() - clock.start, "rows": rows,
+                                     "plot": str(png)})
     if args.quick:
         print("quick mode: a few steps per model; the numbers above check the pipeline, not the science")
     print(f"[{clock}] plot: {png}; record: {out / 'robust.json'}")

@@ -110,7 +110,7 @@ class CausalMixing(nn.Module):
     """Token mixing before pooling (``attention.mixing='conv'``): a causal depthwise convolution over the
     compressor's input, ``m_t = h_t + sum_{k=0}^{K-1} w_k * h_{t-k}`` per channel (``K = mixing_kernel``), with zero
     history before the first hidden state given. The residual ``h_t`` keeps the map near the identity at the
-    model's small normal init, so a mixed compressor starts as its unmixed twin. ``weight`` is (K, d), tap ``k``
+    model's small normal init, so a mixed compressor starts close to its unmixed twin. ``weight`` is (K, d), tap ``k``
     multiplying the token ``k`` steps back."""
 
     def __init__(self, d_model: int, kernel: int) -> None:
