@@ -122,6 +122,10 @@ class AttentionConfig:
     rope_theta: Optional[float] = None
     sink: bool = False
     output_rope: str = "keep"
+    # token mixing before pooling (docs/robustness.md): "conv" adds a causal depthwise convolution over each
+    # compressor branch's input, mixing_kernel (2..stride) taps over the current and previous tokens
+    mixing: str = "none"
+    mixing_kernel: Optional[int] = None
 
     def __post_init__(self) -> None:
         o = "attention"
@@ -149,6 +153,22 @@ class AttentionConfig:
         elif self.rope_dims is not None:
             raise ConfigError(f"{o}.rope_dims={self.rope_dims} is only used with attention.rope='partial' (got rope={self.rope!r})")
         self._check_v4_options()
+        self._check_mixing()
+
+    def _check_mixing(self) -> None:
+        o = "attention"
+        check_choice(f"{o}.mixing", self.mixing, ("none", "conv"))
+        if self.mixing == "none":
+            if self.mixing_kernel is not None:
+                raise ConfigError(f"{o}.mixing_kernel={self.mixing_kernel} is only used with attention.mixing='conv'")
+            return
+        if self.kind != "compressed":
+            raise ConfigError(f"{o}.mixing='conv' is an option of kind='compressed' (got kind={self.kind!r})")
+        if self.mixing_kernel is None:
+            raise ConfigError(f"{o}.mixing='conv' needs attention.mixing_kernel (2..stride={self.stride})")
+        check_int(f"{o}.mixing_kernel", self.mixing_kernel, minimum=2)
+        if self.mixing_kernel > self.stride:
+            raise ConfigError(f"{o}.mixing_kernel={self.mixing_kernel} must be <= attention.stride={self.stride}")
 
     def _check_v4_options(self) -> None:
         o = "attention"

@@ -9,7 +9,8 @@ as in the PaLM/Chinchilla convention):
   keys of its local window, both taken from ``ckv.geometry`` (the one source of truth), never counted as full;
 - the compressor: each entry maps its ``window`` hidden states (absent ones included: they are computed as zeros)
   through the payload and gate maps, ``2 * d_model * (kv_heads * head_dim + gate_dim)`` per token and entry per
-  branch, plus the gated sum ``2 * window * kv_heads * head_dim`` per entry per branch.
+  branch, plus the gated sum ``2 * window * kv_heads * head_dim`` per entry per branch; token mixing
+  (``attention.mixing='conv'``) adds ``2 * mixing_kernel * d_model`` per token per branch.
 Training FLOPs are 3x the forward (backward = 2x forward; activation recomputation is not counted, so MFU stays
 comparable across checkpointing modes).
 """
@@ -67,6 +68,7 @@ def parameter_count(config: ModelConfig) -> int:
         lead = {"specific": a.window, "series": a.window // a.stride}.get(a.offset_maps, 1)  # maps per branch
         out, g = config.kv_heads * hd, _gate_dim(config)
         per_branch = lead * d * out + lead * d * g + (a.window * g if g and a.gate_bias else 0)
+        per_branch += a.mixing_kernel * d if a.mixing == "conv" else 0  # the causal depthwise mixing taps
         block += branches * per_branch + (hd if a.qk_norm else 0)  # + the compressed-key norm
         block += config.n_heads if a.sink else 0  # one attention-sink logit per query head
     embed = config.vocab_size * d
@@ -120,6 +122,8 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
         out = config.kv_heads * config.head_dim
         per_entry = a.window * 2.0 * config.d_model * (out + _gate_dim(config)) + 2.0 * a.window * out
         compressor = L * branches * per_entry * entries / seq_len
+        if a.mixing == "conv":
+            compressor += L * branches * 2.0 * a.mixing_kernel * config.d_model
     return FlopsPerToken(seq_len=seq_len, linear=linear, attention=attention, compressor=compressor)
 
 

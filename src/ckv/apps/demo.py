@@ -89,7 +89,8 @@ class Timer:
         return f"{s // 60:d}:{s % 60:02d}"
 
 
-def _run(cmd: list[str], log: Path, env: dict) -> None:
+def run_command(cmd: list[str], log: Path, env: dict) -> None:
+    """Run ``cmd`` in the checkout with its output in ``log``; a failure raises with the log's last lines."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -110,16 +111,40 @@ def train_and_evaluate(run: DemoRun, out: Path, quick: bool, env: dict, clock: T
     rdir = run_dir(out, run)
     train_cmd = [py, "train.py", f"experiment={run.experiment}", f"seed={run.seed}", f"hydra.run.dir='{rdir}'",
                  "trainer.progress=false", "wandb.enabled=false", *run.train_overrides, *(QUICK_TRAIN if quick else ())]
-    _run(train_cmd, out / "logs" / f"train_{run.name or run.experiment}_seed{run.seed}.log", env)
+    run_command(train_cmd, out / "logs" / f"train_{run.name or run.experiment}_seed{run.seed}.log", env)
     train_s = time.monotonic() - t0
     eval_cmd = [py, "eval.py", f"model.path='{rdir}'", f"task={TASK}", "progress=false", *run.eval_overrides,
                 *(QUICK_EVAL if quick else ())]
-    _run(eval_cmd, out / "logs" / f"eval_{run.name or run.experiment}_seed{run.seed}.log", env)
+    run_command(eval_cmd, out / "logs" / f"eval_{run.name or run.experiment}_seed{run.seed}.log", env)
     steps = read_run_config(rdir)["trainer"]["max_steps"]
     print(f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
           flush=True)
     results = read_json(results_file(rdir, TASK))["results"]
     return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps, "results": results}
+
+
+def job_env() -> dict:
+    """The environment of every train/eval job: one thread, offline, headless plots, no launcher rank variables
+    (every run is its own single-process job: rank variables left behind would make two runs rendezvous on the
+    same port)."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+
+
+def run_plan(plan: tuple[DemoRun, ...], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> list[dict]:
+    """Train and evaluate every run, ``workers`` at a time; returns ``train_and_evaluate``'s records in plan order.
+    The first failure stops the plan: queued runs never start."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(train_and_evaluate, r, out, quick, env, clock): r for r in plan}
+        results = {}
+        for fut in as_completed(futures):
+            if fut.exception() is not None:
+                for f in futures:
+                    f.cancel()
+                raise fut.exception()
+            results[futures[fut]] = fut.result()
+    return [results[r] for r in plan]
 
 
 def check_science(done: list[dict]) -> list[Check]:
@@ -195,27 +220,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     plan = GRID if args.grid else PLAN
     out = Path(args.out).resolve()
-    # every demo run is its own single-process job: drop rank variables a launcher (or a test) left behind, which
-    # would make two runs rendezvous on the same port
-    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
-    env = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env = job_env()
     clock = Timer()
     print(f"ckv demo{' grid' if args.grid else ''} -> {out}: {len(plan)} models, {args.workers} at a time"
           f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
-    with ThreadPoolExecutor(max_workers=args.workers) as pool:
-        futures = {pool.submit(train_and_evaluate, r, out, args.quick, env, clock): r for r in plan}
-        results = {}
-        for fut in as_completed(futures):  # the first failure stops the demo; queued models never start
-            if fut.exception() is not None:
-                for f in futures:
-                    f.cancel()
-                raise fut.exception()
-            results[futures[fut]] = fut.result()
-    done = [results[r] for r in plan]
+    done = run_plan(plan, out, args.quick, args.workers, env, clock)
     runs = ",".join(f"'{d['dir']}'" for d in done)  # quoted: run folder names hold '='
-    _run([sys.executable, "eval.py", f"summary=[{runs}]", f"task={TASK}", f"summary_out={out}", "progress=false"],
-         out / "logs" / "summary.log", env)
+    run_command([sys.executable, "eval.py", f"summary=[{runs}]", f"task={TASK}", f"summary_out={out}", "progress=false"],
+                out / "logs" / "summary.log", env)
     checks = check_science(done)
     print("\n" + table(done) + "\n")
     for c in checks:

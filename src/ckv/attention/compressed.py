@@ -106,6 +106,29 @@ class Pooling(nn.Module):
         return pool(payload, logits, present, impl=impl)
 
 
+class CausalMixing(nn.Module):
+    """Token mixing before pooling (``attention.mixing='conv'``): a causal depthwise convolution over the
+    compressor's input, ``m_t = h_t + sum_{k=0}^{K-1} w_k * h_{t-k}`` per channel (``K = mixing_kernel``), with zero
+    history before the first hidden state given. The residual ``h_t`` keeps the map near the identity at the
+    model's small normal init, so a mixed compressor starts close to its unmixed twin. ``weight`` is (K, d), tap ``k``
+    multiplying the token ``k`` steps back."""
+
+    def __init__(self, d_model: int, kernel: int) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.weight = nn.Parameter(torch.empty(kernel, d_model))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h: (B, T, d) consecutive hidden states; returns (B, T, d). Rows ``0..K-2`` see zeros before row 0:
+        they are exact only when row 0 is position 0 (callers keep ``K - 1`` extra states otherwise)."""
+        T = h.shape[1]
+        padded = nn.functional.pad(h, (0, 0, self.kernel - 1, 0))  # (B, T + K - 1, d), zeros before row 0
+        out = h
+        for k in range(self.kernel):  # tap k reads the token k steps back
+            out = out + self.weight[k] * padded[:, self.kernel - 1 - k: self.kernel - 1 - k + T]
+        return out
+
+
 class Compressor(nn.Module):
     """One branch (keys or values) of the chunked compressor.
 
@@ -114,6 +137,8 @@ class Compressor(nn.Module):
     all offsets and an offset-specific bias ``b_i`` only; per-series maps (DeepSeek-V4's CSA): one ``Z_s``,
     ``C_s`` per series ``s = i // stride`` (``geometry.offset_series``) and the offset-specific bias. Parameters
     are stacked offset-first (series-first for per-series maps) so that gate cycling is ``torch.roll(..., dims=0)``.
+    With ``attention.mixing='conv'`` the branch owns a ``CausalMixing`` (``mixing``) that the layer applies to the
+    hidden-state sequence before windows are gathered (a window's first token then carries its predecessors).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -132,6 +157,7 @@ class Compressor(nn.Module):
         self.gate_weight = nn.Parameter(torch.empty(*lead, d, self.gate_dim)) if a.pooling == "gate" else None
         self.gate_bias = nn.Parameter(torch.zeros(W, self.gate_dim)) if a.pooling == "gate" and a.gate_bias else None
         self.pooling = Pooling()  # analyses hook it to read the gate weights alpha
+        self.mixing = CausalMixing(d, a.mixing_kernel) if a.mixing == "conv" else None
 
     def _map(self, hw: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.specific:
@@ -187,22 +213,31 @@ class CompressedAttention(AttentionBackend):
         self.v_compressor = None if a.tied_kv else Compressor(config)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if a.sink else None  # one logit per query head
         self.inverse_output_rope = a.output_rope == "inverse"
+        self.history = a.mixing_kernel - 1 if a.mixing == "conv" else 0  # states before a window that mixing reads
 
     def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool entries ``first .. first+n-1`` from hidden states h (B, Th, d) at positions ``h_start..``.
-        Returns kc, vc (B, n, KV, D): keys normalised and rotated; vc is kc with tied K/V."""
+        With token mixing, h must also hold the ``mixing_kernel - 1`` states before each window (unless it starts
+        at position 0). Returns kc, vc (B, n, KV, D): keys normalised and rotated; vc is kc with tied K/V."""
         pos, present = window_positions(first, n, self.window, self.stride, device=h.device)  # (n, W)
         idx = pos - h_start
-        if bool((present & (idx < 0)).any()):
-            raise ValueError("hidden states do not reach back to the start of a window being pooled")
-        hw = h[:, idx.clamp(min=0)] * present[None, :, :, None].to(h.dtype)  # (B, n, W, d)
+        if bool((present & (idx < (self.history if h_start > 0 else 0))).any()):
+            raise ValueError("hidden states do not reach back to the start of a window being pooled"
+                             + (f" (and its {self.history} mixing predecessors)" if self.history else ""))
+        mask = present[None, :, :, None].to(h.dtype)  # (1, n, W, 1)
+
+        def windows(compressor: Compressor) -> torch.Tensor:  # (B, n, W, d), zeros where absent
+            hm = h if compressor.mixing is None else compressor.mixing(h)
+            return hm[:, idx.clamp(min=0)] * mask
+
         impl = self.impl_for(h)
-        kc = self.k_compressor(hw, present, impl=impl, norm=self.ck_norm if self.norm_before_pooling else None)
+        kc = self.k_compressor(windows(self.k_compressor), present, impl=impl,
+                               norm=self.ck_norm if self.norm_before_pooling else None)
         if self.ck_norm is not None and not self.norm_before_pooling:
             kc = self.ck_norm(kc)
         j = torch.arange(first, first + n, device=h.device)
         kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope))
-        vc = kc if self.v_compressor is None else self.v_compressor(hw, present, impl=impl)
+        vc = kc if self.v_compressor is None else self.v_compressor(windows(self.v_compressor), present, impl=impl)
         return kc, vc
 
     def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
@@ -224,7 +259,9 @@ class CompressedAttention(AttentionBackend):
             k_all = k if cache.k is None else torch.cat([cache.k, k], dim=1)
             v_all = k_all if tied else (v if cache.v is None else torch.cat([cache.v, v], dim=1))
             n = start + T
-            keep_l, keep_p = local_keep(n, self.local_window, self.stride), pending_keep(n, self.window, self.stride)
+            keep_l = local_keep(n, self.local_window, self.stride)
+            # the next window's hidden states, plus the mixing's history before it (none before position 0)
+            keep_p = min(pending_keep(n, self.window, self.stride) + self.history, h.shape[1])
             cache.kc, cache.vc = kc, (None if tied else vc)
             cache.k = k_all[:, k_all.shape[1] - keep_l:]
             cache.v = cache.k if tied else v_all[:, v_all.shape[1] - keep_l:]

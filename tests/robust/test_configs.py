@@ -1,0 +1,34 @@
+"""make robust's configs: the two task experiments compose on make demo's model and budget with every attention
+option of the plan (TrainConfig validates each model), and the GPU sweep of the fixes holds only options that
+exist, at the paper's local window."""
+
+import pytest
+
+from ckv.apps.robust import MODELS
+from tests.train.test_entry import USER_DATA, _sweep, _train_config
+
+
+@pytest.mark.parametrize("task", sorted(MODELS))
+def test_every_model_of_a_task_shares_the_demo_budget_and_local_window(task):
+    budgets = set()
+    for _, option, _ in MODELS[task]:
+        cfg = _train_config([f"experiment=robust_{task}", f"attention={option}"])
+        budgets.add((cfg.trainer.max_steps, cfg.trainer.global_batch_size, cfg.optim.lr, cfg.data.seq_len))
+        if cfg.attention["kind"] == "compressed":
+            assert cfg.attention["local_window"] == 4 and cfg.attention["kv_heads"] == 1
+    assert budgets == {(1000, 32, 3.0e-3, 64)}
+
+
+def test_dense_task_packs_four_whole_records_into_an_eight_token_window():
+    cfg = _train_config(["experiment=robust_dense"])
+    lookup = cfg.data.lookup
+    # 2-token records back to back: 8 / 2 = 4 per window
+    assert lookup.record == "kv" and tuple(lookup.filler) == (0, 0)
+
+
+def test_paper_robust_sweep_holds_existing_fixes_at_the_paper_local_window():
+    options = _sweep("paper_robust_fixes")["attention"]
+    assert {"w8s8_conv", "w4s4_conv", "w8s4_shared", "deepseek_v4_csa"} == set(options)
+    for name in options:
+        cfg = _train_config(["experiment=paper_robust_fixes", f"attention={name}"] + USER_DATA)
+        assert cfg.attention["local_window"] == 16  # TrainConfig has also validated the model it describes
