@@ -21,6 +21,7 @@ from ckv.config import ConfigError, ModelConfig
 from ckv.geometry import (
     LocalWindow,
     entry_rope_position,
+    entry_start,
     local_keep,
     local_span,
     num_entries,
@@ -191,10 +192,11 @@ class CompressedAttention(AttentionBackend):
     def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool entries ``first .. first+n-1`` from hidden states h (B, Th, d) at positions ``h_start..``.
         Returns kc, vc (B, n, KV, D): keys normalised and rotated; vc is kc with tied K/V."""
+        # the earliest present position pooled is max(entry_start(first), 0): checked on ints, no host sync
+        if n > 0 and max(entry_start(first, self.window, self.stride), 0) < h_start:
+            raise ValueError("hidden states do not reach back to the start of a window being pooled")
         pos, present = window_positions(first, n, self.window, self.stride, device=h.device)  # (n, W)
         idx = pos - h_start
-        if bool((present & (idx < 0)).any()):
-            raise ValueError("hidden states do not reach back to the start of a window being pooled")
         hw = h[:, idx.clamp(min=0)] * present[None, :, :, None].to(h.dtype)  # (B, n, W, d)
         impl = self.impl_for(h)
         kc = self.k_compressor(hw, present, impl=impl, norm=self.ck_norm if self.norm_before_pooling else None)
