@@ -48,7 +48,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The ckv decoder. ``Transformer(config)(input_ids) -> logits (B, T, V)``."""
+    """The ckv decoder. ``Transformer(config)(input_ids) -> logits (B, T, V)``.
+
+    ``check_token_ids`` (default True): every forward checks that the ids lie in the vocabulary, which reads
+    their min and max (a host sync). The trainer turns it off (its batch stream produces ids of the model's
+    vocabulary, checked at the data boundary) unless ``trainer.debug_checks``; shapes are always checked.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -59,17 +64,18 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.check_token_ids = True
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for every matrix (residual outputs scaled by 1/sqrt(2 * n_layers)), gate biases 0,
-        norm gains 1."""
+        """Normal(0, init_std) for every matrix (residual outputs scaled by 1/sqrt(2 * n_layers)), gate biases and
+        attention-sink logits 0 (DeepSeek-V4's initialisation of its sinks), norm gains 1."""
         std = self.config.init_std
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith("gate_bias"):
+            elif name.endswith(("gate_bias", "sinks")):
                 p.zero_()
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
@@ -90,9 +96,10 @@ class Transformer(nn.Module):
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
         if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise ValueError(f"input_ids is empty: shape {tuple(input_ids.shape)}")
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got min {lo}, max {hi}")
+        if self.check_token_ids:
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got min {lo}, max {hi}")
         if start + input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(
                 f"sequence of {start + input_ids.shape[1]} tokens exceeds model.max_seq_len={self.config.max_seq_len}"
@@ -106,9 +113,11 @@ class Transformer(nn.Module):
             x = block(x, None if cache is None else cache.layers[i])
         return self.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, V). With a cache, the tokens continue the cached sequence."""
-        return self.lm_head(self.hidden_states(input_ids, cache))
+    def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None, head: bool = True) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, V). With a cache, the tokens continue the cached sequence.
+        ``head=False`` returns the final-norm hidden states (B, T, d) instead (for a loss fused with the head)."""
+        h = self.hidden_states(input_ids, cache)
+        return self.lm_head(h) if head else h
 
     def next_token_logits(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, V) of the next token: the LM head runs on the last position only."""

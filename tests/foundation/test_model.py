@@ -146,3 +146,17 @@ def test_generate_zero_new_tokens_returns_the_prompt():
     model = Transformer(small_config(variant("w4s4"))).eval()
     ids = torch.randint(0, 64, (2, 5))
     assert torch.equal(model.generate(ids, max_new_tokens=0), ids)
+
+
+def test_attention_sinks_start_at_zero():
+    """DeepSeek-V4 initialises its attention sinks to 0; reset_parameters does too (and draws the matrices)."""
+    torch.manual_seed(0)
+    model = Transformer(small_config(dict(kind="compressed", window=8, stride=4, sink=True)))
+    sinks = [m.self_attn.sinks for m in model.layers]
+    assert sinks and all(s is not None and torch.equal(s, torch.zeros_like(s)) for s in sinks)
+    with torch.no_grad():
+        for s in sinks:
+            s.fill_(1.0)
+    model.reset_parameters()
+    assert all(torch.equal(s, torch.zeros_like(s)) for s in sinks)
+    assert model.layers[0].self_attn.q_proj.weight.std() > 0

@@ -43,17 +43,18 @@ def test_loss_falls_on_shipped_corpus(make_config):
 
 
 def test_resume_after_sigterm_is_exact(make_config, monkeypatch):
-    """N steps straight vs. a SIGTERM during step N/2 (checkpoint, stop) and a resume to N: identical losses,
-    learning rates and final weights; the outputs read as one run."""
+    """N steps straight vs. a SIGTERM during step 3 (acted on at step 4, the next multiple of
+    trainer.stop_check_every=2: checkpoint, stop) and a resume to N: identical losses, learning rates and final
+    weights; the outputs read as one run."""
     straight = make_config("straight", trainer={"max_steps": 8, "save_every": 3})
     train(straight)
 
-    interrupted = make_config("interrupted", trainer={"max_steps": 8, "save_every": 3})
+    interrupted = make_config("interrupted", trainer={"max_steps": 8, "save_every": 3, "stop_check_every": 2})
     real_step, calls = Engine.micro_step, []
 
     def micro_step(self, batch):
         calls.append(1)
-        if len(calls) == 7:  # inside step 4 (two micro-batches per step)
+        if len(calls) == 5:  # inside step 3 (two micro-batches per step)
             signal.raise_signal(signal.SIGTERM)
         return real_step(self, batch)
 

@@ -21,6 +21,7 @@ from ckv.config import ConfigError, ModelConfig
 from ckv.geometry import (
     LocalWindow,
     entry_rope_position,
+    entry_start,
     local_keep,
     local_span,
     num_entries,
@@ -219,11 +220,13 @@ class CompressedAttention(AttentionBackend):
         """Pool entries ``first .. first+n-1`` from hidden states h (B, Th, d) at positions ``h_start..``.
         With token mixing, h must also hold the ``mixing_kernel - 1`` states before each window (unless it starts
         at position 0). Returns kc, vc (B, n, KV, D): keys normalised and rotated; vc is kc with tied K/V."""
-        pos, present = window_positions(first, n, self.window, self.stride, device=h.device)  # (n, W)
-        idx = pos - h_start
-        if bool((present & (idx < (self.history if h_start > 0 else 0))).any()):
+        # the earliest present position pooled is max(entry_start(first), 0): checked on ints, no host sync
+        need = self.history if h_start > 0 else 0
+        if n > 0 and max(entry_start(first, self.window, self.stride), 0) < h_start + need:
             raise ValueError("hidden states do not reach back to the start of a window being pooled"
                              + (f" (and its {self.history} mixing predecessors)" if self.history else ""))
+        pos, present = window_positions(first, n, self.window, self.stride, device=h.device)  # (n, W)
+        idx = pos - h_start
         mask = present[None, :, :, None].to(h.dtype)  # (1, n, W, 1)
 
         def windows(compressor: Compressor) -> torch.Tensor:  # (B, n, W, d), zeros where absent

@@ -29,6 +29,18 @@ def pool_reference(
     return pooled, alpha
 
 
+def _earliest_local_key(q_start: int, Tq: int, L: int, local_window: LocalWindow, stride: int) -> Optional[int]:
+    """The earliest key position any of the queries ``q_start .. q_start+Tq-1`` keeps exactly (None: none keeps
+    one), from ints alone (no host sync). A query at ``t`` keeps ``max(local_start(t), t - L + 1, 0) .. t``; that
+    start never decreases with ``t``, and within ``stride`` queries one keeps a key when any does (only a tail
+    window is ever empty, and only at the last position of each stride), so the first non-empty one is the earliest."""
+    for t in range(q_start, q_start + min(Tq, stride + 1)):
+        first = max(local_start(t, local_window, stride), t - L + 1, 0)
+        if first <= t:
+            return first
+    return None
+
+
 def joint_attention_reference(
     q: torch.Tensor,
     kc: torch.Tensor,
@@ -70,7 +82,8 @@ def joint_attention_reference(
         return torch.zeros_like(q), sinks.float().expand(B, Tq, H)  # only the sink: lse = its logit
     band = q_pos[:, None] - L + 1 + torch.arange(L, device=dev)[None, :]  # (Tq, L) key positions
     mask_l = (band >= local_start(q_pos, local_window, stride)[:, None]) & (band >= 0)
-    if bool((mask_l & (band < k_start)).any()):
+    earliest = _earliest_local_key(q_start, Tq, L, local_window, stride)
+    if earliest is not None and earliest < k_start:
         raise ValueError(f"exact keys start at position {k_start}, but a local window reaches further back")
     idx = (band - k_start).clamp(0, max(Tk - 1, 0))
     k_l = k[:, idx] if Tk else k.new_zeros(B, Tq, L, KV, D)  # (B, Tq, L, KV, D)

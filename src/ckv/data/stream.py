@@ -7,6 +7,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import torch
 
+from ckv.data.corpus import DataError
 from ckv.data.lookup import LookupFormat
 
 IGNORE = -100  # label of positions that carry no loss (torch's cross_entropy default ignore_index)
@@ -73,8 +74,12 @@ class BatchStream:
     def __next__(self) -> dict[str, torch.Tensor]:
         pairs = [self.source.next() for _ in range(self.batch_size)]
         self.batches += 1
+        ids = np.stack([p[0] for p in pairs]).astype(np.int64)  # (B, T)
+        if ids.min() < 0 or ids.max() >= self._vocab_size:  # the data-boundary check (host memory, no device sync)
+            raise DataError(f"batch {self.batches} holds token ids outside [0, {self._vocab_size}): min {ids.min()}, "
+                            f"max {ids.max()}")
         return {
-            "input_ids": torch.from_numpy(np.stack([p[0] for p in pairs]).astype(np.int64)),  # (B, T)
+            "input_ids": torch.from_numpy(ids),  # (B, T)
             "labels": torch.from_numpy(np.stack([p[1] for p in pairs]).astype(np.int64)),  # (B, T)
         }
 

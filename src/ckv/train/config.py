@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ckv.attention import check_attention
+from ckv.checkpointing import MODES as CHECKPOINTING_MODES
 from ckv.config import (
     AttentionConfig, ConfigError, ModelSpec, check_bool, check_choice, check_float, check_int, field_names,
     reject_unknown,
@@ -32,6 +33,7 @@ RESUMABLE_CHANGES = (
     "name", "run_dir", "wandb.",
     "trainer.log_every", "trainer.val_every", "trainer.val_batches", "trainer.save_every", "trainer.keep_last",
     "trainer.keep_every", "trainer.stop_at_step", "trainer.progress", "trainer.data_cache_dir", "trainer.resume",
+    "trainer.stop_check_every", "trainer.peak_flops", "trainer.debug_checks",
 )
 
 
@@ -100,6 +102,15 @@ class TrainerConfig:
     ``stop_at_step`` ends this invocation early (with a checkpoint) without ending the run, e.g. to split a run
     into time-limited jobs. Training always resumes from the run folder's latest checkpoint; when that one is
     damaged, ``resume=strict`` stops naming the damaged file and ``resume=fallback`` takes the newest intact one.
+
+    Memory and speed (docs/training.md, "Memory, throughput and planning"): ``activation_checkpointing``
+    (``none | full | selective``, ``ckv.checkpointing``), ``loss_chunk_tokens`` (0: the LM head's full logits and
+    ``F.cross_entropy``; N: ``ckv.loss.chunked_cross_entropy`` over N tokens at a time, refused under ZeRO-3
+    whose partitioned head weight it cannot read), ``compile`` (``torch.compile`` of the model). The hot path
+    makes no host sync: a stop signal is acted on at the next multiple of ``stop_check_every`` steps (a
+    collective), token-id range checks run at the data boundary, and ``debug_checks`` turns the model's own
+    value check back on (one sync per forward). ``peak_flops`` (FLOP/s per device) overrides the ``ckv.flops``
+    table for MFU; without it MFU is left out where the device is not in the table (e.g. on CPU).
     """
 
     max_steps: int = 1000
@@ -117,18 +128,29 @@ class TrainerConfig:
     progress: bool = True
     data_cache_dir: Optional[str] = None
     resume: str = "strict"
+    activation_checkpointing: str = "none"
+    loss_chunk_tokens: int = 0
+    compile: bool = False
+    stop_check_every: int = 10
+    peak_flops: Optional[float] = None
+    debug_checks: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "val_batches", "keep_last"):
+        for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "val_batches", "keep_last",
+                     "stop_check_every"):
             check_int(f"trainer.{name}", getattr(self, name), 1)
-        for name in ("val_every", "save_every", "keep_every"):
+        for name in ("val_every", "save_every", "keep_every", "loss_chunk_tokens"):
             check_int(f"trainer.{name}", getattr(self, name), 0)
         if self.stop_at_step is not None:
             check_int("trainer.stop_at_step", self.stop_at_step, 1)
         check_choice("trainer.device", self.device, DEVICES)
         check_choice("trainer.precision", self.precision, PRECISIONS)
         check_choice("trainer.resume", self.resume, RESUME_POLICIES)
-        check_bool("trainer.progress", self.progress)
+        check_choice("trainer.activation_checkpointing", self.activation_checkpointing, CHECKPOINTING_MODES)
+        for name in ("progress", "compile", "debug_checks"):
+            check_bool(f"trainer.{name}", getattr(self, name))
+        if self.peak_flops is not None:
+            check_float("trainer.peak_flops", self.peak_flops, 0, low_open=True)
 
 
 @dataclass
@@ -186,6 +208,10 @@ class TrainConfig:
         # the model's values and the backend's checks; vocab_size=1 stands in for the data's vocabulary, whose
         # bound on a fixed model.vocab_size is checked once the data is prepared
         check_attention(self.model.build(self.attention, data_vocab_size=1))
+        stage = (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
+        _check(not (self.trainer.loss_chunk_tokens and stage == 3),
+               f"trainer.loss_chunk_tokens={self.trainer.loss_chunk_tokens} needs the whole LM head weight on every "
+               "rank, which ZeRO stage 3 partitions: use trainer.loss_chunk_tokens=0 or ZeRO stage 0-2")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], run_dir: Optional[str] = None) -> "TrainConfig":

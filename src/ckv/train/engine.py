@@ -13,7 +13,9 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from ckv.checkpointing import apply_activation_checkpointing
 from ckv.config import ConfigError
+from ckv.loss import chunked_cross_entropy
 from ckv.model import Transformer
 from ckv.train.config import TrainConfig
 from ckv.train.distributed import DistEnv, import_deepspeed
@@ -79,11 +81,24 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class Engine:
-    """A DeepSpeed engine with the operations the loop needs: micro-steps, evaluation, save/load, export."""
+    """A DeepSpeed engine with the operations the loop needs: micro-steps, evaluation, save/load, export.
+
+    Before DeepSpeed wraps the model it applies ``trainer.activation_checkpointing``, turns the model's per-forward
+    token-id check off (unless ``trainer.debug_checks``) and, with ``trainer.compile``, compiles the model in place
+    (``nn.Module.compile``: parameter names and checkpoints stay those of the plain model). The loss is the LM
+    head's full logits through ``lm_loss`` or, with ``trainer.loss_chunk_tokens`` > 0, the fused chunked
+    cross-entropy of ``ckv.loss`` on the final hidden states.
+    """
 
     def __init__(self, model: Transformer, cfg: TrainConfig, env: DistEnv) -> None:
         self.env = env
-        self.precision = resolve_precision(cfg.trainer.precision, env.device.type)
+        t = cfg.trainer
+        self.precision = resolve_precision(t.precision, env.device.type)
+        self.loss_chunk_tokens = t.loss_chunk_tokens
+        model.check_token_ids = t.debug_checks
+        apply_activation_checkpointing(model, t.activation_checkpointing)
+        if t.compile:
+            model.compile()
         self._deepspeed = import_deepspeed(env.device.type)
         o = cfg.optim
         optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
@@ -121,10 +136,17 @@ class Engine:
     def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
 
+    def _loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.loss_chunk_tokens:
+            hidden = self.ds(input_ids, head=False)  # (B, T, d)
+            return chunked_cross_entropy(hidden, self.module.lm_head.weight, labels,
+                                         chunk_tokens=self.loss_chunk_tokens, ignore_index=IGNORE_INDEX)
+        return lm_loss(self.ds(input_ids), labels)
+
     def micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward, backward and (at an accumulation boundary) the optimizer step; returns the detached loss."""
         input_ids, labels = self._to_device(batch)
-        loss = lm_loss(self.ds(input_ids), labels)
+        loss = self._loss(input_ids, labels)
         self.ds.backward(loss)
         self.ds.step()
         return loss.detach()
@@ -133,7 +155,7 @@ class Engine:
     def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Loss of one batch without gradients (the caller switches train/eval mode)."""
         input_ids, labels = self._to_device(batch)
-        return lm_loss(self.ds(input_ids), labels)
+        return self._loss(input_ids, labels)
 
     def train(self, mode: bool = True) -> None:
         self.ds.train(mode)

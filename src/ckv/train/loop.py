@@ -18,6 +18,7 @@ import torch
 from ckv.config import ConfigError
 from ckv.data import BatchStream, build_batches
 from ckv.device import resolve_device
+from ckv.flops import flops_per_token, mfu, peak_flops
 from ckv.io.layout import MODEL_DIR, latest_checkpoint
 from ckv.io.lock import RunLock, RunLockedError
 from ckv.model import Transformer
@@ -119,6 +120,9 @@ class _Loop:
         torch.manual_seed(cfg.seed)
         self.engine = Engine(Transformer(model_cfg), cfg, env)
         self.watch = DivergenceWatch(env.device, model_cfg.vocab_size)
+        # training FLOPs per token (attention over the visible pairs) and the per-device peak MFU divides by
+        self.flops_per_token = flops_per_token(model_cfg, cfg.data.seq_len).training
+        self.peak = peak_flops(override=t.peak_flops) if t.peak_flops or env.device.type == "cuda" else None
         self.ckpts = CheckpointManager(self.run_dir, env, t.keep_last, t.keep_every)
         self.step, self.tokens = 0, 0
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
@@ -139,6 +143,10 @@ class _Loop:
             f"{self.engine.precision}, {self.engine.accumulation_steps} accumulation step(s) | "
             + (f"resumed at step {self.step}" if self.step else "fresh start")
         )
+        if self.peak is None:
+            notes = [*notes, "MFU is not reported: no dense bf16 peak is known for "
+                     + (torch.cuda.get_device_name() if env.device.type == "cuda" else "a CPU")
+                     + "; set trainer.peak_flops (FLOP/s per device) to report it"]
         for note in notes:
             self.log.message(note)
 
@@ -194,8 +202,11 @@ class _Loop:
                     now = time.perf_counter()
                     tok_s = (self.step - last_step) * self.tokens_per_step / max(now - last_time, 1e-9)
                     last_time, last_step = now, self.step
+                    util = (None if self.peak is None else
+                            mfu(tok_s / self.env.world_size, self.flops_per_token, self.peak))
                     self.log.log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.engine.grad_norm,
-                                  "tokens": self.tokens, "tokens_per_s": tok_s})
+                                  "tokens": self.tokens, "tokens_per_s": tok_s,
+                                  "flops_per_token": self.flops_per_token, "mfu": util})
                     self.log.progress(self.step, **{"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
                                                     "lr": f"{lr:.2e}"})
                     self.watch.check(self.run_dir)
@@ -205,7 +216,9 @@ class _Loop:
                     self.log.message(f"step {self.step}: val_loss {val:.4f}")
                 if t.save_every and self.step % t.save_every == 0:
                     self.save()
-                signum = int(all_reduce_max([stop.signum or 0], self.env.device)[0])
+                signum = 0
+                if self.step % t.stop_check_every == 0:  # a collective: every rank checks at the same steps
+                    signum = int(all_reduce_max([stop.signum or 0], self.env.device)[0])
                 if signum:
                     path = self.save()
                     self.log.message(f"stop signal {signum}: checkpoint {path.name} saved")

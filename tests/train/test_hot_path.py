@@ -1,0 +1,115 @@
+"""The training hot path: no host syncs between log steps, the memory options give today's loss, torch.compile,
+and the throughput accounting in the metrics rows."""
+
+from __future__ import annotations
+
+import collections
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckv.config import ConfigError
+from ckv.flops import flops_per_token
+from ckv.io.weights import load_weights
+from ckv.train import read_metrics, train
+from ckv.train import loop as loop_module
+
+from .helpers import losses
+
+COMPRESSED = {"kind": "compressed", "window": 8, "stride": 4}
+# what reads a tensor's value into Python (a device-to-host sync when the tensor lives on an accelerator)
+SYNC_METHODS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy")
+# AdamW keeps each parameter's step count as a host (CPU) tensor also on a GPU and reads it with .item(): no sync
+HOST_ONLY_CALLERS = ("torch/optim/",)
+
+
+def _syncs_per_step(monkeypatch: pytest.MonkeyPatch, cfg) -> list[collections.Counter]:
+    """Value reads between consecutive ``train_step`` entries: element i covers step i's loop iteration
+    (the log/validation/stop work after step i, then nothing else) minus the host-only reads above."""
+    current: collections.Counter = collections.Counter()
+    per_step: list[collections.Counter] = []
+
+    def counting(name: str):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0].filename
+            if not any(part in caller for part in HOST_ONLY_CALLERS):
+                current[name] += 1
+            return real(self, *args, **kwargs)
+
+        return read
+
+    real_step = loop_module._Loop.train_step
+
+    def train_step(self):
+        per_step.append(collections.Counter(current))
+        current.clear()
+        return real_step(self)
+
+    monkeypatch.setattr(loop_module._Loop, "train_step", train_step)
+    for name in SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    train(cfg)
+    monkeypatch.undo()
+    return per_step[1:]  # per_step[0] is the setup before step 1
+
+
+@pytest.mark.parametrize("attention", [{"kind": "full"}, COMPRESSED], ids=["full", "compressed"])
+def test_no_host_sync_between_log_steps(make_config, monkeypatch, attention):
+    """Steps 1-3 and 5-7 (not log steps, no stop check) read no tensor value: the model's id check, the
+    compressed layers' window checks and the loss read are off the hot path. Step 4 (a log step and a stop check)
+    reads 5: the loss (item), its all-reduce, the stop flag's all-reduce and the divergence watch's all-reduce
+    (tolist each) and the watch's first bad step (int)."""
+    cfg = make_config(attention=attention, trainer={"max_steps": 8, "log_every": 4, "stop_check_every": 4,
+                                                    "save_every": 0})
+    steps = _syncs_per_step(monkeypatch, cfg)
+    assert len(steps) == 7
+    assert [sum(c.values()) for i, c in enumerate(steps, 1) if i != 4] == [0] * 6, steps
+    assert steps[3] == {"item": 1, "tolist": 3, "__int__": 1}, steps[3]
+
+
+def test_debug_checks_turn_the_model_id_check_back_on(make_config, monkeypatch):
+    cfg = make_config(trainer={"max_steps": 3, "log_every": 4, "stop_check_every": 4, "save_every": 0,
+                               "debug_checks": True})
+    steps = _syncs_per_step(monkeypatch, cfg)
+    # two micro-batches per step, min and max each
+    assert [c["__int__"] for c in steps] == [4, 4], steps
+
+
+def _losses(make_config, name: str, **trainer) -> list[float]:
+    cfg = make_config(name, attention=COMPRESSED, trainer={"max_steps": 4, "save_every": 0, **trainer})
+    return losses(train(cfg))
+
+
+def test_checkpointing_and_chunked_loss_give_the_same_losses(make_config):
+    """Four optimizer steps with each memory option give today's losses to 1e-5 (so the gradients agree too:
+    the later losses depend on them)."""
+    base = _losses(make_config, "base")
+    assert len(base) == 4
+    for name, options in {"full": {"activation_checkpointing": "full"},
+                          "selective_chunked": {"activation_checkpointing": "selective", "loss_chunk_tokens": 48},
+                          "chunked": {"loss_chunk_tokens": 100}}.items():
+        assert _losses(make_config, name, **options) == pytest.approx(base, abs=1e-5), name
+
+
+def test_chunked_loss_is_refused_under_zero3(make_config):
+    with pytest.raises(ConfigError, match="ZeRO stage 3"):
+        make_config(trainer={"loss_chunk_tokens": 1024}, deepspeed={"zero_optimization": {"stage": 3}})
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        make_config(trainer={"activation_checkpointing": "some"})
+
+
+def test_metrics_rows_carry_throughput_flops_and_mfu(make_config):
+    plain = make_config("plain", trainer={"max_steps": 2, "save_every": 0})
+    run_dir = Path(train(plain))
+    rows = [r for r in read_metrics(run_dir) if "loss" in r]
+    want = flops_per_token(load_weights(run_dir / "model").config, plain.data.seq_len).training
+    assert all(r["tokens_per_s"] > 0 and r["flops_per_token"] == pytest.approx(want) for r in rows)
+    assert all("mfu" not in r for r in rows)  # CPU: no known peak, so MFU is left out (the log says why)
+    peak = 1e12
+    given = make_config("peak", trainer={"max_steps": 2, "save_every": 0, "peak_flops": peak})
+    rows = [r for r in read_metrics(Path(train(given))) if "loss" in r]
+    assert all(r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / peak) for r in rows)
