@@ -45,6 +45,7 @@ class DemoRun:
     train_overrides: tuple[str, ...] = ()
     eval_overrides: tuple[str, ...] = ()
     name: str = ""  # the run folder's name under <out>/runs (default: the experiment)
+    entry: tuple[str, ...] = ("train.py",)  # the trainer command after ``python``; it takes train.py's overrides
 
     @property
     def label(self) -> str:
@@ -108,7 +109,7 @@ def train_and_evaluate(run: DemoRun, out: Path, quick: bool, env: dict, clock: T
     py = sys.executable
     t0 = time.monotonic()
     rdir = run_dir(out, run)
-    train_cmd = [py, "train.py", f"experiment={run.experiment}", f"seed={run.seed}", f"hydra.run.dir='{rdir}'",
+    train_cmd = [py, *run.entry, f"experiment={run.experiment}", f"seed={run.seed}", f"hydra.run.dir='{rdir}'",
                  "trainer.progress=false", "wandb.enabled=false", *run.train_overrides, *(QUICK_TRAIN if quick else ())]
     _run(train_cmd, out / "logs" / f"train_{run.name or run.experiment}_seed{run.seed}.log", env)
     train_s = time.monotonic() - t0
@@ -182,6 +183,36 @@ def table(done: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def demo_env() -> dict:
+    """The environment of every demo command: one thread per run, offline, no plots on screen."""
+    # every demo run is its own single-process job: drop rank variables a launcher (or a test) left behind, which
+    # would make two runs rendezvous on the same port
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    return {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+
+
+def run_plan(plan: tuple[DemoRun, ...], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> list[dict]:
+    """Train and evaluate every run of ``plan`` (``workers`` at a time); ``train_and_evaluate``'s records in plan
+    order."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(train_and_evaluate, r, out, quick, env, clock): r for r in plan}
+        results = {}
+        for fut in as_completed(futures):  # the first failure stops the demo; queued models never start
+            if fut.exception() is not None:
+                for f in futures:
+                    f.cancel()
+                raise fut.exception()
+            results[futures[fut]] = fut.result()
+    return [results[r] for r in plan]
+
+
+def run_records(done: list[dict]) -> list[dict]:
+    """The runs as stored in the demo's JSON record."""
+    return [{"label": d["run"].label, "role": d["run"].role, "dir": str(d["dir"]), "steps": d["steps"],
+             "train_seconds": d["train_seconds"], "results": str(results_file(d["dir"], TASK))} for d in done]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
@@ -191,24 +222,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     plan = GRID if args.grid else PLAN
     out = Path(args.out).resolve()
-    # every demo run is its own single-process job: drop rank variables a launcher (or a test) left behind, which
-    # would make two runs rendezvous on the same port
-    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
-    env = {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
-           "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
     clock = Timer()
     print(f"ckv demo{' grid' if args.grid else ''} -> {out}: {len(plan)} models, {args.workers} at a time"
           f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
-    with ThreadPoolExecutor(max_workers=args.workers) as pool:
-        futures = {pool.submit(train_and_evaluate, r, out, args.quick, env, clock): r for r in plan}
-        results = {}
-        for fut in as_completed(futures):  # the first failure stops the demo; queued models never start
-            if fut.exception() is not None:
-                for f in futures:
-                    f.cancel()
-                raise fut.exception()
-            results[futures[fut]] = fut.result()
-    done = [results[r] for r in plan]
+    env = demo_env()
+    done = run_plan(plan, out, args.quick, args.workers, env, clock)
     runs = ",".join(f"'{d['dir']}'" for d in done)  # quoted: run folder names hold '='
     _run([sys.executable, "eval.py", f"summary=[{runs}]", f"task={TASK}", f"summary_out={out}", "progress=false"],
          out / "logs" / "summary.log", env)
@@ -223,10 +241,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              "grid": out / "summary_grid.png"}
     write_json(out / "demo.json", {
         "quick": args.quick, "grid": args.grid, "seconds": time.monotonic() - clock.start,
-        "all_passed": verdict, "checks": [c.__dict__ for c in checks],
-        "runs": [{"label": d["run"].label, "role": d["run"].role, "dir": str(d["dir"]), "steps": d["steps"],
-                  "train_seconds": d["train_seconds"], "results": str(results_file(d["dir"], TASK))}
-                 for d in done],
+        "all_passed": verdict, "checks": [c.__dict__ for c in checks], "runs": run_records(done),
         "plots": {k: str(v) for k, v in plots.items()},
     })
     print(f"[{clock}] plots: {', '.join(str(p) for p in plots.values())}; table: {out / 'summary.csv'}; "
