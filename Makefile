@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install test test-all test-slow demo demo-grid robust smoke clean
+.PHONY: install test test-all test-slow demo demo-grid demo-v4 robust smoke clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -36,7 +36,10 @@ demo: $(STAMP)  ## periodic weak spots on a CPU, with a full-attention control (
 demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 models, about 35 min on 2 cores
 	$(BIN)/python -m ckv.apps.demo --grid --out outputs/demo-grid
 
-robust: $(STAMP)  ## issue #14: baseline gate, fixes and full attention on two tasks, 24 models (not yet timed: docs/robustness.md)
+demo-v4: $(STAMP)  ## transformers' DeepSeek-V4 vs ckv's V4 variant vs the W = S = 4 gate vs full attention (est. ~15 min on 2 cores; docs/demo.md)
+	$(BIN)/python -m ckv.apps.demo_v4 --out outputs/demo-v4
+
+robust: $(STAMP)  ## robustness benchmark: baseline gate, fixes and full attention on two tasks, 24 models (full run not yet timed; docs/robustness.md)
 	$(BIN)/python -m ckv.apps.robust --out outputs/robust
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)

@@ -45,6 +45,7 @@ class DemoRun:
     train_overrides: tuple[str, ...] = ()
     eval_overrides: tuple[str, ...] = ()
     name: str = ""  # the run folder's name under <out>/runs (default: the experiment)
+    entry: tuple[str, ...] = ("train.py",)  # the trainer command after ``python``; it takes train.py's overrides
 
     @property
     def label(self) -> str:
@@ -109,7 +110,7 @@ def train_and_evaluate(run: DemoRun, out: Path, quick: bool, env: dict, clock: T
     py = sys.executable
     t0 = time.monotonic()
     rdir = run_dir(out, run)
-    train_cmd = [py, "train.py", f"experiment={run.experiment}", f"seed={run.seed}", f"hydra.run.dir='{rdir}'",
+    train_cmd = [py, *run.entry, f"experiment={run.experiment}", f"seed={run.seed}", f"hydra.run.dir='{rdir}'",
                  "trainer.progress=false", "wandb.enabled=false", *run.train_overrides, *(QUICK_TRAIN if quick else ())]
     run_command(train_cmd, out / "logs" / f"train_{run.name or run.experiment}_seed{run.seed}.log", env)
     train_s = time.monotonic() - t0
@@ -211,6 +212,12 @@ def table(done: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_records(done: list[dict]) -> list[dict]:
+    """The runs as stored in the demo's JSON record."""
+    return [{"label": d["run"].label, "role": d["run"].role, "dir": str(d["dir"]), "steps": d["steps"],
+             "train_seconds": d["train_seconds"], "results": str(results_file(d["dir"], TASK))} for d in done]
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
@@ -239,10 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
              "grid": out / "summary_grid.png"}
     write_json(out / "demo.json", {
         "quick": args.quick, "grid": args.grid, "seconds": time.monotonic() - clock.start,
-        "all_passed": verdict, "checks": [c.__dict__ for c in checks],
-        "runs": [{"label": d["run"].label, "role": d["run"].role, "dir": str(d["dir"]), "steps": d["steps"],
-                  "train_seconds": d["train_seconds"], "results": str(results_file(d["dir"], TASK))}
-                 for d in done],
+        "all_passed": verdict, "checks": [c.__dict__ for c in checks], "runs": run_records(done),
         "plots": {k: str(v) for k, v in plots.items()},
     })
     print(f"[{clock}] plots: {', '.join(str(p) for p in plots.values())}; table: {out / 'summary.csv'}; "
