@@ -119,20 +119,24 @@ ATTENTION_RESOLVED = {
 }
 
 
-# The DeepSeek-V4 options, added after 7524006: their composed group as first written out in full (commit b845f52).
-V4_FIELDS = ("rope_side", "rope_pairing", "rope_theta", "sink", "output_rope")
-V4_RESOLVED = {
-    "deepseek_v4_csa": (('compressed', 'auto', 'partial', 16, True, 1, 8, 4, 'gate', 'vector', True, 'series', 'tied',
-                         'post', 'block_start', 128), ('trailing', 'interleaved', 160000.0, True, 'inverse')),
-    "deepseek_v4_hca": (('compressed', 'auto', 'partial', 16, True, 1, 128, 128, 'gate', 'vector', True, 'shared',
-                         'tied', 'post', 'block_start', 128), ('trailing', 'interleaved', 160000.0, True, 'inverse')),
+# Options added after 7524006, each starting from an older option and changing the fields listed (their composed
+# group as first written out in full: the V4 options in commit b845f52, token mixing / shared maps in fdbbdca).
+ADDED = {
+    "deepseek_v4_csa": ("deepseek_w8s4", {"offset_maps": "series", "local_window": 128, "rope_side": "trailing",
+                                          "rope_pairing": "interleaved", "rope_theta": 160000.0, "sink": True,
+                                          "output_rope": "inverse"}),
+    "deepseek_v4_hca": ("deepseek_v4_csa", {"window": 128, "stride": 128, "offset_maps": "shared"}),
+    "w4s4_conv": ("w4s4", {"mixing": "conv", "mixing_kernel": 4}),
+    "w8s8_conv": ("w8s8", {"mixing": "conv", "mixing_kernel": 4}),
+    "w8s4_shared": ("w8s4", {"offset_maps": "shared"}),
 }
 
 
 def test_every_attention_option_resolves_as_before():
-    assert set(ATTENTION_RESOLVED) | set(V4_RESOLVED) == {p.stem for p in (REPO / "conf" / "attention").glob("*.yaml")}
+    assert set(ATTENTION_RESOLVED) | set(ADDED) == {p.stem for p in (REPO / "conf" / "attention").glob("*.yaml")}
     expected = {name: dict(zip(ATTENTION_FIELDS, values)) for name, values in ATTENTION_RESOLVED.items()}
-    expected |= {name: dict(zip(ATTENTION_FIELDS + V4_FIELDS, base + v4)) for name, (base, v4) in V4_RESOLVED.items()}
+    for name, (base, changes) in ADDED.items():  # in dependency order
+        expected[name] = {**expected[base], **changes}
     for name, values in expected.items():
         composed = OmegaConf.to_container(_compose([f"attention={name}"]).attention)
         assert composed == values, name
@@ -142,7 +146,7 @@ def test_every_attention_option_resolves_as_before():
 def test_every_experiment_composes(experiment):
     paper = experiment.startswith("paper")
     cfg = _train_config([f"experiment={experiment}"] + (USER_DATA if paper else []))
-    assert cfg.name == ("paper" if paper else experiment)
+    assert cfg.name == {"paper_robust_fixes": "paper_robust"}.get(experiment, "paper" if paper else experiment)
 
 
 def test_demo_models_differ_only_in_attention():
