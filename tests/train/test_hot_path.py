@@ -7,10 +7,12 @@ import collections
 import traceback
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from ckv.config import ConfigError
+from ckv.data import BatchStream, DataError
 from ckv.flops import flops_per_token
 from ckv.io.weights import load_weights
 from ckv.train import read_metrics, train
@@ -113,3 +115,29 @@ def test_metrics_rows_carry_throughput_flops_and_mfu(make_config):
     given = make_config("peak", trainer={"max_steps": 2, "save_every": 0, "peak_flops": peak})
     rows = [r for r in read_metrics(Path(train(given))) if "loss" in r]
     assert all(r["mfu"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / peak) for r in rows)
+
+
+class _Source:
+    """A sequence source whose second sequence holds an id outside a vocabulary of 10."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next(self):
+        self.n += 1
+        ids = np.full(8, 10 if self.n == 2 else 3, dtype=np.int64)
+        return ids, ids
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state) -> None:
+        self.n = state["n"]
+
+
+def test_batch_stream_checks_token_ids_at_the_data_boundary():
+    """The check the model no longer makes per forward: an id outside the vocabulary stops at the batch."""
+    stream = BatchStream(_Source(), batch_size=1, identity={}, vocab_size=10)
+    assert int(next(stream)["input_ids"].max()) == 3
+    with pytest.raises(DataError, match=r"batch 2 holds token ids outside \[0, 10\): min 10, max 10"):
+        next(stream)
