@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
-from ckv import ModelConfig
+import torch
+
+from ckv import ModelConfig, Transformer
 from ckv.apps.smoke import load_variant
 
 ATTENTION_DIR = Path(__file__).resolve().parents[2] / "conf" / "attention"
@@ -19,3 +22,18 @@ def small_config(attention: dict, **overrides) -> ModelConfig:
     """A tiny model that every variant fits (8 query heads so 1/2/4/8 KV heads divide, head_dim 16)."""
     base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, mlp_dim=64, max_seq_len=128)
     return ModelConfig(**{**base, **overrides}, attention=attention)
+
+
+def assert_influence(attention: dict, T: int, sees: Callable[[int, int], bool]) -> None:
+    """Build one attention layer for ``attention`` and check, by gradients, that the input token at ``p`` acts on
+    the output at query ``t`` exactly when ``sees(t, p)`` (a brute-force rule); the query's own token acts through
+    q too, unless the query sees nothing (then its output is 0)."""
+    layer = Transformer(small_config(attention, n_layers=1)).layers[0].self_attn
+    x = torch.randn(1, T, layer.config.d_model, requires_grad=True)
+    y = layer(x)  # (1, T, d)
+    for t in range(T):
+        (grad,) = torch.autograd.grad(y[0, t].sum(), x, retain_graph=True)
+        touched = grad[0].abs().sum(-1) > 0  # (T,)
+        row = [sees(t, p) for p in range(T)]
+        expected = torch.tensor([s or (p == t and any(row)) for p, s in enumerate(row)])
+        assert torch.equal(touched, expected), f"query {t}"

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from ckv.config import ConfigError
+from ckv.config import ConfigError, check_int
 from ckv.data.config import LookupConfig
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.design import PADDINGS, base_offsets, choose_targets, make_design, slot_pads
@@ -64,18 +64,24 @@ class LookupSpec:
     vocab: VocabSpec = field(default_factory=VocabSpec)
 
     def __post_init__(self) -> None:
-        if isinstance(self.vocab, dict):
-            object.__setattr__(self, "vocab", VocabSpec(**self.vocab))
-        if self.padding not in PADDINGS:
-            raise ConfigError(f"task.padding={self.padding!r} is not allowed; choose one of {list(PADDINGS)}")
-        for name, low in (("n_base", 1), ("modulus", 1), ("seed", 0)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ConfigError(f"task.{name}={v!r} must be an integer >= {low}")
-        for name, low in (("n_records", 2), ("n_demos", 0), ("stride", 1)):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
-                raise ConfigError(f"task.{name}={v!r} must be null or an integer >= {low}")
+        check_task_fields(self, required=(("n_base", 1), ("modulus", 1), ("seed", 0)),
+                          optional=(("n_records", 2), ("n_demos", 0), ("stride", 1)))
+
+
+def check_task_fields(spec: Any, required: tuple[tuple[str, int], ...],
+                      optional: tuple[tuple[str, int], ...] = ()) -> None:
+    """The checks every lookup-style task spec shares: ``vocab`` given as a dict becomes a ``VocabSpec``,
+    ``padding`` is one of PADDINGS, the ``required`` fields are integers >= their minimum and the ``optional``
+    ones null or such integers (all through ``ckv.config.check_int``, so errors read ``task.<field>=...``)."""
+    if isinstance(spec.vocab, dict):
+        object.__setattr__(spec, "vocab", VocabSpec(**spec.vocab))
+    if spec.padding not in PADDINGS:
+        raise ConfigError(f"task.padding={spec.padding!r} is not allowed; choose one of {list(PADDINGS)}")
+    for name, low in required:
+        check_int(f"task.{name}", getattr(spec, name), low)
+    for name, low in optional:
+        if getattr(spec, name) is not None:
+            check_int(f"task.{name}", getattr(spec, name), low)
 
 
 def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulus: int) -> Optional[int]:

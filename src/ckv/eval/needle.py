@@ -32,8 +32,8 @@ import numpy as np
 from ckv.config import ConfigError
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.codec import TokenCodec
-from ckv.eval.design import PADDINGS, base_offsets, make_design, slot_pads
-from ckv.eval.lookup import LookupOutcome, LookupTask, resolve_stride
+from ckv.eval.design import base_offsets, make_design, slot_pads
+from ckv.eval.lookup import LookupOutcome, LookupTask, check_task_fields, resolve_stride
 from ckv.eval.scoring import LazyPrompts
 from ckv.eval.stats import StatsOptions
 from ckv.eval.vocab import VocabSpec
@@ -47,7 +47,8 @@ class NeedleSpec:
     ``context_tokens``: every prompt's exact length. ``n_records``: records in the haystack (``None``:
     ``context_tokens // (2 * record_len)``). ``record_len``: tokens per record (key ``record_len - 1`` tokens +
     value; a layout with records of its own keeps them). ``modulus``: residue groups ``t_K mod modulus``.
-    ``stride``: phase period (``None``: the model's stride, else ``modulus``). ``prompts_per_residue``: base
+    ``stride``: phase period (``None``: the model's stride; none for a model without one, whose phase gap is then
+    not defined). ``prompts_per_residue``: base
     examples, each scored at every residue (a multiple of ``modulus**2`` matches mean and variance of t_K
     exactly). ``padding``: ``in_sequence`` (filler spread over the gaps between records, re-drawn per prompt)
     or ``prefix`` (all filler before the first record and after the last). ``prefill_chunk``: tokens per
@@ -67,19 +68,9 @@ class NeedleSpec:
     vocab: VocabSpec = field(default_factory=VocabSpec)
 
     def __post_init__(self) -> None:
-        if isinstance(self.vocab, dict):
-            object.__setattr__(self, "vocab", VocabSpec(**self.vocab))
-        if self.padding not in PADDINGS:
-            raise ConfigError(f"task.padding={self.padding!r} is not allowed; choose one of {list(PADDINGS)}")
-        for name, low in (("context_tokens", 8), ("record_len", 2), ("modulus", 1), ("prompts_per_residue", 1),
-                          ("prefill_chunk", 1), ("seed", 0)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ConfigError(f"task.{name}={v!r} must be an integer >= {low}")
-        for name, low in (("n_records", 2), ("stride", 1)):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
-                raise ConfigError(f"task.{name}={v!r} must be null or an integer >= {low}")
+        check_task_fields(self, required=(("context_tokens", 8), ("record_len", 2), ("modulus", 1),
+                                          ("prompts_per_residue", 1), ("prefill_chunk", 1), ("seed", 0)),
+                          optional=(("n_records", 2), ("stride", 1)))
 
     @property
     def records(self) -> int:
@@ -219,7 +210,9 @@ class NeedleTask(LookupTask):
         self._offsets, self._targets = offsets, targets
         target_kv = np.array([[kv[targets[i]] for kv in self._mapping(i)] for i in range(self.n_base)])  # (n_base, 2)
         table = dict(base=base, shift=shift, target_record=targets[base], target_position=position,
-                     residue=position % m, phase=np.asarray(phase(position, self.stride), dtype=np.int64),
+                     residue=position % m,
+                     phase=np.asarray(phase(position, self.stride) if self.stride else np.full_like(position, -1),
+                                      dtype=np.int64),
                      query_position=np.full(len(base), s.context_tokens - 1), key=target_kv[base, 0],
                      value=target_kv[base, 1])
         table["answer_id"] = np.array([c.answer_tokens(int(v))[0] for v in table["value"]], dtype=np.int64)
