@@ -48,7 +48,7 @@ def tiny_qwen3(vocab_size: int, max_len: int = 512, n_layers: int = 1):  # -> tr
 
 def tiny_deepseek_v4(vocab_size: int, max_len: int = 4096):  # -> transformers.DeepseekV4ForCausalLM
     """2 CSA layers, hidden 128, 4 heads, 1 KV head, head_dim 64 (8 RoPE dims), sliding window 4, index_topk 64
-    (every entry selected), a small MoE, hc_mult 1 (the config of /work/shared/docs/cpu-findings.md)."""
+    (every entry selected), a small MoE, hc_mult 1 (a config that trains on CPU: conf/hf/deepseek_v4_demo.yaml)."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM")
@@ -76,7 +76,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An untrained tiny DeepseekV4ForCausalLM with the word tokenizer (a pipeline test: #13 item 3 asks for one
+    """An untrained tiny DeepseekV4ForCausalLM with the word tokenizer (a pipeline test, not a trained one
     trained on ckv's synthetic lookup, which this is not)."""
     import torch
 

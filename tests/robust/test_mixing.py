@@ -1,4 +1,4 @@
-"""Token mixing before pooling (attention.mixing='conv', issue #14 fix 2) against its definition and every standing
+"""Token mixing before pooling (attention.mixing='conv', docs/robustness.md) against its definition and every standing
 attention property: the visibility rule (reach widened by the kernel, never past the query), decode == prefill
 across window boundaries, torch == triton under the interpreter, gradients, parameter count, config errors.
 (conf/attention/w4s4_conv.yaml also runs through the variant-parametrised tests of tests/foundation.)"""

@@ -149,7 +149,7 @@ def run_plan(plan: tuple[DemoRun, ...], out: Path, quick: bool, workers: int, en
 
 
 def check_science(done: list[dict]) -> list[Check]:
-    """The claims of issue #7, each against the measured numbers. Every check reads the phase gap (best minus
+    """The demo's claims (docs/demo.md), each against the measured numbers. Every check reads the phase gap (best minus
     worst over the groups of position mod S, S the model's stride; the control at the gate models' stride 4),
     since the claims are about a phase effect of period S, not the residue gap."""
     checks: list[Check] = []

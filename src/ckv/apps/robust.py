@@ -1,4 +1,4 @@
-"""``make robust``: phase-robust compression at equal KV memory (issue #14), on the two failure mechanisms' tasks.
+"""``make robust``: phase-robust compression at equal KV memory (docs/robustness.md), on the two failure mechanisms' tasks.
 
 Two CPU tasks on make demo's model, optimiser and budget (docs/robustness.md): **split** (straddling: make demo's
 split records, ``conf/experiment/robust_split.yaml``) and **dense** (crowding: four single-token records per

@@ -1,4 +1,4 @@
-"""Chunked KV compression with joint attention (science.md, docs/attention.md).
+"""Chunked KV compression with joint attention (docs/attention.md).
 
 Each window of ``window`` tokens, moved by ``stride``, is pooled into one key and one value per KV head by a
 learned softmax gate or a uniform mean; a query attends in one softmax to every visible entry plus the exact
