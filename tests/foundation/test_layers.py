@@ -101,8 +101,8 @@ def violation(source: str, target: str) -> Optional[str]:
 
 
 def test_the_table_covers_every_module() -> None:
-    for module in MODULES:
-        layer(module)
+    for module in MODULES:  # layer() raises naming a ckv module the table does not place
+        assert layer(module) is not None, module
 
 
 def test_the_rules() -> None:
