@@ -3,26 +3,23 @@ budget logic skips with a recorded reason."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from ckv.flops import parameter_count
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+from .helpers import BENCHMARKS, load_script
+
+SCRIPT = BENCHMARKS / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("ckv_gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def test_dry_run_plans_every_section(gpu_check, tmp_path):

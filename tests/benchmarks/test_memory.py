@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
+from .helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def memory():
-    spec = importlib.util.spec_from_file_location("ckv_memory_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("memory")
 
 
 @pytest.mark.parametrize("attention", ["full", "compressed"])

@@ -31,6 +31,19 @@ def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor,
 
 # fp32 model; the kernels and the reference differ by summation order only. Loss: relative difference < 1e-6;
 # every parameter's gradient: relative RMS < 1e-4.
+def assert_impls_match(attention: dict, seq_len: int) -> None:
+    """The same model with impl=torch and impl=triton: equal loss (1e-6 relative) and gradients (1e-4 rel. RMS)."""
+    reference = Transformer(model_config("torch", **attention)).to(DEVICE)
+    kernels = Transformer(model_config("triton", **attention)).to(DEVICE)
+    kernels.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 64, (2, seq_len), device=DEVICE)
+    loss_ref, grads_ref = loss_and_grads(reference, ids)
+    loss_k, grads_k = loss_and_grads(kernels, ids)
+    assert abs(loss_k.item() - loss_ref.item()) <= 1e-6 * abs(loss_ref.item())
+    for name, g in grads_ref.items():
+        assert rel_rms(grads_k[name], g) < 1e-4, name
+
+
 @pytest.mark.parametrize("attention", [
     dict(),  # paper default: W8/S8, 1 KV head (GQA 4), scalar gate, separate K/V, 16-token local window
     dict(window=8, stride=4, gate="vector", kv="tied", kv_heads=2, local_window="tail"),
@@ -42,15 +55,7 @@ def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor,
 ])
 def test_model_loss_and_gradients_match_between_impls(attention):
     torch.manual_seed(0)
-    reference = Transformer(model_config("torch", **attention)).to(DEVICE)
-    kernels = Transformer(model_config("triton", **attention)).to(DEVICE)
-    kernels.load_state_dict(reference.state_dict())
-    ids = torch.randint(0, 64, (2, 46), device=DEVICE)
-    loss_ref, grads_ref = loss_and_grads(reference, ids)
-    loss_k, grads_k = loss_and_grads(kernels, ids)
-    assert abs(loss_k.item() - loss_ref.item()) <= 1e-6 * abs(loss_ref.item())
-    for name, g in grads_ref.items():
-        assert rel_rms(grads_k[name], g) < 1e-4, name
+    assert_impls_match(attention, 46)
 
 
 def test_decoding_with_kernels_matches_the_full_forward():

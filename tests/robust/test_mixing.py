@@ -12,8 +12,7 @@ from ckv.config import ConfigError
 from ckv.flops import parameter_count
 from tests.foundation.helpers import assert_influence, small_config, variant
 from tests.foundation.test_geometry import brute_covers
-from tests.kernels.helpers import DEVICE, rel_rms
-from tests.kernels.test_model import loss_and_grads, model_config
+from tests.kernels.test_model import assert_impls_match
 
 
 def test_mixing_is_the_residual_causal_depthwise_convolution_with_zero_history():
@@ -83,15 +82,7 @@ def test_every_mixing_tap_gets_a_gradient_and_parameters_are_counted():
     dict(window=8, stride=4, gate="vector", kv="tied", mixing="conv", mixing_kernel=3, local_window="tail"),
 ])
 def test_model_loss_and_gradients_match_between_impls_with_mixing(attention):
-    reference = Transformer(model_config("torch", **attention)).to(DEVICE)
-    kernels = Transformer(model_config("triton", **attention)).to(DEVICE)
-    kernels.load_state_dict(reference.state_dict())
-    ids = torch.randint(0, 64, (2, 30), device=DEVICE)
-    loss_ref, grads_ref = loss_and_grads(reference, ids)
-    loss_k, grads_k = loss_and_grads(kernels, ids)
-    assert abs(loss_k.item() - loss_ref.item()) <= 1e-6 * abs(loss_ref.item())
-    for name, g in grads_ref.items():
-        assert rel_rms(grads_k[name], g) < 1e-4, name
+    assert_impls_match(attention, 30)
 
 
 @pytest.mark.parametrize("attention, match", [

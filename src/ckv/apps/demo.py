@@ -218,11 +218,18 @@ def run_records(done: list[dict]) -> list[dict]:
              "train_seconds": d["train_seconds"], "results": str(results_file(d["dir"], TASK))} for d in done]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="outputs/demo", help="output folder (default: outputs/demo)")
+def demo_arguments(doc: str, out: str, quick_help: str = "a few steps per model: pipeline check only"
+                   ) -> argparse.ArgumentParser:
+    """The options every demo-style app shares: ``--out``, ``--workers`` (models trained at once), ``--quick``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=out, help=f"output folder (default: {out})")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="models trained at once")
-    ap.add_argument("--quick", action="store_true", help="a few steps per model: pipeline check only")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    return ap
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = demo_arguments(__doc__, "outputs/demo")
     ap.add_argument("--grid", action="store_true", help="the stride x window x pooling grid (make demo-grid)")
     args = ap.parse_args(argv)
     plan = GRID if args.grid else PLAN

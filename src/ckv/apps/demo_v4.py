@@ -26,15 +26,15 @@ command fails; ``--quick`` exits 0 whatever the numbers say.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from ckv.apps.demo import TASK, Check, DemoRun, Timer, exit_code, job_env, run_plan, run_records, table
+from ckv.apps.demo import (
+    TASK, Check, DemoRun, Timer, demo_arguments, exit_code, job_env, run_plan, run_records, table,
+)
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
 from ckv.eval.plots import plot_phase_overlay
@@ -109,11 +109,7 @@ def write_summary(done: list[dict], out: Path) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="outputs/demo-v4", help="output folder (default: outputs/demo-v4)")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="models trained at once")
-    ap.add_argument("--quick", action="store_true", help="a few steps per model: pipeline check only")
+    ap = demo_arguments(__doc__, "outputs/demo-v4")
     args = ap.parse_args(argv)
     with_hf = has_deepseek_v4()
     plan = v4_plan(with_hf)

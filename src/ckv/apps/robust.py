@@ -17,14 +17,12 @@ The benchmark makes no pass/fail claims yet; a failed command exits non-zero.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from ckv.apps.demo import DemoRun, Timer, job_env, run_plan
+from ckv.apps.demo import DemoRun, Timer, demo_arguments, job_env, run_plan
 from ckv.config import ModelConfig
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR
@@ -141,11 +139,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="outputs/robust", help="output folder (default: outputs/robust)")
-    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="models trained at once")
-    ap.add_argument("--quick", action="store_true", help="seed 0 only, a few steps per model: pipeline check only")
+    ap = demo_arguments(__doc__, "outputs/robust", "seed 0 only, a few steps per model: pipeline check only")
     ap.add_argument("--task", choices=("both", *MODELS), default="both", help="which task(s) to run")
     args = ap.parse_args(argv)
     runs = plan(tuple(MODELS) if args.task == "both" else (args.task,), SEEDS[:1] if args.quick else SEEDS)
