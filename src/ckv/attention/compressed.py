@@ -233,14 +233,17 @@ class CompressedAttention(AttentionBackend):
             hm = h if compressor.mixing is None else compressor.mixing(h)
             return hm[:, idx.clamp(min=0)] * mask
 
+        # without mixing both branches pool the same windows: one gather, so one gradient sum into h
+        shared = windows(self.k_compressor) if self.history == 0 else None
         impl = self.impl_for(h)
-        kc = self.k_compressor(windows(self.k_compressor), present, impl=impl,
+        kc = self.k_compressor(windows(self.k_compressor) if shared is None else shared, present, impl=impl,
                                norm=self.ck_norm if self.norm_before_pooling else None)
         if self.ck_norm is not None and not self.norm_before_pooling:
             kc = self.ck_norm(kc)
         j = torch.arange(first, first + n, device=h.device)
         kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope))
-        vc = kc if self.v_compressor is None else self.v_compressor(windows(self.v_compressor), present, impl=impl)
+        vc = kc if self.v_compressor is None else self.v_compressor(
+            windows(self.v_compressor) if shared is None else shared, present, impl=impl)
         return kc, vc
 
     def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
