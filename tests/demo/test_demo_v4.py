@@ -3,6 +3,7 @@ statements it makes about each model's mechanisms."""
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,3 +84,44 @@ def test_mechanism_lines_claim_straddling_only_for_a_real_gap_at_the_boundary(wo
     (line,) = mechanisms([_done(worst, p, lower, floor)])
     assert f"phase effect {effect} " in line and f"straddling {straddling} " in line
     assert f"weakest phase {worst}, boundary phase 3" in line
+
+
+@pytest.mark.smoke
+def test_a_tiny_v4_trained_on_ckv_lookup_runs_the_lookup_needle_and_probe_through_eval_py(tmp_path):
+    """transformers' own DeepseekV4ForCausalLM, trained by ckv.apps.train_hf_v4 on the demo's lookup data (20
+    steps: its loss falls), then scored by ``eval.py model=hf`` on the three tasks with the layout it trained on."""
+    if not has_deepseek_v4():
+        pytest.skip("the installed transformers has no DeepseekV4ForCausalLM")
+    run = tmp_path / "v4"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "WANDB_MODE": "disabled"}
+    train = [sys.executable, "-m", "ckv.apps.train_hf_v4", "experiment=demo_gate_s4", "seed=0", f"hydra.run.dir={run}",
+             "trainer.max_steps=20", "trainer.val_every=0", "trainer.save_every=0", "trainer.log_every=5",
+             "optim.warmup_steps=2", "trainer.progress=false", "wandb.enabled=false"]
+    proc = subprocess.run(train, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.2  # it has trained on ckv's batches
+    lookup_args = [a for a in hf_eval_overrides() if a.startswith("task.")]  # the layout and record counts
+    layout = [a for a in lookup_args if a.startswith("task.vocab.format=")]
+    head = ["model=hf", f"model.path={run}", "model.stride=4", "progress=false", "stats.n_bootstrap=50",
+            "stats.n_permutations=50", "device=cpu"]
+    tasks = {
+        "lookup": [*head, "task=demo_lookup", "task.n_base=16", *lookup_args],
+        "needle": [*head, "task=needle", "task.context_tokens=128", "task.n_records=16", "task.record_len=2",
+                   "task.prompts_per_residue=64", "task.prefill_chunk=64", "limit=1", *layout],
+        "probe": [*head, "task=probe_synthetic", "task.n_records=16", *layout],
+    }
+    for name, args in tasks.items():
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "eval.py", *args, f"out_dir={out}"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, name + ": " + proc.stderr[-2000:]
+        res = json.loads((out / "results.json").read_text())
+        assert res["model"]["architecture"] == "DeepseekV4ForCausalLM" and res["results"]["stride"] == 4
+    needle = json.loads((tmp_path / "needle" / "results.json").read_text())["results"]
+    assert needle["task"] == "needle" and needle["n_prompts"] == 8 and needle["modulus"] == 8
+    probe = json.loads((tmp_path / "probe" / "results.json").read_text())["results"]
+    assert [row["phase"] for row in probe["lengths"]][:4] == [0, 1, 2, 3]
+    lookup = json.loads((tmp_path / "lookup" / "results.json").read_text())["results"]
+    assert lookup["n_prompts"] == 16 * 8 and len(lookup["phase"]["groups"]) == 4

@@ -76,8 +76,8 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An untrained tiny DeepseekV4ForCausalLM with the word tokenizer (a pipeline test, not a trained one
-    trained on ckv's synthetic lookup, which this is not)."""
+    """An untrained tiny DeepseekV4ForCausalLM with the word tokenizer (the text tasks' pipeline; the one trained on
+    ckv's synthetic lookup is tests/demo/test_demo_v4.py's)."""
     import torch
 
     fast = word_tokenizer()
