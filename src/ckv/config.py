@@ -126,6 +126,11 @@ class AttentionConfig:
     # compressor branch's input, mixing_kernel (2..stride) taps over the current and previous tokens
     mixing: str = "none"
     mixing_kernel: Optional[int] = None
+    # gate-entropy floor (docs/training.md; training only, the model ignores both): the trainer adds
+    # gate_entropy_weight * mean relu(gate_entropy_floor * log(n) - H(alpha)) over every learned gate, n the
+    # window's present offsets; the floor is a fraction of the largest entropy log(n), 0 turns it off
+    gate_entropy_floor: float = 0.0
+    gate_entropy_weight: float = 0.0
 
     def __post_init__(self) -> None:
         o = "attention"
@@ -154,6 +159,22 @@ class AttentionConfig:
             raise ConfigError(f"{o}.rope_dims={self.rope_dims} is only used with attention.rope='partial' (got rope={self.rope!r})")
         self._check_v4_options()
         self._check_mixing()
+        self._check_gate_entropy()
+
+    def _check_gate_entropy(self) -> None:
+        o = "attention"
+        floor, weight = self.gate_entropy_floor, self.gate_entropy_weight
+        check_float(f"{o}.gate_entropy_floor", floor, 0, 1, high_open=True)
+        check_float(f"{o}.gate_entropy_weight", weight, 0)
+        if floor > 0 and (self.kind != "compressed" or self.pooling != "gate"):
+            raise ConfigError(f"{o}.gate_entropy_floor={floor} keeps a learned gate spread: it needs kind='compressed' "
+                              f"and pooling='gate' (got kind={self.kind!r}, pooling={self.pooling!r})")
+        if floor > 0 and self.window < 2:
+            raise ConfigError(f"{o}.gate_entropy_floor={floor} needs attention.window >= 2 (a 1-token window's gate "
+                              "has nothing to spread over)")
+        if weight > 0 and floor == 0:
+            raise ConfigError(f"{o}.gate_entropy_weight={weight} weighs the gate-entropy penalty, which is off: set "
+                              "attention.gate_entropy_floor in (0, 1)")
 
     def _check_mixing(self) -> None:
         o = "attention"

@@ -120,7 +120,8 @@ ATTENTION_RESOLVED = {
 
 
 # Options added after 7524006, each starting from an older option and changing the fields listed (their composed
-# group as first written out in full: the V4 options in commit b845f52, token mixing / shared maps in fdbbdca).
+# group as first written out in full: the V4 options in commit b845f52, token mixing / shared maps in fdbbdca;
+# the gate-entropy floor options state their two fields).
 ADDED = {
     "deepseek_v4_csa": ("deepseek_w8s4", {"offset_maps": "series", "local_window": 128, "rope_side": "trailing",
                                           "rope_pairing": "interleaved", "rope_theta": 160000.0, "sink": True,
@@ -129,6 +130,9 @@ ADDED = {
     "w4s4_conv": ("w4s4", {"mixing": "conv", "mixing_kernel": 4}),
     "w8s8_conv": ("w8s8", {"mixing": "conv", "mixing_kernel": 4}),
     "w8s4_shared": ("w8s4", {"offset_maps": "shared"}),
+    "w8s4_entropy": ("w8s4", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
+    "w8s8_entropy": ("w8s8", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
+    "w4s4_entropy": ("w4s4", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
 }
 
 

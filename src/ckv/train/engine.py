@@ -19,6 +19,7 @@ from ckv.loss import chunked_cross_entropy
 from ckv.model import Transformer
 from ckv.train.config import TrainConfig
 from ckv.train.distributed import DistEnv, import_deepspeed
+from ckv.train.gate_entropy import GateEntropyFloor
 from ckv.train.schedule import build_scheduler
 
 IGNORE_INDEX = -100
@@ -87,7 +88,9 @@ class Engine:
     token-id check off (unless ``trainer.debug_checks``) and, with ``trainer.compile``, compiles the model in place
     (``nn.Module.compile``: parameter names and checkpoints stay those of the plain model). The loss is the LM
     head's full logits through ``lm_loss`` or, with ``trainer.loss_chunk_tokens`` > 0, the fused chunked
-    cross-entropy of ``ckv.loss`` on the final hidden states.
+    cross-entropy of ``ckv.loss`` on the final hidden states. With ``attention.gate_entropy_floor`` > 0 it hooks
+    the compressors' pooling steps (``ckv.train.gate_entropy``) and backpropagates the loss plus the gate-entropy
+    penalty; ``micro_step`` still returns the LM loss and ``step_deficit`` the gate-entropy deficit of the last step.
     """
 
     def __init__(self, model: Transformer, cfg: TrainConfig, env: DistEnv) -> None:
@@ -97,6 +100,10 @@ class Engine:
         self.loss_chunk_tokens = t.loss_chunk_tokens
         model.check_token_ids = t.debug_checks
         apply_activation_checkpointing(model, t.activation_checkpointing)
+        a = cfg.attention
+        self.gate_entropy = (GateEntropyFloor(model, a["gate_entropy_floor"], a["gate_entropy_weight"])
+                             if a["gate_entropy_floor"] > 0 else None)
+        self._deficits: list[torch.Tensor] = []  # this optimizer step's gate-entropy deficit per micro-batch
         if t.compile:
             model.compile()
         self._deepspeed = import_deepspeed(env.device.type)
@@ -146,10 +153,30 @@ class Engine:
     def micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward, backward and (at an accumulation boundary) the optimizer step; returns the detached loss."""
         input_ids, labels = self._to_device(batch)
-        loss = self._loss(input_ids, labels)
-        self.ds.backward(loss)
+        if self.gate_entropy is None:
+            loss = self._loss(input_ids, labels)
+            self.ds.backward(loss)
+        else:
+            self.gate_entropy.start()
+            loss = self._loss(input_ids, labels)
+            deficit = self.gate_entropy.finish()
+            self.ds.backward(loss + (self.gate_entropy.weight * deficit).to(loss.dtype))
+            self._deficits.append(deficit.detach())
         self.ds.step()
         return loss.detach()
+
+    def step_deficit(self) -> Optional[torch.Tensor]:
+        """The mean gate-entropy deficit (the penalty before ``gate_entropy_weight``) of the micro-steps since the
+        last call (0-d, on the device, no host sync), or ``None`` when the floor is off or no micro-step ran."""
+        if not self._deficits:
+            return None
+        deficit, self._deficits = torch.stack(self._deficits).mean(), []
+        return deficit
+
+    def close(self) -> None:
+        """Take the training-only hooks off the model (evaluation of the same module object is then unaffected)."""
+        if self.gate_entropy is not None:
+            self.gate_entropy.remove()
 
     @torch.no_grad()
     def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -125,6 +125,7 @@ class _Loop:
         self.peak = peak_flops(override=t.peak_flops) if t.peak_flops or env.device.type == "cuda" else None
         self.ckpts = CheckpointManager(self.run_dir, env, t.keep_last, t.keep_every)
         self.step, self.tokens = 0, 0
+        self.deficit: Optional[torch.Tensor] = None  # the last step's gate-entropy deficit (None: floor off)
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
         if env.is_main:
             write_run_files(cfg, provenance({
@@ -187,6 +188,7 @@ class _Loop:
         self.step += 1
         self.tokens += self.tokens_per_step
         loss = torch.stack(losses).mean()
+        self.deficit = self.engine.step_deficit()
         self.watch.update(self.step, loss, self.engine.grad_norm_tensor())
         return loss
 
@@ -198,7 +200,13 @@ class _Loop:
                 lr = self.engine.lr
                 step_loss = self.train_step()
                 if self.step % t.log_every == 0 or self.step == self.target:
-                    loss = all_reduce_mean([step_loss.item()], self.env.device)[0]  # the mean over ranks
+                    extra = {}
+                    if self.deficit is None:
+                        loss = all_reduce_mean([step_loss.item()], self.env.device)[0]  # the mean over ranks
+                    else:  # the LM loss ("loss" leaves the penalty out) and the gate-entropy deficit, over ranks
+                        loss, deficit = all_reduce_mean([step_loss.item(), self.deficit.item()], self.env.device)
+                        extra = {"gate_entropy_deficit": deficit,
+                                 "gate_entropy_penalty": self.engine.gate_entropy.weight * deficit}
                     now = time.perf_counter()
                     tok_s = (self.step - last_step) * self.tokens_per_step / max(now - last_time, 1e-9)
                     last_time, last_step = now, self.step
@@ -206,7 +214,7 @@ class _Loop:
                             mfu(tok_s / self.env.world_size, self.flops_per_token, self.peak))
                     self.log.log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.engine.grad_norm,
                                   "tokens": self.tokens, "tokens_per_s": tok_s,
-                                  "flops_per_token": self.flops_per_token, "mfu": util})
+                                  "flops_per_token": self.flops_per_token, "mfu": util, **extra})
                     self.log.progress(self.step, **{"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
                                                     "lr": f"{lr:.2e}"})
                     self.watch.check(self.run_dir)
@@ -235,6 +243,7 @@ class _Loop:
         return self.run_dir
 
     def close(self, ok: bool) -> None:
+        self.engine.close()
         self.log.close(ok)
 
 
