@@ -129,6 +129,8 @@ ADDED = {
     "w4s4_conv": ("w4s4", {"mixing": "conv", "mixing_kernel": 4}),
     "w8s8_conv": ("w8s8", {"mixing": "conv", "mixing_kernel": 4}),
     "w8s4_shared": ("w8s4", {"offset_maps": "shared"}),
+    "w4s4_stagger": ("w4s4", {"grid_offsets": "stagger"}),
+    "w8s8_stagger": ("w8s8", {"grid_offsets": "stagger"}),
 }
 
 
