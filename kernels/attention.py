@@ -271,18 +271,18 @@ def _key_kernel(
     tl.store(DVAL + out + offs, dv.to(DVAL.dtype.element_ty), mask=cols[:, None] < n_keys)
 
 
-def _first_needed_key(q_start: int, Tq: int, stride: int, span: int, tail: bool) -> Optional[int]:
+def _first_needed_key(q_start: int, Tq: int, stride: int, span: int, tail: bool, origin: int = 0) -> Optional[int]:
     """Earliest exact-key position any query's local window holds, or None when no window holds a key.
-    Window starts never decrease with the query position, so it is the first query's window start; in tail
-    mode that window is empty when the first query closes a stride block, and the next query's window then
-    starts at the same position, ``q_start + 1``."""
+    Window starts never decrease with the query position, so it is the first query's window start (no earlier
+    than ``origin``, the first position that exists); in tail mode that window is empty when the first query
+    closes a stride block, and the next query's window then starts at the same position, ``q_start + 1``."""
     if span == 0 or Tq == 0:
         return None
-    return max(int(_local_lo.fn(q_start, stride, span, tail)), 0)
+    return max(int(_local_lo.fn(q_start, stride, span, tail)), origin)
 
 
 def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  stride: int, local_span: int, tail: bool, q_start: int) -> None:
+                  stride: int, local_span: int, tail: bool, q_start: int, origin: int = 0) -> None:
     """Raise a clear error on any input the kernels do not support."""
     for name, t in (("q", q), ("kc", kc), ("vc", vc), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -309,12 +309,15 @@ def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.
         raise ValueError(f"tail={tail!r} must be a bool")
     if tail and local_span != stride - 1:
         raise ValueError(f"tail mode keeps at most stride - 1 = {stride - 1} exact keys, got local_span={local_span}")
-    if not isinstance(q_start, int) or isinstance(q_start, bool) or q_start < 0:
-        raise ValueError(f"q_start={q_start!r} must be an integer >= 0")
+    if not isinstance(origin, int) or isinstance(origin, bool) or origin < 0:
+        raise ValueError(f"origin={origin!r} must be an integer >= 0")
+    if not isinstance(q_start, int) or isinstance(q_start, bool) or q_start < origin:
+        raise ValueError(f"q_start={q_start!r} must be an integer >= {origin} (origin)")
     k_start = q_start + Tq - k.shape[1]
-    if k_start < 0:
-        raise ValueError(f"{k.shape[1]} exact keys end at position {q_start + Tq - 1}, so they would start before 0")
-    first = _first_needed_key(q_start, Tq, stride, local_span, tail)
+    if k_start < origin:
+        raise ValueError(f"{k.shape[1]} exact keys end at position {q_start + Tq - 1}, so they would start before "
+                         f"the first position {origin}")
+    first = _first_needed_key(q_start, Tq, stride, local_span, tail, origin)
     if first is not None and first < k_start:
         raise ValueError(f"exact keys start at position {k_start}, but a local window reaches back to {first}")
     check_runnable(q, kc, vc, k, v)
@@ -416,7 +419,7 @@ class JointAttentionFunction(torch.autograd.Function):
 def joint_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     stride: int, local_span: int, tail: bool = False, q_start: int = 0, scale: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None, origin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over visible compressed entries and the exact keys of each query's local window (Triton;
     same contract as ``ckv.attention.reference.joint_attention_reference``).
@@ -431,9 +434,12 @@ def joint_attention(
     ``sinks`` (H,), any float dtype: one extra logit per head whose probability is dropped (DeepSeek-V4).
     Returns out (B, Tq, H, D) in q's dtype (0 where a query sees nothing) and the log-sum-exp (B, Tq, H) fp32,
     sinks included (-inf where a query sees nothing and there are no sinks). Differentiable in q, kc, vc, k, v
-    and sinks.
+    and sinks. ``origin``: the first position that exists (0; a layer with a shifted grid passes every position
+    in its grid coordinates, where real position 0 is ``origin``). The kernels derive query and key positions
+    from ``q_start`` and ``Tk`` alone and never read a key before ``k_start >= origin``, so ``origin`` only
+    bounds the input checks.
     """
-    _check_inputs(q, kc, vc, k, v, stride, local_span, tail, q_start)
+    _check_inputs(q, kc, vc, k, v, stride, local_span, tail, q_start, origin)
     if sinks is not None:
         check_float("sinks", sinks)
         if sinks.shape != (q.shape[2],) or sinks.device != q.device:

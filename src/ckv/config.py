@@ -126,6 +126,10 @@ class AttentionConfig:
     # compressor branch's input, mixing_kernel (2..stride) taps over the current and previous tokens
     mixing: str = "none"
     mixing_kernel: Optional[int] = None
+    # phase-staggered grids (docs/robustness.md, docs/attention.md "Staggered grids"): None (no shift), one offset
+    # per layer (0..stride-1; entry j then covers [(j+1)S - W + o, (j+1)S - 1 + o]), or "stagger": layer l gets
+    # (l * stride) // n_layers; the length of a list is checked against model.n_layers by ModelConfig
+    grid_offsets: Optional[Union[list[int], str]] = None
     # gate-entropy floor (docs/training.md; training only, the model ignores both): the trainer adds
     # gate_entropy_weight * mean relu(gate_entropy_floor * log(n) - H(alpha)) over every learned gate, n the
     # window's present offsets; the floor is a fraction of the largest entropy log(n), 0 turns it off
@@ -160,6 +164,7 @@ class AttentionConfig:
         self._check_v4_options()
         self._check_mixing()
         self._check_gate_entropy()
+        self._check_grid_offsets()
 
     def _check_gate_entropy(self) -> None:
         o = "attention"
@@ -175,6 +180,23 @@ class AttentionConfig:
         if weight > 0 and floor == 0:
             raise ConfigError(f"{o}.gate_entropy_weight={weight} weighs the gate-entropy penalty, which is off: set "
                               "attention.gate_entropy_floor in (0, 1)")
+
+    def _check_grid_offsets(self) -> None:
+        o, offsets = "attention", self.grid_offsets
+        if offsets is None:
+            return
+        if self.kind != "compressed":
+            raise ConfigError(f"{o}.grid_offsets is an option of kind='compressed' (got kind={self.kind!r})")
+        if isinstance(offsets, str):
+            check_choice(f"{o}.grid_offsets", offsets, ("stagger",))
+            return
+        if not isinstance(offsets, (list, tuple)):
+            raise ConfigError(f"{o}.grid_offsets={offsets!r} must be null, 'stagger' or a list of ints (one per layer)")
+        self.grid_offsets = list(offsets)
+        for i, value in enumerate(self.grid_offsets):
+            check_int(f"{o}.grid_offsets[{i}]", value, minimum=0)
+            if value >= self.stride:
+                raise ConfigError(f"{o}.grid_offsets[{i}]={value} must be < attention.stride={self.stride}")
 
     def _check_mixing(self) -> None:
         o = "attention"
@@ -265,6 +287,9 @@ class ModelConfig:
         check_float(f"{o}.init_std", self.init_std, 0, low_open=True)
         check_bool(f"{o}.tie_embeddings", self.tie_embeddings)
         a = self.attention
+        if isinstance(a.grid_offsets, list) and len(a.grid_offsets) != self.n_layers:
+            raise ConfigError(f"attention.grid_offsets has {len(a.grid_offsets)} entries; it needs one per layer "
+                              f"(model.n_layers={self.n_layers})")
         if a.rope == "partial":
             if not isinstance(a.rope_dims, int) or a.rope_dims < 2 or a.rope_dims % 2 or a.rope_dims > self.head_dim:
                 raise ConfigError(
@@ -275,6 +300,15 @@ class ModelConfig:
     def kv_heads(self) -> int:
         """Effective number of KV heads (the attention config may override the model's)."""
         return self.attention.kv_heads if self.attention.kv_heads is not None else self.n_kv_heads
+
+    def grid_offset(self, layer_idx: int) -> int:
+        """The grid offset of layer ``layer_idx`` (0..stride-1; 0 without ``attention.grid_offsets``)."""
+        offsets = self.attention.grid_offsets
+        if offsets is None:
+            return 0
+        if offsets == "stagger":
+            return (layer_idx * self.attention.stride) // self.n_layers
+        return int(offsets[layer_idx])
 
     @property
     def rope_dims(self) -> int:

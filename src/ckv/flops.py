@@ -7,6 +7,7 @@ as in the PaLM/Chinchilla convention):
 - attention: ``4 * head_dim`` per query head and visible (query, key) pair (``Q K^T`` and ``P V``); full causal
   attention sees ``t + 1`` keys at position ``t``; compressed attention sees the visible entries plus the exact
   keys of its local window, both taken from ``ckv.geometry`` (the one source of truth), never counted as full;
+  a layer with a shifted grid (``attention.grid_offsets``) is counted in its own grid coordinates, layer by layer;
 - the compressor: each entry maps its ``window`` hidden states (absent ones included: they are computed as zeros)
   through the payload and gate maps, ``2 * d_model * (kv_heads * head_dim + gate_dim)`` per token and entry per
   branch, plus the gated sum ``2 * window * kv_heads * head_dim`` per entry per branch; token mixing
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ckv.config import ConfigError, ModelConfig
-from ckv.geometry import local_start, num_entries, visible_entries
+from ckv.geometry import grid_origin, local_start, num_entries, visible_entries
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s. Sources: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM
 # 989.4 TFLOPS, H100 PCIe 756 TFLOPS bf16 dense; the 1,979 / 1,513 figures are with 2:4 sparsity); NVIDIA H200
@@ -75,16 +76,24 @@ def parameter_count(config: ModelConfig) -> int:
     return config.n_layers * block + embed * (1 if config.tie_embeddings else 2) + d  # + the final norm
 
 
-def visible_pairs(seq_len: int, config: ModelConfig) -> int:
-    """(query, key) pairs one query head scores over a sequence of ``seq_len`` tokens (one layer)."""
+def _layer_entries(seq_len: int, config: ModelConfig, layer_idx: int) -> int:
+    """Entries layer ``layer_idx`` pools over ``seq_len`` tokens (its grid shifted by its grid offset)."""
+    a = config.attention
+    return num_entries(seq_len + grid_origin(config.grid_offset(layer_idx), a.stride), a.stride)
+
+
+def visible_pairs(seq_len: int, config: ModelConfig, layer_idx: int = 0) -> int:
+    """(query, key) pairs one query head scores over a sequence of ``seq_len`` tokens in layer ``layer_idx``
+    (layers differ only by their grid offsets)."""
     a = config.attention
     if not a.compressed:
         return seq_len * (seq_len + 1) // 2
-    e_total = num_entries(seq_len, a.stride)
+    P = grid_origin(config.grid_offset(layer_idx), a.stride)  # grid coordinates g = t + P, present from P
+    e_total = num_entries(seq_len + P, a.stride)
     pairs = 0
-    for t in range(seq_len):
+    for t in range(P, seq_len + P):
         entries = min(visible_entries(t, a.stride), e_total)
-        local = t - max(local_start(t, a.local_window, a.stride), 0) + 1
+        local = t - max(local_start(t, a.local_window, a.stride), P) + 1
         pairs += entries + max(local, 0)
     return pairs
 
@@ -114,14 +123,18 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
         raise ConfigError(f"seq_len={seq_len} must be >= 1")
     a, L = config.attention, config.n_layers
     linear = 2.0 * (L * sum(i * o for i, o in linear_shapes(config).values()) + config.d_model * config.vocab_size)
-    attention = 4.0 * config.head_dim * config.n_heads * L * visible_pairs(seq_len, config) / seq_len
+    if a.grid_offsets is None:  # every layer has the same grid
+        pairs = L * visible_pairs(seq_len, config)
+    else:
+        pairs = sum(visible_pairs(seq_len, config, layer) for layer in range(L))
+    attention = 4.0 * config.head_dim * config.n_heads * pairs / seq_len
     compressor = 0.0
     branches = _compressor_branches(config)
     if branches:
-        entries = num_entries(seq_len, a.stride)
+        entries = sum(_layer_entries(seq_len, config, layer) for layer in range(L))  # all layers
         out = config.kv_heads * config.head_dim
         per_entry = a.window * 2.0 * config.d_model * (out + _gate_dim(config)) + 2.0 * a.window * out
-        compressor = L * branches * per_entry * entries / seq_len
+        compressor = branches * per_entry * entries / seq_len
         if a.mixing == "conv":
             compressor += L * branches * 2.0 * a.mixing_kernel * config.d_model
     return FlopsPerToken(seq_len=seq_len, linear=linear, attention=attention, compressor=compressor)

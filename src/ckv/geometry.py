@@ -11,6 +11,13 @@ Conventions (DeepSeek-V4's, see docs/attention.md):
   mode, the tokens no visible entry covers yet: ``[((t+1) // stride) * stride, t]`` (empty when ``t`` closes a
   stride block).
 
+Staggered grids (``attention.grid_offsets``): a layer whose grid is shifted by ``o`` (``0 <= o < stride``) has
+entries covering ``[(j+1)S - W + o, (j+1)S - 1 + o]``, visible at ``t`` iff ``(j+1)S - 1 + o <= t``. It computes
+in grid coordinates ``g = p + P``, ``P = grid_origin(o, stride) = (stride - o) % stride``: every rule above holds
+unchanged in ``g``, with "present" meaning ``g >= P`` (real position >= 0) instead of ``g >= 0``; the functions
+below that decide presence take that ``origin`` (default 0: no shift). Grid entry ``j`` is the shifted entry
+``j - 1`` of the formula when ``o > 0`` (grid entry 0 covers ``[o - W, o - 1]``: positions ``0..o-1``).
+
 Everything here is pure and cheap; the reference, the attention backends (which hand the Triton kernels the
 plain integers derived here), the cache, evaluation and the analyses import it instead of recomputing any of it.
 """
@@ -36,6 +43,12 @@ def phase(position: int | torch.Tensor, stride: int) -> int | torch.Tensor:
     return position % stride
 
 
+def grid_origin(grid_offset: int, stride: int) -> int:
+    """Grid coordinate ``P`` of real position 0 for a grid shifted by ``grid_offset``: ``(stride - o) % stride``
+    (``g = p + P``; 0 without a shift)."""
+    return (stride - grid_offset) % stride
+
+
 def entry_start(j: int | torch.Tensor, window: int, stride: int) -> int | torch.Tensor:
     """First position covered by entry ``j`` (may be negative: those positions are absent)."""
     return (j + 1) * stride - window
@@ -51,14 +64,16 @@ def visible_entries(t: int | torch.Tensor, stride: int) -> int | torch.Tensor:
     return (t + 1) // stride
 
 
-def entry_rope_position(j: torch.Tensor, window: int, stride: int, mode: EntryRopePosition) -> torch.Tensor:
-    """Position at which the compressed key of entry ``j`` is rotated."""
+def entry_rope_position(j: torch.Tensor, window: int, stride: int, mode: EntryRopePosition,
+                        origin: int = 0) -> torch.Tensor:
+    """Position (grid coordinates) at which the compressed key of entry ``j`` is rotated; ``origin`` is the grid
+    coordinate of real position 0 (the real RoPE position is the result minus ``origin``)."""
     if mode == "block_start":  # DeepSeek-V4: first token of the entry's own stride block
         return j * stride
     if mode == "window_end":
         return entry_end(j, stride)
     if mode == "window_start":  # first present token of the window
-        return torch.clamp(entry_start(j, window, stride), min=0)
+        return torch.clamp(entry_start(j, window, stride), min=origin)
     raise ValueError(f"entry_rope_position must be one of {ENTRY_ROPE_POSITIONS}, got {mode!r}")
 
 
@@ -71,14 +86,16 @@ def offset_series(window: int, stride: int) -> torch.Tensor:
     return torch.arange(window) // stride
 
 
-def window_positions(first_entry: int, n: int, window: int, stride: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def window_positions(first_entry: int, n: int, window: int, stride: int, device=None,
+                     origin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions covered by entries ``first_entry .. first_entry + n - 1``.
 
-    Returns ``positions`` (n, window) int64 and ``present`` (n, window) bool (False for positions < 0).
+    Returns ``positions`` (n, window) int64 and ``present`` (n, window) bool (False for positions < ``origin``:
+    0 without a shift, ``grid_origin(o, stride)`` in a shifted layer's grid coordinates).
     """
     j = torch.arange(first_entry, first_entry + n, device=device)[:, None]  # (n, 1)
     pos = entry_start(j, window, stride) + torch.arange(window, device=device)[None, :]  # (n, W)
-    return pos, pos >= 0
+    return pos, pos >= origin
 
 
 def local_span(local_window: LocalWindow, stride: int) -> int:
@@ -101,33 +118,41 @@ def compressed_mask(q_pos: torch.Tensor, n_entries: int, stride: int) -> torch.T
     return entry_end(j, stride)[None, :] <= q_pos[:, None]
 
 
-def local_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, local_window: LocalWindow, stride: int) -> torch.Tensor:
-    """(Tq, Tk) bool: the exact key at ``k_pos[c]`` is in the local window of the query at ``q_pos[i]``."""
+def local_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, local_window: LocalWindow, stride: int,
+               origin: int = 0) -> torch.Tensor:
+    """(Tq, Tk) bool: the exact key at ``k_pos[c]`` is in the local window of the query at ``q_pos[i]`` (keys
+    below ``origin`` are absent)."""
     start = local_start(q_pos, local_window, stride)
-    return (k_pos[None, :] >= start[:, None]) & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
+    return (k_pos[None, :] >= start[:, None]) & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= origin)
 
 
-def influence_mask(seq_len: int, window: int, stride: int, local_window: LocalWindow) -> torch.Tensor:
-    """(T, T) bool: token ``p`` can influence the query at ``t`` in one compressed attention layer
-    (through a visible entry covering ``p`` or through ``t``'s local window)."""
-    t = torch.arange(seq_len)
-    e = num_entries(seq_len, stride)
-    pos, present = window_positions(0, e, window, stride)  # (E, W)
-    covers = torch.zeros(e, seq_len, dtype=torch.bool)
+def influence_mask(seq_len: int, window: int, stride: int, local_window: LocalWindow,
+                   grid_offset: int = 0) -> torch.Tensor:
+    """(T, T) bool over real positions: token ``p`` can influence the query at ``t`` in one compressed attention
+    layer whose grid is shifted by ``grid_offset`` (through a visible entry covering ``p`` or through ``t``'s
+    local window)."""
+    P = grid_origin(grid_offset, stride)
+    n = seq_len + P  # grid coordinates 0 .. n-1; real positions are P ..
+    t = torch.arange(n)
+    e = num_entries(n, stride)
+    pos, present = window_positions(0, e, window, stride, origin=P)  # (E, W)
+    covers = torch.zeros(e, n, dtype=torch.bool)
     if e:
         covers[torch.arange(e)[:, None].expand_as(pos)[present], pos[present]] = True
-    via_entries = (compressed_mask(t, e, stride).float() @ covers.float()) > 0  # (T, T)
-    return via_entries | local_mask(t, t, local_window, stride)
+    via_entries = (compressed_mask(t, e, stride).float() @ covers.float()) > 0  # (n, n)
+    return (via_entries | local_mask(t, t, local_window, stride, origin=P))[P:, P:]
 
 
-def local_keep(seq_len: int, local_window: LocalWindow, stride: int) -> int:
+def local_keep(seq_len: int, local_window: LocalWindow, stride: int, origin: int = 0) -> int:
     """Exact keys a decoding cache must keep after ``seq_len`` tokens: those in the next query's local window
-    (later queries' windows start no earlier)."""
-    return max(0, seq_len - max(local_start(seq_len, local_window, stride), 0))
+    (later queries' windows start no earlier). In a shifted layer ``seq_len`` is in grid coordinates and keys
+    below ``origin`` were never held (the keep is at most ``seq_len - origin``)."""
+    return max(0, seq_len - max(local_start(seq_len, local_window, stride), origin))
 
 
-def pending_keep(seq_len: int, window: int, stride: int) -> int:
-    """Hidden states a decoding cache must keep after ``seq_len`` tokens to pool the next entry to close."""
+def pending_keep(seq_len: int, window: int, stride: int, origin: int = 0) -> int:
+    """Hidden states a decoding cache must keep after ``seq_len`` tokens to pool the next entry to close (grid
+    coordinates and ``origin`` as in ``local_keep``)."""
     next_start = entry_start(seq_len // stride, window, stride)
-    return max(seq_len - max(next_start, 0), 0)
+    return max(seq_len - max(next_start, origin), 0)
 

@@ -7,7 +7,7 @@ import torch
 from ckv import Transformer
 from ckv.config import ConfigError, ModelConfig
 from ckv.flops import PEAK_BF16_FLOPS, flops_per_token, mfu, parameter_count, peak_flops, visible_pairs
-from ckv.geometry import compressed_mask, local_mask, num_entries
+from ckv.geometry import compressed_mask, grid_origin, local_mask, num_entries
 
 from .helpers import VARIANTS, small_config, variant
 
@@ -21,18 +21,25 @@ def test_parameter_count_matches_the_model(name):
         assert parameter_count(cfg) == sum(p.numel() for p in model.parameters())
 
 
-def _brute_force_pairs(T: int, cfg: ModelConfig) -> int:
+def _brute_force_pairs(T: int, cfg: ModelConfig, layer: int = 0) -> int:
     a, t = cfg.attention, torch.arange(T)
     if not a.compressed:
         return int((t[None, :] <= t[:, None]).sum())
-    return int(compressed_mask(t, num_entries(T, a.stride), a.stride).sum() + local_mask(t, t, a.local_window, a.stride).sum())
+    P = grid_origin(cfg.grid_offset(layer), a.stride)  # a shifted layer's grid coordinates, present from P
+    g = t + P
+    return int(compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum()
+               + local_mask(g, g, a.local_window, a.stride, origin=P).sum())
 
 
-@pytest.mark.parametrize("name", ["full", "w8s8", "w8s4", "w12s12", "w8s8_tail", "w8s6"])
+@pytest.mark.parametrize("name", ["full", "w8s8", "w8s4", "w12s12", "w8s8_tail", "w8s6", "w4s4_stagger",
+                                  "w8s8_stagger"])
 @pytest.mark.parametrize("T", [1, 7, 8, 37, 96])
 def test_visible_pairs_by_brute_force(name, T):
     cfg = small_config(variant(name))
-    assert visible_pairs(T, cfg) == _brute_force_pairs(T, cfg)
+    pairs = [visible_pairs(T, cfg, layer) for layer in range(cfg.n_layers)]
+    assert pairs == [_brute_force_pairs(T, cfg, layer) for layer in range(cfg.n_layers)]
+    attention = 4 * cfg.head_dim * cfg.n_heads * sum(pairs) / T  # summed over layers, each with its own grid
+    assert flops_per_token(cfg, T).attention == pytest.approx(attention)
 
 
 def test_flops_from_first_principles():

@@ -133,6 +133,8 @@ ADDED = {
     "w8s4_entropy": ("w8s4", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
     "w8s8_entropy": ("w8s8", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
     "w4s4_entropy": ("w4s4", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
+    "w4s4_stagger": ("w4s4", {"grid_offsets": "stagger"}),
+    "w8s8_stagger": ("w8s8", {"grid_offsets": "stagger"}),
 }
 
 

@@ -22,6 +22,7 @@ from ckv.geometry import (
     LocalWindow,
     entry_rope_position,
     entry_start,
+    grid_origin,
     local_keep,
     local_span,
     num_entries,
@@ -86,16 +87,17 @@ def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.T
 def joint_attention(
     q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     stride: int, local_window: LocalWindow, q_start: int = 0, impl: str = "torch",
-    sinks: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None, origin: int = 0,
 ) -> torch.Tensor:
-    """Dispatch of ``reference.joint_attention_reference`` (see there for shapes); returns the output only."""
+    """Dispatch of ``reference.joint_attention_reference`` (see there for shapes and ``origin``); returns the
+    output only. A layer with a shifted grid passes ``q_start`` in grid coordinates and its ``origin``."""
     if resolve_impl(impl, q.device) == "triton":
         from ckv_kernels import joint_attention as joint_attention_triton
 
         return joint_attention_triton(q, kc, vc, k, v, stride=stride, local_span=local_span(local_window, stride),
-                                      tail=local_window == "tail", q_start=q_start, sinks=sinks)[0]
+                                      tail=local_window == "tail", q_start=q_start, sinks=sinks, origin=origin)[0]
     return joint_attention_reference(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start,
-                                     sinks=sinks)[0]
+                                     sinks=sinks, origin=origin)[0]
 
 
 class Pooling(nn.Module):
@@ -187,7 +189,11 @@ class Compressor(nn.Module):
 
 
 class CompressedAttention(AttentionBackend):
-    """Joint attention over chunk-compressed entries and an exact local window."""
+    """Joint attention over chunk-compressed entries and an exact local window.
+
+    With ``attention.grid_offsets`` the layer's grid is shifted by ``grid_offset`` (``config.grid_offset(layer_idx)``):
+    entries, visibility, the local window and the decode cache's keeps are computed in grid coordinates
+    ``g = p + origin`` (``geometry.grid_origin``), positions below ``origin`` absent; RoPE stays at real positions."""
 
     kind = "compressed"
     impls = ("auto", "torch", "triton")
@@ -215,18 +221,22 @@ class CompressedAttention(AttentionBackend):
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if a.sink else None  # one logit per query head
         self.inverse_output_rope = a.output_rope == "inverse"
         self.history = a.mixing_kernel - 1 if a.mixing == "conv" else 0  # states before a window that mixing reads
+        self.grid_offset = config.grid_offset(layer_idx)
+        self.origin = grid_origin(self.grid_offset, self.stride)  # grid coordinate of real position 0
 
     def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool entries ``first .. first+n-1`` from hidden states h (B, Th, d) at positions ``h_start..``.
-        With token mixing, h must also hold the ``mixing_kernel - 1`` states before each window (unless it starts
-        at position 0). Returns kc, vc (B, n, KV, D): keys normalised and rotated; vc is kc with tied K/V."""
-        # the earliest present position pooled is max(entry_start(first), 0): checked on ints, no host sync
+        """Pool entries ``first .. first+n-1`` (of this layer's grid) from hidden states h (B, Th, d) at real
+        positions ``h_start..``. With token mixing, h must also hold the ``mixing_kernel - 1`` states before each
+        window (unless it starts at position 0). Returns kc, vc (B, n, KV, D): keys normalised and rotated at real
+        positions; vc is kc with tied K/V."""
+        P = self.origin
+        # the earliest present position pooled is max(entry_start(first), P) - P (real): ints only, no host sync
         need = self.history if h_start > 0 else 0
-        if n > 0 and max(entry_start(first, self.window, self.stride), 0) < h_start + need:
+        if n > 0 and max(entry_start(first, self.window, self.stride), P) - P < h_start + need:
             raise ValueError("hidden states do not reach back to the start of a window being pooled"
                              + (f" (and its {self.history} mixing predecessors)" if self.history else ""))
-        pos, present = window_positions(first, n, self.window, self.stride, device=h.device)  # (n, W)
-        idx = pos - h_start
+        pos, present = window_positions(first, n, self.window, self.stride, device=h.device, origin=P)  # (n, W) grid
+        idx = pos - P - h_start
         mask = present[None, :, :, None].to(h.dtype)  # (1, n, W, 1)
 
         def windows(compressor: Compressor) -> torch.Tensor:  # (B, n, W, d), zeros where absent
@@ -241,7 +251,7 @@ class CompressedAttention(AttentionBackend):
         if self.ck_norm is not None and not self.norm_before_pooling:
             kc = self.ck_norm(kc)
         j = torch.arange(first, first + n, device=h.device)
-        kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope))
+        kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope, origin=P) - P)
         vc = kc if self.v_compressor is None else self.v_compressor(
             windows(self.v_compressor) if shared is None else shared, present, impl=impl)
         return kc, vc
@@ -252,7 +262,8 @@ class CompressedAttention(AttentionBackend):
         positions = torch.arange(start, start + T, device=x.device)
         q, k, v = self.project(x, positions)  # (B, T, H|KV, D)
         tied = self.v_compressor is None
-        first, end = num_entries(start, self.stride), num_entries(start + T, self.stride)
+        P = self.origin  # grid coordinates g = p + P (P = 0 without a shift)
+        first, end = num_entries(start + P, self.stride), num_entries(start + P + T, self.stride)
         if cache is None:
             kc, vc = self.entries(x, 0, 0, end)
             k_all, v_all = k, v
@@ -265,16 +276,17 @@ class CompressedAttention(AttentionBackend):
             k_all = k if cache.k is None else torch.cat([cache.k, k], dim=1)
             v_all = k_all if tied else (v if cache.v is None else torch.cat([cache.v, v], dim=1))
             n = start + T
-            keep_l = local_keep(n, self.local_window, self.stride)
+            # grid coordinates; the origin clamps the keep to the tokens held (positions below P do not exist)
+            keep_l = local_keep(n + P, self.local_window, self.stride, origin=P)
             # the next window's hidden states, plus the mixing's history before it (none before position 0)
-            keep_p = min(pending_keep(n, self.window, self.stride) + self.history, h.shape[1])
+            keep_p = min(pending_keep(n + P, self.window, self.stride, origin=P) + self.history, h.shape[1])
             cache.kc, cache.vc = kc, (None if tied else vc)
             cache.k = k_all[:, k_all.shape[1] - keep_l:]
             cache.v = cache.k if tied else v_all[:, v_all.shape[1] - keep_l:]
             cache.pending = h[:, h.shape[1] - keep_p:]
             cache.length = n
         out = joint_attention(q, kc, vc, k_all, v_all, stride=self.stride, local_window=self.local_window,
-                              q_start=start, impl=self.impl_for(x), sinks=self.sinks)  # (B, T, H, D)
+                              q_start=start + P, impl=self.impl_for(x), sinks=self.sinks, origin=P)  # (B, T, H, D)
         if self.inverse_output_rope:  # tied values carry RoPE: rotate back by the query's position
             out = self.rotary(out, positions, inverse=True)
         return self.o_proj(out.reshape(B, T, -1))

@@ -29,13 +29,14 @@ def pool_reference(
     return pooled, alpha
 
 
-def _earliest_local_key(q_start: int, Tq: int, L: int, local_window: LocalWindow, stride: int) -> Optional[int]:
+def _earliest_local_key(q_start: int, Tq: int, L: int, local_window: LocalWindow, stride: int,
+                        origin: int = 0) -> Optional[int]:
     """The earliest key position any of the queries ``q_start .. q_start+Tq-1`` keeps exactly (None: none keeps
-    one), from ints alone (no host sync). A query at ``t`` keeps ``max(local_start(t), t - L + 1, 0) .. t``; that
+    one), from ints alone (no host sync). A query at ``t`` keeps ``max(local_start(t), t - L + 1, origin) .. t``; that
     start never decreases with ``t``, and within ``stride`` queries one keeps a key when any does (only a tail
     window is ever empty, and only at the last position of each stride), so the first non-empty one is the earliest."""
     for t in range(q_start, q_start + min(Tq, stride + 1)):
-        first = max(local_start(t, local_window, stride), t - L + 1, 0)
+        first = max(local_start(t, local_window, stride), t - L + 1, origin)
         if first <= t:
             return first
     return None
@@ -53,6 +54,7 @@ def joint_attention_reference(
     q_start: int = 0,
     scale: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
+    origin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over visible compressed entries and the exact keys of each query's local window.
 
@@ -62,6 +64,8 @@ def joint_attention_reference(
     head in every query's softmax (DeepSeek-V4's attention sink) whose probability is dropped (its value is 0).
     Returns out (B, Tq, H, D) in q's dtype and the log-sum-exp (B, Tq, H) in fp32, sinks included (-inf where a
     query sees nothing and there is no sink; its output is 0 either way).
+    ``origin``: the first present position (0; a layer with a shifted grid passes positions in grid coordinates,
+    ``q_start`` included, and its grid coordinate of real position 0): exact keys before it do not exist.
     """
     B, Tq, H, D = q.shape
     E, KV, Tk = kc.shape[1], k.shape[2], k.shape[1]
@@ -81,8 +85,8 @@ def joint_attention_reference(
             return torch.zeros_like(q), q.new_full((B, Tq, H), float("-inf"), dtype=torch.float32)
         return torch.zeros_like(q), sinks.float().expand(B, Tq, H)  # only the sink: lse = its logit
     band = q_pos[:, None] - L + 1 + torch.arange(L, device=dev)[None, :]  # (Tq, L) key positions
-    mask_l = (band >= local_start(q_pos, local_window, stride)[:, None]) & (band >= 0)
-    earliest = _earliest_local_key(q_start, Tq, L, local_window, stride)
+    mask_l = (band >= local_start(q_pos, local_window, stride)[:, None]) & (band >= origin)
+    earliest = _earliest_local_key(q_start, Tq, L, local_window, stride, origin)
     if earliest is not None and earliest < k_start:
         raise ValueError(f"exact keys start at position {k_start}, but a local window reaches further back")
     idx = (band - k_start).clamp(0, max(Tk - 1, 0))
