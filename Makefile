@@ -39,7 +39,7 @@ demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 model
 demo-v4: $(STAMP)  ## transformers' DeepSeek-V4 vs ckv's V4 variant vs the W = S = 4 gate vs full attention (est. ~15 min on 2 cores; docs/demo.md)
 	$(BIN)/python -m ckv.apps.demo_v4 --out outputs/demo-v4
 
-robust: $(STAMP)  ## robustness benchmark: baseline gate, fixes and full attention on two tasks, 24 models (full run not yet timed; docs/robustness.md)
+robust: $(STAMP)  ## robustness benchmark: baseline gates, fixes and full attention on two tasks, two seeds, 18 models (~27 min on 2 cores; docs/robustness.md)
 	$(BIN)/python -m ckv.apps.robust --out outputs/robust
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)

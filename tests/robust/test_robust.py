@@ -10,24 +10,58 @@ import torch
 
 from ckv import Transformer
 from ckv.apps.demo import ROOT
-from ckv.apps.robust import MODELS, kv_bytes_per_token, plan
+from ckv.apps.robust import MODEL_BY_RUN, MODELS, criteria, kv_bytes_per_token, plan
 from tests.foundation.helpers import small_config, variant
 
 
-def test_plan_runs_every_model_of_each_task_for_each_seed_with_one_attention_override():
+def test_plan_runs_the_core_models_of_each_task_for_each_seed_with_one_attention_override():
     runs = plan(("split", "dense"), (0, 1))
-    assert len(runs) == 2 * sum(len(m) for m in MODELS.values())
+    core = [(t, m) for t, models in MODELS.items() for m in models if m.core]
+    assert len(runs) == 2 * len(core) == 18  # the nine per seed that fit make robust's 30 minutes
+    assert len(plan(("split", "dense"), (0, 1), everything=True)) == 2 * sum(len(m) for m in MODELS.values())
     assert len({(r.name, r.seed) for r in runs}) == len(runs)
     for r in runs:
-        assert r.train_overrides == (next(f"attention={o}" for m, o, _ in MODELS[r.experiment[7:]]
-                                          if r.name.endswith("_" + m)),)
+        task, model = r.experiment.removeprefix("robust_"), MODEL_BY_RUN[r.name]
+        assert r.name == f"{task}_{model.name}" and r.role == model.role
+        assert r.train_overrides == (f"attention={model.option}",)
         # only the control, which has no stride, is told which phase period to report
         assert bool(r.eval_overrides) == (r.role == "control")
     for task, models in MODELS.items():
-        assert [role for _, _, role in models].count("control") == 1
+        names = [m.name for m in models]
+        assert [m.role for m in models].count("control") == 1 and len(set(names)) == len(names)
         assert (ROOT / "conf" / "experiment" / f"robust_{task}.yaml").is_file()
-        for _, option, _ in models:
-            assert (ROOT / "conf" / "attention" / f"{option}.yaml").is_file()
+        for m in models:
+            assert (ROOT / "conf" / "attention" / f"{m.option}.yaml").is_file()
+            # every fix names a baseline of its own task, and only fixes do
+            assert (m.baseline is not None) == (m.role == "fix")
+            if m.baseline is not None:
+                assert next(b for b in models if b.name == m.baseline).role == "baseline"
+
+
+def _row(model: str, role: str, seed: int, worst: float, gap_lower: float = 0.0, p: float = 0.5,
+         baseline=None) -> dict:
+    return {"task": "split", "model": model, "role": role, "baseline": baseline, "seed": seed,
+            "worst_phase_accuracy": worst, "phase_gap": gap_lower + 0.02, "phase_gap_lower": gap_lower,
+            "phase_gap_upper": gap_lower + 0.04, "phase_p_value": p, "phase_noise_floor": 0.05}
+
+
+def test_criteria_need_every_seed():
+    rows = [_row("gate_w4s4", "baseline", s, 0.10, gap_lower=0.7, p=0.0005) for s in (0, 1)]
+    rows += [_row("full", "control", s, 0.88) for s in (0, 1)]
+    # seed 0 clears both bars, seed 1 only the minimum: the goal is not met
+    rows += [_row("conv_w4s4", "fix", 0, 0.86, baseline="gate_w4s4"),
+             _row("conv_w4s4", "fix", 1, 0.50, gap_lower=0.3, p=0.001, baseline="gate_w4s4")]
+    # +29 pp in one seed is below the minimum
+    rows += [_row("stagger_w4s4", "fix", 0, 0.39, baseline="gate_w4s4"),
+             _row("stagger_w4s4", "fix", 1, 0.90, baseline="gate_w4s4")]
+    # both seeds flat and within 5 pp of full attention's worst phase (0.88): both bars cleared
+    rows += [_row("overlap_w8s4", "fix", s, 0.85, baseline="gate_w4s4") for s in (0, 1)]
+    got = {c.claim.split(":")[0] + (" goal" if "within" in c.claim else " min"): c.passed for c in criteria(rows)}
+    assert got == {"split/conv_w4s4 min": True, "split/conv_w4s4 goal": False,
+                   "split/stagger_w4s4 min": False, "split/stagger_w4s4 goal": False,
+                   "split/overlap_w8s4 min": True, "split/overlap_w8s4 goal": True}
+    # a fix whose baseline did not run is not judged
+    assert not criteria([r for r in rows if r["model"] != "gate_w4s4"])
 
 
 @pytest.mark.parametrize("name", ["w4s4", "w4s4_conv", "w8s4", "w8s8_tied_kv", "deepseek_v4_csa", "full_kv1"])
@@ -60,15 +94,21 @@ def test_quick_robust_writes_a_table_a_plot_and_a_record(tmp_path):
     assert "quick mode" in proc.stdout and "per-phase accuracy" in proc.stdout
     record = json.loads((out / "robust.json").read_text())
     rows = record["rows"]
-    assert [r["model"] for r in rows] == [m for m, _, _ in MODELS["dense"]]
+    assert [r["model"] for r in rows] == [m.name for m in MODELS["dense"] if m.core]
     for r in rows:
         assert len(r["per_phase"]) == r["stride"] and min(r["per_phase"]) == pytest.approx(r["worst_phase_accuracy"])
         assert 0.0 <= r["phase_gap_lower"] <= r["phase_gap"] <= r["phase_gap_upper"] <= 1.0
         assert r["steps"] == 12 and r["parameters"] > 0
     by_model = {r["model"]: r for r in rows}
     # equal memory within a geometry, the control stores one key and value per token
-    assert by_model["conv_w8s8"]["kv_bytes_per_token"] == by_model["gate_w8s8"]["kv_bytes_per_token"]
+    assert by_model["entropy_w8s4"]["kv_bytes_per_token"] == by_model["gate_w8s4"]["kv_bytes_per_token"]
     assert by_model["full"]["kv_bytes_per_token"] == 8 * by_model["gate_w8s8"]["kv_bytes_per_token"]
-    assert by_model["conv_w8s8"]["parameters"] > by_model["gate_w8s8"]["parameters"]
+    assert by_model["entropy_w8s4"]["parameters"] == by_model["gate_w8s4"]["parameters"]  # a loss term only
+    # the crowding analysis ran on every compressed model of the dense task and names its gates' concentration
+    analysed = {a["label"] for a in record["crowding"]}
+    assert analysed == {f"dense_{m}/seed=0" for m in ("gate_w8s4", "entropy_w8s4", "gate_w8s8")}
+    for a in record["crowding"]:
+        assert all(1.0 <= u["k_static"] <= a["window"] + 1e-6 for u in a["layers"])
+    assert "crowding analysis" in proc.stdout
     data = Path(record["plot"]).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

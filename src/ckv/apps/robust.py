@@ -2,67 +2,98 @@
 
 Two CPU tasks on make demo's model, optimiser and budget (docs/robustness.md): **split** (straddling: make demo's
 split records, ``conf/experiment/robust_split.yaml``) and **dense** (crowding: four single-token records per
-8-token window, ``conf/experiment/robust_dense.yaml``). On each: the baseline gate, every fix that exists, and the
-full-attention control, two seeds each, the same budget for all, each trained with ``train.py`` and evaluated with
-``eval.py``'s position-matched lookup (``ckv.apps.demo``'s machinery); then one table (mean, per-phase accuracy,
-worst phase, phase and residue gaps with intervals and noise floors, KV bytes per token, parameters, training time)
-and one plot of worst-phase accuracy against KV bytes per token, under ``outputs/robust/``.
+8-token window, ``conf/experiment/robust_dense.yaml``). On each: the baseline gates, the fixes of ``MODELS`` and
+the full-attention control, two seeds each, the same budget for all, each trained with ``train.py`` and evaluated
+with ``eval.py``'s position-matched lookup (``ckv.apps.demo``'s machinery); then one table (mean, per-phase
+accuracy, worst phase, phase and residue gaps with intervals and noise floors, KV bytes per token, parameters,
+training time), the success criteria per fix (``criteria``), the crowding analysis of the dense task's compressed
+models (``analyse``: gate concentration beside knock-outs), and one plot of worst-phase accuracy against KV bytes
+per token, under ``outputs/robust/``.
 
-    python -m ckv.apps.robust                  # the full benchmark: 24 models (not yet run: docs/robustness.md)
+    python -m ckv.apps.robust                  # make robust: the core models (18 runs; time in docs/robustness.md)
+    python -m ckv.apps.robust --all            # every model of MODELS (30 runs, about twice as long)
     python -m ckv.apps.robust --quick          # one seed, a few steps per model: checks the pipeline only
     python -m ckv.apps.robust --task dense     # one task only
 
-The benchmark makes no pass/fail claims yet; a failed command exits non-zero.
+The criteria are reported (MET / not met), not enforced: the run exits 0 when every command succeeded and
+non-zero when one failed.
 """
-
 from __future__ import annotations
 
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ckv.apps.demo import DemoRun, Timer, demo_arguments, job_env, run_plan
+from ckv.apps.demo import QUICK_EVAL, TASK, Check, DemoRun, Timer, demo_arguments, job_env, run_command, run_plan
 from ckv.config import ModelConfig
+from ckv.eval.stats import gap_is_real
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR
-from ckv.io.results import write_json
+from ckv.io.results import read_json, write_json
 from ckv.io.weights import load_config
 
 BYTES_PER_ELEMENT = 2  # KV memory is reported for a bf16 cache
 SEEDS = (0, 1)
 
-# task -> (model name, attention option, role); the run folder is <out>/runs/<task>_<model>/seed=<seed>.
-# Every model of a task shares the experiment's model, data, optimiser, budget and local window (4 tokens).
-MODELS: dict[str, tuple[tuple[str, str, str], ...]] = {
+
+@dataclass(frozen=True)
+class Model:
+    """One model of a task: its attention option, its role, the equal-memory baseline a fix is compared with,
+    and whether ``make robust`` trains it (``core``) or only ``--all`` does (the 30-minute budget of 2 cores holds
+    nine models per seed at make demo's budget)."""
+
+    name: str
+    option: str
+    role: str  # "baseline", "fix" or "control"
+    baseline: Optional[str] = None  # a fix's equal-memory baseline (same entries per token, heads, local window)
+    core: bool = True
+
+
+# task -> models; the run folder is <out>/runs/<task>_<model>/seed=<seed>. Every model of a task shares the
+# experiment's model, data, optimiser, budget and local window (4 tokens); only the attention option differs.
+MODELS: dict[str, tuple[Model, ...]] = {
     # straddling: every compressed model stores one entry per 4 tokens (S = 4)
     "split": (
-        ("gate_w4s4", "w4s4", "baseline"),
-        ("conv_w4s4", "w4s4_conv", "fix"),             # fix 2: causal depthwise mixing before pooling
-        ("overlap_w8s4", "w8s4", "fix"),               # fix 1: W = 2S, offset-specific maps
-        ("overlap_shared_w8s4", "w8s4_shared", "fix"),  # fix 1: W = 2S, maps shared across offsets
-        ("v4_csa_w8s4", "deepseek_v4_csa", "fix"),     # fix 1: V4's two-series maps (local window 4, not 128)
-        ("full", "full", "control"),
+        Model("gate_w4s4", "w4s4", "baseline"),
+        Model("conv_w4s4", "w4s4_conv", "fix", "gate_w4s4"),                 # fix 2: causal mixing before pooling
+        Model("stagger_w4s4", "w4s4_stagger", "fix", "gate_w4s4"),           # fix 3: layer grids shifted by 0, 2
+        Model("overlap_w8s4", "w8s4", "fix", "gate_w4s4"),                   # fix 1: W = 2S, offset-specific maps
+        Model("overlap_shared_w8s4", "w8s4_shared", "fix", "gate_w4s4", core=False),  # fix 1: shared maps
+        Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w4s4", core=False),      # fix 1: V4's two series
+        Model("entropy_w4s4", "w4s4_entropy", "fix", "gate_w4s4", core=False),        # fix 4 (a crowding fix)
+        Model("full", "full", "control"),
     ),
-    # crowding: W = S = 8 (one entry per 8 tokens) and the paper's W = 8 / S = 4 (one per 4)
+    # crowding: the paper's W = 8 / S = 4 (every 2-token record fits one window) and W = S = 8 (one entry per 8)
     "dense": (
-        ("gate_w8s8", "w8s8", "baseline"),
-        ("conv_w8s8", "w8s8_conv", "fix"),
-        ("gate_w8s4", "w8s4", "baseline"),
-        ("overlap_shared_w8s4", "w8s4_shared", "fix"),
-        ("v4_csa_w8s4", "deepseek_v4_csa", "fix"),
-        ("full", "full", "control"),
+        Model("gate_w8s4", "w8s4", "baseline"),
+        Model("entropy_w8s4", "w8s4_entropy", "fix", "gate_w8s4"),           # fix 4: gate-entropy floor
+        Model("overlap_shared_w8s4", "w8s4_shared", "fix", "gate_w8s4", core=False),
+        Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w8s4", core=False),
+        Model("gate_w8s8", "w8s8", "baseline"),
+        Model("conv_w8s8", "w8s8_conv", "fix", "gate_w8s8", core=False),
+        Model("stagger_w8s8", "w8s8_stagger", "fix", "gate_w8s8", core=False),
+        Model("full", "full", "control"),
     ),
 }
 CONTROL_STRIDE = {"split": 4, "dense": 8}  # full attention has no stride: its phases are taken mod this
+ANALYSED_TASKS = ("dense",)  # the crowding analysis (gate concentration beside knock-outs) runs on these
+MIN_GAIN = 0.30  # the minimum: a fix raises the worst phase by >= 30 pp over its baseline, in every seed
+GOAL_MARGIN = 0.05  # the goal: worst phase within 5 pp of full attention's, gap not significant, every seed
 
 
-def plan(tasks: tuple[str, ...], seeds: tuple[int, ...]) -> tuple[DemoRun, ...]:
-    """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``."""
+MODEL_BY_RUN = {f"{task}_{m.name}": m for task, models in MODELS.items() for m in models}
+
+
+def plan(tasks: tuple[str, ...], seeds: tuple[int, ...], everything: bool = False) -> tuple[DemoRun, ...]:
+    """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``: the core models, or with
+    ``everything`` every model."""
     return tuple(
-        DemoRun(f"robust_{task}", seed, role, (f"attention={option}",),
-                (f"task.stride={CONTROL_STRIDE[task]}",) if role == "control" else (), name=f"{task}_{model}")
-        for task in tasks for model, option, role in MODELS[task] for seed in seeds
+        DemoRun(f"robust_{task}", seed, m.role, (f"attention={m.option}",),
+                (f"task.stride={CONTROL_STRIDE[task]}",) if m.role == "control" else (), name=f"{task}_{m.name}")
+        for task in tasks for m in MODELS[task] if m.core or everything for seed in seeds
     )
 
 
@@ -83,7 +114,7 @@ def row(d: dict) -> dict:
     residue = rep["residue"]["gap"]
     return {
         "task": d["run"].experiment.removeprefix("robust_"), "model": d["run"].name.split("_", 1)[1],
-        "role": d["run"].role, "seed": d["run"].seed, "steps": d["steps"], "train_seconds": d["train_seconds"],
+        "role": d["run"].role, "baseline": MODEL_BY_RUN[d["run"].name].baseline, "seed": d["run"].seed, "steps": d["steps"], "train_seconds": d["train_seconds"],
         "stride": rep["stride"], "mean": h["mean"], "per_phase": [g["accuracy"] for g in rep["phase"]["groups"]],
         "worst_phase": h["worst_phase"], "worst_phase_accuracy": h["worst_phase_accuracy"],
         "phase_gap": h["phase_gap"], "phase_gap_lower": h["phase_gap_lower"], "phase_gap_upper": h["phase_gap_upper"],
@@ -115,43 +146,131 @@ def table(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     """Worst-phase accuracy against KV bytes per token: one panel per task, one point per run, one colour per
-    model (the x axis is logarithmic: full attention stores 4-8x more per token)."""
+    model; models of equal memory are spread a little along x (the axis is logarithmic: full attention stores
+    4-8x more per token)."""
     import matplotlib.pyplot as plt
 
     tasks = sorted({r["task"] for r in rows}, key=list(MODELS).index)
     fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        models = [m for m, _, _ in MODELS[task] if any(r["task"] == task and r["model"] == m for r in rows)]
-        for i, model in enumerate(models):
-            pts = [r for r in rows if r["task"] == task and r["model"] == model]
-            ax.scatter([r["kv_bytes_per_token"] for r in pts], [100 * r["worst_phase_accuracy"] for r in pts],
-                       color=plt.cm.tab10(i), marker="o" if pts[0]["role"] != "control" else "s", label=model, s=40)
+        models = [m for m in MODELS[task] if any(r["task"] == task and r["model"] == m.name for r in rows)]
+        for i, m in enumerate(models):
+            pts = [r for r in rows if r["task"] == task and r["model"] == m.name]
+            dodge = 2 ** (0.06 * (i - (len(models) - 1) / 2))
+            ax.scatter([r["kv_bytes_per_token"] * dodge for r in pts], [100 * r["worst_phase_accuracy"] for r in pts],
+                       color=plt.cm.tab10(i), marker={"control": "s", "baseline": "X"}.get(m.role, "o"),
+                       label=f"{m.name} ({m.role})", s=45, alpha=0.85)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV-cache bytes per token (bf16, all layers)")
+        ax.set_xlabel("KV-cache bytes per token (bf16, all layers; equal-memory models spread a little)")
         ax.set_ylabel("worst-phase accuracy (%)")
         ax.set_ylim(-2, 102)
         ax.set_title(f"{task}: one point per seed")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def criteria(rows: list[dict]) -> list[Check]:
+    """The study's success criteria, per fix, over its seeds (a criterion needs every seed of the fix, of its
+    baseline and of the control): the minimum (worst phase raised by >= MIN_GAIN over the equal-memory baseline
+    of the same seed) and the goal (phase gap not significant, worst phase within GOAL_MARGIN of full attention's
+    of the same seed)."""
+    by = {(r["task"], r["model"], r["seed"]): r for r in rows}
+    checks = []
+    for r0 in rows:
+        if r0["role"] != "fix" or r0["seed"] != min(r["seed"] for r in rows):
+            continue
+        task, model = r0["task"], r0["model"]
+        seeds = sorted(r["seed"] for r in rows if r["task"] == task and r["model"] == model)
+        pairs = [(by[(task, model, s)], by.get((task, r0["baseline"], s)), by.get((task, "full", s))) for s in seeds]
+        if any(b is None or c is None for _, b, c in pairs):
+            continue
+        gains = [f["worst_phase_accuracy"] - b["worst_phase_accuracy"] for f, b, _ in pairs]
+        checks.append(Check(
+            f"{task}/{model}: worst phase >= {100 * MIN_GAIN:.0f} pp above {r0['baseline']} in every seed",
+            all(g >= MIN_GAIN for g in gains),
+            "; ".join(f"seed {s}: {100 * f['worst_phase_accuracy']:.1f}% vs {100 * b['worst_phase_accuracy']:.1f}% "
+                      f"({100 * g:+.1f} pp)" for s, (f, b, _), g in zip(seeds, pairs, gains))))
+        real = [gap_is_real(f["phase_p_value"], f["phase_gap_lower"], f["phase_noise_floor"]) for f, _, _ in pairs]
+        near = [f["worst_phase_accuracy"] >= c["worst_phase_accuracy"] - GOAL_MARGIN for f, _, c in pairs]
+        checks.append(Check(
+            f"{task}/{model}: no real phase gap and worst phase within {100 * GOAL_MARGIN:.0f} pp of full "
+            f"attention's in every seed", not any(real) and all(near),
+            "; ".join(f"seed {s}: gap {100 * f['phase_gap']:.1f} pp [{100 * f['phase_gap_lower']:.1f}, "
+                      f"{100 * f['phase_gap_upper']:.1f}] p = {f['phase_p_value']:.4f} floor "
+                      f"{100 * f['phase_noise_floor']:.1f}, worst {100 * f['worst_phase_accuracy']:.1f}% vs full "
+                      f"{100 * c['worst_phase_accuracy']:.1f}%" for s, (f, _, c) in zip(seeds, pairs))))
+    return checks
+
+
+def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> list[dict]:
+    """The crowding analysis on ``ANALYSED_TASKS``' compressed models: ``eval.py analysis=joint`` (per layer and KV
+    head, the knock-out effect per phase beside the K and V gate profiles, docs/analysis.md), one summary per run.
+    ``static`` is the effective number of offsets of the window-averaged gate (1 = one offset, W = uniform)."""
+    todo = [d for d in done if d["run"].experiment.removeprefix("robust_") in ANALYSED_TASKS
+            and d["run"].role != "control"]
+
+    def one(d: dict) -> dict:
+        run_command([sys.executable, "eval.py", f"model.path='{d['dir']}'", f"task={TASK}", "analysis=joint",
+                     "progress=false", *(QUICK_EVAL if quick else ())],
+                    out / "logs" / f"joint_{d['run'].name}_seed{d['run'].seed}.log", env)
+        res = read_json(Path(d["dir"]) / "eval" / TASK / "joint" / "joint.json")["analysis"]["results"]
+        print(f"[{clock}] {d['run'].label}: crowding analysis done", flush=True)
+        return {"label": d["run"].label, "window": res["window"], "stride": res["stride"],
+                "worst_phase": res["clean"]["worst_phase"], "layers": [
+                    {k: u.get(k) for k in ("layer", "kv_head", "k_static", "v_static", "k_peak", "v_peak",
+                                           "worst_phase", "loss_vs_k", "loss_vs_v", "knockout")}
+                    for u in res["rows"]],
+                "file": str(Path(d["dir"]) / "eval" / TASK / "joint" / "joint.json")}
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(one, todo))
+
+
+def crowding_lines(analyses: list[dict]) -> list[str]:
+    """One line per analysed run and layer: gate concentration (static effective offsets of W, K and V, with
+    peaks) and the knock-out of the layer's KV head per phase (``100 * (knocked - clean) / clean``, the analysis'
+    relative effect), with the phase it hurts most."""
+    lines = []
+    for a in analyses:
+        for u in a["layers"]:
+            ko = " / ".join("-" if e is None else f"{e:+.0f}" for e in u["knockout"])
+            v = "" if u["v_static"] is None else f", V {u['v_static']:.1f} (peak {u['v_peak']})"
+            lines.append(f"{a['label']} L{u['layer']} kv{u['kv_head']}: static offsets of W={a['window']}: "
+                         f"K {u['k_static']:.1f} (peak {u['k_peak']}){v}; knock-out effect per phase (% change of accuracy) {ko}, "
+                         f"most hurt phase {u['worst_phase']}; clean worst phase {a['worst_phase']}")
+    return lines
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = demo_arguments(__doc__, "outputs/robust", "seed 0 only, a few steps per model: pipeline check only")
     ap.add_argument("--task", choices=("both", *MODELS), default="both", help="which task(s) to run")
+    ap.add_argument("--all", action="store_true", help="every model of MODELS, not only the core set")
     args = ap.parse_args(argv)
-    runs = plan(tuple(MODELS) if args.task == "both" else (args.task,), SEEDS[:1] if args.quick else SEEDS)
+    runs = plan(tuple(MODELS) if args.task == "both" else (args.task,), SEEDS[:1] if args.quick else SEEDS,
+                everything=args.all)
     out = Path(args.out).resolve()
-    clock = Timer()
+    clock, env = Timer(), job_env()
     print(f"ckv robust -> {out}: {len(runs)} models, {args.workers} at a time"
           f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
-    rows = [row(d) for d in run_plan(runs, out, args.quick, args.workers, job_env(), clock)]
+    done = run_plan(runs, out, args.quick, args.workers, env, clock)
+    rows = [row(d) for d in done]
+    analyses = analyse(done, out, args.quick, args.workers, env, clock)
     print("\n" + table(rows) + "\n")
+    checks = criteria(rows)
+    for c in checks:
+        print(f"  [{'MET' if c.passed else 'not met'}] {c.claim}: {c.detail}")
+    if analyses:
+        print("\ncrowding analysis (eval.py analysis=joint on each compressed model of "
+              f"{', '.join(ANALYSED_TASKS)}):")
+        for line in crowding_lines(analyses):
+            print(f"  {line}")
     png = out / "worst_phase_vs_kv_bytes.png"
     plot(rows, png)
     write_json(out / "robust.json", {"quick": args.quick, "seconds": time.monotonic() - clock.start, "rows": rows,
+                                     "criteria": [c.__dict__ for c in checks], "crowding": analyses,
                                      "plot": str(png)})
     if args.quick:
         print("quick mode: a few steps per model; the numbers above check the pipeline, not the science")
