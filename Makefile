@@ -36,7 +36,7 @@ demo: $(STAMP)  ## periodic weak spots on a CPU, with a full-attention control (
 demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 models, about 35 min on 2 cores
 	$(BIN)/python -m ckv.apps.demo --grid --out outputs/demo-grid
 
-demo-v4: $(STAMP)  ## transformers' DeepSeek-V4 vs ckv's V4 variant vs the W = S = 4 gate vs full attention (est. ~15 min on 2 cores; docs/demo.md)
+demo-v4: $(STAMP)  ## transformers' DeepSeek-V4 vs ckv's V4 variant vs the W = S = 4 gate vs full attention (~13 min on 2 cores; docs/demo.md)
 	$(BIN)/python -m ckv.apps.demo_v4 --out outputs/demo-v4
 
 robust: $(STAMP)  ## robustness benchmark: baseline gates, fixes and full attention on two tasks, two seeds, 18 models (~27 min on 2 cores; docs/robustness.md)
