@@ -140,3 +140,18 @@ def test_resume_conflicts(make_config):
     c = plain(make_config(optim={"lr": 1e-3}, attention={"kind": "compressed", "window": 8, "stride": 8}).to_dict())
     lines = resume_conflicts(a, c)
     assert "optim.lr: 0.003 -> 0.001" in lines and any(line.startswith("attention.kind") for line in lines)
+
+
+def test_an_option_added_after_a_run_was_saved_resumes_at_its_default_only(make_config):
+    """A run folder written before an option existed lacks its key: resuming is fine while the option keeps its
+    default (the behaviour the run trained with), refused once it is set to anything else."""
+    att = {"kind": "compressed", "window": 4, "stride": 4, "pooling": "gate"}
+    current = plain(make_config(attention={**att, "grid_offsets": None, "gate_entropy_floor": 0.0}).to_dict())
+    saved = plain(make_config(attention=att).to_dict())
+    for key in ("grid_offsets", "gate_entropy_floor", "gate_entropy_weight", "mixing"):
+        saved["attention"].pop(key, None)
+    saved["trainer"].pop("stop_check_every")
+    assert resume_conflicts(saved, current) == []
+    changed = plain(make_config(attention={**att, "grid_offsets": "stagger", "gate_entropy_floor": 0.5}).to_dict())
+    assert resume_conflicts(saved, changed) == ["attention.gate_entropy_floor: (unset) -> 0.5",
+                                                "attention.grid_offsets: (unset) -> 'stagger'"]

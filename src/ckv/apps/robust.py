@@ -11,7 +11,8 @@ models (``analyse``: gate concentration beside knock-outs), and one plot of wors
 per token, under ``outputs/robust/``.
 
     python -m ckv.apps.robust                  # make robust: the core models (18 runs; time in docs/robustness.md)
-    python -m ckv.apps.robust --all            # every model of MODELS (30 runs, about twice as long)
+    python -m ckv.apps.robust --all            # every model of MODELS (32 runs, about twice as long)
+    python -m ckv.apps.robust --add v4_csa_w8s4  # the core set and V4's two-series maps (finished runs reused)
     python -m ckv.apps.robust --quick          # one seed, a few steps per model: checks the pipeline only
     python -m ckv.apps.robust --task dense     # one task only
 
@@ -87,13 +88,18 @@ GOAL_MARGIN = 0.05  # the goal: worst phase within 5 pp of full attention's, gap
 MODEL_BY_RUN = {f"{task}_{m.name}": m for task, models in MODELS.items() for m in models}
 
 
-def plan(tasks: tuple[str, ...], seeds: tuple[int, ...], everything: bool = False) -> tuple[DemoRun, ...]:
-    """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``: the core models, or with
-    ``everything`` every model."""
+def plan(tasks: tuple[str, ...], seeds: tuple[int, ...], everything: bool = False,
+         add: tuple[str, ...] = ()) -> tuple[DemoRun, ...]:
+    """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``: the core models and those
+    named in ``add`` (in every task that has them), or with ``everything`` every model."""
+    unknown = sorted(set(add) - {m.name for models in MODELS.values() for m in models})
+    if unknown:
+        raise ValueError(f"--add {' '.join(unknown)}: not a model of {', '.join(MODELS)} "
+                         f"(choose from {sorted({m.name for ms in MODELS.values() for m in ms if not m.core})})")
     return tuple(
         DemoRun(f"robust_{task}", seed, m.role, (f"attention={m.option}",),
                 (f"task.stride={CONTROL_STRIDE[task]}",) if m.role == "control" else (), name=f"{task}_{m.name}")
-        for task in tasks for m in MODELS[task] if m.core or everything for seed in seeds
+        for task in tasks for m in MODELS[task] if m.core or everything or m.name in add for seed in seeds
     )
 
 
@@ -248,9 +254,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = demo_arguments(__doc__, "outputs/robust", "seed 0 only, a few steps per model: pipeline check only")
     ap.add_argument("--task", choices=("both", *MODELS), default="both", help="which task(s) to run")
     ap.add_argument("--all", action="store_true", help="every model of MODELS, not only the core set")
+    ap.add_argument("--add", nargs="+", default=(), metavar="MODEL",
+                    help="models outside the core set to train as well (finished runs in --out are reused)")
     args = ap.parse_args(argv)
-    runs = plan(tuple(MODELS) if args.task == "both" else (args.task,), SEEDS[:1] if args.quick else SEEDS,
-                everything=args.all)
+    try:
+        runs = plan(tuple(MODELS) if args.task == "both" else (args.task,), SEEDS[:1] if args.quick else SEEDS,
+                    everything=args.all, add=tuple(args.add))
+    except ValueError as e:
+        ap.error(str(e))
     out = Path(args.out).resolve()
     clock, env = Timer(), job_env()
     print(f"ckv robust -> {out}: {len(runs)} models, {args.workers} at a time"

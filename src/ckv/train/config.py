@@ -241,11 +241,23 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out if out or not prefix else {prefix: d}
 
 
+def field_defaults() -> dict[str, Any]:
+    """Every config key's default (flattened ``section.field``), from the config classes themselves."""
+    return _flatten({
+        "model": ModelSpec().to_dict(), "attention": dataclasses.asdict(AttentionConfig()),
+        "data": DataConfig().to_dict(), "optim": dataclasses.asdict(OptimConfig()),
+        "trainer": dataclasses.asdict(TrainerConfig()), "wandb": dataclasses.asdict(WandbConfig()),
+    })
+
+
 def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Differences between a run folder's saved config and the current one that make resuming unsound, as
-    ``"key: saved -> current"`` lines (empty when the run may resume). See ``RESUMABLE_CHANGES``."""
+    ``"key: saved -> current"`` lines (empty when the run may resume). See ``RESUMABLE_CHANGES``. A key the saved
+    config lacks is no conflict when the current value is that key's default: the option came after the run was
+    saved, and its default is the behaviour the run trained with."""
     a, b = _flatten(saved), _flatten(current)
     unset = object()
+    defaults = field_defaults()
 
     def show(value: Any) -> str:
         return "(unset)" if value is unset else repr(value)
@@ -256,6 +268,8 @@ def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str
         if trajectory_neutral(k):
             continue
         old, new = a.get(key, unset), b.get(key, unset)
+        if old is unset and key in defaults and new == defaults[key]:
+            continue
         if old != new:
             lines.append(f"{k}: {show(old)} -> {show(new)}")
     return lines
