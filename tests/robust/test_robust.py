@@ -40,7 +40,7 @@ def test_plan_runs_the_core_models_of_each_task_for_each_seed_with_one_attention
 
 def _row(model: str, role: str, seed: int, worst: float, gap_lower: float = 0.0, p: float = 0.5,
          baseline=None) -> dict:
-    return {"task": "split", "model": model, "role": role, "baseline": baseline, "seed": seed,
+    return {"task": "split", "model": model, "role": role, "baseline": baseline, "seed": seed, "mean": worst + 0.01,
             "worst_phase_accuracy": worst, "phase_gap": gap_lower + 0.02, "phase_gap_lower": gap_lower,
             "phase_gap_upper": gap_lower + 0.04, "phase_p_value": p, "phase_noise_floor": 0.05}
 
@@ -62,6 +62,10 @@ def test_criteria_need_every_seed():
                    "split/overlap_w8s4 min": True, "split/overlap_w8s4 goal": True}
     # a fix whose baseline did not run is not judged
     assert not criteria([r for r in rows if r["model"] != "gate_w4s4"])
+    # nor is the goal against a control that has not learned the task (dense at make robust's budget: 13-14%)
+    weak = [dict(r, mean=0.13, worst_phase_accuracy=0.12) if r["role"] == "control" else r for r in rows]
+    goal = [c for c in criteria(weak) if "goal" in c.claim]
+    assert len(goal) == 3 and not any(c.passed for c in goal) and "not learned" in goal[0].claim
 
 
 @pytest.mark.parametrize("name", ["w4s4", "w4s4_conv", "w8s4", "w8s8_tied_kv", "deepseek_v4_csa", "full_kv1"])
