@@ -11,6 +11,7 @@ import torch
 from ckv import Transformer
 from ckv.apps.demo import ROOT
 from ckv.apps.robust import MODEL_BY_RUN, MODELS, criteria, kv_bytes_per_token, plan
+from ckv.apps.robust import main as robust_main
 from tests.foundation.helpers import small_config, variant
 
 
@@ -116,3 +117,5 @@ def test_quick_robust_writes_a_table_a_plot_and_a_record(tmp_path):
     assert "crowding analysis" in proc.stdout
     data = Path(record["plot"]).read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    Path(record["plot"]).unlink()  # --replot redraws it from robust.json alone
+    assert robust_main(["--out", str(out), "--replot"]) == 0 and Path(record["plot"]).read_bytes()[:8] == data[:8]

@@ -15,6 +15,7 @@ per token, under ``outputs/robust/``.
     python -m ckv.apps.robust --add v4_csa_w8s4  # the core set and V4's two-series maps (finished runs reused)
     python -m ckv.apps.robust --quick          # one seed, a few steps per model: checks the pipeline only
     python -m ckv.apps.robust --task dense     # one task only
+    python -m ckv.apps.robust --replot         # redraw the plot from outputs/robust/robust.json
 
 The criteria are reported (MET / not met), not enforced: the run exits 0 when every command succeeded and
 non-zero when one failed.
@@ -173,7 +174,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylim(-2, 102)
         ax.set_title(f"{task}: one point per seed")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -263,14 +264,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--task", choices=("both", *MODELS), default="both", help="which task(s) to run")
     ap.add_argument("--all", action="store_true", help="every model of MODELS, not only the core set")
     ap.add_argument("--add", nargs="+", default=(), metavar="MODEL",
-                    help="models outside the core set to train as well (finished runs in --out are reused)")
+                    help="models outside the core set to train as well (finished runs in --out are reused: their "
+                         "'train s' is then the seconds of the resume check, not of their training)")
+    ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out's robust.json")
     args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    png = out / "worst_phase_vs_kv_bytes.png"
+    if args.replot:
+        plot(read_json(out / "robust.json")["rows"], png)
+        print(f"plot: {png}")
+        return 0
     try:
         runs = plan(tuple(MODELS) if args.task == "both" else (args.task,), SEEDS[:1] if args.quick else SEEDS,
                     everything=args.all, add=tuple(args.add))
     except ValueError as e:
         ap.error(str(e))
-    out = Path(args.out).resolve()
     clock, env = Timer(), job_env()
     print(f"ckv robust -> {out}: {len(runs)} models, {args.workers} at a time"
           f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
@@ -286,7 +294,6 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{', '.join(ANALYSED_TASKS)}):")
         for line in crowding_lines(analyses):
             print(f"  {line}")
-    png = out / "worst_phase_vs_kv_bytes.png"
     plot(rows, png)
     write_json(out / "robust.json", {"quick": args.quick, "seconds": time.monotonic() - clock.start, "rows": rows,
                                      "criteria": [c.__dict__ for c in checks], "crowding": analyses,
