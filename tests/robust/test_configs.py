@@ -11,7 +11,7 @@ from tests.train.test_entry import USER_DATA, _sweep, _train_config
 @pytest.mark.parametrize("task", sorted(MODELS))
 def test_every_model_of_a_task_shares_the_demo_budget_and_local_window(task):
     budgets = set()
-    for _, option, _ in MODELS[task]:
+    for option in (m.option for m in MODELS[task]):
         cfg = _train_config([f"experiment=robust_{task}", f"attention={option}"])
         budgets.add((cfg.trainer.max_steps, cfg.trainer.global_batch_size, cfg.optim.lr, cfg.data.seq_len))
         if cfg.attention["kind"] == "compressed":
@@ -26,9 +26,9 @@ def test_dense_task_packs_four_whole_records_into_an_eight_token_window():
     assert lookup.record == "kv" and tuple(lookup.filler) == (0, 0)
 
 
-def test_paper_robust_sweep_holds_existing_fixes_at_the_paper_local_window():
+def test_paper_robust_sweep_holds_the_fixes_make_robust_kept_at_the_paper_local_window():
     options = _sweep("paper_robust_fixes")["attention"]
-    assert {"w8s8_conv", "w4s4_conv", "w8s4_shared", "deepseek_v4_csa"} == set(options)
+    assert {"deepseek_v4_csa", "w4s4_conv", "w8s4_entropy"} == set(options)
     for name in options:
         cfg = _train_config(["experiment=paper_robust_fixes", f"attention={name}"] + USER_DATA)
         assert cfg.attention["local_window"] == 16  # TrainConfig has also validated the model it describes
