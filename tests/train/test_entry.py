@@ -134,6 +134,7 @@ ADDED = {
     "w8s8_entropy": ("w8s8", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
     "w4s4_entropy": ("w4s4", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
     "w4s4_stagger": ("w4s4", {"grid_offsets": "stagger"}),
+    "deepseek_v4_csa_conv": ("deepseek_v4_csa", {"mixing": "conv", "mixing_kernel": 4}),
     "w8s8_stagger": ("w8s8", {"grid_offsets": "stagger"}),
 }
 

@@ -65,6 +65,7 @@ MODELS: dict[str, tuple[Model, ...]] = {
         Model("overlap_w8s4", "w8s4", "fix", "gate_w4s4"),                   # fix 1: W = 2S, offset-specific maps
         Model("overlap_shared_w8s4", "w8s4_shared", "fix", "gate_w4s4", core=False),  # fix 1: shared maps
         Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w4s4", core=False),      # fix 1: V4's two series
+        Model("v4_csa_conv_w8s4", "deepseek_v4_csa_conv", "fix", "gate_w4s4", core=False),  # fixes 1 + 2
         Model("entropy_w4s4", "w4s4_entropy", "fix", "gate_w4s4", core=False),        # fix 4 (a crowding fix)
         Model("full", "full", "control"),
     ),
@@ -74,6 +75,7 @@ MODELS: dict[str, tuple[Model, ...]] = {
         Model("entropy_w8s4", "w8s4_entropy", "fix", "gate_w8s4"),           # fix 4: gate-entropy floor
         Model("overlap_shared_w8s4", "w8s4_shared", "fix", "gate_w8s4", core=False),
         Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w8s4", core=False),
+        Model("v4_csa_conv_w8s4", "deepseek_v4_csa_conv", "fix", "gate_w8s4", core=False),
         Model("gate_w8s8", "w8s8", "baseline"),
         Model("conv_w8s8", "w8s8_conv", "fix", "gate_w8s8", core=False),
         Model("stagger_w8s8", "w8s8_stagger", "fix", "gate_w8s8", core=False),
