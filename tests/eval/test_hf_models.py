@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -62,30 +63,27 @@ def tiny_deepseek_v4(vocab_size: int, max_len: int = 4096):  # -> transformers.D
     return transformers.DeepseekV4ForCausalLM(cfg)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_tiny(build, out: Path, max_len: Optional[int] = None) -> Path:
+    """A tiny random transformers model from ``build`` (seed 0) with the word tokenizer, saved in ``out``."""
     import torch
 
     fast = word_tokenizer()
     torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("qwen3")
-    tiny_qwen3(len(fast)).save_pretrained(out)
+    build(len(fast), **({} if max_len is None else {"max_len": max_len})).save_pretrained(out)
     fast.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny(tiny_qwen3, tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
 def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained tiny DeepseekV4ForCausalLM with the word tokenizer (the text tasks' pipeline; the one trained on
     ckv's synthetic lookup is tests/demo/test_demo_v4.py's)."""
-    import torch
-
-    fast = word_tokenizer()
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("deepseek_v4")
-    tiny_deepseek_v4(len(fast)).save_pretrained(out)
-    fast.save_pretrained(out)
-    return out
+    return save_tiny(tiny_deepseek_v4, tmp_path_factory.mktemp("deepseek_v4"))
 
 
 def test_shipped_word_lookup_runs_on_a_tiny_random_qwen3(hf_dir: Path, tmp_path: Path) -> None:

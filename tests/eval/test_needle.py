@@ -23,7 +23,7 @@ from ckv.model import Transformer
 from ckv.train.config import ModelSpec
 
 from .helpers import make_run, png_ok
-from .test_hf_models import tiny_deepseek_v4, tiny_qwen3, word_tokenizer
+from .test_hf_models import save_tiny, tiny_deepseek_v4, tiny_qwen3, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = StatsOptions(n_bootstrap=50, n_permutations=50)
@@ -130,14 +130,8 @@ def test_needle_on_a_ckv_run_with_a_four_token_layout(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    fast = word_tokenizer()
-    dirs = {}
-    for name, build in (("qwen3", tiny_qwen3), ("deepseek_v4", tiny_deepseek_v4)):
-        torch.manual_seed(0)
-        dirs[name] = tmp_path_factory.mktemp(name)
-        build(len(fast), max_len=4096).save_pretrained(dirs[name])
-        fast.save_pretrained(dirs[name])
-    return dirs
+    return {name: save_tiny(build, tmp_path_factory.mktemp(name), max_len=4096)
+            for name, build in (("qwen3", tiny_qwen3), ("deepseek_v4", tiny_deepseek_v4))}
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v4"])

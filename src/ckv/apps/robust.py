@@ -11,7 +11,7 @@ models (``analyse``: gate concentration beside knock-outs), and one plot of wors
 per token, under ``outputs/robust/``.
 
     python -m ckv.apps.robust                  # make robust: the core models (18 runs; time in docs/robustness.md)
-    python -m ckv.apps.robust --all            # every model of MODELS (32 runs, about twice as long)
+    python -m ckv.apps.robust --all            # every model of MODELS (36 runs, about twice as long)
     python -m ckv.apps.robust --add v4_csa_w8s4  # the core set and V4's two-series maps (finished runs reused)
     python -m ckv.apps.robust --quick          # one seed, a few steps per model: checks the pipeline only
     python -m ckv.apps.robust --task dense     # one task only
