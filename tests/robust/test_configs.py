@@ -28,7 +28,7 @@ def test_dense_task_packs_four_whole_records_into_an_eight_token_window():
 
 def test_paper_robust_sweep_holds_the_fixes_make_robust_kept_at_the_paper_local_window():
     options = _sweep("paper_robust_fixes")["attention"]
-    assert {"deepseek_v4_csa", "w4s4_conv", "w8s4_entropy"} == set(options)
+    assert {"deepseek_v4_csa_conv", "deepseek_v4_csa", "w4s4_conv", "w8s4_entropy"} == set(options)
     for name in options:
         cfg = _train_config(["experiment=paper_robust_fixes", f"attention={name}"] + USER_DATA)
         assert cfg.attention["local_window"] == 16  # TrainConfig has also validated the model it describes
