@@ -5,7 +5,7 @@ The demo only drives ``train.py`` and ``eval.py`` with shipped configs (``conf/e
 position-matched lookup task, writes the side-by-side comparison through ``eval.py summary=...``, then prints one
 table and checks the science it claims (``CRITERIA``), writing everything under ``outputs/demo/``.
 
-    python -m ckv.apps.demo                 # the full demo (about 11 minutes on 2 cores)
+    python -m ckv.apps.demo                 # the full demo (about 6 minutes on 2 cores)
     python -m ckv.apps.demo --quick         # a few steps per model: checks the pipeline, not the science
 
 The full demo exits 1 when a science check fails; ``--quick`` exits 0 whatever the checks say (its few steps
