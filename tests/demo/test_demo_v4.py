@@ -15,14 +15,13 @@ from ckv.apps.demo_v4 import hf_eval_overrides, mechanisms, v4_plan
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
 
+from .helpers import run_quick
+
 
 @pytest.mark.smoke
 def test_quick_demo_v4_writes_one_table_one_plot_and_the_findings(tmp_path):
     out = tmp_path / "demo-v4"
-    proc = subprocess.run([sys.executable, "-m", "ckv.apps.demo_v4", "--quick", "--out", str(out)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "per-phase accuracy" in proc.stdout and "quick mode" in proc.stdout
+    run_quick("ckv.apps.demo_v4", out)
 
     record = json.loads((out / "demo_v4.json").read_text())
     plan = v4_plan(has_deepseek_v4())

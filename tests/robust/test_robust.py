@@ -1,8 +1,6 @@
 """make robust: the plan's runs, the KV-memory figure against a real decoding cache, and CI's quick smoke run."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +10,7 @@ from ckv import Transformer
 from ckv.apps.demo import ROOT
 from ckv.apps.robust import MODEL_BY_RUN, MODELS, criteria, kv_bytes_per_token, plan
 from ckv.apps.robust import main as robust_main
+from tests.demo.helpers import run_quick
 from tests.foundation.helpers import small_config, variant
 
 
@@ -93,10 +92,7 @@ def test_kv_bytes_per_token_is_the_decoding_cache_growth(name):
 @pytest.mark.smoke
 def test_quick_robust_writes_a_table_a_plot_and_a_record(tmp_path):
     out = tmp_path / "robust"
-    proc = subprocess.run([sys.executable, "-m", "ckv.apps.robust", "--quick", "--task", "dense", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "quick mode" in proc.stdout and "per-phase accuracy" in proc.stdout
+    proc = run_quick("ckv.apps.robust", out, "--task", "dense")
     record = json.loads((out / "robust.json").read_text())
     rows = record["rows"]
     assert [r["model"] for r in rows] == [m.name for m in MODELS["dense"] if m.core]
