@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install test test-all test-slow demo demo-grid demo-v4 robust smoke clean
+.PHONY: install lint format test test-all test-slow demo demo-grid demo-v4 robust smoke clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 install: $(STAMP)
 
-test: $(STAMP)  ## the CI set: fast tests plus one end-to-end smoke run
+lint: $(STAMP)  ## ruff: lint and format check (seconds)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)  ## ruff: fix what is fixable and format the tree
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+test: lint  ## the CI set: ruff, then the fast tests plus one end-to-end smoke run
 	$(BIN)/python -m pytest -m "not slow" -q
 
 test-slow: $(STAMP)

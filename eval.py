@@ -16,8 +16,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import hydra
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
@@ -32,8 +32,15 @@ from ckv.io.layout import CheckpointError
 
 PATH_KEYS = ("model.path", "model.tokenizer", "summary", "summary_out", "out_dir")
 # CheckpointMismatchError and AnalysisNotApplicable are ConfigErrors
-USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError, ImportError, HydraException,
-               OmegaConfBaseException)
+USER_ERRORS = (
+    ConfigError,
+    DataError,
+    CheckpointError,
+    FileNotFoundError,
+    ImportError,
+    HydraException,
+    OmegaConfBaseException,
+)
 EXIT_USER_ERROR = 2
 
 
@@ -76,14 +83,27 @@ def user_errors() -> Iterator[None]:
 
 
 def _options(c: dict) -> RunOptions:
-    return RunOptions(batch_size=c["batch_size"], limit=c["limit"], progress=c["progress"], device=c["device"],
-                      out_dir=c["out_dir"], plots=c["plots"], stats=c["stats"])
+    return RunOptions(
+        batch_size=c["batch_size"],
+        limit=c["limit"],
+        progress=c["progress"],
+        device=c["device"],
+        out_dir=c["out_dir"],
+        plots=c["plots"],
+        stats=c["stats"],
+    )
 
 
 def _summary(c: dict) -> None:
     roots = c["summary"] if isinstance(c["summary"], list) else [c["summary"]]
-    result, out = summarize_runs(roots, task_from_dict(c["task"]), ModelSource(**c["model"]), _options(c),
-                                 out_dir=c["summary_out"], rerun=c["summary_rerun"])
+    result, out = summarize_runs(
+        roots,
+        task_from_dict(c["task"]),
+        ModelSource(**c["model"]),
+        _options(c),
+        out_dir=c["summary_out"],
+        rerun=c["summary_rerun"],
+    )
     print(f"summary of {len(result['runs'])} runs -> {out}")
 
 

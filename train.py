@@ -25,7 +25,13 @@ from omegaconf.errors import MissingMandatoryValue  # noqa: E402
 from ckv.config import ConfigError  # noqa: E402
 from ckv.data import DataError  # noqa: E402
 from ckv.train import (  # noqa: E402
-    CheckpointError, DivergenceError, ResumeError, RunLockedError, TrainConfig, TrainingInterrupted, train,
+    CheckpointError,
+    DivergenceError,
+    ResumeError,
+    RunLockedError,
+    TrainConfig,
+    TrainingInterrupted,
+    train,
 )
 from ckv.train.config import trajectory_neutral  # noqa: E402
 
@@ -39,8 +45,13 @@ def override_dirname(overrides: Sequence[str]) -> str:
     """The command-line overrides that change what is trained, sorted and joined by ``,`` (Hydra's
     ``override_dirname`` rule); ``PLACEMENT_KEYS`` and the keys of ``RESUMABLE_CHANGES`` are left out."""
     parsed = OverridesParser.create().parse_overrides(list(overrides))
-    return ",".join(sorted(o.input_line for o in parsed
-                           if o.key_or_group not in PLACEMENT_KEYS and not trajectory_neutral(o.key_or_group)))
+    return ",".join(
+        sorted(
+            o.input_line
+            for o in parsed
+            if o.key_or_group not in PLACEMENT_KEYS and not trajectory_neutral(o.key_or_group)
+        )
+    )
 
 
 def job_dir_name(overrides: Sequence[str], seed: int) -> str:
@@ -49,7 +60,7 @@ def job_dir_name(overrides: Sequence[str], seed: int) -> str:
     hash of the full one."""
     name = ",".join(p for p in (override_dirname(overrides), f"seed={seed}") if p).replace("/", "_")
     if len(name) > MAX_DIR_NAME:
-        name = f"{name[:MAX_DIR_NAME - 17]}-{hashlib.sha1(name.encode()).hexdigest()[:16]}"
+        name = f"{name[: MAX_DIR_NAME - 17]}-{hashlib.sha1(name.encode()).hexdigest()[:16]}"
     return name
 
 
@@ -62,16 +73,26 @@ def main(cfg: DictConfig) -> None:
     try:
         plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as e:
-        sys.exit(f"ckv: error: {e.full_key} is not set (it is marked ??? in the config): add {e.full_key}=... "
-                 "on the command line")
+        sys.exit(
+            f"ckv: error: {e.full_key} is not set (it is marked ??? in the config): add {e.full_key}=... "
+            "on the command line"
+        )
     info = {"overrides": list(hydra_cfg.overrides.task), "choices": dict(hydra_cfg.runtime.choices)}
     try:
         train(TrainConfig.from_dict(plain, run_dir=hydra_cfg.runtime.output_dir), info)
     except TrainingInterrupted as e:
         print(f"ckv: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except (ConfigError, DataError, ResumeError, CheckpointError, DivergenceError, RunLockedError,
-            FileNotFoundError, ImportError) as e:
+    except (
+        ConfigError,
+        DataError,
+        ResumeError,
+        CheckpointError,
+        DivergenceError,
+        RunLockedError,
+        FileNotFoundError,
+        ImportError,
+    ) as e:
         sys.exit(f"ckv: error: {e}")
 
 

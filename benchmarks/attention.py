@@ -26,8 +26,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +45,9 @@ def _import_project() -> None:
     try:
         import ckv_kernels  # noqa: F401
     except ImportError:
-        spec = importlib.util.spec_from_file_location("ckv_kernels", ROOT / "kernels" / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT / "kernels")])
+        spec = importlib.util.spec_from_file_location(
+            "ckv_kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules["ckv_kernels"] = module
         spec.loader.exec_module(module)
@@ -135,8 +137,9 @@ def time_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     return statistics.median(times)
 
 
-def measure(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor], device: torch.device, repeats: int,
-            warmup: int) -> dict:
+def measure(
+    forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor], device: torch.device, repeats: int, warmup: int
+) -> dict:
     """Forward and forward+backward time (ms) and, on CUDA, the peak memory of forward+backward above the inputs."""
     out = forward()
     grad = torch.randn_like(out)
@@ -178,8 +181,16 @@ def leaf(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> to
     return torch.randn(*shape, device=device).to(dtype).requires_grad_()
 
 
-def run_case(T: int, layout: str, geometry: str, args, device: torch.device, dtype: torch.dtype,
-             kernels: bool, full: Optional[dict]) -> list[dict]:
+def run_case(
+    T: int,
+    layout: str,
+    geometry: str,
+    args,
+    device: torch.device,
+    dtype: torch.dtype,
+    kernels: bool,
+    full: Optional[dict],
+) -> list[dict]:
     """Rows for one (T, layout, W/S): triton, pool, triton+pool, reference; ratios against ``full``."""
     H, KV, D = LAYOUTS[layout]
     W, S = GEOMETRIES[geometry]
@@ -201,8 +212,13 @@ def run_case(T: int, layout: str, geometry: str, args, device: torch.device, dty
 
     if kernels:
         span = local_span(LOCAL_WINDOW, S)
-        attn = measure(lambda: ckv_kernels.joint_attention(*ins, stride=S, local_span=span)[0], ins, device,
-                       args.repeats, args.warmup)
+        attn = measure(
+            lambda: ckv_kernels.joint_attention(*ins, stride=S, local_span=span)[0],
+            ins,
+            device,
+            args.repeats,
+            args.warmup,
+        )
         add("triton", attn, flops)
         _, present = window_positions(0, E, W, S, device=device)
         payloads = [leaf((B, E, W, KV, D), device, dtype) for _ in range(2)]
@@ -214,13 +230,29 @@ def run_case(T: int, layout: str, geometry: str, args, device: torch.device, dty
 
         pooled = measure(pool_kv, pool_ins, device, args.repeats, args.warmup)
         add("pool(k+v)", pooled, None)
-        add("triton+pool", {"fwd_ms": attn["fwd_ms"] + pooled["fwd_ms"], "fwd_bwd_ms": attn["fwd_bwd_ms"] + pooled["fwd_bwd_ms"],
-                            "peak_mib": None if attn["peak_mib"] is None else max(attn["peak_mib"], pooled["peak_mib"])}, flops)
+        add(
+            "triton+pool",
+            {
+                "fwd_ms": attn["fwd_ms"] + pooled["fwd_ms"],
+                "fwd_bwd_ms": attn["fwd_bwd_ms"] + pooled["fwd_bwd_ms"],
+                "peak_mib": None if attn["peak_mib"] is None else max(attn["peak_mib"], pooled["peak_mib"]),
+            },
+            flops,
+        )
     need = reference_bytes(B, T, H, S)
     if need < 0.7 * free_bytes(device):
         try:
-            add("reference", measure(lambda: joint_attention_reference(*ins, stride=S, local_window=LOCAL_WINDOW)[0],
-                                     ins, device, args.repeats, args.warmup), flops)
+            add(
+                "reference",
+                measure(
+                    lambda: joint_attention_reference(*ins, stride=S, local_window=LOCAL_WINDOW)[0],
+                    ins,
+                    device,
+                    args.repeats,
+                    args.warmup,
+                ),
+                flops,
+            )
         except torch.cuda.OutOfMemoryError:
             rows.append({**base, "impl": "reference", "skipped": "out of memory"})
     else:
@@ -243,8 +275,17 @@ def run_full(T: int, layout: str, args, device: torch.device, dtype: torch.dtype
     k, v = leaf((args.batch, T, KV, D), device, dtype), leaf((args.batch, T, KV, D), device, dtype)
     m = measure(lambda: full_causal(q, k, v), [q, k, v], device, args.repeats, args.warmup)
     f = causal_flops(T, H, D) * args.batch
-    return {"T": T, "layout": layout, "H": H, "KV": KV, "D": D, "impl": f"full ({full_backend(device, dtype)})", **m,
-            "fwd_tflops": f / m["fwd_ms"] / 1e9, "fwd_bwd_tflops": 3.5 * f / m["fwd_bwd_ms"] / 1e9}
+    return {
+        "T": T,
+        "layout": layout,
+        "H": H,
+        "KV": KV,
+        "D": D,
+        "impl": f"full ({full_backend(device, dtype)})",
+        **m,
+        "fwd_tflops": f / m["fwd_ms"] / 1e9,
+        "fwd_bwd_tflops": 3.5 * f / m["fwd_bwd_ms"] / 1e9,
+    }
 
 
 def check(device: torch.device, dtype: torch.dtype) -> list[dict]:
@@ -253,8 +294,10 @@ def check(device: torch.device, dtype: torch.dtype) -> list[dict]:
     for layout, (H, KV, D) in LAYOUTS.items():
         for geometry, (_, S) in GEOMETRIES.items():
             T = 1000 if device.type == "cuda" else 100
-            ins = [leaf(s, device, dtype) for s in ((1, T, H, D), (1, T // S, KV, D), (1, T // S, KV, D), (1, T, KV, D),
-                                                    (1, T, KV, D))]
+            ins = [
+                leaf(s, device, dtype)
+                for s in ((1, T, H, D), (1, T // S, KV, D), (1, T // S, KV, D), (1, T, KV, D), (1, T, KV, D))
+            ]
             o = ckv_kernels.joint_attention(*ins, stride=S, local_span=local_span(LOCAL_WINDOW, S))[0]
             g = torch.randn_like(o)
             got = [o, *torch.autograd.grad(o, ins, g)]
@@ -262,8 +305,14 @@ def check(device: torch.device, dtype: torch.dtype) -> list[dict]:
             r = joint_attention_reference(*ref_ins, stride=S, local_window=LOCAL_WINDOW)[0]
             want = [r, *torch.autograd.grad(r, ref_ins, g.float())]
             errs = [((a.float() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item() for a, b in zip(got, want)]
-            out.append({"layout": layout, "geometry": geometry, "T": T,
-                        **dict(zip(("out", "dq", "dkc", "dvc", "dk", "dv"), errs))})
+            out.append(
+                {
+                    "layout": layout,
+                    "geometry": geometry,
+                    "T": T,
+                    **dict(zip(("out", "dq", "dkc", "dvc", "dk", "dv"), errs)),
+                }
+            )
     return out
 
 
@@ -272,17 +321,38 @@ def fmt(x, spec: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("T", "layout", "W/S", "impl", "fwd ms", "f+b ms", "fwd TF/s", "f+b TF/s", "peak MiB", "x full f+b",
-            "x ref f+b")
+    head = (
+        "T",
+        "layout",
+        "W/S",
+        "impl",
+        "fwd ms",
+        "f+b ms",
+        "fwd TF/s",
+        "f+b TF/s",
+        "peak MiB",
+        "x full f+b",
+        "x ref f+b",
+    )
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         ws = f"W{r['window']}/S{r['stride']}" if "stride" in r else "-"
         if "skipped" in r:
             cells = [str(r["T"]), r["layout"], ws, r["impl"], f"skipped: {r['skipped']}"] + [""] * 6
         else:
-            cells = [str(r["T"]), r["layout"], ws, r["impl"], fmt(r["fwd_ms"], ".3g"), fmt(r["fwd_bwd_ms"], ".3g"),
-                     fmt(r.get("fwd_tflops"), ".3g"), fmt(r.get("fwd_bwd_tflops"), ".3g"), fmt(r.get("peak_mib"), ".0f"),
-                     fmt(r.get("x_full_fwd_bwd"), ".2f"), fmt(r.get("x_reference_fwd_bwd"), ".2f")]
+            cells = [
+                str(r["T"]),
+                r["layout"],
+                ws,
+                r["impl"],
+                fmt(r["fwd_ms"], ".3g"),
+                fmt(r["fwd_bwd_ms"], ".3g"),
+                fmt(r.get("fwd_tflops"), ".3g"),
+                fmt(r.get("fwd_bwd_tflops"), ".3g"),
+                fmt(r.get("peak_mib"), ".0f"),
+                fmt(r.get("x_full_fwd_bwd"), ".2f"),
+                fmt(r.get("x_reference_fwd_bwd"), ".2f"),
+            ]
         lines.append(" | ".join(cells))
     return "\n".join(lines)
 
@@ -305,11 +375,20 @@ def main(argv: Optional[list[str]] = None) -> dict:
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     args.repeats = args.repeats or (10 if device.type == "cuda" else 5)
     lengths = args.T or (QUICK_T[device.type] if args.quick else (CUDA_T if device.type == "cuda" else CPU_T))
-    meta = {"command": "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:])),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({platform.processor() or 'x86_64'}, {torch.get_num_threads()} threads)",
-            "interpreter": ckv_kernels.INTERPRET, "dtype": str(dtype).replace("torch.", ""), "batch": args.batch,
-            "torch": torch.__version__, "triton": _version("triton"), "full_backend": full_backend(device, dtype),
-            "repeats": args.repeats, "flops": "4*D per visible (query, key) pair and head; fwd+bwd = 3.5x fwd"}
+    meta = {
+        "command": "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:])),
+        "device": torch.cuda.get_device_name()
+        if device.type == "cuda"
+        else f"cpu ({platform.processor() or 'x86_64'}, {torch.get_num_threads()} threads)",
+        "interpreter": ckv_kernels.INTERPRET,
+        "dtype": str(dtype).replace("torch.", ""),
+        "batch": args.batch,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "full_backend": full_backend(device, dtype),
+        "repeats": args.repeats,
+        "flops": "4*D per visible (query, key) pair and head; fwd+bwd = 3.5x fwd",
+    }
     print(json.dumps(meta))
     result = {"meta": meta, "check": [], "rows": []}
     if not args.no_check and (device.type == "cuda" or ckv_kernels.INTERPRET):

@@ -33,9 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,15 @@ TRAIN_T = 4096
 DECODE_CONTEXT, DECODE_TOKENS = 32768, 64
 MODELS = {  # Qwen3-0.6B with ckv's full-attention control (Qwen3's 8 KV heads) and the paper's compressed default
     "full": {"kind": "full"},
-    "compressed": {"kind": "compressed", "kv_heads": 1, "window": 8, "stride": 8, "local_window": 16,
-                   "pooling": "gate", "gate": "scalar"},
+    "compressed": {
+        "kind": "compressed",
+        "kv_heads": 1,
+        "window": 8,
+        "stride": 8,
+        "local_window": 16,
+        "pooling": "gate",
+        "gate": "scalar",
+    },
 }
 
 
@@ -88,8 +96,13 @@ class Section:
     def run(self, label: str, fn: Callable[[], Any], growth: float = 1.0, first_estimate_s: float = 0.0) -> Any:
         estimate = first_estimate_s if self.last_s is None else self.last_s * growth
         if estimate > self.left():
-            self.skipped.append({"item": label, "reason": f"estimated {estimate:.0f} s > {max(self.left(), 0):.0f} s "
-                                                         f"left of the {self.budget_s} s budget"})
+            self.skipped.append(
+                {
+                    "item": label,
+                    "reason": f"estimated {estimate:.0f} s > {max(self.left(), 0):.0f} s "
+                    f"left of the {self.budget_s} s budget",
+                }
+            )
             return None
         t0 = time.monotonic()
         try:
@@ -105,8 +118,12 @@ class Section:
         return out
 
     def report(self) -> dict[str, Any]:
-        return {"budget_s": self.budget_s, "used_s": round(time.monotonic() - self.start, 1), "items": self.items,
-                "skipped": self.skipped}
+        return {
+            "budget_s": self.budget_s,
+            "used_s": round(time.monotonic() - self.start, 1),
+            "items": self.items,
+            "skipped": self.skipped,
+        }
 
 
 def model_config(kind: str) -> ModelConfig:
@@ -114,6 +131,7 @@ def model_config(kind: str) -> ModelConfig:
 
 
 # --- 1. kernel tests ---------------------------------------------------------------------------------------------
+
 
 def kernel_tests(section: Section) -> None:
     try:
@@ -123,25 +141,40 @@ def kernel_tests(section: Section) -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         os.symlink(ROOT / "kernels", Path(tmp) / "ckv_kernels")  # the package's import name (pyproject package-dir)
-        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_F32_DEFAULT": "ieee",
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), tmp, str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "TRITON_INTERPRET": "0",
+            "TRITON_F32_DEFAULT": "ieee",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), tmp, str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
         cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "-rf"]
         t0 = time.monotonic()
         try:
-            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=max(section.left(), 1))
+            done = subprocess.run(
+                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(section.left(), 1)
+            )
             out, rc = done.stdout + done.stderr, done.returncode
         except subprocess.TimeoutExpired as e:
             out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            section.skipped.append({"item": "pytest tests/kernels", "reason": f"stopped at the {section.budget_s} s budget"})
+            section.skipped.append(
+                {"item": "pytest tests/kernels", "reason": f"stopped at the {section.budget_s} s budget"}
+            )
             rc = None
     lines = [line for line in out.splitlines() if line.strip()]
-    section.items.append({"command": " ".join(cmd[1:]), "returncode": rc, "seconds": round(time.monotonic() - t0, 1),
-                          "summary": lines[-1] if lines else "", "failures": [l for l in lines if l.startswith("FAILED")],
-                          "tail": "\n".join(lines[-30:])})
+    section.items.append(
+        {
+            "command": " ".join(cmd[1:]),
+            "returncode": rc,
+            "seconds": round(time.monotonic() - t0, 1),
+            "summary": lines[-1] if lines else "",
+            "failures": [line for line in lines if line.startswith("FAILED")],
+            "tail": "\n".join(lines[-30:]),
+        }
+    )
 
 
 # --- 2. attention benchmark --------------------------------------------------------------------------------------
+
 
 def attention_args() -> SimpleNamespace:
     return SimpleNamespace(batch=1, repeats=5, warmup=1)
@@ -155,6 +188,7 @@ def attention_benchmark(section: Section, device: torch.device) -> None:
     args = attention_args()
     for T in ATTENTION_T:
         for layout in ATTENTION_LAYOUTS:
+
             def case(T: int = T, layout: str = layout) -> list[dict]:
                 full = bench.run_full(T, layout, args, device, dtype)
                 rows = bench.run_case(T, layout, ATTENTION_GEOMETRY, args, device, dtype, True, full)
@@ -166,6 +200,7 @@ def attention_benchmark(section: Section, device: torch.device) -> None:
 
 
 # --- 3. training step --------------------------------------------------------------------------------------------
+
 
 def training_step(kind: str, lean: bool, device: torch.device, repeats: int = 3) -> dict[str, Any]:
     """Forward+backward of Qwen3-0.6B (bf16 weights) on one 4,096-token sequence: time, MFU, peak memory."""
@@ -203,11 +238,19 @@ def training_step(kind: str, lean: bool, device: torch.device, repeats: int = 3)
     flops = flops_per_token(cfg, TRAIN_T).training
     peak = peak_flops()
     tokens_per_s = TRAIN_T / seconds
-    row = {"attention": kind, "setup": "checkpointed+chunked" if lean else "plain", "T": TRAIN_T,
-           "step_ms": seconds * 1e3, "tokens_per_s": tokens_per_s, "flops_per_token": flops,
-           "mfu": None if peak is None else mfu(tokens_per_s, flops, peak), "peak_flops": peak,
-           "peak_gib_above_weights": (torch.cuda.max_memory_allocated() - base) / 2**30, "loss": loss.item()}
-    del model
+    row = {
+        "attention": kind,
+        "setup": "checkpointed+chunked" if lean else "plain",
+        "T": TRAIN_T,
+        "step_ms": seconds * 1e3,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": flops,
+        "mfu": None if peak is None else mfu(tokens_per_s, flops, peak),
+        "peak_flops": peak,
+        "peak_gib_above_weights": (torch.cuda.max_memory_allocated() - base) / 2**30,
+        "loss": loss.item(),
+    }
+    model = None  # drop the weights before emptying the allocator's cache
     torch.cuda.empty_cache()
     return row
 
@@ -215,13 +258,17 @@ def training_step(kind: str, lean: bool, device: torch.device, repeats: int = 3)
 def training(section: Section, device: torch.device) -> None:
     for kind in MODELS:
         for lean in (False, True):
-            row = section.run(f"{kind} {'checkpointed+chunked' if lean else 'plain'}",
-                              lambda: training_step(kind, lean, device), first_estimate_s=10)
+            row = section.run(
+                f"{kind} {'checkpointed+chunked' if lean else 'plain'}",
+                lambda kind=kind, lean=lean: training_step(kind, lean, device),
+                first_estimate_s=10,
+            )
             if row is not None:
                 section.items.append(row)
 
 
 # --- 4. decoding -------------------------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def decode(kind: str, device: torch.device) -> dict[str, Any]:
@@ -241,8 +288,14 @@ def decode(kind: str, device: torch.device) -> dict[str, Any]:
         logits = model(logits[:, -1:].argmax(-1), cache)
     torch.cuda.synchronize()
     decode_s = time.perf_counter() - t0
-    row = {"attention": kind, "context": DECODE_CONTEXT, "prefill_s": prefill_s, "kv_cache_bytes_at_context": cache_bytes,
-           "decode_tokens": DECODE_TOKENS, "decode_tokens_per_s": DECODE_TOKENS / decode_s}
+    row = {
+        "attention": kind,
+        "context": DECODE_CONTEXT,
+        "prefill_s": prefill_s,
+        "kv_cache_bytes_at_context": cache_bytes,
+        "decode_tokens": DECODE_TOKENS,
+        "decode_tokens_per_s": DECODE_TOKENS / decode_s,
+    }
     del model, cache
     torch.cuda.empty_cache()
     return row
@@ -250,12 +303,13 @@ def decode(kind: str, device: torch.device) -> dict[str, Any]:
 
 def decoding(section: Section, device: torch.device) -> None:
     for kind in MODELS:
-        row = section.run(kind, lambda: decode(kind, device), first_estimate_s=10)
+        row = section.run(kind, lambda kind=kind: decode(kind, device), first_estimate_s=10)
         if row is not None:
             section.items.append(row)
 
 
 # --- the plan (dry run) and the reports --------------------------------------------------------------------------
+
 
 def plan() -> dict[str, Any]:
     """Every shape and step the check runs, with each model built on the meta device (no memory, no GPU)."""
@@ -269,29 +323,60 @@ def plan() -> dict[str, Any]:
             logits_shape = tuple(model.lm_head(h).shape)
         n = sum(p.numel() for p in model.parameters())
         if n != parameter_count(cfg) or logits_shape != (1, TRAIN_T, cfg.vocab_size):
-            raise AssertionError(f"{kind}: meta model has {n} parameters / logits {logits_shape}, expected "
-                                 f"{parameter_count(cfg)} / {(1, TRAIN_T, cfg.vocab_size)}")
-        models[kind] = {"attention": MODELS[kind], "parameters": n, "training_flops_per_token": flops_per_token(cfg, TRAIN_T).training,
-                        "train_input": [1, TRAIN_T], "train_logits": list(logits_shape),
-                        "decode": {"context": DECODE_CONTEXT, "new_tokens": DECODE_TOKENS}}
+            raise AssertionError(
+                f"{kind}: meta model has {n} parameters / logits {logits_shape}, expected "
+                f"{parameter_count(cfg)} / {(1, TRAIN_T, cfg.vocab_size)}"
+            )
+        models[kind] = {
+            "attention": MODELS[kind],
+            "parameters": n,
+            "training_flops_per_token": flops_per_token(cfg, TRAIN_T).training,
+            "train_input": [1, TRAIN_T],
+            "train_logits": list(logits_shape),
+            "decode": {"context": DECODE_CONTEXT, "new_tokens": DECODE_TOKENS},
+        }
     W, S = bench.GEOMETRIES[ATTENTION_GEOMETRY]
     attention = []
     for T in ATTENTION_T:
         for layout in ATTENTION_LAYOUTS:
             H, KV, D = bench.LAYOUTS[layout]
             E = T // S
-            attention.append({"T": T, "layout": layout, "q": [1, T, H, D], "k_v": [1, T, KV, D], "kc_vc": [1, E, KV, D],
-                              "pool_payload": [1, E, W, KV, D], "window": W, "stride": S,
-                              "local_window": bench.LOCAL_WINDOW,
-                              "reference_gib": bench.reference_bytes(1, T, H, S) / 2**30})
-    return {"budgets_s": BUDGETS, "total_budget_s": TOTAL_BUDGET_S,
-            "kernels": {"command": "pytest tests/kernels -q", "env": {"TRITON_INTERPRET": "0", "TRITON_F32_DEFAULT": "ieee"},
-                        "test_files": sorted(p.name for p in (ROOT / "tests" / "kernels").glob("test_*.py"))},
-            "attention": attention, "models": models}
+            attention.append(
+                {
+                    "T": T,
+                    "layout": layout,
+                    "q": [1, T, H, D],
+                    "k_v": [1, T, KV, D],
+                    "kc_vc": [1, E, KV, D],
+                    "pool_payload": [1, E, W, KV, D],
+                    "window": W,
+                    "stride": S,
+                    "local_window": bench.LOCAL_WINDOW,
+                    "reference_gib": bench.reference_bytes(1, T, H, S) / 2**30,
+                }
+            )
+    return {
+        "budgets_s": BUDGETS,
+        "total_budget_s": TOTAL_BUDGET_S,
+        "kernels": {
+            "command": "pytest tests/kernels -q",
+            "env": {"TRITON_INTERPRET": "0", "TRITON_F32_DEFAULT": "ieee"},
+            "test_files": sorted(p.name for p in (ROOT / "tests" / "kernels").glob("test_*.py")),
+        },
+        "attention": attention,
+        "models": models,
+    }
 
 
 def markdown(report: dict[str, Any]) -> str:
-    lines = [f"# GPU check ({report['meta']['device']})", "", "```json", json.dumps(report["meta"], indent=1), "```", ""]
+    lines = [
+        f"# GPU check ({report['meta']['device']})",
+        "",
+        "```json",
+        json.dumps(report["meta"], indent=1),
+        "```",
+        "",
+    ]
     for name, sec in report["sections"].items():
         lines += [f"## {name} ({sec['used_s']} s of {sec['budget_s']} s)", ""]
         if name == "attention":
@@ -324,22 +409,33 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--sections", nargs="+", default=list(BUDGETS), choices=list(BUDGETS))
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "torch": torch.__version__, "triton": bench._version("triton"), "python": platform.python_version(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "peak_bf16_flops": peak_flops(), "dry_run": args.dry_run}
+    meta = {
+        "command": "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "torch": torch.__version__,
+        "triton": bench._version("triton"),
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "peak_bf16_flops": peak_flops(),
+        "dry_run": args.dry_run,
+    }
     the_plan = plan()
     if args.dry_run:
         report = {"meta": meta, "plan": the_plan}
         print(json.dumps(the_plan, indent=1))
         (args.out / "report.json").write_text(json.dumps(report, indent=1))
-        (args.out / "report.md").write_text("# GPU check: dry run\n\n```json\n" + json.dumps(the_plan, indent=1) + "\n```\n")
+        (args.out / "report.md").write_text(
+            "# GPU check: dry run\n\n```json\n" + json.dumps(the_plan, indent=1) + "\n```\n"
+        )
         return report
     if not torch.cuda.is_available():
         sys.exit("gpu_check: no CUDA device (use --dry-run to check the plan on CPU)")
     device = torch.device("cuda")
-    runners = {"kernels": lambda s: kernel_tests(s), "attention": lambda s: attention_benchmark(s, device),
-               "training": lambda s: training(s, device), "decode": lambda s: decoding(s, device)}
+    runners = {
+        "kernels": lambda s: kernel_tests(s),
+        "attention": lambda s: attention_benchmark(s, device),
+        "training": lambda s: training(s, device),
+        "decode": lambda s: decoding(s, device),
+    }
     report = {"meta": meta, "plan": the_plan, "sections": {}}
     start = time.monotonic()
     for name in args.sections:

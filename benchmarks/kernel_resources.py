@@ -25,12 +25,12 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import attention as _bench  # noqa: E402,F401  (makes ckv and ckv_kernels importable from a checkout)
-
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import ckv_kernels.attention as A  # noqa: E402
+
 P = importlib.import_module("ckv_kernels.pool")  # the module (the package re-exports a function of that name)
 
 INT_ARGS = ("Tq", "Tk", "E", "KV", "q_start", "k_start", "stride", "n_keys", "span", "chunk", "split_stride", "W", "D")
@@ -46,7 +46,9 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-    err = subprocess.run([exe, "-v", "--gpu-name", gpu, f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    err = subprocess.run(
+        [exe, "-v", "--gpu-name", gpu, f.name, "-o", os.devnull], capture_output=True, text=True
+    ).stderr
     os.unlink(f.name)
     regs = re.search(r"Used (\d+) registers", err)
     spill = re.search(r"(\d+) bytes spill stores", err)
@@ -56,7 +58,9 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
 def _constexprs(kernel: str, G: int, D: int, config: triton.Config) -> dict:
     if kernel.startswith("pool"):  # vector gate over W = 8 offsets, the launcher's tile shape
         block_e = max(1, P._TILE_ELEMENTS // (8 * triton.next_power_of_2(D)))
-        return dict(GATE=P.VECTOR.value, BWD=kernel == "pool-bwd", BLOCK_E=block_e, BLOCK_W=8, BLOCK_D=triton.next_power_of_2(D))
+        return dict(
+            GATE=P.VECTOR.value, BWD=kernel == "pool-bwd", BLOCK_E=block_e, BLOCK_W=8, BLOCK_D=triton.next_power_of_2(D)
+        )
     constexprs = dict(G=G, G_PAD=triton.next_power_of_2(G), D=D, TAIL=False, UPCAST=False, **config.kwargs)
     if kernel in ("fwd", "dq"):
         return dict(constexprs, LOCAL=True, BWD=kernel == "dq")
@@ -65,32 +69,59 @@ def _constexprs(kernel: str, G: int, D: int, config: triton.Config) -> dict:
 
 def compile_variant(kernel: str, dtype: str, G: int, D: int, config: triton.Config, arch: int) -> dict:
     """Compile one kernel variant with one config; returns resources (or the error)."""
-    jit = {"fwd": A._query_kernel, "dq": A._query_kernel, "key-compressed": A._key_kernel,
-           "key-local": A._key_kernel}.get(kernel, P._pool_kernel)
+    jit = {
+        "fwd": A._query_kernel,
+        "dq": A._query_kernel,
+        "key-compressed": A._key_kernel,
+        "key-local": A._key_kernel,
+    }.get(kernel, P._pool_kernel)
     if isinstance(jit, triton.runtime.Autotuner):  # the autotuner wraps the JIT function
         jit = jit.fn
     ptr = "*" + dtype
     fp32_ptrs = ("LSE", "DELTA") + (("DKEY", "DVAL") if kernel == "key-compressed" else ())
-    types = {name: ("i32" if name in INT_ARGS else "fp32" if name.endswith("scale")
-                    else "*fp32" if name in fp32_ptrs else "*u8" if name == "PRESENT" else ptr) for name in jit.arg_names}
+    types = {
+        name: (
+            "i32"
+            if name in INT_ARGS
+            else "fp32"
+            if name.endswith("scale")
+            else "*fp32"
+            if name in fp32_ptrs
+            else "*u8"
+            if name == "PRESENT"
+            else ptr
+        )
+        for name in jit.arg_names
+    }
     constexprs = _constexprs(kernel, G, D, config)
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in jit.arg_names}
-    src = ASTSource(fn=jit, signature=signature,
-                    constexprs={(jit.arg_names.index(k),): v for k, v in constexprs.items()})
+    src = ASTSource(
+        fn=jit, signature=signature, constexprs={(jit.arg_names.index(k),): v for k, v in constexprs.items()}
+    )
     start = time.time()
     try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
+        compiled = triton.compile(
+            src,
+            target=GPUTarget("cuda", arch, 32),
+            options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
+        )
     except Exception as e:  # report and go on: a config that does not compile is pruned by the autotuner too
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"}
-    return {**_ptxas_report(compiled.asm["ptx"], arch), "shared_bytes": compiled.metadata.shared,
-            "compile_s": round(time.time() - start, 1)}
+    return {
+        **_ptxas_report(compiled.asm["ptx"], arch),
+        "shared_bytes": compiled.metadata.shared,
+        "compile_s": round(time.time() - start, 1),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--kernels", nargs="+", default=["fwd", "dq", "key-compressed", "key-local"],
-                   choices=["fwd", "dq", "key-compressed", "key-local", "pool-fwd", "pool-bwd"])
+    p.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["fwd", "dq", "key-compressed", "key-local"],
+        choices=["fwd", "dq", "key-compressed", "key-local", "pool-fwd", "pool-bwd"],
+    )
     p.add_argument("--groups", type=int, nargs="+", default=[2, 16], help="GQA ratios H/KV (Qwen3-0.6B: 2; paper: 16)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--head-dim", type=int, default=128)
@@ -110,7 +141,9 @@ def main() -> None:
                 if config.kwargs["BLOCK_M"] < triton.next_power_of_2(G):
                     continue
                 r = compile_variant(kernel, args.dtype, G, args.head_dim, config, args.arch)
-                blocks = ["-", "-"] if kernel.startswith("pool") else [str(config.kwargs[b]) for b in ("BLOCK_M", "BLOCK_N")]
+                blocks = (
+                    ["-", "-"] if kernel.startswith("pool") else [str(config.kwargs[b]) for b in ("BLOCK_M", "BLOCK_N")]
+                )
                 cells = [kernel, str(G), *blocks, str(config.num_warps), str(config.num_stages)]
                 if "error" in r:
                     cells += [r["error"], "", ""]

@@ -10,7 +10,8 @@ Method (Linux): each (attention, variant) runs in a fresh Python process with th
 and with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every allocation of 64 KiB or more on its own and
 unmaps it when freed, so the resident set follows the live tensors instead of keeping freed memory in the heap.
 The child builds everything, runs one warm-up step (first-call costs such as lazily loaded code are not the
-step's memory; one-time ~100 MiB for the first checkpointed backward), drops the gradients, resets the kernel's high-water mark of its resident set (writing ``5`` to
+step's memory; one-time ~100 MiB for the first checkpointed backward), drops the gradients, resets the kernel's
+high-water mark of its resident set (writing ``5`` to
 ``/proc/self/clear_refs`` sets ``VmHWM`` to the current ``VmRSS``), reads ``VmRSS`` as the baseline, runs the
 step and reads ``VmHWM`` from ``/proc/self/status``. The step's peak is ``VmHWM - baseline``: everything the step
 allocated and touched at its worst moment, parameter gradients included. Where the mark cannot be reset, the
@@ -36,8 +37,10 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("today", "lean")
-ATTENTION = {"full": {"kind": "full"},
-             "compressed": {"kind": "compressed", "window": 8, "stride": 8, "local_window": 16}}
+ATTENTION = {
+    "full": {"kind": "full"},
+    "compressed": {"kind": "compressed", "window": 8, "stride": 8, "local_window": 16},
+}
 
 
 def _status_bytes(field: str) -> int:
@@ -88,17 +91,40 @@ def child(variant: str, attention: str, vocab: int, seq_len: int, batch: int, ch
     loss = step()
     peak = _status_bytes("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     grad_norm = torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters())).item()
-    return {"variant": variant, "attention": attention, "peak_bytes": peak - baseline,
-            "measurable": reset or peak > high_before, "loss": loss.item(), "grad_norm": grad_norm,
-            "parameters": model.num_parameters()}
+    return {
+        "variant": variant,
+        "attention": attention,
+        "peak_bytes": peak - baseline,
+        "measurable": reset or peak > high_before,
+        "loss": loss.item(),
+        "grad_norm": grad_norm,
+        "parameters": model.num_parameters(),
+    }
 
 
 def run_child(variant: str, attention: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", variant, attention, "--vocab", str(args.vocab),
-           "--seq-len", str(args.seq_len), "--batch", str(args.batch), "--chunk", str(args.chunk),
-           "--threads", str(args.threads)]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        variant,
+        attention,
+        "--vocab",
+        str(args.vocab),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--chunk",
+        str(args.chunk),
+        "--threads",
+        str(args.threads),
+    ]
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -118,20 +144,33 @@ def main(argv: Optional[list[str]] = None) -> list[dict]:
         print(json.dumps(child(*args.child, args.vocab, args.seq_len, args.batch, args.chunk, args.threads)))
         return []
     rows = []
-    print(f"model: ckv 'small' preset, vocab {args.vocab}, {args.batch} x {args.seq_len} tokens, "
-          f"loss chunk {args.chunk} tokens, fp32 on CPU")
+    print(
+        f"model: ckv 'small' preset, vocab {args.vocab}, {args.batch} x {args.seq_len} tokens, "
+        f"loss chunk {args.chunk} tokens, fp32 on CPU"
+    )
     print("attention  | today MiB | lean MiB | lean/today | |loss diff| | |grad-norm diff| | measurable")
     for attention in args.attention:
         today, lean = (run_child(v, attention, args) for v in VARIANTS)
-        row = {"attention": attention, "today": today, "lean": lean, "ratio": lean["peak_bytes"] / today["peak_bytes"],
-               "loss_diff": abs(lean["loss"] - today["loss"]), "grad_norm_diff": abs(lean["grad_norm"] - today["grad_norm"])}
+        row = {
+            "attention": attention,
+            "today": today,
+            "lean": lean,
+            "ratio": lean["peak_bytes"] / today["peak_bytes"],
+            "loss_diff": abs(lean["loss"] - today["loss"]),
+            "grad_norm_diff": abs(lean["grad_norm"] - today["grad_norm"]),
+        }
         rows.append(row)
-        print(f"{attention:10} | {today['peak_bytes'] / 2**20:9.1f} | {lean['peak_bytes'] / 2**20:8.1f} | "
-              f"{row['ratio']:10.2f} | {row['loss_diff']:11.2e} | {row['grad_norm_diff']:16.2e} | "
-              f"{today['measurable'] and lean['measurable']}")
+        print(
+            f"{attention:10} | {today['peak_bytes'] / 2**20:9.1f} | {lean['peak_bytes'] / 2**20:8.1f} | "
+            f"{row['ratio']:10.2f} | {row['loss_diff']:11.2e} | {row['grad_norm_diff']:16.2e} | "
+            f"{today['measurable'] and lean['measurable']}"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k not in ("json", "child")},
-                                         "rows": rows}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"args": {k: v for k, v in vars(args).items() if k not in ("json", "child")}, "rows": rows}, indent=1
+            )
+        )
     return rows
 
 

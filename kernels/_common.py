@@ -4,7 +4,8 @@ autotuning decorator (several configs on a GPU, exactly one under the interprete
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import triton
@@ -47,11 +48,16 @@ def upcast_loads(dtype: torch.dtype) -> bool:
     return INTERPRET and dtype == torch.bfloat16
 
 
-def autotune(gpu_configs: Sequence[triton.Config], interpreter_config: triton.Config, key: list[str],
-             prune: Callable[..., list[triton.Config]] | None = None) -> Callable[[Any], Any]:
+def autotune(
+    gpu_configs: Sequence[triton.Config],
+    interpreter_config: triton.Config,
+    key: list[str],
+    prune: Callable[..., list[triton.Config]] | None = None,
+) -> Callable[[Any], Any]:
     """``triton.autotune`` over ``gpu_configs`` on a GPU; under the interpreter the single
     ``interpreter_config`` (the interpreter can neither benchmark nor run several configs)."""
     if INTERPRET:
         return triton.autotune(configs=[interpreter_config], key=key)
-    return triton.autotune(configs=list(gpu_configs), key=key,
-                           prune_configs_by={"early_config_prune": prune} if prune else None)
+    return triton.autotune(
+        configs=list(gpu_configs), key=key, prune_configs_by={"early_config_prune": prune} if prune else None
+    )

@@ -34,7 +34,7 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634  # log2(e); the kernels write the literal (jit globals must be constexpr)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -95,9 +95,30 @@ def _load(ptrs, mask, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _query_step(acc, m_i, l_i, q, do, t, KEY, VAL, cols, n_cols, row_stride, E, stride, k_start, span, qk_scale,
-                D: tl.constexpr, MASKED: tl.constexpr, COMPRESSED: tl.constexpr, TAIL: tl.constexpr,
-                BWD: tl.constexpr, UPCAST: tl.constexpr):
+def _query_step(
+    acc,
+    m_i,
+    l_i,
+    q,
+    do,
+    t,
+    KEY,
+    VAL,
+    cols,
+    n_cols,
+    row_stride,
+    E,
+    stride,
+    k_start,
+    span,
+    qk_scale,
+    D: tl.constexpr,
+    MASKED: tl.constexpr,
+    COMPRESSED: tl.constexpr,
+    TAIL: tl.constexpr,
+    BWD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """One key tile for a row tile. Forward: online-softmax update of (acc, m, l). Backward (BWD): m holds the
     log-sum-exp (log2 units), l holds delta, acc accumulates dS @ K."""
     d = tl.arange(0, D)
@@ -124,10 +145,37 @@ def _query_step(acc, m_i, l_i, q, do, t, KEY, VAL, cols, n_cols, row_stride, E, 
 @autotune(_QUERY_CONFIGS, _INTERPRETER_CONFIG, key=["Tq", "E", "D", "G_PAD", "TAIL", "BWD"], prune=_prune_rows)
 @triton.jit
 def _query_kernel(
-    Q, KC, VC, K, V, O, LSE, DO, DQ, DELTA, SINK,
-    Tq, Tk, E, KV, q_start, k_start, stride, span, qk_scale, sm_scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, TAIL: tl.constexpr, LOCAL: tl.constexpr,
-    BWD: tl.constexpr, UPCAST: tl.constexpr, HAS_SINK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    KC,
+    VC,
+    K,
+    V,
+    O,
+    LSE,
+    DO,
+    DQ,
+    DELTA,
+    SINK,
+    Tq,
+    Tk,
+    E,
+    KV,
+    q_start,
+    k_start,
+    stride,
+    span,
+    qk_scale,
+    sm_scale,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    TAIL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BWD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Forward (O, LSE) or, with BWD, the dq pass (DQ, DELTA) for one row tile of one (batch, KV head).
     Q, O, DO, DQ: (B, Tq, H, D); KC, VC: (B, E, KV, D); K, V: (B, Tk, KV, D); LSE, DELTA: (B, Tq, H) fp32;
@@ -169,21 +217,84 @@ def _query_kernel(
     n_all = (tl.minimum((t_first + 1) // stride, E) // BLOCK_N) * BLOCK_N
     kc_base = (b * E).to(tl.int64) * KV * D + kv * D
     for j0 in range(0, n_all, BLOCK_N):
-        acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, KC + kc_base, VC + kc_base, j0 + tl.arange(0, BLOCK_N),
-                                    n_hi, KV * D, E, stride, k_start, span, qk_scale,
-                                    D, False, True, TAIL, BWD, UPCAST)
+        acc, m_i, l_i = _query_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            do,
+            t,
+            KC + kc_base,
+            VC + kc_base,
+            j0 + tl.arange(0, BLOCK_N),
+            n_hi,
+            KV * D,
+            E,
+            stride,
+            k_start,
+            span,
+            qk_scale,
+            D,
+            False,
+            True,
+            TAIL,
+            BWD,
+            UPCAST,
+        )
     for j0 in range(n_all, n_hi, BLOCK_N):
-        acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, KC + kc_base, VC + kc_base, j0 + tl.arange(0, BLOCK_N),
-                                    n_hi, KV * D, E, stride, k_start, span, qk_scale,
-                                    D, True, True, TAIL, BWD, UPCAST)
+        acc, m_i, l_i = _query_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            do,
+            t,
+            KC + kc_base,
+            VC + kc_base,
+            j0 + tl.arange(0, BLOCK_N),
+            n_hi,
+            KV * D,
+            E,
+            stride,
+            k_start,
+            span,
+            qk_scale,
+            D,
+            True,
+            True,
+            TAIL,
+            BWD,
+            UPCAST,
+        )
     # (b) the band of exact keys the tile's local windows cover
     if LOCAL:
         k_base = (b * Tk).to(tl.int64) * KV * D + kv * D
         c_lo = tl.maximum(_local_lo(t_first, stride, span, TAIL) - k_start, 0)
         for c0 in range(c_lo, t_last - k_start + 1, BLOCK_N):
-            acc, m_i, l_i = _query_step(acc, m_i, l_i, q, do, t, K + k_base, V + k_base, c0 + tl.arange(0, BLOCK_N),
-                                        Tk, KV * D, E, stride, k_start, span, qk_scale,
-                                        D, True, False, TAIL, BWD, UPCAST)
+            acc, m_i, l_i = _query_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                do,
+                t,
+                K + k_base,
+                V + k_base,
+                c0 + tl.arange(0, BLOCK_N),
+                Tk,
+                KV * D,
+                E,
+                stride,
+                k_start,
+                span,
+                qk_scale,
+                D,
+                True,
+                False,
+                TAIL,
+                BWD,
+                UPCAST,
+            )
 
     if BWD:
         tl.store(DQ + q_offs, (acc * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -196,9 +307,35 @@ def _query_kernel(
 
 
 @triton.jit
-def _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride, k_start,
-              span, qk_scale, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, MASKED: tl.constexpr,
-              COMPRESSED: tl.constexpr, TAIL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr):
+def _key_step(
+    dk,
+    dv,
+    key,
+    val,
+    Q,
+    DO,
+    LSE,
+    DELTA,
+    i0,
+    Tq,
+    H,
+    kv,
+    q_start,
+    cols,
+    E,
+    stride,
+    k_start,
+    span,
+    qk_scale,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    MASKED: tl.constexpr,
+    COMPRESSED: tl.constexpr,
+    TAIL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """One row tile's contribution to dk, dv of a key tile (everything transposed: keys x rows). Q, DO, LSE,
     DELTA point at this batch's planes."""
     i, row, row_ok = _rows(i0, Tq, H, kv, G, G_PAD, BLOCK_M)
@@ -219,14 +356,42 @@ def _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols,
     return dk, dv
 
 
-@autotune(_KEY_CONFIGS, _INTERPRETER_CONFIG, key=["Tq", "n_keys", "chunk", "D", "G_PAD", "TAIL", "COMPRESSED"],
-          prune=_prune_rows)
+@autotune(
+    _KEY_CONFIGS,
+    _INTERPRETER_CONFIG,
+    key=["Tq", "n_keys", "chunk", "D", "G_PAD", "TAIL", "COMPRESSED"],
+    prune=_prune_rows,
+)
 @triton.jit
 def _key_kernel(
-    Q, KEY, VAL, DO, LSE, DELTA, DKEY, DVAL,
-    Tq, n_keys, E, KV, q_start, k_start, stride, span, chunk, split_stride, qk_scale, sm_scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, TAIL: tl.constexpr, COMPRESSED: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    KEY,
+    VAL,
+    DO,
+    LSE,
+    DELTA,
+    DKEY,
+    DVAL,
+    Tq,
+    n_keys,
+    E,
+    KV,
+    q_start,
+    k_start,
+    stride,
+    span,
+    chunk,
+    split_stride,
+    qk_scale,
+    sm_scale,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    TAIL: tl.constexpr,
+    COMPRESSED: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """dk, dv of BLOCK_N keys of one source (compressed entries, or exact keys) of one (batch, KV head), from
     the queries of chunk ``program_id(1)`` (query indices ``[c * chunk, (c + 1) * chunk)``, chunk a multiple
@@ -260,12 +425,66 @@ def _key_kernel(
     i_first = tl.maximum((i_lo // BLOCK_Q) * BLOCK_Q, chunk_lo)
     i_mid = tl.maximum(tl.cdiv(i_mask_end, BLOCK_Q) * BLOCK_Q, i_first)
     for i0 in range(i_first, tl.minimum(i_mid, chunk_hi), BLOCK_Q):
-        dk, dv = _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride,
-                           k_start, span, qk_scale, G, G_PAD, D, True, COMPRESSED, TAIL, UPCAST, BLOCK_M)
+        dk, dv = _key_step(
+            dk,
+            dv,
+            key,
+            val,
+            Q,
+            DO,
+            LSE,
+            DELTA,
+            i0,
+            Tq,
+            H,
+            kv,
+            q_start,
+            cols,
+            E,
+            stride,
+            k_start,
+            span,
+            qk_scale,
+            G,
+            G_PAD,
+            D,
+            True,
+            COMPRESSED,
+            TAIL,
+            UPCAST,
+            BLOCK_M,
+        )
     if COMPRESSED:
         for i0 in range(i_mid, chunk_hi, BLOCK_Q):
-            dk, dv = _key_step(dk, dv, key, val, Q, DO, LSE, DELTA, i0, Tq, H, kv, q_start, cols, E, stride,
-                               k_start, span, qk_scale, G, G_PAD, D, False, COMPRESSED, TAIL, UPCAST, BLOCK_M)
+            dk, dv = _key_step(
+                dk,
+                dv,
+                key,
+                val,
+                Q,
+                DO,
+                LSE,
+                DELTA,
+                i0,
+                Tq,
+                H,
+                kv,
+                q_start,
+                cols,
+                E,
+                stride,
+                k_start,
+                span,
+                qk_scale,
+                G,
+                G_PAD,
+                D,
+                False,
+                COMPRESSED,
+                TAIL,
+                UPCAST,
+                BLOCK_M,
+            )
     out = base + tl.program_id(1).to(tl.int64) * split_stride
     tl.store(DKEY + out + offs, (dk * sm_scale).to(DKEY.dtype.element_ty), mask=cols[:, None] < n_keys)
     tl.store(DVAL + out + offs, dv.to(DVAL.dtype.element_ty), mask=cols[:, None] < n_keys)
@@ -281,8 +500,18 @@ def _first_needed_key(q_start: int, Tq: int, stride: int, span: int, tail: bool,
     return max(int(_local_lo.fn(q_start, stride, span, tail)), origin)
 
 
-def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  stride: int, local_span: int, tail: bool, q_start: int, origin: int = 0) -> None:
+def _check_inputs(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stride: int,
+    local_span: int,
+    tail: bool,
+    q_start: int,
+    origin: int = 0,
+) -> None:
     """Raise a clear error on any input the kernels do not support."""
     for name, t in (("q", q), ("kc", kc), ("vc", vc), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -290,11 +519,15 @@ def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.
         check_float(name, t, q.dtype)
     B, Tq, H, D = q.shape
     if kc.shape != vc.shape or k.shape != v.shape:
-        raise ValueError(f"kc {tuple(kc.shape)} must match vc {tuple(vc.shape)}, k {tuple(k.shape)} must match v {tuple(v.shape)}")
+        raise ValueError(
+            f"kc {tuple(kc.shape)} must match vc {tuple(vc.shape)}, k {tuple(k.shape)} must match v {tuple(v.shape)}"
+        )
     KV = kc.shape[2]
     if kc.shape[0] != B or k.shape[0] != B or k.shape[2] != KV or kc.shape[3] != D or k.shape[3] != D:
-        raise ValueError(f"inconsistent shapes: q {tuple(q.shape)}, kc {tuple(kc.shape)}, k {tuple(k.shape)} "
-                         "(expected (B, Tq, H, D), (B, E, KV, D), (B, Tk, KV, D))")
+        raise ValueError(
+            f"inconsistent shapes: q {tuple(q.shape)}, kc {tuple(kc.shape)}, k {tuple(k.shape)} "
+            "(expected (B, Tq, H, D), (B, E, KV, D), (B, Tk, KV, D))"
+        )
     if H % KV:
         raise ValueError(f"query heads H={H} must be a multiple of KV heads {KV}")
     if triton.next_power_of_2(H // KV) > 64:
@@ -315,8 +548,10 @@ def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.
         raise ValueError(f"q_start={q_start!r} must be an integer >= {origin} (origin)")
     k_start = q_start + Tq - k.shape[1]
     if k_start < origin:
-        raise ValueError(f"{k.shape[1]} exact keys end at position {q_start + Tq - 1}, so they would start before "
-                         f"the first position {origin}")
+        raise ValueError(
+            f"{k.shape[1]} exact keys end at position {q_start + Tq - 1}, so they would start before "
+            f"the first position {origin}"
+        )
     first = _first_needed_key(q_start, Tq, stride, local_span, tail, origin)
     if first is not None and first < k_start:
         raise ValueError(f"exact keys start at position {k_start}, but a local window reaches back to {first}")
@@ -326,8 +561,17 @@ def _check_inputs(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.
 class _Problem:
     """Sizes and geometry of one call, turned into kernel arguments once."""
 
-    def __init__(self, q: torch.Tensor, kc: torch.Tensor, k: torch.Tensor, stride: int, local_span: int, tail: bool,
-                 q_start: int, scale: Optional[float]) -> None:
+    def __init__(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        k: torch.Tensor,
+        stride: int,
+        local_span: int,
+        tail: bool,
+        q_start: int,
+        scale: Optional[float],
+    ) -> None:
         self.B, self.Tq, H, self.D = q.shape
         self.E, self.KV, self.Tk = kc.shape[1], kc.shape[2], k.shape[1]
         self.G = H // self.KV
@@ -351,13 +595,40 @@ class _Problem:
         n = max(1, min(wanted, 16, triton.cdiv(self.Tq, 128)))
         return triton.cdiv(triton.cdiv(self.Tq, n), 128) * 128
 
-    def run_query(self, q, kc, vc, k, v, o, lse, do, dq, delta, bwd: bool, sinks: Optional[torch.Tensor] = None) -> None:
+    def run_query(
+        self, q, kc, vc, k, v, o, lse, do, dq, delta, bwd: bool, sinks: Optional[torch.Tensor] = None
+    ) -> None:
         _query_kernel[self.query_grid](
-            q, kc, vc, k, v, o, lse, do, dq, delta, lse if sinks is None else sinks,  # SINK unread without sinks
-            self.Tq, self.Tk, self.E, self.KV, self.q_start, self.k_start, self.stride, self.span,
-            self.sm_scale * LOG2E, self.sm_scale,
-            G=self.G, G_PAD=self.g_pad, D=self.D, TAIL=self.tail, LOCAL=self.span > 0, BWD=bwd, UPCAST=self.upcast,
-            HAS_SINK=sinks is not None)
+            q,
+            kc,
+            vc,
+            k,
+            v,
+            o,
+            lse,
+            do,
+            dq,
+            delta,
+            lse if sinks is None else sinks,  # SINK unread without sinks
+            self.Tq,
+            self.Tk,
+            self.E,
+            self.KV,
+            self.q_start,
+            self.k_start,
+            self.stride,
+            self.span,
+            self.sm_scale * LOG2E,
+            self.sm_scale,
+            G=self.G,
+            G_PAD=self.g_pad,
+            D=self.D,
+            TAIL=self.tail,
+            LOCAL=self.span > 0,
+            BWD=bwd,
+            UPCAST=self.upcast,
+            HAS_SINK=sinks is not None,
+        )
 
     def run_key(self, q, key, val, do, lse, delta, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """dk, dv of one source (compressed entries or exact keys)."""
@@ -370,10 +641,33 @@ class _Problem:
             dkey = key.new_empty((n_chunks, *key.shape), dtype=torch.float32)
             dval, split_stride = torch.empty_like(dkey), key.numel()
         _key_kernel[lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), n_chunks, self.B * self.KV)](
-            q, key, val, do, lse, delta, dkey, dval,
-            self.Tq, n_keys, self.E, self.KV, self.q_start, self.k_start, self.stride, self.span,
-            chunk, split_stride, self.sm_scale * LOG2E, self.sm_scale,
-            G=self.G, G_PAD=self.g_pad, D=self.D, TAIL=self.tail, COMPRESSED=compressed, UPCAST=self.upcast)
+            q,
+            key,
+            val,
+            do,
+            lse,
+            delta,
+            dkey,
+            dval,
+            self.Tq,
+            n_keys,
+            self.E,
+            self.KV,
+            self.q_start,
+            self.k_start,
+            self.stride,
+            self.span,
+            chunk,
+            split_stride,
+            self.sm_scale * LOG2E,
+            self.sm_scale,
+            G=self.G,
+            G_PAD=self.g_pad,
+            D=self.D,
+            TAIL=self.tail,
+            COMPRESSED=compressed,
+            UPCAST=self.upcast,
+        )
         if n_chunks > 1:
             dkey, dval = dkey.sum(0).to(key.dtype), dval.sum(0).to(val.dtype)
         return dkey, dval
@@ -408,7 +702,11 @@ class JointAttentionFunction(torch.autograd.Function):
         prob.run_query(q, kc, vc, k, v, o, lse, do, dq, delta, bwd=True)  # dq, and delta for the key pass
         # d sink_h = -sum over (batch, query) of P(sink) * delta, P(sink) = exp(sink_h - lse)
         dsink = None if sinks is None else (-(sinks - lse).exp() * delta).sum((0, 1)).to(ctx.sinks_dtype)
-        dkc, dvc = prob.run_key(q, kc, vc, do, lse, delta, compressed=True) if prob.E else (torch.zeros_like(kc), torch.zeros_like(vc))
+        dkc, dvc = (
+            prob.run_key(q, kc, vc, do, lse, delta, compressed=True)
+            if prob.E
+            else (torch.zeros_like(kc), torch.zeros_like(vc))
+        )
         if prob.span and prob.Tk:
             dk, dv = prob.run_key(q, k, v, do, lse, delta, compressed=False)
         else:  # no local window: exact keys get no gradient
@@ -417,9 +715,19 @@ class JointAttentionFunction(torch.autograd.Function):
 
 
 def joint_attention(
-    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    stride: int, local_span: int, tail: bool = False, q_start: int = 0, scale: Optional[float] = None,
-    sinks: Optional[torch.Tensor] = None, origin: int = 0,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    stride: int,
+    local_span: int,
+    tail: bool = False,
+    q_start: int = 0,
+    scale: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    origin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over visible compressed entries and the exact keys of each query's local window (Triton;
     same contract as ``ckv.attention.reference.joint_attention_reference``).
@@ -443,9 +751,10 @@ def joint_attention(
     if sinks is not None:
         check_float("sinks", sinks)
         if sinks.shape != (q.shape[2],) or sinks.device != q.device:
-            raise ValueError(f"sinks must have shape (H,) = ({q.shape[2]},) on {q.device}, got "
-                             f"{tuple(sinks.shape)} on {sinks.device}")
+            raise ValueError(
+                f"sinks must have shape (H,) = ({q.shape[2]},) on {q.device}, got "
+                f"{tuple(sinks.shape)} on {sinks.device}"
+            )
     prob = _Problem(q, kc, k, stride, local_span, tail, q_start, scale)
     q, kc, vc, k, v = (t.contiguous() for t in (q, kc, vc, k, v))
     return JointAttentionFunction.apply(q, kc, vc, k, v, sinks, prob)
-

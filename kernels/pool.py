@@ -26,10 +26,23 @@ _TILE_ELEMENTS = 2048  # elements of one (BLOCK_E, BLOCK_W, BLOCK_D) tile (no sp
 
 @triton.jit
 def _pool_kernel(
-    P, LOGIT, PRESENT, OUT, ALPHA, DOUT, DP, DLOGIT,
-    E, W, KV, D,
-    GATE: tl.constexpr, BWD: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    P,
+    LOGIT,
+    PRESENT,
+    OUT,
+    ALPHA,
+    DOUT,
+    DP,
+    DLOGIT,
+    E,
+    W,
+    KV,
+    D,
+    GATE: tl.constexpr,
+    BWD: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Forward (BWD=False): OUT (B, E, KV, D) = sum_w alpha * P, and ALPHA (B, E, W, KV, G) for gates.
     Backward (BWD=True): DP = alpha * DOUT, and for gates DLOGIT = alpha * (u - sum_w alpha * u) with
@@ -82,8 +95,9 @@ def _pool_kernel(
             tl.store(DLOGIT + logit_offs, dlogit.to(DLOGIT.dtype.element_ty), mask=logit_store)
 
 
-def _launch(payload: torch.Tensor, logits: Optional[torch.Tensor], present_u8: torch.Tensor,
-            dout: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def _launch(
+    payload: torch.Tensor, logits: Optional[torch.Tensor], present_u8: torch.Tensor, dout: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
     """Run the kernel forward (``dout is None``: returns pooled, alpha-or-None) or backward (returns d payload,
     d logits-or-None). All tensors contiguous."""
     B, E, W, KV, D = payload.shape
@@ -96,14 +110,48 @@ def _launch(payload: torch.Tensor, logits: Optional[torch.Tensor], present_u8: t
         out = payload.new_empty(B, E, KV, D)
         alpha = None if logits is None else payload.new_empty(logits.shape)
         if E:
-            _pool_kernel[grid](payload, lg, present_u8, out, alpha if alpha is not None else out, out, out, out,
-                               E, W, KV, D, GATE=gate, BWD=False, BLOCK_E=block_e, BLOCK_W=block_w, BLOCK_D=block_d)
+            _pool_kernel[grid](
+                payload,
+                lg,
+                present_u8,
+                out,
+                alpha if alpha is not None else out,
+                out,
+                out,
+                out,
+                E,
+                W,
+                KV,
+                D,
+                GATE=gate,
+                BWD=False,
+                BLOCK_E=block_e,
+                BLOCK_W=block_w,
+                BLOCK_D=block_d,
+            )
         return out, alpha
     dp = torch.empty_like(payload)
     dlogit = None if logits is None else torch.empty_like(logits)
     if E:
-        _pool_kernel[grid](payload, lg, present_u8, dout, dp, dout, dp, dlogit if dlogit is not None else dp,
-                           E, W, KV, D, GATE=gate, BWD=True, BLOCK_E=block_e, BLOCK_W=block_w, BLOCK_D=block_d)
+        _pool_kernel[grid](
+            payload,
+            lg,
+            present_u8,
+            dout,
+            dp,
+            dout,
+            dp,
+            dlogit if dlogit is not None else dp,
+            E,
+            W,
+            KV,
+            D,
+            GATE=gate,
+            BWD=True,
+            BLOCK_E=block_e,
+            BLOCK_W=block_w,
+            BLOCK_D=block_d,
+        )
     return dp, dlogit
 
 
@@ -126,7 +174,9 @@ class PoolFunction(torch.autograd.Function):
         return dp, dlogit, None
 
 
-def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pool(
+    payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool each window of the chunked compressor into one entry (Triton; same contract as
     ``ckv.attention.reference.pool_reference``).
 
@@ -142,12 +192,16 @@ def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.T
     B, E, W, KV, D = payload.shape
     check_float("payload", payload)
     if tuple(present.shape) != (E, W) or present.dtype != torch.bool:
-        raise ValueError(f"present must be a bool tensor of shape (E, W) = {(E, W)}, got {present.dtype} {tuple(present.shape)}")
+        raise ValueError(
+            f"present must be a bool tensor of shape (E, W) = {(E, W)}, got {present.dtype} {tuple(present.shape)}"
+        )
     tensors = [payload, present]
     if logits is not None:
         check_float("logits", logits)
         if logits.dim() != 5 or tuple(logits.shape[:4]) != (B, E, W, KV) or logits.shape[4] not in (1, D):
-            raise ValueError(f"logits must be (B, E, W, KV, 1 or D) = {(B, E, W, KV)} + (1 | {D}), got {tuple(logits.shape)}")
+            raise ValueError(
+                f"logits must be (B, E, W, KV, 1 or D) = {(B, E, W, KV)} + (1 | {D}), got {tuple(logits.shape)}"
+            )
         tensors.append(logits)
     check_runnable(*tensors)
     pooled, alpha = PoolFunction.apply(payload.contiguous(), None if logits is None else logits.contiguous(), present)

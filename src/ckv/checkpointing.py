@@ -18,7 +18,8 @@ gradients of parameters only, which reentrant checkpointing would need inputs th
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

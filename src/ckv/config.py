@@ -54,8 +54,15 @@ def check_int(field: str, value: Any, minimum: int = 1) -> None:
         raise ConfigError(f"{field}={value!r} must be an integer >= {minimum}")
 
 
-def check_float(field: str, value: Any, low: Optional[float] = None, high: Optional[float] = None, *,
-                low_open: bool = False, high_open: bool = False) -> None:
+def check_float(
+    field: str,
+    value: Any,
+    low: Optional[float] = None,
+    high: Optional[float] = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
     """Raise ConfigError naming ``field`` unless ``value`` is a finite real number (an int or float, not a bool or
     a string) within the bounds: ``low``/``high`` are inclusive unless ``low_open``/``high_open``."""
     bounds = []
@@ -64,7 +71,11 @@ def check_float(field: str, value: Any, low: Optional[float] = None, high: Optio
     if high is not None:
         bounds.append(f"{'<' if high_open else '<='} {high}")
     wanted = "a finite number" + (f" {' and '.join(bounds)}" if bounds else "")
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not math.isfinite(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float, np.integer, np.floating))
+        or not math.isfinite(value)
+    ):
         raise ConfigError(f"{field}={value!r} must be {wanted}")
     below = low is not None and (value <= low if low_open else value < low)
     above = high is not None and (value >= high if high_open else value > high)
@@ -160,7 +171,9 @@ class AttentionConfig:
             if self.rope_dims is None:
                 raise ConfigError(f"{o}.rope='partial' needs attention.rope_dims (an even number of dims per head)")
         elif self.rope_dims is not None:
-            raise ConfigError(f"{o}.rope_dims={self.rope_dims} is only used with attention.rope='partial' (got rope={self.rope!r})")
+            raise ConfigError(
+                f"{o}.rope_dims={self.rope_dims} is only used with attention.rope='partial' (got rope={self.rope!r})"
+            )
         self._check_v4_options()
         self._check_mixing()
         self._check_gate_entropy()
@@ -172,14 +185,20 @@ class AttentionConfig:
         check_float(f"{o}.gate_entropy_floor", floor, 0, 1, high_open=True)
         check_float(f"{o}.gate_entropy_weight", weight, 0)
         if floor > 0 and (self.kind != "compressed" or self.pooling != "gate"):
-            raise ConfigError(f"{o}.gate_entropy_floor={floor} keeps a learned gate spread: it needs kind='compressed' "
-                              f"and pooling='gate' (got kind={self.kind!r}, pooling={self.pooling!r})")
+            raise ConfigError(
+                f"{o}.gate_entropy_floor={floor} keeps a learned gate spread: it needs kind='compressed' "
+                f"and pooling='gate' (got kind={self.kind!r}, pooling={self.pooling!r})"
+            )
         if floor > 0 and self.window < 2:
-            raise ConfigError(f"{o}.gate_entropy_floor={floor} needs attention.window >= 2 (a 1-token window's gate "
-                              "has nothing to spread over)")
+            raise ConfigError(
+                f"{o}.gate_entropy_floor={floor} needs attention.window >= 2 (a 1-token window's gate "
+                "has nothing to spread over)"
+            )
         if weight > 0 and floor == 0:
-            raise ConfigError(f"{o}.gate_entropy_weight={weight} weighs the gate-entropy penalty, which is off: set "
-                              "attention.gate_entropy_floor in (0, 1)")
+            raise ConfigError(
+                f"{o}.gate_entropy_weight={weight} weighs the gate-entropy penalty, which is off: set "
+                "attention.gate_entropy_floor in (0, 1)"
+            )
 
     def _check_grid_offsets(self) -> None:
         o, offsets = "attention", self.grid_offsets
@@ -218,17 +237,22 @@ class AttentionConfig:
         for name, allowed in _V4_CHOICES.items():
             check_choice(f"{o}.{name}", getattr(self, name), allowed)
         check_bool(f"{o}.sink", self.sink)
-        if self.rope_theta is not None and (isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float))
-                                            or self.rope_theta <= 0):
+        if self.rope_theta is not None and (
+            isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0
+        ):
             raise ConfigError(f"{o}.rope_theta={self.rope_theta!r} must be a number > 0 (or null: model.rope_theta)")
         if self.offset_maps == "series" and self.window % self.stride:
-            raise ConfigError(f"{o}.offset_maps='series' shares maps within each stride block of the window, so "
-                              f"attention.window={self.window} must be a multiple of attention.stride={self.stride}")
+            raise ConfigError(
+                f"{o}.offset_maps='series' shares maps within each stride block of the window, so "
+                f"attention.window={self.window} must be a multiple of attention.stride={self.stride}"
+            )
         if self.kind != "compressed" and (self.sink or self.output_rope != "keep"):
             raise ConfigError(f"{o}.sink and {o}.output_rope are options of kind='compressed' (got kind={self.kind!r})")
         if self.output_rope == "inverse" and self.kv != "tied":
-            raise ConfigError(f"{o}.output_rope='inverse' undoes the RoPE that tied values carry; it needs "
-                              f"attention.kv='tied' (got {self.kv!r})")
+            raise ConfigError(
+                f"{o}.output_rope='inverse' undoes the RoPE that tied values carry; it needs "
+                f"attention.kv='tied' (got {self.kv!r})"
+            )
 
     @property
     def compressed(self) -> bool:
@@ -241,12 +265,39 @@ class AttentionConfig:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Qwen3-0.6B: 596,049,920 parameters with full attention and tied embeddings
-    "qwen3_0.6b": dict(vocab_size=151936, d_model=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128,
-                       mlp_dim=3072, rope_theta=1e6, max_seq_len=40960),
-    "small": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2, head_dim=32, mlp_dim=768,
-                  rope_theta=1e4, max_seq_len=2048),
-    "tiny": dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=128,
-                 rope_theta=1e4, max_seq_len=512),
+    "qwen3_0.6b": dict(
+        vocab_size=151936,
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        mlp_dim=3072,
+        rope_theta=1e6,
+        max_seq_len=40960,
+    ),
+    "small": dict(
+        vocab_size=4096,
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=32,
+        mlp_dim=768,
+        rope_theta=1e4,
+        max_seq_len=2048,
+    ),
+    "tiny": dict(
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        rope_theta=1e4,
+        max_seq_len=512,
+    ),
 }
 
 
@@ -273,7 +324,16 @@ class ModelConfig:
             reject_unknown(self.attention, field_names(AttentionConfig), "AttentionConfig")
             self.attention = AttentionConfig(**self.attention)
         o = "model"
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "mlp_dim",
+            "max_seq_len",
+        ):
             check_int(f"{o}.{name}", getattr(self, name))
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of dims)")
@@ -288,8 +348,10 @@ class ModelConfig:
         check_bool(f"{o}.tie_embeddings", self.tie_embeddings)
         a = self.attention
         if isinstance(a.grid_offsets, list) and len(a.grid_offsets) != self.n_layers:
-            raise ConfigError(f"attention.grid_offsets has {len(a.grid_offsets)} entries; it needs one per layer "
-                              f"(model.n_layers={self.n_layers})")
+            raise ConfigError(
+                f"attention.grid_offsets has {len(a.grid_offsets)} entries; it needs one per layer "
+                f"(model.n_layers={self.n_layers})"
+            )
         if a.rope == "partial":
             if not isinstance(a.rope_dims, int) or a.rope_dims < 2 or a.rope_dims % 2 or a.rope_dims > self.head_dim:
                 raise ConfigError(
@@ -316,7 +378,7 @@ class ModelConfig:
         return {"full": self.head_dim, "partial": a.rope_dims or 0, "none": 0}[a.rope]
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
         """A preset (``qwen3_0.6b``, ``small``, ``tiny``) with fields overridden; ``attention`` may be a dict."""
         if name not in PRESETS:
             raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
@@ -327,7 +389,7 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         reject_unknown(d, field_names(cls), "ModelConfig")
         att = d.pop("attention", {}) or {}
@@ -361,7 +423,7 @@ class ModelSpec:
         reject_unknown(self.overrides, set(field_names(ModelConfig)) - {"attention", "vocab_size"}, "model")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ModelSpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:
         """``{"preset": ..., "vocab_size": ..., <any other ModelConfig field>: ...}`` (flat, as in conf/model)."""
         d = dict(d)
         if "preset" not in d:

@@ -39,8 +39,14 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 def linear_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of every per-token linear map of one block plus the head, keyed by module name (one block)."""
     d, h, kv, hd = config.d_model, config.n_heads, config.kv_heads, config.head_dim
-    shapes = {"q_proj": (d, h * hd), "k_proj": (d, kv * hd), "o_proj": (h * hd, d),
-              "gate_proj": (d, config.mlp_dim), "up_proj": (d, config.mlp_dim), "down_proj": (config.mlp_dim, d)}
+    shapes = {
+        "q_proj": (d, h * hd),
+        "k_proj": (d, kv * hd),
+        "o_proj": (h * hd, d),
+        "gate_proj": (d, config.mlp_dim),
+        "up_proj": (d, config.mlp_dim),
+        "down_proj": (config.mlp_dim, d),
+    }
     if not config.attention.tied_kv:
         shapes["v_proj"] = (d, kv * hd)
     return shapes

@@ -64,8 +64,9 @@ def visible_entries(t: int | torch.Tensor, stride: int) -> int | torch.Tensor:
     return (t + 1) // stride
 
 
-def entry_rope_position(j: torch.Tensor, window: int, stride: int, mode: EntryRopePosition,
-                        origin: int = 0) -> torch.Tensor:
+def entry_rope_position(
+    j: torch.Tensor, window: int, stride: int, mode: EntryRopePosition, origin: int = 0
+) -> torch.Tensor:
     """Position (grid coordinates) at which the compressed key of entry ``j`` is rotated; ``origin`` is the grid
     coordinate of real position 0 (the real RoPE position is the result minus ``origin``)."""
     if mode == "block_start":  # DeepSeek-V4: first token of the entry's own stride block
@@ -86,8 +87,9 @@ def offset_series(window: int, stride: int) -> torch.Tensor:
     return torch.arange(window) // stride
 
 
-def window_positions(first_entry: int, n: int, window: int, stride: int, device=None,
-                     origin: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def window_positions(
+    first_entry: int, n: int, window: int, stride: int, device=None, origin: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions covered by entries ``first_entry .. first_entry + n - 1``.
 
     Returns ``positions`` (n, window) int64 and ``present`` (n, window) bool (False for positions < ``origin``:
@@ -118,16 +120,18 @@ def compressed_mask(q_pos: torch.Tensor, n_entries: int, stride: int) -> torch.T
     return entry_end(j, stride)[None, :] <= q_pos[:, None]
 
 
-def local_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, local_window: LocalWindow, stride: int,
-               origin: int = 0) -> torch.Tensor:
+def local_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, local_window: LocalWindow, stride: int, origin: int = 0
+) -> torch.Tensor:
     """(Tq, Tk) bool: the exact key at ``k_pos[c]`` is in the local window of the query at ``q_pos[i]`` (keys
     below ``origin`` are absent)."""
     start = local_start(q_pos, local_window, stride)
     return (k_pos[None, :] >= start[:, None]) & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= origin)
 
 
-def influence_mask(seq_len: int, window: int, stride: int, local_window: LocalWindow,
-                   grid_offset: int = 0) -> torch.Tensor:
+def influence_mask(
+    seq_len: int, window: int, stride: int, local_window: LocalWindow, grid_offset: int = 0
+) -> torch.Tensor:
     """(T, T) bool over real positions: token ``p`` can influence the query at ``t`` in one compressed attention
     layer whose grid is shifted by ``grid_offset`` (through a visible entry covering ``p`` or through ``t``'s
     local window)."""
@@ -155,4 +159,3 @@ def pending_keep(seq_len: int, window: int, stride: int, origin: int = 0) -> int
     coordinates and ``origin`` as in ``local_keep``)."""
     next_start = entry_start(seq_len // stride, window, stride)
     return max(seq_len - max(next_start, origin), 0)
-

@@ -25,8 +25,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``h @ w.T`` against ``labels``; gradients computed chunk by chunk in forward."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int,
-                grads: bool) -> torch.Tensor:  # h (N, D), w (V, D), labels (N,)
+    def forward(
+        ctx, h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int, ignore_index: int, grads: bool
+    ) -> torch.Tensor:  # h (N, D), w (V, D), labels (N,)
         need_h, need_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         keep = labels != ignore_index  # (N,)
         count = keep.sum().clamp(min=1).to(torch.float32)
@@ -34,7 +35,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         dh = torch.empty_like(h) if need_h else None
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         for s in range(0, h.shape[0], chunk):
-            hc, yc, kc = h[s:s + chunk], labels[s:s + chunk], keep[s:s + chunk]
+            hc, yc, kc = h[s : s + chunk], labels[s : s + chunk], keep[s : s + chunk]
             rows = torch.arange(hc.shape[0], device=h.device)
             logits = (hc @ w.T).float()  # (c, V): the only (c, V) buffer; turned into the gradient in place
             target = logits[rows, yc.clamp(min=0)]  # (c,)
@@ -47,7 +48,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 p[rows, yc.clamp(min=0)] -= kc.to(p.dtype) / count  # d(mean loss)/d(logits)
                 grad = p.to(h.dtype)
                 if need_h:
-                    dh[s:s + chunk] = grad @ w
+                    dh[s : s + chunk] = grad @ w
                 if need_w:
                     dw += (grad.T @ hc).float()
             del logits, p
@@ -63,9 +64,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                          ignore_index: int = DEFAULT_IGNORE_INDEX) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ignore_index: int = DEFAULT_IGNORE_INDEX,
+) -> torch.Tensor:
     """Mean next-token cross-entropy (fp32 scalar) of the logits ``hidden @ weight.T`` over the labels that are
     not ``ignore_index``; hidden (..., D) (e.g. (B, T, D) final-norm states), weight (V, D) (the LM head), labels
     (...) matching hidden's leading dims. Never holds more than ``chunk_tokens`` tokens' logits."""

@@ -91,7 +91,9 @@ class Transformer(nn.Module):
 
     def _check_input(self, input_ids: torch.Tensor, start: int) -> None:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be a (batch, seq_len) tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+            raise ValueError(
+                f"input_ids must be a (batch, seq_len) tensor, got {getattr(input_ids, 'shape', type(input_ids))}"
+            )
         if input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
         if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
@@ -124,7 +126,9 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, cache)[:, -1])
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: Optional[int] = None) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id: Optional[int] = None
+    ) -> torch.Tensor:
         """Greedy decoding with the KV cache: (B, T) prompt -> (B, T + generated) token ids.
 
         The prefill computes logits for the last prompt position only; each step then feeds one token. With
@@ -134,13 +138,20 @@ class Transformer(nn.Module):
         """
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
-        if eos_token_id is not None and (not isinstance(eos_token_id, int) or isinstance(eos_token_id, bool)
-                                         or not 0 <= eos_token_id < self.config.vocab_size):
-            raise ValueError(f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {self.config.vocab_size})")
+        if eos_token_id is not None and (
+            not isinstance(eos_token_id, int)
+            or isinstance(eos_token_id, bool)
+            or not 0 <= eos_token_id < self.config.vocab_size
+        ):
+            raise ValueError(
+                f"eos_token_id={eos_token_id!r} must be None or a token id in [0, {self.config.vocab_size})"
+            )
         self._check_input(input_ids, 0)
         if input_ids.shape[1] + max_new_tokens > self.config.max_seq_len:
-            raise ValueError(f"a prompt of {input_ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} exceeds "
-                             f"model.max_seq_len={self.config.max_seq_len}")
+            raise ValueError(
+                f"a prompt of {input_ids.shape[1]} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                f"model.max_seq_len={self.config.max_seq_len}"
+            )
         if max_new_tokens == 0:
             return input_ids
         cache = self.new_cache(input_ids.shape[0])

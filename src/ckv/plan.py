@@ -59,8 +59,9 @@ def model_config(train_cfg: Any, vocab_size: Optional[int] = None) -> ModelConfi
     spec = train_cfg.model
     if spec.vocab_size == "auto":
         if vocab_size is None:
-            raise ConfigError("model.vocab_size=auto takes the tokenizer's size, which the plan cannot read: "
-                              "pass --vocab-size N")
+            raise ConfigError(
+                "model.vocab_size=auto takes the tokenizer's size, which the plan cannot read: pass --vocab-size N"
+            )
         return spec.build(train_cfg.attention, data_vocab_size=vocab_size)
     return spec.build(train_cfg.attention, data_vocab_size=spec.vocab_size)
 
@@ -95,17 +96,32 @@ def state_bytes(params: int, precision: Precision, stage: int, gpus: int) -> dic
     """Per-GPU bytes of weights, gradients and optimizer states under ZeRO ``stage`` on ``gpus`` GPUs."""
     if stage not in STAGES:
         raise ConfigError(f"ZeRO stage {stage} must be one of {list(STAGES)}")
-    return {"weights": params * precision.weights / (gpus if stage >= 3 else 1),
-            "grads": params * precision.grads / (gpus if stage >= 2 else 1),
-            "optimizer": params * precision.optimizer / (gpus if stage >= 1 else 1)}
+    return {
+        "weights": params * precision.weights / (gpus if stage >= 3 else 1),
+        "grads": params * precision.grads / (gpus if stage >= 2 else 1),
+        "optimizer": params * precision.optimizer / (gpus if stage >= 1 else 1),
+    }
 
 
-def plan(train_cfg: Any, *, gpus: int = 8, gpu_mem_gib: float = 80.0, mfu: float = 0.4, gpu: str = "H100",
-         peak: Optional[float] = None, vocab_size: Optional[int] = None, loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-         reserve: float = 0.1) -> dict[str, Any]:
+def plan(
+    train_cfg: Any,
+    *,
+    gpus: int = 8,
+    gpu_mem_gib: float = 80.0,
+    mfu: float = 0.4,
+    gpu: str = "H100",
+    peak: Optional[float] = None,
+    vocab_size: Optional[int] = None,
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    reserve: float = 0.1,
+) -> dict[str, Any]:
     """Every number ``python -m ckv.plan`` prints, as a dict (bytes, FLOPs, seconds)."""
-    for name, value, ok in (("--gpus", gpus, gpus >= 1), ("--gpu-mem", gpu_mem_gib, gpu_mem_gib > 0),
-                            ("--mfu", mfu, 0 < mfu <= 1), ("--reserve", reserve, 0 <= reserve < 1)):
+    for name, value, ok in (
+        ("--gpus", gpus, gpus >= 1),
+        ("--gpu-mem", gpu_mem_gib, gpu_mem_gib > 0),
+        ("--mfu", mfu, 0 < mfu <= 1),
+        ("--reserve", reserve, 0 <= reserve < 1),
+    ):
         if not ok:
             raise ConfigError(f"{name}={value} is out of range")
     cfg = model_config(train_cfg, vocab_size)
@@ -113,15 +129,18 @@ def plan(train_cfg: Any, *, gpus: int = 8, gpu_mem_gib: float = 80.0, mfu: float
     precision = PRECISIONS["fp32" if t.precision == "fp32" else "bf16"]  # auto: bf16 on GPUs
     peak_per_gpu = peak_flops(gpu, override=peak)
     if peak_per_gpu is None:
-        raise ConfigError(f"no known bf16 peak for --gpu {gpu!r} (known: {sorted(PEAK_BF16_FLOPS)}); pass --peak FLOP/s")
+        raise ConfigError(
+            f"no known bf16 peak for --gpu {gpu!r} (known: {sorted(PEAK_BF16_FLOPS)}); pass --peak FLOP/s"
+        )
     params = parameter_count(cfg)
     flops = flops_per_token(cfg, seq_len)
     usable = gpu_mem_gib * GIB * (1 - reserve)
     micro = t.micro_batch_size
     stage_cfg = train_cfg.deepspeed.get("zero_optimization", {}).get("stage", 0)
     setups = {"plain": (False, None), "checkpointed+chunked": (True, loss_chunk_tokens)}
-    per_seq = {name: activation_bytes_per_token(cfg, precision.compute, ckpt) * seq_len
-               for name, (ckpt, _) in setups.items()}
+    per_seq = {
+        name: activation_bytes_per_token(cfg, precision.compute, ckpt) * seq_len for name, (ckpt, _) in setups.items()
+    }
 
     def logits(name: str, m: int) -> float:
         chunk = setups[name][1]
@@ -142,17 +161,45 @@ def plan(train_cfg: Any, *, gpus: int = 8, gpu_mem_gib: float = 80.0, mfu: float
         stages.append(row)
     tokens = t.max_steps * t.global_batch_size * seq_len
     seconds = tokens * flops.training / (gpus * peak_per_gpu * mfu)
-    return {"model": {"preset": train_cfg.model.preset, "attention": cfg.attention.kind, "vocab_size": cfg.vocab_size,
-                      "seq_len": seq_len, "parameters": params},
-            "flops_per_token": {"linear": flops.linear, "attention": flops.attention, "compressor": flops.compressor,
-                                "forward": flops.forward, "training": flops.training},
-            "hardware": {"gpus": gpus, "gpu": gpu, "gpu_mem_gib": gpu_mem_gib, "usable_gib": usable / GIB,
-                         "peak_flops": peak_per_gpu, "mfu": mfu, "precision": precision.name},
-            "batch": {"micro_batch_size": micro, "global_batch_size": t.global_batch_size,
-                      "configured_zero_stage": stage_cfg, "loss_chunk_tokens": loss_chunk_tokens},
-            "memory_by_stage": stages,
-            "budget": {"max_steps": t.max_steps, "tokens": tokens, "seconds": seconds, "days": seconds / 86400,
-                       "gpu_hours": seconds * gpus / 3600}}
+    return {
+        "model": {
+            "preset": train_cfg.model.preset,
+            "attention": cfg.attention.kind,
+            "vocab_size": cfg.vocab_size,
+            "seq_len": seq_len,
+            "parameters": params,
+        },
+        "flops_per_token": {
+            "linear": flops.linear,
+            "attention": flops.attention,
+            "compressor": flops.compressor,
+            "forward": flops.forward,
+            "training": flops.training,
+        },
+        "hardware": {
+            "gpus": gpus,
+            "gpu": gpu,
+            "gpu_mem_gib": gpu_mem_gib,
+            "usable_gib": usable / GIB,
+            "peak_flops": peak_per_gpu,
+            "mfu": mfu,
+            "precision": precision.name,
+        },
+        "batch": {
+            "micro_batch_size": micro,
+            "global_batch_size": t.global_batch_size,
+            "configured_zero_stage": stage_cfg,
+            "loss_chunk_tokens": loss_chunk_tokens,
+        },
+        "memory_by_stage": stages,
+        "budget": {
+            "max_steps": t.max_steps,
+            "tokens": tokens,
+            "seconds": seconds,
+            "days": seconds / 86400,
+            "gpu_hours": seconds * gpus / 3600,
+        },
+    }
 
 
 def format_plan(p: dict[str, Any]) -> str:
@@ -173,17 +220,22 @@ def format_plan(p: dict[str, Any]) -> str:
         cells = [f"{r['stage']:5}"] + [f"{r[k] / GIB:7.2f}" for k in ("weights", "grads", "optimizer", "states")]
         for name in ("plain", "checkpointed+chunked"):
             s = r[name]
-            cells.append(f"{s['activations'] / GIB:.2f} + {s['logits'] / GIB:.2f} = {s['total'] / GIB:.2f} "
-                         f"({s['max_micro_batch']})")
+            cells.append(
+                f"{s['activations'] / GIB:.2f} + {s['logits'] / GIB:.2f} = {s['total'] / GIB:.2f} "
+                f"({s['max_micro_batch']})"
+            )
         lines.append(" | ".join(cells))
-    lines.append(f"budget: {bud['max_steps']:,} steps = {bud['tokens'] / 1e9:.1f} B tokens: {bud['days']:.2f} days "
-                 f"({bud['gpu_hours']:,.0f} GPU-hours) at MFU {hw['mfu']:g}")
+    lines.append(
+        f"budget: {bud['max_steps']:,} steps = {bud['tokens'] / 1e9:.1f} B tokens: {bud['days']:.2f} days "
+        f"({bud['gpu_hours']:,.0f} GPU-hours) at MFU {hw['mfu']:g}"
+    )
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="python -m ckv.plan", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m ckv.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (e.g. experiment=paper_base)")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
@@ -199,9 +251,17 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     from hydra.errors import HydraException
 
     try:
-        result = plan(compose_train_config(args.overrides, args.config_dir), gpus=args.gpus, gpu_mem_gib=args.gpu_mem, mfu=args.mfu,
-                      gpu=args.gpu, peak=args.peak, vocab_size=args.vocab_size, loss_chunk_tokens=args.loss_chunk,
-                      reserve=args.reserve)
+        result = plan(
+            compose_train_config(args.overrides, args.config_dir),
+            gpus=args.gpus,
+            gpu_mem_gib=args.gpu_mem,
+            mfu=args.mfu,
+            gpu=args.gpu,
+            peak=args.peak,
+            vocab_size=args.vocab_size,
+            loss_chunk_tokens=args.loss_chunk,
+            reserve=args.reserve,
+        )
     except (ConfigError, HydraException) as e:  # Hydra's: an unknown config group or option, a bad override
         sys.exit(f"ckv.plan: error: {' '.join(str(e).split())}")
     print(json.dumps(result, indent=1) if args.json else format_plan(result))

@@ -15,14 +15,26 @@ from ckv.analysis import AnalysisContext
 from ckv.eval import LoadedModel, LookupSpec, RunOptions, StatsOptions, build_task, load_ckv_model
 
 TINY_RUN = {
-    "name": "tiny_gate", "seed": 0,
+    "name": "tiny_gate",
+    "seed": 0,
     "model": {"preset": "tiny", "max_seq_len": 64},
     "attention": {"kind": "compressed", "window": 4, "stride": 4, "local_window": 4, "impl": "torch"},
-    "data": {"kind": "lookup", "seq_len": 32, "lookup": {"record": "kv", "n_keys": 8, "n_values": 8, "n_records": 6,
-                                                         "n_queries": 4, "prefix_pad": [0, 7]}},
+    "data": {
+        "kind": "lookup",
+        "seq_len": 32,
+        "lookup": {"record": "kv", "n_keys": 8, "n_values": 8, "n_records": 6, "n_queries": 4, "prefix_pad": [0, 7]},
+    },
     "optim": {"lr": 1e-2, "warmup_steps": 10, "schedule": "constant"},
-    "trainer": {"max_steps": 250, "global_batch_size": 32, "micro_batch_size": 32, "log_every": 50, "device": "cpu",
-                "progress": False, "save_every": 100, "keep_last": 5},
+    "trainer": {
+        "max_steps": 250,
+        "global_batch_size": 32,
+        "micro_batch_size": 32,
+        "log_every": 50,
+        "device": "cpu",
+        "progress": False,
+        "save_every": 100,
+        "keep_last": 5,
+    },
     "deepspeed": {"zero_optimization": {"stage": 0}},
     "wandb": {"enabled": False},
 }
@@ -45,8 +57,13 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from ckv.train import TrainConfig, train
 
     root = tmp_path_factory.mktemp("analysis")
-    cfg = TrainConfig.from_dict({**TINY_RUN, "run_dir": str(root / "tiny_gate"),
-                                 "trainer": {**TINY_RUN["trainer"], "data_cache_dir": str(root / "cache")}})
+    cfg = TrainConfig.from_dict(
+        {
+            **TINY_RUN,
+            "run_dir": str(root / "tiny_gate"),
+            "trainer": {**TINY_RUN["trainer"], "data_cache_dir": str(root / "cache")},
+        }
+    )
     return Path(train(cfg))
 
 

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from ckv.analysis import run_analysis
-from ckv.eval import load_ckv_model
 from ckv.analysis.joint_view import correlation
+from ckv.eval import load_ckv_model
 
 from ..eval.helpers import make_run, png_ok
 from .conftest import SPEC, options
@@ -58,7 +58,9 @@ def test_gate_cycling_end_to_end(trained_run: Path, tmp_path: Path) -> None:
     assert r["deltas"][3]["identical_to_clean"]  # a shift by W is the identity
     assert r["deltas"][1]["predicted"] == [r["clean"]["accuracy"][(p - 1) % 4] for p in range(4)]
     # per-phase intervals resample the key->value mappings (several shifts of one mapping share a phase)
-    assert r["clean"]["interval"] == "cluster_bootstrap" and {d["interval"] for d in r["deltas"]} == {"cluster_bootstrap"}
+    assert r["clean"]["interval"] == "cluster_bootstrap" and {d["interval"] for d in r["deltas"]} == {
+        "cluster_bootstrap"
+    }
     assert all(lo <= a <= hi for lo, a, hi in zip(r["clean"]["lower"], r["clean"]["accuracy"], r["clean"]["upper"]))
     assert set(r["pooled"]) == {"r2", "r2_corr"}
     assert png_ok(tmp_path / "gate_cycling" / "gate_cycling.png")
@@ -80,9 +82,25 @@ def test_correlation_known_answers() -> None:
 
 def _eval(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args, "progress=false", "device=cpu",
-                           "stats.n_bootstrap=50", "stats.n_permutations=50", "task.modulus=4", "task.fixed_query=false",
-                           "limit=4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "eval.py"),
+            *args,
+            "progress=false",
+            "device=cpu",
+            "stats.n_bootstrap=50",
+            "stats.n_permutations=50",
+            "task.modulus=4",
+            "task.fixed_query=false",
+            "limit=4",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_eval_cli_runs_an_analysis(trained_run: Path, tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ckv.analysis import run_analysis
-from ckv.eval import LoadedModel, load_ckv_model
 from ckv.analysis.gate_cycling import cycled_gates, cycling_parameters, predicted_accuracy, prediction_r2
 from ckv.analysis.hooks import AnalysisNotApplicable
+from ckv.eval import LoadedModel, load_ckv_model
 
 from ..eval.helpers import make_run
 from .conftest import SPEC, context, options
@@ -24,7 +24,9 @@ def _gate_params(model: LoadedModel) -> list[torch.Tensor]:
     return [p.detach().clone() for p in cycling_parameters(model.module)[0]]
 
 
-def test_cycling_by_zero_reproduces_the_clean_outcome_and_by_w_is_the_identity(trained: LoadedModel, tmp_path: Path) -> None:
+def test_cycling_by_zero_reproduces_the_clean_outcome_and_by_w_is_the_identity(
+    trained: LoadedModel, tmp_path: Path
+) -> None:
     ctx = context(trained, tmp_path)
     clean = ctx.evaluate()
     before = _gate_params(trained)
@@ -48,7 +50,9 @@ def test_roll_convention_and_restoration_after_an_error(trained: LoadedModel) ->
         with cycled_gates(trained.module, 1) as what:
             assert what == "gate_weight and gate_bias (offset-specific gate maps)"
             for i in range(W):
-                assert torch.equal(k.gate_weight[i], weight[(i - 1) % W]) and torch.equal(k.gate_bias[i], bias[(i - 1) % W])
+                assert torch.equal(k.gate_weight[i], weight[(i - 1) % W]) and torch.equal(
+                    k.gate_bias[i], bias[(i - 1) % W]
+                )
             assert torch.equal(k.payload, payload)
             raise RuntimeError("boom")
     assert torch.equal(k.gate_weight, weight) and torch.equal(k.gate_bias, bias)
@@ -65,17 +69,19 @@ def test_shared_maps_shift_only_the_offset_bias(tmp_path: Path) -> None:
         assert torch.equal(k.gate_weight, weight) and k.gate_bias[:, 0].tolist() == [3.0, 0.0, 1.0, 2.0]
 
 
-@pytest.mark.parametrize("attention, message", [
-    (dict(GATED, pooling="mean"), "uniform averaging"),
-    (dict(kind="full"), "uses full attention"),
-    (dict(GATED, window=8), "needs W == S"),
-    (dict(GATED, offset_maps="shared", gate_bias=False), "no gate parameter is offset-specific"),
-])
+@pytest.mark.parametrize(
+    "attention, message",
+    [
+        (dict(GATED, pooling="mean"), "uniform averaging"),
+        (dict(kind="full"), "uses full attention"),
+        (dict(GATED, window=8), "needs W == S"),
+        (dict(GATED, offset_maps="shared", gate_bias=False), "no gate parameter is offset-specific"),
+    ],
+)
 def test_gate_cycling_does_not_apply(tmp_path: Path, attention: dict, message: str) -> None:
     model = load_ckv_model(make_run(tmp_path, attention=attention), device="cpu")
     with pytest.raises(AnalysisNotApplicable, match=message):
-        run_analysis({"name": "gate_cycling"}, model, SPEC,
-                     options(tmp_path / "out", limit=1))
+        run_analysis({"name": "gate_cycling"}, model, SPEC, options(tmp_path / "out", limit=1))
 
 
 def test_prediction_and_r2_known_answers() -> None:
@@ -85,7 +91,8 @@ def test_prediction_and_r2_known_answers() -> None:
     assert prediction_r2(clean, perfect, [1, 2], boundary=3) == pytest.approx((1.0, 1.0))
     perfect[:, 3] = 0.0  # the boundary phase does not count
     assert prediction_r2(clean, perfect, [1, 2], boundary=3) == pytest.approx((1.0, 1.0))
-    # d=1, observed [.5,.5,.5,.5]: x = [-.5, .5, 0], y = [-.5, 0, 0] over r = 0..2 -> R^2 = 1 - .25 / (1/6), corr^2 = .75
+    # d=1, observed [.5,.5,.5,.5]: x = [-.5, .5, 0], y = [-.5, 0, 0] over r = 0..2 -> R^2 = 1 - .25 / (1/6), corr^2 =
+    # .75
     r2, corr2 = prediction_r2(clean, np.full((1, 4), 0.5), [1], boundary=3)
     assert (r2, corr2) == (pytest.approx(-0.5), pytest.approx(0.75))
     assert all(np.isnan(prediction_r2(clean, clean[None], [1], boundary=3)))  # no change observed: undefined

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckv.eval import build_task, load_ckv_model
 from ckv.analysis.gates import GateAccumulator, effective_offsets, gate_statistics, peak_shifts
 from ckv.analysis.hooks import AnalysisNotApplicable, gated_branches
+from ckv.eval import build_task, load_ckv_model
 
 from ..eval.helpers import make_run
 from .conftest import SPEC, options
@@ -74,15 +74,20 @@ def test_constructed_gates_through_a_model(tmp_path: Path, gate: str) -> None:
 
 
 def test_peak_shift_is_value_peak_minus_key_peak_mod_window() -> None:
-    rows = [{"layer": 0, "kv_head": 0, "branch": "K", "peak_offset": 3},
-            {"layer": 0, "kv_head": 0, "branch": "V", "peak_offset": 0}]
+    rows = [
+        {"layer": 0, "kv_head": 0, "branch": "K", "peak_offset": 3},
+        {"layer": 0, "kv_head": 0, "branch": "V", "peak_offset": 0},
+    ]
     assert peak_shifts(rows, W) == [{"layer": 0, "kv_head": 0, "k_peak": 3, "v_peak": 0, "shift": 1}]
 
 
-@pytest.mark.parametrize("attention, message", [
-    (dict(kind="full"), "uses full attention"),
-    (dict(GATED, pooling="mean"), "uniform averaging"),
-])
+@pytest.mark.parametrize(
+    "attention, message",
+    [
+        (dict(kind="full"), "uses full attention"),
+        (dict(GATED, pooling="mean"), "uniform averaging"),
+    ],
+)
 def test_gates_do_not_apply_without_learned_gates(tmp_path: Path, attention: dict, message: str) -> None:
     model = load_ckv_model(make_run(tmp_path, attention=attention), device="cpu")
     with pytest.raises(AnalysisNotApplicable, match=message):
@@ -92,4 +97,6 @@ def test_gates_do_not_apply_without_learned_gates(tmp_path: Path, attention: dic
 def test_tied_kv_has_only_key_gates(tmp_path: Path) -> None:
     model = load_ckv_model(make_run(tmp_path, attention=dict(GATED, kv="tied")), device="cpu")
     assert [b.name for b in gated_branches(model.module, "gates")] == ["K"]
-    assert not math.isnan(gate_statistics(model, build_task(SPEC, model, 1), options(tmp_path, limit=1))[0][0]["static"])
+    assert not math.isnan(
+        gate_statistics(model, build_task(SPEC, model, 1), options(tmp_path, limit=1))[0][0]["static"]
+    )

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -11,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from ckv.config import ConfigError
 from ckv.analysis import run_analysis
-from ckv.eval import LoadedModel, load_ckv_model
-from ckv.analysis.knockout import KnockoutSettings, calibration_means, run_knockout
 from ckv.analysis.hooks import attention_sites, replace_final_input
+from ckv.analysis.knockout import KnockoutSettings, calibration_means, run_knockout
+from ckv.config import ConfigError
+from ckv.eval import LoadedModel, load_ckv_model
 
 from ..eval.helpers import make_run
 from .conftest import SPEC, context, options
@@ -83,8 +82,12 @@ def test_knockout_runs_on_full_attention(tmp_path: Path) -> None:
     model = load_ckv_model(run, device="cpu")
     with pytest.raises(ConfigError, match="set task.stride"):  # full attention has phases only at a given stride
         run_analysis({"name": "knockout", "calibration": 2}, model, SPEC, options(tmp_path / "out", limit=4))
-    env = run_analysis({"name": "knockout", "calibration": 2}, model, dataclasses.replace(SPEC, stride=4),
-                       options(tmp_path / "out", limit=4))
+    env = run_analysis(
+        {"name": "knockout", "calibration": 2},
+        model,
+        dataclasses.replace(SPEC, stride=4),
+        options(tmp_path / "out", limit=4),
+    )
     units = env["analysis"]["results"]["units"]
     expected = [(0, None, [0, 1, 2, 3]), (0, 0, [0, 1]), (0, 1, [2, 3])]  # the layer, then its two KV groups
     assert [(u["layer"], u["kv_head"], u["heads"]) for u in units] == expected
@@ -103,8 +106,15 @@ def test_bad_settings_are_named() -> None:
 @pytest.mark.slow
 def test_knockout_finds_the_attention_outputs_of_a_transformers_model(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    cfg = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     model = transformers.Qwen3ForCausalLM(cfg).eval()
     sites = attention_sites(model)
     assert [(s.layer, s.n_heads, s.kv_heads, s.head_dim) for s in sites] == [(0, 4, 2, 8), (1, 4, 2, 8)]

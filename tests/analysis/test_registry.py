@@ -38,13 +38,20 @@ def test_an_analysis_reruns_the_lookup_with_a_modified_model(tmp_path: Path) -> 
         clean = ctx.report(ctx.evaluate())
         oracle = ctx.report(ctx.evaluate(lambda ids: _table_oracle(ctx, ids)))
         seen["prompts"] = len(ctx.task.prompts)
-        return {"clean_mean": clean["headline"]["mean"], "oracle_phase_accuracy":
-                [g["accuracy"] for g in oracle["phase"]["groups"]], "scale": ctx.params["scale"]}
+        return {
+            "clean_mean": clean["headline"]["mean"],
+            "oracle_phase_accuracy": [g["accuracy"] for g in oracle["phase"]["groups"]],
+            "scale": ctx.params["scale"],
+        }
 
     register_analysis("test_oracle_swap")(swap)
     try:
-        env = run_analysis({"name": "test_oracle_swap", "scale": 2}, load_ckv_model(run, device="cpu"),
-                           LookupSpec(modulus=4), RunOptions(limit=3, progress=False, stats=FAST))
+        env = run_analysis(
+            {"name": "test_oracle_swap", "scale": 2},
+            load_ckv_model(run, device="cpu"),
+            LookupSpec(modulus=4),
+            RunOptions(limit=3, progress=False, stats=FAST),
+        )
     finally:
         ANALYSES.pop("test_oracle_swap")
     assert env["analysis"]["results"]["oracle_phase_accuracy"] == [1.0] * 4 and seen["prompts"] == 12
@@ -65,8 +72,10 @@ def test_a_name_is_registered_once() -> None:
 
 def test_the_registry_knows_the_shipped_analyses_whatever_is_imported_first() -> None:
     """A fresh interpreter that imports only the registry module has all four, and ckv.eval alone imports none."""
-    code = ("import sys; import ckv.eval; assert not any(m.startswith('ckv.analysis') for m in sys.modules); "
-            "from ckv.analysis.registry import ANALYSES; print(sorted(ANALYSES))")
+    code = (
+        "import sys; import ckv.eval; assert not any(m.startswith('ckv.analysis') for m in sys.modules); "
+        "from ckv.analysis.registry import ANALYSES; print(sorted(ANALYSES))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == str(SHIPPED)
 

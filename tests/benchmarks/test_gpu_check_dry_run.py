@@ -53,22 +53,50 @@ def test_sections_skip_with_a_reason(gpu_check):
 
 
 def test_markdown_of_a_report(gpu_check):
-    row = {"T": 8192, "layout": "paper", "H": 16, "KV": 1, "D": 128, "impl": "triton", "window": 8, "stride": 8,
-           "fwd_ms": 1.0, "fwd_bwd_ms": 3.0, "fwd_tflops": 100.0, "fwd_bwd_tflops": 90.0, "peak_mib": 10.0,
-           "x_full_fwd_bwd": 5.0}
-    report = {"meta": {"device": "NVIDIA H200"}, "sections": {
-        "attention": {"budget_s": 170, "used_s": 3.0, "items": [row], "skipped": [{"item": "T=131072 qwen3", "reason": "r"}]},
-        "decode": {"budget_s": 60, "used_s": 1.0, "items": [{"attention": "full", "decode_tokens_per_s": 50.0}], "skipped": []},
-    }}
+    row = {
+        "T": 8192,
+        "layout": "paper",
+        "H": 16,
+        "KV": 1,
+        "D": 128,
+        "impl": "triton",
+        "window": 8,
+        "stride": 8,
+        "fwd_ms": 1.0,
+        "fwd_bwd_ms": 3.0,
+        "fwd_tflops": 100.0,
+        "fwd_bwd_tflops": 90.0,
+        "peak_mib": 10.0,
+        "x_full_fwd_bwd": 5.0,
+    }
+    report = {
+        "meta": {"device": "NVIDIA H200"},
+        "sections": {
+            "attention": {
+                "budget_s": 170,
+                "used_s": 3.0,
+                "items": [row],
+                "skipped": [{"item": "T=131072 qwen3", "reason": "r"}],
+            },
+            "decode": {
+                "budget_s": 60,
+                "used_s": 1.0,
+                "items": [{"attention": "full", "decode_tokens_per_s": 50.0}],
+                "skipped": [],
+            },
+        },
+    }
     md = gpu_check.markdown(report)
     assert gpu_check.bench.table([row]) in md  # the attention benchmark's own table
     assert "skipped T=131072 qwen3: r" in md and "decode_tokens_per_s=50" in md
 
 
 def test_needs_no_hydra(tmp_path):
-    code = (f"import runpy, sys; sys.argv = ['gpu_check', '--out', {str(tmp_path)!r}, '--dry-run']; "
-            f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__'); "
-            "assert not [m for m in sys.modules if m.split('.')[0] in ('hydra', 'deepspeed', 'datasets')], 'heavy import'")
+    code = (
+        f"import runpy, sys; sys.argv = ['gpu_check', '--out', {str(tmp_path)!r}, '--dry-run']; "
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__'); "
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('hydra', 'deepspeed', 'datasets')], 'heavy import'"
+    )
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert (tmp_path / "report.json").exists() and time.monotonic() - t0 < 60

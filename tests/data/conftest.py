@@ -8,8 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-WORDS = ("the of and to in that he shall unto for his a lord they be is him not them it with all thou was "
-         "king people house day land came god israel son said made children went").split()
+WORDS = (
+    "the of and to in that he shall unto for his a lord they be is him not them it with all thou was "
+    "king people house day land came god israel son said made children went"
+).split()
 
 
 def make_docs(n: int, seed: int = 0) -> list[str]:

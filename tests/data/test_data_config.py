@@ -28,7 +28,14 @@ def test_presets_load(name: str) -> None:
 
 def test_lookup_split_preset_is_the_demo_recipe() -> None:
     lk = _load("lookup_split").lookup
-    assert (lk.record, lk.n_keys, lk.n_values, lk.n_records, lk.n_queries, lk.filler) == ("split", 16, 16, 16, 8, (0, 0))
+    assert (lk.record, lk.n_keys, lk.n_values, lk.n_records, lk.n_queries, lk.filler) == (
+        "split",
+        16,
+        16,
+        16,
+        8,
+        (0, 0),
+    )
 
 
 def test_text_files_preset_needs_paths() -> None:

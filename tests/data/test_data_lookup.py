@@ -106,8 +106,16 @@ def test_example_is_deterministic_and_overridable() -> None:
     c = make_lookup_example(fmt, np.random.default_rng(6), 16, 8, filler=(0, 3))
     assert (a.tokens == b.tokens).all() and not np.array_equal(a.tokens, c.tokens)
     fillers = [3, 0, 1, 2]
-    ex = make_lookup_example(fmt, np.random.default_rng(0), 4, 2, keys=[9, 1, 5, 7], values=[0, 0, 3, 4],
-                             fillers=fillers, query_records=[3, 3])
+    ex = make_lookup_example(
+        fmt,
+        np.random.default_rng(0),
+        4,
+        2,
+        keys=[9, 1, 5, 7],
+        values=[0, 0, 3, 4],
+        fillers=fillers,
+        query_records=[3, 3],
+    )
     assert np.diff(ex.record_starts).tolist() == [2 + f for f in fillers[:-1]]
     assert ex.tokens[ex.answer_positions].tolist() == [fmt.answer_tokens(4)[0]] * 2
     assert ex.tokens[ex.answer_positions - 1].tolist() == [fmt.query_tokens(7)[0]] * 2
@@ -165,9 +173,13 @@ def _read_back(fmt: LookupFormat, tokens: list[int], n_records: int) -> dict:
 
 
 def _random_format(rng: np.random.Generator) -> LookupFormat:
-    return LookupFormat(record=RECORDS[int(rng.integers(3))], n_keys=int(rng.integers(2, 26)),
-                        n_values=int(rng.integers(1, 26)), n_filler=int(rng.choice([1, 2, 3, 5])),
-                        offset=int(rng.integers(0, 40)))
+    return LookupFormat(
+        record=RECORDS[int(rng.integers(3))],
+        n_keys=int(rng.integers(2, 26)),
+        n_values=int(rng.integers(1, 26)),
+        n_filler=int(rng.choice([1, 2, 3, 5])),
+        offset=int(rng.integers(0, 40)),
+    )
 
 
 def test_training_examples_and_evaluation_prompts_come_from_one_assembler() -> None:
@@ -188,7 +200,11 @@ def test_training_examples_and_evaluation_prompts_come_from_one_assembler() -> N
         ex = assemble_lookup(fmt, keys, values, pads, queried, np.random.default_rng(case))
         got = _read_back(fmt, ex.tokens.tolist(), n)
         assert (got["keys"], got["values"], got["pads"], got["queried"]) == (
-            keys.tolist(), values.tolist(), pads.tolist(), queried.tolist())
+            keys.tolist(),
+            values.tolist(),
+            pads.tolist(),
+            queried.tolist(),
+        )
         assert got["starts"] == ex.record_starts.tolist() and got["answer_positions"] == ex.answer_positions.tolist()
         mask = np.zeros(len(ex.tokens), dtype=bool)
         for pos in ex.answer_positions:
@@ -199,7 +215,8 @@ def test_training_examples_and_evaluation_prompts_come_from_one_assembler() -> N
         assert ex.prompt.tolist() + [ex.answer_id] == ex.tokens[: ex.answer_positions[-1] + 1].tolist()
         assert ex.answer_id == fmt.answer_tokens(int(values[queried[-1]]))[0]
         fillers_seen.setdefault(fmt.n_filler, set()).update(
-            t - fmt.filler_ids.start for t in ex.tokens.tolist() if t in fmt.filler_ids)
+            t - fmt.filler_ids.start for t in ex.tokens.tolist() if t in fmt.filler_ids
+        )
 
         train = make_lookup_example(fmt, np.random.default_rng(case), n, 4, filler=(0, 2), prefix_pad=int(pads[0]))
         got = _read_back(fmt, train.tokens.tolist(), n)
@@ -207,8 +224,15 @@ def test_training_examples_and_evaluation_prompts_come_from_one_assembler() -> N
         assert got["queried"] == train.query_records.tolist() and got["pads"][0] == pads[0]
 
         if case % 10 == 0 and n >= 2:
-            spec = LookupSpec(n_records=n, n_demos=min(2, n - 1), n_base=8, modulus=4, fixed_query=False,
-                              padding=("prefix", "in_sequence")[case % 20 // 10], seed=case)
+            spec = LookupSpec(
+                n_records=n,
+                n_demos=min(2, n - 1),
+                n_base=8,
+                modulus=4,
+                fixed_query=False,
+                padding=("prefix", "in_sequence")[case % 20 // 10],
+                seed=case,
+            )
             task = LookupTask(spec, fmt, max_len=10_000)
             tab = task.table
             for j, prompt in enumerate(task.prompts):

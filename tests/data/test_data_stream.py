@@ -22,10 +22,12 @@ def text_part(corpus_dir: Path, **kw: Any) -> dict[str, Any]:
     return {"paths": [str(corpus_dir / "docs.jsonl")], "text_field": "body", "vocab_size": 400, "val_every": 10, **kw}
 
 
-def config(kind: str, corpus_dir: Path, *, seq_len: int = 32, lookup: dict | None = None, ratio: float = 0.3,
-           **text: Any) -> DataConfig:
-    return DataConfig(kind=kind, seq_len=seq_len, text=text_part(corpus_dir, **text), lookup=lookup or LOOKUP,
-                      mixture_ratio=ratio)
+def config(
+    kind: str, corpus_dir: Path, *, seq_len: int = 32, lookup: dict | None = None, ratio: float = 0.3, **text: Any
+) -> DataConfig:
+    return DataConfig(
+        kind=kind, seq_len=seq_len, text=text_part(corpus_dir, **text), lookup=lookup or LOOKUP, mixture_ratio=ratio
+    )
 
 
 CASES = {
@@ -94,8 +96,9 @@ def test_lookup_labels_cover_only_answers(corpus_dir: Path, cache_dir: str) -> N
     assert (scored.sum(1) == LOOKUP["n_queries"]).all()  # one answer token per query
     assert all(int(t) in fmt.answer_range for t in y[scored])
     assert torch.equal(x[:, 1:][scored[:, :-1]], y[scored])  # the target is the next input token
-    every = build_batches(config("lookup", corpus_dir, lookup={**LOOKUP, "loss_on": "all"}), batch_size=16, seed=0,
-                          cache_dir=cache_dir)
+    every = build_batches(
+        config("lookup", corpus_dir, lookup={**LOOKUP, "loss_on": "all"}), batch_size=16, seed=0, cache_dir=cache_dir
+    )
     xa, ya = next(every).values()
     assert torch.equal(xa, x)
     target = torch.cat([x[:, 1:], torch.full((16, 1), fmt.pad_id)], 1)
@@ -104,8 +107,10 @@ def test_lookup_labels_cover_only_answers(corpus_dir: Path, cache_dir: str) -> N
 
 def test_lookup_streams_differ_across_ranks_and_splits(corpus_dir: Path, cache_dir: str) -> None:
     cfg = config("lookup", corpus_dir)
-    rows = [next(build_batches(cfg, batch_size=8, seed=0, cache_dir=cache_dir, **kw))["input_ids"]
-            for kw in (dict(rank=0, world_size=2), dict(rank=1, world_size=2), dict(split="val"))]
+    rows = [
+        next(build_batches(cfg, batch_size=8, seed=0, cache_dir=cache_dir, **kw))["input_ids"]
+        for kw in (dict(rank=0, world_size=2), dict(rank=1, world_size=2), dict(split="val"))
+    ]
     seen = [{tuple(r.tolist()) for r in x} for x in rows]
     assert not seen[0] & seen[1] and not seen[0] & seen[2]
 
@@ -144,13 +149,25 @@ def test_mixture_with_user_tokenizer_places_lookups_by_offset(corpus_dir: Path, 
     with pytest.raises(ConfigError, match="set data.lookup.offset"):
         build_batches(config("mixture", corpus_dir, tokenizer=tok_path), batch_size=2, seed=0, cache_dir=cache_dir)
     with pytest.raises(ConfigError, match="reserved id 0 falls inside the lookup layout"):
-        build_batches(config("mixture", corpus_dir, tokenizer=tok_path, lookup={**LOOKUP, "offset": 0}),
-                      batch_size=2, seed=0, cache_dir=cache_dir)
+        build_batches(
+            config("mixture", corpus_dir, tokenizer=tok_path, lookup={**LOOKUP, "offset": 0}),
+            batch_size=2,
+            seed=0,
+            cache_dir=cache_dir,
+        )
     with pytest.raises(ConfigError, match="vocabulary has only 400 ids"):
-        build_batches(config("mixture", corpus_dir, tokenizer=tok_path, lookup={**LOOKUP, "offset": 380}),
-                      batch_size=2, seed=0, cache_dir=cache_dir)
-    s = build_batches(config("mixture", corpus_dir, tokenizer=tok_path, lookup={**LOOKUP, "offset": 100}),
-                      batch_size=8, seed=0, cache_dir=cache_dir)
+        build_batches(
+            config("mixture", corpus_dir, tokenizer=tok_path, lookup={**LOOKUP, "offset": 380}),
+            batch_size=2,
+            seed=0,
+            cache_dir=cache_dir,
+        )
+    s = build_batches(
+        config("mixture", corpus_dir, tokenizer=tok_path, lookup={**LOOKUP, "offset": 100}),
+        batch_size=8,
+        seed=0,
+        cache_dir=cache_dir,
+    )
     assert s.lookup_format.offset == 100 and s.tokenizer_path == tok_path
     rows = torch.cat([b["input_ids"] for b in draw(s, 2)])
     lookups = rows[rows[:, 0] == s.lookup_format.bos_id]

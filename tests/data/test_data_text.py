@@ -61,7 +61,9 @@ def test_documents_are_dealt_to_ranks_disjointly(corpus_dir: Path, docs: list[st
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
 
 
-def test_packed_windows_cover_the_tokenised_split_once_per_epoch(corpus_dir: Path, docs: list[str], cache_dir: str) -> None:
+def test_packed_windows_cover_the_tokenised_split_once_per_epoch(
+    corpus_dir: Path, docs: list[str], cache_dir: str
+) -> None:
     s = build_batches(text_cfg(corpus_dir), batch_size=4, seed=0, cache_dir=cache_dir)
     tokens = np.concatenate(encoded(s.tokenizer_path, split_docs(docs, "train")))  # every document ends with eod
     assert (s.source.tokens == tokens).all()
@@ -75,17 +77,22 @@ def test_packed_windows_cover_the_tokenised_split_once_per_epoch(corpus_dir: Pat
 
 
 def test_packed_ranks_are_disjoint(corpus_dir: Path, cache_dir: str) -> None:
-    streams = [build_batches(text_cfg(corpus_dir), batch_size=4, seed=3, rank=r, world_size=2, cache_dir=cache_dir)
-               for r in range(2)]
+    streams = [
+        build_batches(text_cfg(corpus_dir), batch_size=4, seed=3, rank=r, world_size=2, cache_dir=cache_dir)
+        for r in range(2)
+    ]
     per_rank = streams[0].source.per_rank
     seen = [{tuple(w) for w in windows(s, per_rank)} for s in streams]
     assert len(seen[0]) == len(seen[1]) == per_rank and not seen[0] & seen[1]
 
 
 @pytest.mark.parametrize("block", [1, 7])
-def test_streaming_packs_documents_in_block_shuffled_order(corpus_dir: Path, docs: list[str], cache_dir: str,
-                                                           block: int) -> None:
-    s = build_batches(text_cfg(corpus_dir, streaming=True, shuffle_block=block), batch_size=4, seed=0, cache_dir=cache_dir)
+def test_streaming_packs_documents_in_block_shuffled_order(
+    corpus_dir: Path, docs: list[str], cache_dir: str, block: int
+) -> None:
+    s = build_batches(
+        text_cfg(corpus_dir, streaming=True, shuffle_block=block), batch_size=4, seed=0, cache_dir=cache_dir
+    )
     train = encoded(s.tokenizer_path, split_docs(docs, "train"))
     n_tokens = sum(map(len, train))
     ws = windows(s, 2 * n_tokens // T + 2)  # more than two epochs
@@ -127,8 +134,9 @@ def test_user_tokenizer_and_cache(corpus_dir: Path, cache_dir: str) -> None:
     mtime = os.path.getmtime(trained.tokenizer_path)
     again = build_batches(text_cfg(corpus_dir), batch_size=4, seed=0, cache_dir=cache_dir)
     assert again.tokenizer_path == trained.tokenizer_path and os.path.getmtime(again.tokenizer_path) == mtime
-    user = build_batches(text_cfg(corpus_dir, tokenizer=trained.tokenizer_path), batch_size=4, seed=0,
-                         cache_dir=cache_dir)
+    user = build_batches(
+        text_cfg(corpus_dir, tokenizer=trained.tokenizer_path), batch_size=4, seed=0, cache_dir=cache_dir
+    )
     assert user.tokenizer_path == trained.tokenizer_path and user.vocab_size == trained.vocab_size == 300
     assert all((a == b).all() for a, b in zip(next(user).values(), next(trained).values()))
 
@@ -185,8 +193,9 @@ def test_too_little_data_is_an_error(corpus_dir: Path, cache_dir: str) -> None:
     with pytest.raises(DataError, match="'val' split .* val_every"):
         build_batches(text_cfg(corpus_dir, val_every=1000), batch_size=2, seed=0, split="val", cache_dir=cache_dir)
     with pytest.raises(DataError, match="'val' split .* no documents"):
-        s = build_batches(text_cfg(corpus_dir, val_every=1000, streaming=True), batch_size=2, seed=0, split="val",
-                          cache_dir=cache_dir)
+        s = build_batches(
+            text_cfg(corpus_dir, val_every=1000, streaming=True), batch_size=2, seed=0, split="val", cache_dir=cache_dir
+        )
         next(s)
 
 
@@ -202,21 +211,29 @@ def test_stale_tokenizer_lock_is_reported(tmp_path: Path, monkeypatch: pytest.Mo
 
 def _with_missing_text(path: Path, docs: list[str], missing: set[int]) -> Path:
     """``docs`` as jsonl, where rows ``missing`` have an ``id`` but no ``body``."""
-    path.write_text("".join(json.dumps({"id": i} if i in missing else {"body": t, "id": i}) + "\n"
-                            for i, t in enumerate(docs)))
+    path.write_text(
+        "".join(json.dumps({"id": i} if i in missing else {"body": t, "id": i}) + "\n" for i, t in enumerate(docs))
+    )
     return path
 
 
-def test_rows_without_text_are_counted_and_stop_above_the_threshold(docs: list[str], cache_dir: str,
-                                                                     tmp_path: Path) -> None:
+def test_rows_without_text_are_counted_and_stop_above_the_threshold(
+    docs: list[str], cache_dir: str, tmp_path: Path
+) -> None:
     third = _with_missing_text(tmp_path / "third.jsonl", docs, set(range(1, len(docs), 3)))
-    with pytest.raises(DataError, match=rf"40 of {len(docs)} corpus rows \(33.3%\) have no 'body' value, more than "
-                                        r"data.text.max_skipped_fraction=0.01; the first is row 1: \{'body': None, "
-                                        r"'id': 1\}"):
+    with pytest.raises(
+        DataError,
+        match=rf"40 of {len(docs)} corpus rows \(33.3%\) have no 'body' value, more than "
+        r"data.text.max_skipped_fraction=0.01; the first is row 1: \{'body': None, "
+        r"'id': 1\}",
+    ):
         _build(tmp_path, cache_dir, paths=[str(third)])
     one = _with_missing_text(tmp_path / "one.jsonl", docs, {5})
-    with pytest.warns(SkippedDocumentsWarning, match=rf"skipped 1 of {len(docs)} corpus rows \(0.8%\) without a "
-                                                     r"'body' value; the first is row 5"):
+    with pytest.warns(
+        SkippedDocumentsWarning,
+        match=rf"skipped 1 of {len(docs)} corpus rows \(0.8%\) without a "
+        r"'body' value; the first is row 5",
+    ):
         _build(tmp_path, cache_dir, paths=[str(one)], max_skipped_fraction=0.01)
     with pytest.warns(SkippedDocumentsWarning):  # a raised threshold lets it train, still reporting the count
         _build(tmp_path, cache_dir, paths=[str(third)], max_skipped_fraction=0.5)

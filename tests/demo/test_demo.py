@@ -38,12 +38,15 @@ def test_quick_demo_writes_well_formed_outputs(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-@pytest.mark.parametrize("passed, quick, code", [
-    ((True, True), False, 0),    # the full demo, every claim holds
-    ((True, False), False, 1),   # the full demo, one claim fails: make demo fails
-    ((False, False), True, 0),   # quick mode: a pipeline check, its thresholds are not expected to hold
-    ((), False, 0),              # the grid makes no claims
-])
+@pytest.mark.parametrize(
+    "passed, quick, code",
+    [
+        ((True, True), False, 0),  # the full demo, every claim holds
+        ((True, False), False, 1),  # the full demo, one claim fails: make demo fails
+        ((False, False), True, 0),  # quick mode: a pipeline check, its thresholds are not expected to hold
+        ((), False, 0),  # the grid makes no claims
+    ],
+)
 def test_exit_code_follows_the_science_checks(passed, quick, code):
     checks = [Check(f"claim {i}", ok, "detail") for i, ok in enumerate(passed)]
     assert exit_code(checks, quick) == code

@@ -52,8 +52,9 @@ def test_the_transformers_model_is_scored_on_the_layout_the_ckv_models_train_on(
     assert int(overrides["task.n_demos"]) == data.lookup.n_queries - 1
     fields = dict(kv.split(":") for kv in overrides["task.vocab.format"].strip("{}").split(","))
     expected = lookup_format_for(data)
-    assert {k: (None if v == "null" else v if k == "record" else int(v)) for k, v in fields.items()} == \
-        {k: getattr(expected, k) for k in fields}
+    assert {k: (None if v == "null" else v if k == "record" else int(v)) for k, v in fields.items()} == {
+        k: getattr(expected, k) for k in fields
+    }
 
 
 def test_every_model_trains_with_the_ckv_demo_budget():
@@ -61,25 +62,38 @@ def test_every_model_trains_with_the_ckv_demo_budget():
     assert [r.role for r in plan] == ["v4_hf", "v4_ckv", "gate", "control"]
     assert plan[0].experiment == "demo_gate_s4" and plan[0].entry == ("-m", "ckv.apps.train_hf_v4")
     assert [r.role for r in v4_plan(with_hf=False)] == ["v4_ckv", "gate", "control"]
-    budgets = {(c.trainer.max_steps, c.trainer.global_batch_size, c.optim.lr, c.optim.schedule)
-               for c in (compose_train_config([f"experiment={r.experiment}"], "unused") for r in plan)}
+    budgets = {
+        (c.trainer.max_steps, c.trainer.global_batch_size, c.optim.lr, c.optim.schedule)
+        for c in (compose_train_config([f"experiment={r.experiment}"], "unused") for r in plan)
+    }
     assert len(budgets) == 1
 
 
 def _done(worst: int, p: float, lower: float, floor: float, mean: float = 0.6) -> dict:
-    headline = {"mean": mean, "phase_gap": lower + 0.05, "phase_gap_lower": lower, "phase_gap_upper": lower + 0.1,
-                "phase_p_value": p, "phase_noise_floor": floor, "worst_phase": worst}
+    headline = {
+        "mean": mean,
+        "phase_gap": lower + 0.05,
+        "phase_gap_lower": lower,
+        "phase_gap_upper": lower + 0.1,
+        "phase_p_value": p,
+        "phase_noise_floor": floor,
+        "worst_phase": worst,
+    }
     return {"run": DemoRun("demo_gate_s4", 0, "gate"), "results": {"headline": headline, "stride": 4}}
 
 
-@pytest.mark.parametrize("worst, p, lower, floor, effect, straddling", [
-    (3, 0.0005, 0.30, 0.05, "yes", "yes"),   # a real gap, weakest at the boundary phase S - 1
-    (1, 0.0005, 0.30, 0.05, "yes", "no"),    # a real gap elsewhere: a phase effect, not straddling
-    (3, 0.20, 0.30, 0.05, "no", "no"),       # not significant
-    (3, 0.0005, 0.01, 0.05, "no", "no"),     # significant, but the interval does not clear the noise floor
-])
-def test_mechanism_lines_claim_straddling_only_for_a_real_gap_at_the_boundary(worst, p, lower, floor, effect,
-                                                                              straddling):
+@pytest.mark.parametrize(
+    "worst, p, lower, floor, effect, straddling",
+    [
+        (3, 0.0005, 0.30, 0.05, "yes", "yes"),  # a real gap, weakest at the boundary phase S - 1
+        (1, 0.0005, 0.30, 0.05, "yes", "no"),  # a real gap elsewhere: a phase effect, not straddling
+        (3, 0.20, 0.30, 0.05, "no", "no"),  # not significant
+        (3, 0.0005, 0.01, 0.05, "no", "no"),  # significant, but the interval does not clear the noise floor
+    ],
+)
+def test_mechanism_lines_claim_straddling_only_for_a_real_gap_at_the_boundary(
+    worst, p, lower, floor, effect, straddling
+):
     (line,) = mechanisms([_done(worst, p, lower, floor)])
     assert f"phase effect {effect} " in line and f"straddling {straddling} " in line
     assert f"weakest phase {worst}, boundary phase 3" in line
@@ -93,28 +107,65 @@ def test_a_tiny_v4_trained_on_ckv_lookup_runs_the_lookup_needle_and_probe_throug
         pytest.skip("the installed transformers has no DeepseekV4ForCausalLM")
     run = tmp_path / "v4"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "WANDB_MODE": "disabled"}
-    train = [sys.executable, "-m", "ckv.apps.train_hf_v4", "experiment=demo_gate_s4", "seed=0", f"hydra.run.dir={run}",
-             "trainer.max_steps=20", "trainer.val_every=0", "trainer.save_every=0", "trainer.log_every=5",
-             "optim.warmup_steps=2", "trainer.progress=false", "wandb.enabled=false"]
+    train = [
+        sys.executable,
+        "-m",
+        "ckv.apps.train_hf_v4",
+        "experiment=demo_gate_s4",
+        "seed=0",
+        f"hydra.run.dir={run}",
+        "trainer.max_steps=20",
+        "trainer.val_every=0",
+        "trainer.save_every=0",
+        "trainer.log_every=5",
+        "optim.warmup_steps=2",
+        "trainer.progress=false",
+        "wandb.enabled=false",
+    ]
     proc = subprocess.run(train, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
-              if "loss" in json.loads(line)]
+    losses = [
+        json.loads(line)["loss"]
+        for line in (run / "metrics.jsonl").read_text().splitlines()
+        if "loss" in json.loads(line)
+    ]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.2  # it has trained on ckv's batches
     lookup_args = [a for a in hf_eval_overrides() if a.startswith("task.")]  # the layout and record counts
     layout = [a for a in lookup_args if a.startswith("task.vocab.format=")]
-    head = ["model=hf", f"model.path={run}", "model.stride=4", "progress=false", "stats.n_bootstrap=50",
-            "stats.n_permutations=50", "device=cpu"]
+    head = [
+        "model=hf",
+        f"model.path={run}",
+        "model.stride=4",
+        "progress=false",
+        "stats.n_bootstrap=50",
+        "stats.n_permutations=50",
+        "device=cpu",
+    ]
     tasks = {
         "lookup": [*head, "task=demo_lookup", "task.n_base=16", *lookup_args],
-        "needle": [*head, "task=needle", "task.context_tokens=128", "task.n_records=16", "task.record_len=2",
-                   "task.prompts_per_residue=64", "task.prefill_chunk=64", "limit=1", *layout],
+        "needle": [
+            *head,
+            "task=needle",
+            "task.context_tokens=128",
+            "task.n_records=16",
+            "task.record_len=2",
+            "task.prompts_per_residue=64",
+            "task.prefill_chunk=64",
+            "limit=1",
+            *layout,
+        ],
         "probe": [*head, "task=probe_synthetic", "task.n_records=16", *layout],
     }
     for name, args in tasks.items():
         out = tmp_path / name
-        proc = subprocess.run([sys.executable, "eval.py", *args, f"out_dir={out}"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "eval.py", *args, f"out_dir={out}"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, name + ": " + proc.stderr[-2000:]
         res = json.loads((out / "results.json").read_text())
         assert res["model"]["architecture"] == "DeepseekV4ForCausalLM" and res["results"]["stride"] == 4

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import yaml
 
-from ckv.data.config import DataConfig
-from ckv.train.config import ModelSpec, TrainConfig
-from ckv.io.weights import save_weights
 from ckv import Transformer
+from ckv.data.config import DataConfig
+from ckv.io.weights import save_weights
+from ckv.train.config import ModelSpec, TrainConfig
 
-SPLIT_LOOKUP = dict(record="split", n_keys=16, n_values=16, n_filler=1, n_records=16, n_queries=8,
-                    filler=[0, 1], prefix_pad=[0, 7])
+SPLIT_LOOKUP = dict(
+    record="split", n_keys=16, n_values=16, n_filler=1, n_records=16, n_queries=8, filler=[0, 1], prefix_pad=[0, 7]
+)
 
 
 class ReadingOracle:
@@ -37,15 +39,30 @@ class ReadingOracle:
         return logits
 
 
-def make_run(root: Path, *, attention: dict, lookup: Optional[dict] = None, name: str = "run", seed: int = 0,
-             preset_overrides: Optional[dict] = None) -> Path:
+def make_run(
+    root: Path,
+    *,
+    attention: dict,
+    lookup: Optional[dict] = None,
+    name: str = "run",
+    seed: int = 0,
+    preset_overrides: Optional[dict] = None,
+) -> Path:
     """A ckv run folder as training writes it: config.yaml and model/ (random weights of a tiny model)."""
     run = root / name
     data = DataConfig(kind="lookup", seq_len=96, lookup=dict(lookup or SPLIT_LOOKUP))
-    overrides = {**dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=32, max_seq_len=128),
-                 **(preset_overrides or {})}
-    cfg = TrainConfig(run_dir=str(run), model=ModelSpec(preset="tiny", overrides=overrides), attention=attention,
-                      data=data, seed=seed, name=name)
+    overrides = {
+        **dict(d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=32, max_seq_len=128),
+        **(preset_overrides or {}),
+    }
+    cfg = TrainConfig(
+        run_dir=str(run),
+        model=ModelSpec(preset="tiny", overrides=overrides),
+        attention=attention,
+        data=data,
+        seed=seed,
+        name=name,
+    )
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
     fmt = data.lookup.format(0)

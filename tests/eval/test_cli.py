@@ -20,8 +20,14 @@ FAST = ["progress=false", "stats.n_bootstrap=50", "stats.n_permutations=50", "de
 
 def _eval(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    return subprocess.run([sys.executable, str(ROOT / "eval.py"), *args, *FAST], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), *args, *FAST],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_eval_run_then_summary(tmp_path: Path) -> None:
@@ -56,8 +62,8 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
     cases = {
         "nosuch=1": "ckv: error: Could not override 'nosuch'. To append to your config use +nosuch=1",
         "task=nosuch": "ckv: error: In 'config': Could not find 'task/nosuch'; choose one of ['demo_lookup', "
-                       "'lookup', 'lookup_ids', 'lookup_words', 'needle', 'probe_fp8', "
-                       "'probe_synthetic']",
+        "'lookup', 'lookup_ids', 'lookup_words', 'needle', 'probe_fp8', "
+        "'probe_synthetic']",
         f"model.path={missing}": f"ckv: error: model.path={str(missing)!r} does not exist",
     }
     for override, line in cases.items():
@@ -75,9 +81,21 @@ def _cli_module():
 def test_path_values_are_quoted_for_hydra() -> None:
     quote = _cli_module().quote_path_values
     assert quote(["model.path=/r/a=1,seed=0", "summary=/s", "out_dir=o", "+model.tokenizer=t"]) == [
-        "model.path='/r/a=1,seed=0'", "summary='/s'", "out_dir='o'", "+model.tokenizer='t'"]
-    kept = ["model.path='/r/seed=0'", 'summary="/s"', "summary=[/a,/b]", "model.path=null", "model.path=",
-            "task.name=a=b", "limit=4", "-m"]
+        "model.path='/r/a=1,seed=0'",
+        "summary='/s'",
+        "out_dir='o'",
+        "+model.tokenizer='t'",
+    ]
+    kept = [
+        "model.path='/r/seed=0'",
+        'summary="/s"',
+        "summary=[/a,/b]",
+        "model.path=null",
+        "model.path=",
+        "task.name=a=b",
+        "limit=4",
+        "-m",
+    ]
     assert quote(kept) == kept
     assert quote(["model.path=/it's"]) == ['model.path="/it\'s"']
 
@@ -87,16 +105,37 @@ def test_audit_mode_cli(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {w: i for i, w in enumerate(["[UNK]", "pad", ":", *[f"k{i}" for i in range(20)], *[f"v{i}" for i in range(20)]])}
+    vocab = {
+        w: i for i, w in enumerate(["[UNK]", "pad", ":", *[f"k{i}" for i in range(20)], *[f"v{i}" for i in range(20)]])
+    }
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    cfg = transformers.Qwen3Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256)
+    cfg = transformers.Qwen3Config(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     transformers.Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path / "hf")
-    p = _eval("model=hf", f"model.path={tmp_path / 'hf'}", "model.stride=4", "task=lookup_ids", "task.modulus=8",
-              "task.n_records=12", "task.n_demos=3", "task.vocab.keys=[3,23]", "task.vocab.values=[23,43]",
-              "task.vocab.pad=1", "task.vocab.separator=[2]", "limit=2")
+    p = _eval(
+        "model=hf",
+        f"model.path={tmp_path / 'hf'}",
+        "model.stride=4",
+        "task=lookup_ids",
+        "task.modulus=8",
+        "task.n_records=12",
+        "task.n_demos=3",
+        "task.vocab.keys=[3,23]",
+        "task.vocab.values=[23,43]",
+        "task.vocab.pad=1",
+        "task.vocab.separator=[2]",
+        "limit=2",
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert png_ok(tmp_path / "hf" / "eval" / "lookup_ids" / "lookup_ids.png")
 
@@ -107,10 +146,24 @@ def test_default_evaluation_of_a_text_trained_run(tmp_path: Path) -> None:
     the run folder exactly as train.py printed it (it holds '=' and ','); the default task draws single-token keys
     and values from the run's own tokenizer and names them."""
     env = {**child_env(), "WANDB_MODE": "offline"}  # no rank variables an in-process training test left behind
-    train = subprocess.run([sys.executable, str(ROOT / "train.py"), "experiment=cpu_smoke", "trainer.max_steps=2",
-                            "trainer.val_every=0", "trainer.save_every=0", f"out_dir={tmp_path}",
-                            f"trainer.data_cache_dir={tmp_path / 'cache'}", "wandb.enabled=false"],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    train = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "experiment=cpu_smoke",
+            "trainer.max_steps=2",
+            "trainer.val_every=0",
+            "trainer.save_every=0",
+            f"out_dir={tmp_path}",
+            f"trainer.data_cache_dir={tmp_path / 'cache'}",
+            "wandb.enabled=false",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert train.returncode == 0, train.stderr[-3000:]
     printed = train.stderr.splitlines()[0].removeprefix("ckv: ").split(" | ")[0]  # "ckv: <run folder> | ..."
     assert "=" in printed and Path(printed).is_dir()

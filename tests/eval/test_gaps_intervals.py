@@ -10,7 +10,12 @@ from ckv.config import ConfigError
 from ckv.eval.codec import TokenCodec
 from ckv.eval.lookup import LookupSpec, LookupTask
 from ckv.eval.stats import (
-    CLUSTER_BOOTSTRAP, WILSON, StatsOptions, bootstrap_group_accuracy, group_accuracy, summarize_groups,
+    CLUSTER_BOOTSTRAP,
+    WILSON,
+    StatsOptions,
+    bootstrap_group_accuracy,
+    group_accuracy,
+    summarize_groups,
     with_cluster_intervals,
 )
 
@@ -33,8 +38,12 @@ def test_residue_gap_of_the_papers_v4_flash_base_row() -> None:
 
 
 def _report(model_stride: int | None, task_stride: int | None, wrong=None) -> dict:
-    task = LookupTask(LookupSpec(n_records=12, n_demos=3, n_base=16, modulus=8, stride=task_stride), CODEC,
-                      max_len=512, model_stride=model_stride)
+    task = LookupTask(
+        LookupSpec(n_records=12, n_demos=3, n_base=16, modulus=8, stride=task_stride),
+        CODEC,
+        max_len=512,
+        model_stride=model_stride,
+    )
     return task.report(task.evaluate(ReadingOracle(100, wrong), progress=False), FAST)
 
 
@@ -50,7 +59,9 @@ def test_full_attention_gets_no_phase_gap_without_a_stride_and_the_comparisons_w
     for rep in (control, compressed):
         h = rep["headline"]
         for prefix in ("residue", "phase"):
-            assert h[f"{prefix}_gap_interval"] == CLUSTER_BOOTSTRAP and h[f"{prefix}_group_interval"] == CLUSTER_BOOTSTRAP
+            assert (
+                h[f"{prefix}_gap_interval"] == CLUSTER_BOOTSTRAP and h[f"{prefix}_group_interval"] == CLUSTER_BOOTSTRAP
+            )
             assert h[f"{prefix}_p_value"] is not None and h[f"{prefix}_noise_floor"] is not None
     assert compressed["headline"]["phase_gap"] == compressed["headline"]["residue_gap"] == 1.0
     assert compressed["headline"]["worst_phase"] == 3 and control["headline"]["phase_gap"] == 0.0

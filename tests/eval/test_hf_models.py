@@ -41,9 +41,17 @@ def word_tokenizer():  # -> transformers.PreTrainedTokenizerFast
 
 def tiny_qwen3(vocab_size: int, max_len: int = 512, n_layers: int = 1):  # -> transformers.Qwen3ForCausalLM
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=n_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                   max_position_embeddings=max_len, tie_word_embeddings=True)
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=True,
+    )
     return transformers.Qwen3ForCausalLM(cfg)
 
 
@@ -54,12 +62,31 @@ def tiny_deepseek_v4(vocab_size: int, max_len: int = 4096):  # -> transformers.D
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM")
     cfg = transformers.DeepseekV4Config(
-        vocab_size=vocab_size, hidden_size=128, moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=64, q_lora_rank=64, o_lora_rank=64, o_groups=2, num_experts_per_tok=2,
-        n_routed_experts=4, n_shared_experts=1, sliding_window=4, index_topk=64, index_n_heads=2, index_head_dim=32,
-        hc_mult=1, layer_types=["compressed_sparse_attention"] * 2, mlp_layer_types=["moe", "moe"],
-        max_position_embeddings=max_len, partial_rotary_factor=8 / 64, num_nextn_predict_layers=0,
-        initializer_range=0.05)
+        vocab_size=vocab_size,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        q_lora_rank=64,
+        o_lora_rank=64,
+        o_groups=2,
+        num_experts_per_tok=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        sliding_window=4,
+        index_topk=64,
+        index_n_heads=2,
+        index_head_dim=32,
+        hc_mult=1,
+        layer_types=["compressed_sparse_attention"] * 2,
+        mlp_layer_types=["moe", "moe"],
+        max_position_embeddings=max_len,
+        partial_rotary_factor=8 / 64,
+        num_nextn_predict_layers=0,
+        initializer_range=0.05,
+    )
     return transformers.DeepseekV4ForCausalLM(cfg)
 
 
@@ -90,8 +117,9 @@ def test_shipped_word_lookup_runs_on_a_tiny_random_qwen3(hf_dir: Path, tmp_path:
     cfg = _task_config("lookup_words")
     cfg["vocab"].update(pad="pad", separator=":")  # the word-level tokenizer has no newline token
     model = load_hf_model(hf_dir, device="cpu", stride=4)
-    results, out = evaluate(model, task_from_dict(cfg), RunOptions(limit=2, progress=False, stats=FAST,
-                                                                   out_dir=str(tmp_path / "audit")))
+    results, out = evaluate(
+        model, task_from_dict(cfg), RunOptions(limit=2, progress=False, stats=FAST, out_dir=str(tmp_path / "audit"))
+    )
     r = results["results"]
     assert r["n_prompts"] == 2 * 24 and r["stride"] == 4 and r["spec"]["n_records"] == 64
     assert results["model"]["kind"] == "hf" and results["model"]["architecture"] == "Qwen3ForCausalLM"
@@ -102,16 +130,32 @@ def test_shipped_word_lookup_runs_on_a_tiny_random_qwen3(hf_dir: Path, tmp_path:
 
 def test_word_that_is_not_one_token_is_an_error(hf_dir: Path) -> None:
     model = load_hf_model(hf_dir, device="cpu")
-    spec = LookupSpec(n_records=4, modulus=4, vocab=dict(source="words", keys=["cat", "sea lion", "zebra", "dog"],
-                                                           values=["Alice", "Bob", "Carol", "David"], pad="pad"))
-    with pytest.raises(ConfigError, match=r"2 of 4 words are not single tokens.*' sea lion' -> 2 tokens.*' zebra' -> the unknown token"):
+    spec = LookupSpec(
+        n_records=4,
+        modulus=4,
+        vocab=dict(
+            source="words",
+            keys=["cat", "sea lion", "zebra", "dog"],
+            values=["Alice", "Bob", "Carol", "David"],
+            pad="pad",
+        ),
+    )
+    with pytest.raises(
+        ConfigError, match=r"2 of 4 words are not single tokens.*' sea lion' -> 2 tokens.*' zebra' -> the unknown token"
+    ):
         build_task(spec, model)
 
 
 def test_text_probe_runs_and_groups_by_phase(hf_dir: Path, tmp_path: Path) -> None:
     model = load_hf_model(hf_dir, device="cpu")
-    spec = ProbeSpec(name="probe_tiny", template="def x : {filler} return", unit=" filler", candidates=("8", "32"),
-                     lengths=(4, 15), stride=4)
+    spec = ProbeSpec(
+        name="probe_tiny",
+        template="def x : {filler} return",
+        unit=" filler",
+        candidates=("8", "32"),
+        lengths=(4, 15),
+        stride=4,
+    )
     results, out = evaluate(model, spec, RunOptions(progress=False, out_dir=str(tmp_path / "probe")))
     r = results["results"]
     assert [row["filler_tokens"] for row in r["lengths"]] == list(range(4, 16))
@@ -153,11 +197,18 @@ def test_deepseek_v4_loads_and_runs_lookup_and_probe(v4_dir: Path, tmp_path: Pat
     assert model.info["device_map"] is None  # CPU: one device, no device_map
     cfg = _task_config("lookup_words")
     cfg["vocab"].update(pad="pad", separator=":")
-    results, out = evaluate(model, task_from_dict(cfg), RunOptions(limit=1, progress=False, stats=FAST,
-                                                                   out_dir=str(tmp_path / "lookup")))
+    results, out = evaluate(
+        model, task_from_dict(cfg), RunOptions(limit=1, progress=False, stats=FAST, out_dir=str(tmp_path / "lookup"))
+    )
     assert results["results"]["n_prompts"] == 24 and 0.0 <= results["results"]["headline"]["mean"] <= 1.0
-    probe = ProbeSpec(name="probe_v4", template="def x : {filler} return", unit=" filler", candidates=("8", "32"),
-                      lengths=(4, 7), stride=4)
+    probe = ProbeSpec(
+        name="probe_v4",
+        template="def x : {filler} return",
+        unit=" filler",
+        candidates=("8", "32"),
+        lengths=(4, 7),
+        stride=4,
+    )
     results, out = evaluate(model, probe, RunOptions(progress=False, out_dir=str(tmp_path / "probe")))
     assert [row["phase"] for row in results["results"]["lengths"]] == [0, 1, 2, 3]
 

@@ -36,7 +36,9 @@ def _moments_by_residue(positions: np.ndarray, modulus: int) -> tuple[set, set]:
     return sums, squares
 
 
-@pytest.mark.parametrize("modulus,n_records,record_len", [(24, 64, 2), (24, 16, 2), (8, 16, 2), (4, 8, 4), (6, 10, 2), (12, 5, 1)])
+@pytest.mark.parametrize(
+    "modulus,n_records,record_len", [(24, 64, 2), (24, 16, 2), (8, 16, 2), (4, 8, 4), (6, 10, 2), (12, 5, 1)]
+)
 def test_paired_design_equalises_mean_and_variance(modulus: int, n_records: int, record_len: int) -> None:
     design = make_design(modulus, n_records, record_len, prefix_len=1)
     offsets = base_offsets(modulus * modulus, design)
@@ -84,7 +86,9 @@ def test_prefix_padding_shifts_every_record_by_the_same_amount() -> None:
     for k in range(1, 8):
         shifted = assemble_lookup(CODEC, keys, values, slot_pads(4, 2 + k, 9 - k, 10, "prefix", rng), queried, rng)
         np.testing.assert_array_equal(shifted.record_starts - base.record_starts, np.full(10, k))
-        np.testing.assert_array_equal(_record_positions(shifted.prompt, list(keys)) - base.record_starts, np.full(10, k))
+        np.testing.assert_array_equal(
+            _record_positions(shifted.prompt, list(keys)) - base.record_starts, np.full(10, k)
+        )
         assert len(shifted.prompt) == len(base.prompt)  # query position fixed
 
 
@@ -106,12 +110,21 @@ def test_prompt_is_the_training_example_up_to_the_scored_answer() -> None:
     fmt = LookupFormat(record="kkvv", n_keys=20, n_values=20, n_filler=1)
     keys, values = np.array([3, 7, 1, 9]), np.array([0, 5, 5, 2])
     fillers, queried = np.array([0, 2, 1, 3]), np.array([2, 0, 1])
-    ex = make_lookup_example(fmt, np.random.default_rng(0), 4, 3, prefix_pad=5, keys=keys, values=values,
-                             fillers=fillers, query_records=queried)
+    ex = make_lookup_example(
+        fmt,
+        np.random.default_rng(0),
+        4,
+        3,
+        prefix_pad=5,
+        keys=keys,
+        values=values,
+        fillers=fillers,
+        query_records=queried,
+    )
     # bos, 5 pads, 4 records and their fillers, sep sep, two answered queries, the last query
     n_prompt = 1 + 5 + 4 * fmt.record_len + fillers.sum() + 2 + 2 * (fmt.query_len + fmt.answer_len) + fmt.query_len
     np.testing.assert_array_equal(ex.prompt, ex.tokens[:n_prompt])
-    assert ex.prompt[-fmt.query_len:].tolist() == fmt.query_tokens(7)  # the last query asks record 1 (key 7)
+    assert ex.prompt[-fmt.query_len :].tolist() == fmt.query_tokens(7)  # the last query asks record 1 (key 7)
     assert ex.answer_id == fmt.answer_tokens(5)[0] == ex.tokens[n_prompt]
 
 
@@ -145,8 +158,10 @@ def test_phase_sensitive_model_shows_its_weak_phase() -> None:
 
 
 def test_limit_keeps_the_same_first_examples() -> None:
-    full, short = _task(n_base=16), LookupTask(LookupSpec(n_records=12, n_demos=3, n_base=16, modulus=4, stride=4),
-                                               CODEC, max_len=512, limit=5)
+    full, short = (
+        _task(n_base=16),
+        LookupTask(LookupSpec(n_records=12, n_demos=3, n_base=16, modulus=4, stride=4), CODEC, max_len=512, limit=5),
+    )
     assert short.n_base == 5 and len(short.prompts) == 20
     for a, b in zip(short.prompts, full.prompts):
         np.testing.assert_array_equal(a, b)
@@ -155,15 +170,21 @@ def test_limit_keeps_the_same_first_examples() -> None:
 def test_stride_resolution() -> None:
     assert _task(stride=None).stride is None  # no model stride and none asked: no phase groups (never the modulus)
     assert _task(stride=2).stride == 2
-    assert LookupTask(LookupSpec(n_records=12, n_demos=3, n_base=8, modulus=8), CODEC, max_len=512, model_stride=2).stride == 2
+    assert (
+        LookupTask(LookupSpec(n_records=12, n_demos=3, n_base=8, modulus=8), CODEC, max_len=512, model_stride=2).stride
+        == 2
+    )
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(modulus=4, stride=8), "smaller than the stride"),
-    (dict(modulus=6, stride=4), "not a multiple of the stride"),
-    (dict(n_records=31), "exceeds the 30 available keys"),
-    (dict(n_demos=12), "n_demos=12"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(modulus=4, stride=8), "smaller than the stride"),
+        (dict(modulus=6, stride=4), "not a multiple of the stride"),
+        (dict(n_records=31), "exceeds the 30 available keys"),
+        (dict(n_demos=12), "n_demos=12"),
+    ],
+)
 def test_bad_settings_are_clear_errors(kw: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _task(**kw)
@@ -183,22 +204,42 @@ def test_more_records_than_fit_the_context() -> None:
 
 def test_vocabulary_errors() -> None:
     with pytest.raises(ConfigError, match="empty vocabulary"):
-        build_codec(VocabSpec(source="ids", keys=[10, 10], values=[20, 30], pad=1), vocab_size=100, tokenizer=None,
-                    run_format=None)
+        build_codec(
+            VocabSpec(source="ids", keys=[10, 10], values=[20, 30], pad=1),
+            vocab_size=100,
+            tokenizer=None,
+            run_format=None,
+        )
     with pytest.raises(ConfigError, match="is empty"):
         VocabSpec(source="words", keys=[], values=["a"], pad="x")
     with pytest.raises(ConfigError, match="share token ids"):
-        build_codec(VocabSpec(source="ids", keys=[10, 30], values=[20, 40], pad=1), vocab_size=100, tokenizer=None,
-                    run_format=None)
+        build_codec(
+            VocabSpec(source="ids", keys=[10, 30], values=[20, 40], pad=1),
+            vocab_size=100,
+            tokenizer=None,
+            run_format=None,
+        )
     with pytest.raises(ConfigError, match=r"pad/separator/bos ids \[12\] are also keys"):
-        build_codec(VocabSpec(source="ids", keys=[10, 30], values=[40, 60], pad=12), vocab_size=100, tokenizer=None,
-                    run_format=None)
+        build_codec(
+            VocabSpec(source="ids", keys=[10, 30], values=[40, 60], pad=12),
+            vocab_size=100,
+            tokenizer=None,
+            run_format=None,
+        )
     with pytest.raises(ConfigError, match="does not fit"):
-        build_codec(VocabSpec(source="ids", keys=[10, 30], values=[90, 140], pad=1), vocab_size=100, tokenizer=None,
-                    run_format=None)
+        build_codec(
+            VocabSpec(source="ids", keys=[10, 30], values=[90, 140], pad=1),
+            vocab_size=100,
+            tokenizer=None,
+            run_format=None,
+        )
     with pytest.raises(ConfigError, match="needs a tokenizer"):
-        build_codec(VocabSpec(source="words", keys=["a"], values=["b"], pad="x"), vocab_size=100, tokenizer=None,
-                    run_format=None)
+        build_codec(
+            VocabSpec(source="words", keys=["a"], values=["b"], pad="x"),
+            vocab_size=100,
+            tokenizer=None,
+            run_format=None,
+        )
     with pytest.raises(ConfigError, match="needs a lookup layout"):
         build_codec(VocabSpec(), vocab_size=100, tokenizer=None, run_format=None)
     with pytest.raises(ConfigError, match="does not match"):

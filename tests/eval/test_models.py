@@ -16,7 +16,6 @@ from ckv.data.lookup import LookupFormat
 from ckv.eval import LookupSpec, RunOptions, StatsOptions, evaluate, load_ckv_model
 from ckv.eval.models import CheckpointMismatchError, find_weights
 from ckv.io.weights import save_weights
-
 from tests.io.helpers import poison
 
 from .helpers import SPLIT_LOOKUP, make_run, png_ok

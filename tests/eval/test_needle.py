@@ -88,25 +88,38 @@ def test_limit_keeps_the_first_base_examples_and_spreads_depths() -> None:
 
 def test_bad_settings_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="context_tokens=2048 exceeds the model's context of 1024"):
-        NeedleTask(NeedleSpec(context_tokens=2048), TokenCodec(key_ids=KEYS, value_ids=VALUES, pad_id=PAD), max_len=1024)
+        NeedleTask(
+            NeedleSpec(context_tokens=2048), TokenCodec(key_ids=KEYS, value_ids=VALUES, pad_id=PAD), max_len=1024
+        )
     with pytest.raises(ConfigError, match="leave .* filler tokens"):
         _task(n_records=511)
     with pytest.raises(ConfigError, match="distinct keys"):
-        NeedleTask(NeedleSpec(context_tokens=2048, record_len=2), TokenCodec(key_ids=KEYS, value_ids=VALUES, pad_id=PAD),
-                   max_len=4096)
+        NeedleTask(
+            NeedleSpec(context_tokens=2048, record_len=2),
+            TokenCodec(key_ids=KEYS, value_ids=VALUES, pad_id=PAD),
+            max_len=4096,
+        )
     with pytest.raises(ConfigError, match="records of 2 tokens; set task.record_len=2"):
         NeedleTask(NeedleSpec(context_tokens=128), LookupFormat(n_keys=64, n_values=16), max_len=4096)
     with pytest.raises(ConfigError, match="prefill_chunk=0 must be an integer >= 1"):
         NeedleSpec(prefill_chunk=0)
 
 
-@pytest.mark.parametrize("attention", [dict(kind="full"), dict(kind="compressed", window=8, stride=4, local_window=4),
-                                       dict(kind="compressed", window=4, stride=4, local_window=4)],
-                         ids=["full", "w8s4", "w4s4"])
+@pytest.mark.parametrize(
+    "attention",
+    [
+        dict(kind="full"),
+        dict(kind="compressed", window=8, stride=4, local_window=4),
+        dict(kind="compressed", window=4, stride=4, local_window=4),
+    ],
+    ids=["full", "w8s4", "w4s4"],
+)
 def test_ckv_chunked_prefill_equals_one_full_forward(attention: dict) -> None:
     torch.manual_seed(0)
-    cfg = ModelSpec(preset="tiny", overrides=dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                                                  mlp_dim=32, max_seq_len=256)).build(attention, 50)
+    cfg = ModelSpec(
+        preset="tiny",
+        overrides=dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=32, max_seq_len=256),
+    ).build(attention, 50)
     model = Transformer(cfg).eval()
     ids = torch.randint(0, 50, (2, 67))  # (B, T): T is no multiple of the chunks or the stride
     with torch.inference_mode():
@@ -116,8 +129,9 @@ def test_ckv_chunked_prefill_equals_one_full_forward(attention: dict) -> None:
 
 
 def test_needle_on_a_ckv_run_with_a_four_token_layout(tmp_path: Path) -> None:
-    lookup = dict(record="kkvv", n_keys=64, n_values=16, n_filler=1, n_records=8, n_queries=2, filler=[0, 1],
-                  prefix_pad=[0, 7])
+    lookup = dict(
+        record="kkvv", n_keys=64, n_values=16, n_filler=1, n_records=8, n_queries=2, filler=[0, 1], prefix_pad=[0, 7]
+    )
     run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4), lookup=lookup)
     model = load_ckv_model(run, device="cpu")
     spec = task_from_dict(dict(kind="needle", context_tokens=128, prompts_per_residue=64, prefill_chunk=32))
@@ -130,8 +144,10 @@ def test_needle_on_a_ckv_run_with_a_four_token_layout(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {name: save_tiny(build, tmp_path_factory.mktemp(name), max_len=4096)
-            for name, build in (("qwen3", tiny_qwen3), ("deepseek_v4", tiny_deepseek_v4))}
+    return {
+        name: save_tiny(build, tmp_path_factory.mktemp(name), max_len=4096)
+        for name, build in (("qwen3", tiny_qwen3), ("deepseek_v4", tiny_deepseek_v4))
+    }
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v4"])
@@ -140,18 +156,37 @@ def test_eval_py_runs_the_needle_on_a_tiny_hf_model(hf_models: dict[str, Path], 
     ids = tok.convert_tokens_to_ids
     keys, values = [ids("cat"), ids("cat") + 20], [ids("Alice"), ids("Alice") + 20]  # 20 animals, 20 names
     out = tmp_path / "needle"
-    args = ["model=hf", f"model.path={hf_models[name]}", "model.stride=4", "task=needle", "task.context_tokens=2048",
-            "task.prefill_chunk=512", "task.vocab.source=ids", f"task.vocab.keys=[{keys[0]},{keys[1]}]",
-            f"task.vocab.values=[{values[0]},{values[1]}]", f"task.vocab.pad={ids('pad')}",
-            f"task.vocab.separator=[{ids(':')}]", "task.vocab.bos=null", "limit=1", "batch_size=8", f"out_dir={out}",
-            "progress=false", "stats.n_bootstrap=50", "stats.n_permutations=50", "device=cpu"]
+    args = [
+        "model=hf",
+        f"model.path={hf_models[name]}",
+        "model.stride=4",
+        "task=needle",
+        "task.context_tokens=2048",
+        "task.prefill_chunk=512",
+        "task.vocab.source=ids",
+        f"task.vocab.keys=[{keys[0]},{keys[1]}]",
+        f"task.vocab.values=[{values[0]},{values[1]}]",
+        f"task.vocab.pad={ids('pad')}",
+        f"task.vocab.separator=[{ids(':')}]",
+        "task.vocab.bos=null",
+        "limit=1",
+        "batch_size=8",
+        f"out_dir={out}",
+        "progress=false",
+        "stats.n_bootstrap=50",
+        "stats.n_permutations=50",
+        "device=cpu",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    p = subprocess.run([sys.executable, str(ROOT / "eval.py"), *args], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "eval.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     r = results["results"]
-    assert results["model"]["architecture"] == {"qwen3": "Qwen3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}[name]
+    assert (
+        results["model"]["architecture"] == {"qwen3": "Qwen3ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}[name]
+    )
     assert r["task"] == "needle" and r["n_prompts"] == 8 and r["modulus"] == 8 and r["stride"] == 4
     assert r["design"]["prompt_length"] == [2048, 2048] and r["design"]["record_len"] == 4
     assert r["spec"]["n_records"] == 256 and [g["n"] for g in r["residue"]["groups"]] == [1] * 8

@@ -44,8 +44,14 @@ class RunMergingTokenizer:
 
 
 TOK = RunMergingTokenizer()
-SPEC = ProbeSpec(template="def f():\n    \"\"\"{filler}\"\"\"\n    return torch.float", unit="=", candidates=("8", "32"),
-                 lengths=(4, 11), stride=4, bos=None)
+SPEC = ProbeSpec(
+    template='def f():\n    """{filler}"""\n    return torch.float',
+    unit="=",
+    candidates=("8", "32"),
+    lengths=(4, 11),
+    stride=4,
+    bos=None,
+)
 
 
 def test_fillers_are_exact_token_counts_of_the_models_tokenizer() -> None:
@@ -78,7 +84,7 @@ def test_shipped_fp8_reconstruction_has_exact_filler_lengths() -> None:
     task = ProbeTask(spec, text_prompt(spec, TOK), max_len=2048, tokenizer=TOK)
     assert list(task.filler_tokens) == list(range(24, 40)) and np.all(np.diff([len(p) for p in task.prompts]) == 1)
     assert task.prompt.candidates == [[ord("8")], [ord("3"), ord("2")]]
-    assert TOK.decode(task.prompts[0][-5:].tolist()) == "float" and "\"\"\"" in TOK.decode(task.prompt.before)
+    assert TOK.decode(task.prompts[0][-5:].tolist()) == "float" and '"""' in TOK.decode(task.prompt.before)
 
 
 def test_no_flip_is_counted_while_the_top1_is_neither_candidate() -> None:

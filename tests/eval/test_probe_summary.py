@@ -11,7 +11,15 @@ import torch
 
 from ckv.config import ConfigError
 from ckv.eval import (
-    LookupSpec, ModelSource, ProbeSpec, RunOptions, StatsOptions, evaluate, find_runs, load_ckv_model, summarize,
+    LookupSpec,
+    ModelSource,
+    ProbeSpec,
+    RunOptions,
+    StatsOptions,
+    evaluate,
+    find_runs,
+    load_ckv_model,
+    summarize,
     summarize_runs,
 )
 from ckv.eval.codec import TokenCodec
@@ -61,8 +69,11 @@ def test_probe_limit_and_context_errors() -> None:
 
 def test_synthetic_probe_on_a_ckv_run(tmp_path: Path) -> None:
     run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4))
-    results, out = evaluate(load_ckv_model(run, device="cpu"), ProbeSpec(name="probe_synthetic", source="lookup",
-                                                                       lengths=(0, 11)), RunOptions(progress=False))
+    results, out = evaluate(
+        load_ckv_model(run, device="cpu"),
+        ProbeSpec(name="probe_synthetic", source="lookup", lengths=(0, 11)),
+        RunOptions(progress=False),
+    )
     assert out == run / "eval" / "probe_synthetic"
     r = results["results"]
     assert r["stride"] == 4 and r["labels"][0] == "target" and len(r["lengths"]) == 12
@@ -72,8 +83,11 @@ def test_synthetic_probe_on_a_ckv_run(tmp_path: Path) -> None:
 def test_sweep_summary_evaluates_runs_and_writes_plots(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     make_run(sweep, attention=dict(kind="compressed", window=4, stride=4, local_window=4), name="w4s4,seed=0")
-    make_run(sweep, attention=dict(kind="compressed", window=8, stride=4, local_window=4, pooling="mean"),
-             name="w8s4_mean,seed=0")
+    make_run(
+        sweep,
+        attention=dict(kind="compressed", window=8, stride=4, local_window=4, pooling="mean"),
+        name="w8s4_mean,seed=0",
+    )
     full = make_run(sweep, attention=dict(kind="full"), name="full,seed=0")
     ckpt = full / "checkpoints" / "step_00000005"  # a run still training: no model/, one checkpoint
     ckpt.mkdir(parents=True)
@@ -107,9 +121,20 @@ def test_grid_summary_plot_with_several_seeds(tmp_path: Path) -> None:
     for seed in range(2):
         for pooling, gaps in (("gate", {4: 0.5, 6: 0.3, 8: 0.6}), ("mean", {4: 0.2, 8: 0.25})):
             for s, gap in gaps.items():
-                rows.append(dict(pooling=pooling, stride=s, window=s, seed=seed, phase_gap=gap + 0.02 * seed, phase_gap_lower=gap - 0.03,
-                                 phase_gap_upper=gap + 0.05, worst_phase_accuracy=0.4 - gap / 2,
-                                 worst_phase_accuracy_lower=0.3 - gap / 2, worst_phase_accuracy_upper=0.5 - gap / 2))
+                rows.append(
+                    dict(
+                        pooling=pooling,
+                        stride=s,
+                        window=s,
+                        seed=seed,
+                        phase_gap=gap + 0.02 * seed,
+                        phase_gap_lower=gap - 0.03,
+                        phase_gap_upper=gap + 0.05,
+                        worst_phase_accuracy=0.4 - gap / 2,
+                        worst_phase_accuracy_lower=0.3 - gap / 2,
+                        worst_phase_accuracy_upper=0.5 - gap / 2,
+                    )
+                )
         rows.append(dict(pooling="full", stride=None, window=None, phase_gap=0.03, worst_phase_accuracy=0.7))
     rows.append(dict(pooling="gate", stride=4, window=8, seed=0, phase_gap=0.9, worst_phase_accuracy=0.05))
     grids = stride_window_grids(rows, ["phase_gap", "worst_phase_accuracy"])
@@ -127,8 +152,9 @@ def test_grid_summary_plot_with_several_seeds(tmp_path: Path) -> None:
 
 
 def test_grid_cells_show_intervals_and_mark_gaps_below_the_noise_floor() -> None:
-    real = dict(seed=0, phase_gap=0.3, phase_gap_lower=0.2, phase_gap_upper=0.4, phase_p_value=0.001,
-                phase_noise_floor=0.05)
+    real = dict(
+        seed=0, phase_gap=0.3, phase_gap_lower=0.2, phase_gap_upper=0.4, phase_p_value=0.001, phase_noise_floor=0.05
+    )
     below_floor = dict(real, phase_gap_lower=0.04)
     not_significant = dict(real, phase_p_value=0.2)
     assert _grid_cell_text([real], "phase_gap", 30.0) == "30.0\n[20, 40]"
@@ -136,4 +162,6 @@ def test_grid_cells_show_intervals_and_mark_gaps_below_the_noise_floor() -> None
     assert _grid_cell_text([not_significant], "phase_gap", 30.0).endswith("\nn.s.")
     assert _grid_cell_text([real, dict(below_floor, seed=1)], "phase_gap", 25.0) == "25.0\n(mean of 2 seeds)\nn.s."
     assert _grid_cell_text([real, real], "phase_gap", 30.0) == "30.0\n(mean of 2 runs: not only seeds)"
-    assert _grid_cell_text([dict(below_floor, mean=0.5)], "mean", 50.0) == "50.0"  # no mean interval given; n.s. is for gaps
+    assert (
+        _grid_cell_text([dict(below_floor, mean=0.5)], "mean", 50.0) == "50.0"
+    )  # no mean interval given; n.s. is for gaps

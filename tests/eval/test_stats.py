@@ -8,8 +8,19 @@ import numpy as np
 import pytest
 
 from ckv.eval.stats import (
-    DominantPeriod, StatsOptions, best_minus_worst, bootstrap_group_accuracy, dominant_period, f_survival, gap_is_real,
-    group_accuracy, period_pvalue, periodicity_chance, periodicity_score, permutation_test, summarize_groups,
+    DominantPeriod,
+    StatsOptions,
+    best_minus_worst,
+    bootstrap_group_accuracy,
+    dominant_period,
+    f_survival,
+    gap_is_real,
+    group_accuracy,
+    period_pvalue,
+    periodicity_chance,
+    periodicity_score,
+    permutation_test,
+    summarize_groups,
     wilson_interval,
 )
 
@@ -80,7 +91,7 @@ def test_f_survival_known_values() -> None:
     for f, d2 in ((0.5, 5), (3.0, 20), (10.0, 7)):
         assert f_survival(f, 2, d2) == pytest.approx((1 + 2 * f / d2) ** (-d2 / 2), rel=1e-9)
     # F(1, d2) = t(d2)^2; t(10) two-sided 5% point is 2.2281
-    assert f_survival(2.2281389 ** 2, 1, 10) == pytest.approx(0.05, abs=1e-6)
+    assert f_survival(2.2281389**2, 1, 10) == pytest.approx(0.05, abs=1e-6)
     assert f_survival(0.0, 3, 4) == 1.0
 
 
@@ -135,7 +146,7 @@ def test_stats_options_validate() -> None:
 
 def test_a_gap_is_real_only_when_significant_and_above_the_noise_floor():
     assert gap_is_real(0.0005, 0.20, 0.05)
-    assert not gap_is_real(0.2, 0.20, 0.05)       # not significant
-    assert not gap_is_real(0.0005, 0.04, 0.05)    # interval reaches down into the noise floor
-    assert not gap_is_real(0.05, 0.20, 0.05)      # p must be below alpha, not equal
+    assert not gap_is_real(0.2, 0.20, 0.05)  # not significant
+    assert not gap_is_real(0.0005, 0.04, 0.05)  # interval reaches down into the noise floor
+    assert not gap_is_real(0.05, 0.20, 0.05)  # p must be below alpha, not equal
     assert gap_is_real(None, 0.20, 0.05) and gap_is_real(0.001, None, None)  # uncomputed statistics do not veto

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -20,7 +20,9 @@ def variant(name: str) -> dict:
 
 def small_config(attention: dict, **overrides) -> ModelConfig:
     """A tiny model that every variant fits (8 query heads so 1/2/4/8 KV heads divide, head_dim 16)."""
-    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, mlp_dim=64, max_seq_len=128)
+    base = dict(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, mlp_dim=64, max_seq_len=128
+    )
     return ModelConfig(**{**base, **overrides}, attention=attention)
 
 

@@ -53,7 +53,9 @@ def test_recomputes_in_backward_only_when_training():
         model(ids)
         out = model.generate(ids, max_new_tokens=3)
     assert out.shape == (1, 19)
-    assert len(calls) == 1 + 3  # no_grad forward, then prefill + 2 decoding steps (the last token needs none), never recomputed
+    assert (
+        len(calls) == 1 + 3
+    )  # no_grad forward, then prefill + 2 decoding steps (the last token needs none), never recomputed
 
 
 def test_modes_are_checked():

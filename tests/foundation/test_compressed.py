@@ -54,8 +54,9 @@ def test_query_with_nothing_visible_outputs_zero():
     assert torch.equal(out, torch.zeros_like(out)) and torch.isinf(lse).all()
 
 
-@pytest.mark.parametrize("name, local", [("w8s8", 16), ("w8s6", 5), ("w8s8_tied_kv", 16), ("w8s8_tail", "tail"),
-                                         ("deepseek_v4_csa", 5)])
+@pytest.mark.parametrize(
+    "name, local", [("w8s8", 16), ("w8s6", 5), ("w8s8_tied_kv", 16), ("w8s8_tail", "tail"), ("deepseek_v4_csa", 5)]
+)
 @pytest.mark.parametrize("T", [1, 7, 8, 23, 40])
 def test_cache_memory_is_entries_plus_local_window(name, local, T):
     att = dict(variant(name), local_window=local)
@@ -66,8 +67,14 @@ def test_cache_memory_is_entries_plus_local_window(name, local, T):
         model(torch.randint(0, cfg.vocab_size, (1, T)), cache)
     W, S, KV, D = att["window"], att["stride"], cfg.kv_heads, cfg.head_dim
     per_token = KV * D * (1 if att["kv"] == "tied" else 2) * 4  # fp32 bytes
-    local_tokens = len({p for t in range(T, T + 64) for p in range(T)
-                        if (p >= ((t + 1) // S) * S if local == "tail" else t - local + 1 <= p)})
+    local_tokens = len(
+        {
+            p
+            for t in range(T, T + 64)
+            for p in range(T)
+            if (p >= ((t + 1) // S) * S if local == "tail" else t - local + 1 <= p)
+        }
+    )
     pending_tokens = len({p for p in range(T) for j in range(T // S, T // S + 3) if brute_covers(j, p, W, S)})
     expected = {
         "entries": (T // S) * per_token * cfg.n_layers,

@@ -27,12 +27,15 @@ def _brute_force_pairs(T: int, cfg: ModelConfig, layer: int = 0) -> int:
         return int((t[None, :] <= t[:, None]).sum())
     P = grid_origin(cfg.grid_offset(layer), a.stride)  # a shifted layer's grid coordinates, present from P
     g = t + P
-    return int(compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum()
-               + local_mask(g, g, a.local_window, a.stride, origin=P).sum())
+    return int(
+        compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum()
+        + local_mask(g, g, a.local_window, a.stride, origin=P).sum()
+    )
 
 
-@pytest.mark.parametrize("name", ["full", "w8s8", "w8s4", "w12s12", "w8s8_tail", "w8s6", "w4s4_stagger",
-                                  "w8s8_stagger"])
+@pytest.mark.parametrize(
+    "name", ["full", "w8s8", "w8s4", "w12s12", "w8s8_tail", "w8s6", "w4s4_stagger", "w8s8_stagger"]
+)
 @pytest.mark.parametrize("T", [1, 7, 8, 37, 96])
 def test_visible_pairs_by_brute_force(name, T):
     cfg = small_config(variant(name))
@@ -45,8 +48,9 @@ def test_visible_pairs_by_brute_force(name, T):
 def test_flops_from_first_principles():
     """One layer, d=8, 2 heads of dim 4 sharing 1 KV head, MLP 16, vocab 10, W4/S2, local window 3, T=6."""
     att = dict(kind="compressed", window=4, stride=2, local_window=3, kv_heads=1, gate="scalar", pooling="gate")
-    cfg = ModelConfig(vocab_size=10, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, mlp_dim=16,
-                      attention=att)
+    cfg = ModelConfig(
+        vocab_size=10, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, mlp_dim=16, attention=att
+    )
     T = 6
     # linear maps per token: q 8x8, k 8x4, v 8x4, o 8x8, gate/up 8x16, down 16x8, head 8x10; 2 FLOPs per MAC
     linear = 2 * (64 + 32 + 32 + 64 + 128 + 128 + 128 + 80)
@@ -69,7 +73,8 @@ def test_compressed_costs_less_than_full_at_long_sequences():
     assert flops_per_token(comp, long).attention < flops_per_token(full, long).attention / 6  # ~T/8 + 16 vs T/2
     # full attention's share grows linearly with T; compressed attention's grows by 1/stride as fast
     assert flops_per_token(full, long).attention / flops_per_token(full, short).attention == pytest.approx(
-        (long + 1) / (short + 1))
+        (long + 1) / (short + 1)
+    )
 
 
 def test_peak_table_and_mfu():

@@ -58,8 +58,14 @@ def test_cache_keeps_exactly_what_future_queries_need(window, stride, local):
     for n in range(0, 25):
         future = range(n, n + 3 * window + 20)
         # positions before n that some future query holds as exact keys
-        local_need = {p for t in future for p in range(n)
-                      if (p >= ((t + 1) // stride) * stride if local == "tail" else t - local + 1 <= p)}
+        local_need = {
+            p
+            for t in future
+            for p in range(n)
+            if (p >= ((t + 1) // stride) * stride if local == "tail" else t - local + 1 <= p)
+        }
         assert g.local_keep(n, local, stride) == len(local_need)
-        pending_need = {p for p in range(n) for j in range(n // stride, n // stride + 3) if brute_covers(j, p, window, stride)}
+        pending_need = {
+            p for p in range(n) for j in range(n // stride, n // stride + 3) if brute_covers(j, p, window, stride)
+        }
         assert g.pending_keep(n, window, stride) == len(pending_need)

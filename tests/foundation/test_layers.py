@@ -11,16 +11,34 @@ inside functions, under ``TYPE_CHECKING`` or through ``importlib.import_module("
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"ckv": REPO / "src" / "ckv", "ckv_kernels": REPO / "kernels"}
-MODEL_LAYER = {"ckv", "ckv.config", "ckv.device", "ckv.geometry", "ckv.norm", "ckv.model", "ckv.cache", "ckv.flops",
-               "ckv.loss", "ckv.checkpointing"}
+MODEL_LAYER = {
+    "ckv",
+    "ckv.config",
+    "ckv.device",
+    "ckv.geometry",
+    "ckv.norm",
+    "ckv.model",
+    "ckv.cache",
+    "ckv.flops",
+    "ckv.loss",
+    "ckv.checkpointing",
+}
 APPS = {"ckv.plan"}  # python -m ckv.plan composes Hydra configs like train.py
-PACKAGE_LAYERS = {"ckv.attention": 0, "ckv.io": 1, "ckv.data": 2, "ckv.train": 3, "ckv.eval": 3,
-                  "ckv.analysis": 4, "ckv.apps": 5}
+PACKAGE_LAYERS = {
+    "ckv.attention": 0,
+    "ckv.io": 1,
+    "ckv.data": 2,
+    "ckv.train": 3,
+    "ckv.eval": 3,
+    "ckv.analysis": 4,
+    "ckv.apps": 5,
+}
 KERNELS = "ckv_kernels"
 
 
@@ -77,8 +95,12 @@ def imports(path: Path) -> Iterator[tuple[int, str]]:
         elif isinstance(node, ast.Call):
             func = node.func
             called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
-            if called == "import_module" and node.args and isinstance(node.args[0], ast.Constant) \
-                    and isinstance(node.args[0].value, str):
+            if (
+                called == "import_module"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 yield node.lineno, node.args[0].value
 
 

@@ -8,7 +8,6 @@ from ckv.io.hf import from_hf, load_hf, save_hf, to_hf
 
 from .helpers import VARIANTS, small_config, variant
 
-
 # A rope theta that is no default anywhere (ckv's and transformers' 1e4, the 1e6 ckv.io.hf falls back to), so a
 # conversion that drops it in either direction changes the rotation of every position and fails the parity.
 THETA = 100.0
@@ -70,16 +69,16 @@ def test_variant_causal_decodes_like_prefill_and_trains(name):
         # causality: changing tokens after t leaves logits up to t unchanged
         t = 13
         changed = ids.clone()
-        changed[:, t + 1:] = torch.randint(0, cfg.vocab_size, (2, T - t - 1))
+        changed[:, t + 1 :] = torch.randint(0, cfg.vocab_size, (2, T - t - 1))
         assert torch.equal(model(changed)[:, : t + 1], full[:, : t + 1])
         # decode == prefill: a prefill of 7 tokens, chunks of 3, then single tokens (from 16 for T = 29)
         cache = model.new_cache(2)
         parts = [model(ids[:, :7], cache)]
         split = 7 + 3 * ((T - 18) // 3)
         for s in range(7, split, 3):
-            parts.append(model(ids[:, s:s + 3], cache))
+            parts.append(model(ids[:, s : s + 3], cache))
         for s in range(split, T):
-            parts.append(model(ids[:, s:s + 1], cache))
+            parts.append(model(ids[:, s : s + 1], cache))
         assert cache.length == T
         assert (torch.cat(parts, 1) - full).abs().max().item() < 1e-4
     # every parameter, gates included, receives a gradient
@@ -129,13 +128,16 @@ def test_generate_stops_at_eos_and_pads_finished_rows_with_it():
         assert torch.equal(out[r, :stop], free[r, :stop]) and (out[r, stop:] == eos).all()
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(max_new_tokens=-1), "max_new_tokens=-1 must be an integer >= 0"),
-    (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
-    (dict(max_new_tokens=True), "max_new_tokens=True must be an integer"),
-    (dict(max_new_tokens=3, eos_token_id=64), r"eos_token_id=64 must be None or a token id in \[0, 64\)"),
-    (dict(max_new_tokens=120), "plus max_new_tokens=120 exceeds model.max_seq_len=128"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_new_tokens=-1), "max_new_tokens=-1 must be an integer >= 0"),
+        (dict(max_new_tokens=2.5), "max_new_tokens=2.5 must be an integer"),
+        (dict(max_new_tokens=True), "max_new_tokens=True must be an integer"),
+        (dict(max_new_tokens=3, eos_token_id=64), r"eos_token_id=64 must be None or a token id in \[0, 64\)"),
+        (dict(max_new_tokens=120), "plus max_new_tokens=120 exceeds model.max_seq_len=128"),
+    ],
+)
 def test_generate_rejects_bad_arguments(kw, match):
     model = Transformer(small_config(variant("w4s4"))).eval()
     with pytest.raises(ValueError, match=match):

@@ -76,8 +76,12 @@ def test_bad_inputs(paper):
 
 
 def test_command_line():
-    out = subprocess.run([sys.executable, "-m", "ckv.plan", "experiment=paper_base", "--gpus", "8", "--gpu-mem", "141",
-                          "--gpu", "h200"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "ckv.plan", "experiment=paper_base", "--gpus", "8", "--gpu-mem", "141", "--gpu", "h200"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "parameters" in out and "8 x h200 (141 GiB" in out and out.count("\n") >= 9
     bad = subprocess.run([sys.executable, "-m", "ckv.plan", "experiment=cpu_smoke"], capture_output=True, text=True)
     assert bad.returncode != 0 and "ckv.plan: error:" in bad.stderr and "--vocab-size" in bad.stderr

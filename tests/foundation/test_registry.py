@@ -39,8 +39,11 @@ def test_a_third_backend_is_accepted_everywhere(dummy, tmp_path):
 def test_unregistered_kind_names_the_registered_ones():
     config = ModelConfig.from_preset("tiny", attention=dict(kind="sparse"))  # builds: kind is only a string here
     for build in (check_attention, Transformer):
-        with pytest.raises(ConfigError, match=r"attention.kind='sparse' has no registered backend; available: "
-                                              r"\['compressed', 'full'\]"):
+        with pytest.raises(
+            ConfigError,
+            match=r"attention.kind='sparse' has no registered backend; available: "
+            r"\['compressed', 'full'\]",
+        ):
             build(config)
 
 
@@ -97,10 +100,13 @@ def test_impl_flash_off_cuda_is_a_clear_error(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("backend, attention", [
-    (FullAttention, dict(kind="full")),
-    (CompressedAttention, dict(kind="compressed", window=4, stride=4, local_window=4)),
-])
+@pytest.mark.parametrize(
+    "backend, attention",
+    [
+        (FullAttention, dict(kind="full")),
+        (CompressedAttention, dict(kind="compressed", window=4, stride=4, local_window=4)),
+    ],
+)
 def test_impl_is_resolved_once_per_module_and_device(monkeypatch, backend, attention):
     resolved: list = []
     original = backend.resolve_impl.__func__
@@ -118,5 +124,5 @@ def test_impl_is_resolved_once_per_module_and_device(monkeypatch, backend, atten
         cache = model.new_cache(1)
         model(ids[:, :6], cache)
         for t in range(6, 10):
-            model(ids[:, t:t + 1], cache)
+            model(ids[:, t : t + 1], cache)
     assert resolved == [("auto", "cpu", torch.float32)] * model.config.n_layers

@@ -15,8 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("transformers.models.deepseek_v4",
-                    reason="the installed transformers has no DeepSeek-V4 (transformers >= 5.x ships it)")
+pytest.importorskip(
+    "transformers.models.deepseek_v4",
+    reason="the installed transformers has no DeepSeek-V4 (transformers >= 5.x ships it)",
+)
 
 from transformers import DeepseekV4Config  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -41,18 +43,40 @@ def v4_config(layer_type: str) -> DeepseekV4Config:
     """One V4 layer at ckv's stride for that layer type (CSA 4, HCA 128, the configs' values)."""
     att = variant(VARIANT[layer_type])
     return DeepseekV4Config(
-        vocab_size=64, hidden_size=D_MODEL, num_hidden_layers=1, num_attention_heads=HEADS, head_dim=HEAD_DIM,
-        q_lora_rank=24, o_lora_rank=16, o_groups=2, sliding_window=SLIDING, index_topk=1024, index_n_heads=2,
-        index_head_dim=16, partial_rotary_factor=ROPE_DIMS / HEAD_DIM, layer_types=[layer_type],
+        vocab_size=64,
+        hidden_size=D_MODEL,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        head_dim=HEAD_DIM,
+        q_lora_rank=24,
+        o_lora_rank=16,
+        o_groups=2,
+        sliding_window=SLIDING,
+        index_topk=1024,
+        index_n_heads=2,
+        index_head_dim=16,
+        partial_rotary_factor=ROPE_DIMS / HEAD_DIM,
+        layer_types=[layer_type],
         compress_rates={CSA: variant(VARIANT[CSA])["stride"], HCA: variant(VARIANT[HCA])["stride"]},
-        compress_rope_theta=att["rope_theta"], hc_mult=1, attn_implementation="eager",
+        compress_rope_theta=att["rope_theta"],
+        hc_mult=1,
+        attn_implementation="eager",
     )
 
 
 def ckv_layer(layer_type: str) -> CompressedAttention:
     att = dict(variant(VARIANT[layer_type]), impl="torch", rope_dims=ROPE_DIMS, local_window=SLIDING)
-    cfg = ModelConfig(vocab_size=64, d_model=D_MODEL, n_layers=1, n_heads=HEADS, n_kv_heads=1, head_dim=HEAD_DIM,
-                      mlp_dim=64, max_seq_len=512, attention=att)
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=D_MODEL,
+        n_layers=1,
+        n_heads=HEADS,
+        n_kv_heads=1,
+        head_dim=HEAD_DIM,
+        mlp_dim=64,
+        max_seq_len=512,
+        attention=att,
+    )
     return build_attention(cfg, 0)
 
 
@@ -165,13 +189,14 @@ def test_joint_attention_with_sinks_equals_transformers_eager_attention(layer_ty
         pos_ids = torch.arange(T)[None].expand(B, -1)
         rotary = v4.DeepseekV4RotaryEmbedding(cfg)
         embeddings = {t: rotary(x, position_ids=pos_ids, layer_type=t) for t in ("main", "compress")}
-        mask = create_sliding_window_causal_mask(config=cfg, inputs_embeds=x, attention_mask=None, cache=None,
-                                                 position_ids=pos_ids)
+        mask = create_sliding_window_causal_mask(
+            config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos_ids
+        )
         ref, _ = attn(x, embeddings, pos_ids, mask)  # (B, T, d)
         # ckv: its RoPE, entries, joint softmax with sinks, local window, visibility and inverse RoPE
         out = layer(x)
         cache = CompressedLayerCache()
-        steps = [layer(x[:, :prefill], cache)] + [layer(x[:, t:t + 1], cache) for t in range(prefill, T)]
+        steps = [layer(x[:, :prefill], cache)] + [layer(x[:, t : t + 1], cache) for t in range(prefill, T)]
         decoded = torch.cat(steps, dim=1)
     assert ref.abs().max().item() > 1e-2  # a non-trivial output
     assert (out - ref).abs().max().item() <= TOL
@@ -200,10 +225,25 @@ def tiny_v4_lm(sliding_window: int):
     from transformers import DeepseekV4ForCausalLM
 
     cfg = DeepseekV4Config(
-        vocab_size=64, hidden_size=D_MODEL, num_hidden_layers=1, num_attention_heads=HEADS, head_dim=HEAD_DIM,
-        q_lora_rank=24, o_lora_rank=16, o_groups=2, sliding_window=sliding_window, index_topk=2, index_n_heads=2,
-        index_head_dim=16, partial_rotary_factor=ROPE_DIMS / HEAD_DIM, layer_types=[CSA], hc_mult=1,
-        moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=1, mlp_layer_types=["moe"],
+        vocab_size=64,
+        hidden_size=D_MODEL,
+        num_hidden_layers=1,
+        num_attention_heads=HEADS,
+        head_dim=HEAD_DIM,
+        q_lora_rank=24,
+        o_lora_rank=16,
+        o_groups=2,
+        sliding_window=sliding_window,
+        index_topk=2,
+        index_n_heads=2,
+        index_head_dim=16,
+        partial_rotary_factor=ROPE_DIMS / HEAD_DIM,
+        layer_types=[CSA],
+        hc_mult=1,
+        moe_intermediate_size=32,
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        mlp_layer_types=["moe"],
         attn_implementation="eager",
     )
     torch.manual_seed(0)
@@ -231,6 +271,9 @@ def test_transformers_v4_indexer_gets_no_gradient_from_the_lm_loss():
     ids = torch.randint(0, 64, (2, 24))
     model(ids, labels=ids).loss.backward()
     compressor = model.model.layers[0].self_attn.compressor
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in compressor.named_parameters()
-               if not n.startswith("indexer."))
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0
+        for n, p in compressor.named_parameters()
+        if not n.startswith("indexer.")
+    )
     assert all(p.grad is None for p in compressor.indexer.parameters())  # top-k returns indices only

@@ -14,15 +14,18 @@ from .helpers import assert_influence, small_config, variant
 from .test_geometry import brute_influence
 
 
-@pytest.mark.parametrize("change, field", [
-    (dict(offset_maps="series", window=8, stride=6), "offset_maps"),
-    (dict(output_rope="inverse", kv="separate"), "output_rope"),
-    (dict(kind="full", sink=True), "sink"),
-    (dict(rope_side="middle"), "rope_side"),
-    (dict(rope_pairing="pairs"), "rope_pairing"),
-    (dict(rope_theta=0.0), "rope_theta"),
-    (dict(sink=1), "sink"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (dict(offset_maps="series", window=8, stride=6), "offset_maps"),
+        (dict(output_rope="inverse", kv="separate"), "output_rope"),
+        (dict(kind="full", sink=True), "sink"),
+        (dict(rope_side="middle"), "rope_side"),
+        (dict(rope_pairing="pairs"), "rope_pairing"),
+        (dict(rope_theta=0.0), "rope_theta"),
+        (dict(sink=1), "sink"),
+    ],
+)
 def test_bad_v4_options_raise_a_config_error_naming_the_field(change, field):
     with pytest.raises(ConfigError, match=field):
         AttentionConfig(**{**variant("deepseek_v4_csa"), **change})
@@ -68,8 +71,10 @@ def test_per_series_maps_use_one_map_per_stride_block():
         assert torch.allclose(mapped[:, :, i], hw[:, :, i] @ comp.payload[i // 4], atol=1e-6)
 
 
-@pytest.mark.parametrize("name, window, stride, local", [("deepseek_v4_csa", 8, 4, 3), ("deepseek_v4_csa", 8, 4, "tail"),
-                                                         ("deepseek_v4_hca", 4, 4, 2)])
+@pytest.mark.parametrize(
+    "name, window, stride, local",
+    [("deepseek_v4_csa", 8, 4, 3), ("deepseek_v4_csa", 8, 4, "tail"), ("deepseek_v4_hca", 4, 4, 2)],
+)
 def test_a_token_influences_a_query_only_through_visible_entries_or_the_local_window(name, window, stride, local):
     att = dict(variant(name), impl="torch", window=window, stride=stride, local_window=local)
     assert_influence(att, 18, lambda t, p: brute_influence(t, p, window, stride, local))

@@ -13,19 +13,27 @@ import pytest
 
 from ckv.io.lock import LOCK_FILE, RunLock, RunLockedError
 
-HOLD = ("import sys\nfrom ckv.io.lock import RunLock\nwith RunLock(sys.argv[1]):\n    print('locked', flush=True)\n"
-        "    sys.stdin.read()")  # holds the lock until its stdin closes, then releases it
-DIE_HOLDING = ("import os, sys; from ckv.io.lock import RunLock; RunLock(sys.argv[1]).acquire(); print(os.getpid()); "
-               "os._exit(0)")  # dies holding the lock: the kernel drops the flock, the holder record stays
+HOLD = (
+    "import sys\nfrom ckv.io.lock import RunLock\nwith RunLock(sys.argv[1]):\n    print('locked', flush=True)\n"
+    "    sys.stdin.read()"
+)  # holds the lock until its stdin closes, then releases it
+DIE_HOLDING = (
+    "import os, sys; from ckv.io.lock import RunLock; RunLock(sys.argv[1]).acquire(); print(os.getpid()); "
+    "os._exit(0)"
+)  # dies holding the lock: the kernel drops the flock, the holder record stays
 
 
 def test_a_second_process_is_refused_while_the_first_holds_the_lock(tmp_path: Path) -> None:
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(RunLockedError, match=rf"is being trained by another process \(pid {holder.pid} on host "
-                                                 rf"{socket.gethostname()}"):
+        with pytest.raises(
+            RunLockedError,
+            match=rf"is being trained by another process \(pid {holder.pid} on host "
+            rf"{socket.gethostname()}",
+        ):
             RunLock(tmp_path).acquire()
     finally:
         holder.stdin.close()
@@ -37,8 +45,9 @@ def test_a_second_process_is_refused_while_the_first_holds_the_lock(tmp_path: Pa
 
 
 def test_the_lock_file_of_a_dead_process_is_taken_over_and_named(tmp_path: Path) -> None:
-    pid = subprocess.run([sys.executable, "-c", DIE_HOLDING, str(tmp_path)], check=True, capture_output=True,
-                         text=True).stdout.strip()
+    pid = subprocess.run(
+        [sys.executable, "-c", DIE_HOLDING, str(tmp_path)], check=True, capture_output=True, text=True
+    ).stdout.strip()
     assert f'"pid": {pid}' in (tmp_path / LOCK_FILE).read_text()
     with RunLock(tmp_path) as lock:
         assert lock.stale is not None and f"stale lock of a process that is gone: pid {pid} on host" in lock.stale

@@ -14,8 +14,17 @@ from ckv.train.export import export_checkpoint
 
 from .helpers import poison
 
-TINY = dict(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=16, mlp_dim=64, max_seq_len=32,
-            attention={"kind": "full"})
+TINY = dict(
+    vocab_size=64,
+    d_model=32,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    head_dim=16,
+    mlp_dim=64,
+    max_seq_len=32,
+    attention={"kind": "full"},
+)
 
 
 def test_round_trip_and_nan_payload_is_refused_naming_the_tensor(tmp_path: Path) -> None:
@@ -26,8 +35,11 @@ def test_round_trip_and_nan_payload_is_refused_naming_the_tensor(tmp_path: Path)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
 
     poison(d / WEIGHTS_FILE, "layers.0.mlp.down_proj.weight")
-    with pytest.raises(NonFiniteWeightsError, match=r"model.safetensors: tensor 'layers.0.mlp.down_proj.weight' "
-                                                    r"holds 2048 NaN/inf value\(s\) of 2048"):
+    with pytest.raises(
+        NonFiniteWeightsError,
+        match=r"model.safetensors: tensor 'layers.0.mlp.down_proj.weight' "
+        r"holds 2048 NaN/inf value\(s\) of 2048",
+    ):
         load_weights(d)
 
 

@@ -32,8 +32,18 @@ def rel_max(x: torch.Tensor, ref: torch.Tensor) -> float:
     return err / scale if scale > 0 else err
 
 
-def attention_inputs(B: int, Tq: int, H: int, KV: int, D: int, *, stride: int, q_start: int = 0,
-                     extra_entries: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+def attention_inputs(
+    B: int,
+    Tq: int,
+    H: int,
+    KV: int,
+    D: int,
+    *,
+    stride: int,
+    q_start: int = 0,
+    extra_entries: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> list[torch.Tensor]:
     """Leaf tensors q (B, Tq, H, D), kc, vc (B, E, KV, D), k, v (B, q_start + Tq, KV, D): every exact key from
     position 0, and ``extra_entries`` entries beyond those the last query can see."""
     E = num_entries(q_start + Tq, stride) + extra_entries
@@ -41,8 +51,13 @@ def attention_inputs(B: int, Tq: int, H: int, KV: int, D: int, *, stride: int, q
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=DEVICE).to(dtype).requires_grad_()
 
-    return [leaf(B, Tq, H, D), leaf(B, E, KV, D), leaf(B, E, KV, D), leaf(B, q_start + Tq, KV, D),
-            leaf(B, q_start + Tq, KV, D)]
+    return [
+        leaf(B, Tq, H, D),
+        leaf(B, E, KV, D),
+        leaf(B, E, KV, D),
+        leaf(B, q_start + Tq, KV, D),
+        leaf(B, q_start + Tq, KV, D),
+    ]
 
 
 def fp32_leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import ckv_kernels
 from ckv.attention.reference import joint_attention_reference
 from ckv_kernels import joint_attention
 
-from .helpers import DEVICE, attention_inputs, fp32_leaves, local_args, rel_max, rel_rms
+from .helpers import attention_inputs, fp32_leaves, local_args, rel_max, rel_rms
 
 # Relative RMS error allowed per input dtype; observed under the interpreter: fp32 ~5e-7, fp16 ~3e-4,
 # bf16 ~4e-3. fp32 also bounds the max-abs error (relative to the largest reference value) at 10x this.
@@ -70,12 +70,15 @@ def test_matches_reference(B, Tq, H, KV, D, stride, local, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("B, Tq, H, KV, D, stride, local, dtype", [
-    (2, 250, 16, 2, 128, 8, 16, torch.float16),
-    (1, 250, 16, 1, 128, 4, "tail", torch.bfloat16),
-    (1, 250, 8, 1, 64, 6, 16, torch.float32),
-    (2, 130, 4, 4, 128, 8, 0, torch.float16),
-])
+@pytest.mark.parametrize(
+    "B, Tq, H, KV, D, stride, local, dtype",
+    [
+        (2, 250, 16, 2, 128, 8, 16, torch.float16),
+        (1, 250, 16, 1, 128, 4, "tail", torch.bfloat16),
+        (1, 250, 8, 1, 64, 6, 16, torch.float32),
+        (2, 130, 4, 4, 128, 8, 0, torch.float16),
+    ],
+)
 def test_matches_reference_larger(B, Tq, H, KV, D, stride, local, dtype):
     check_against_reference(B, Tq, H, KV, D, stride, local, dtype)
 
@@ -89,7 +92,9 @@ def test_chunked_prefill_and_decoding_positions(q_start, Tq, local):
 def test_unreachable_keys_and_entries_get_exact_zero_gradients():
     """Keys outside every local window and entries no query sees are still written: gradient exactly 0."""
     q_start, Tq, stride = 60, 20, 8
-    _, _, (dq, dkc, dvc, dk, dv) = check_against_reference(1, Tq, 4, 2, 64, stride, 16, q_start=q_start, extra_entries=3)
+    _, _, (dq, dkc, dvc, dk, dv) = check_against_reference(
+        1, Tq, 4, 2, 64, stride, 16, q_start=q_start, extra_entries=3
+    )
     first_local = q_start - 16 + 1
     assert (dk[:, :first_local] == 0).all() and (dv[:, :first_local] == 0).all()
     visible = (q_start + Tq) // stride
@@ -128,27 +133,33 @@ def _inputs(**shape):
     return attention_inputs(dims["B"], dims["Tq"], dims["H"], dims["KV"], dims["D"], stride=4)
 
 
-@pytest.mark.parametrize("change, match", [
-    (lambda x: _inputs(D=48), "head_dim=48 is not supported"),
-    (lambda x: _inputs(H=6, KV=4), "multiple of KV heads"),
-    (lambda x: [x[0].half(), *x[1:]], "share one dtype"),
-    (lambda x: [x[0].int(), *x[1:]], "float32, float16 or bfloat16"),
-    (lambda x: [x[0], x[1], x[2][:, :-1], x[3], x[4]], "must match vc"),
-    (lambda x: [x[0][0], *x[1:]], "must be 4-d"),
-    (lambda x: [x[0], x[1], x[2], x[3][:, -3:], x[4][:, -3:]], "local window reaches back"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda x: _inputs(D=48), "head_dim=48 is not supported"),
+        (lambda x: _inputs(H=6, KV=4), "multiple of KV heads"),
+        (lambda x: [x[0].half(), *x[1:]], "share one dtype"),
+        (lambda x: [x[0].int(), *x[1:]], "float32, float16 or bfloat16"),
+        (lambda x: [x[0], x[1], x[2][:, :-1], x[3], x[4]], "must match vc"),
+        (lambda x: [x[0][0], *x[1:]], "must be 4-d"),
+        (lambda x: [x[0], x[1], x[2], x[3][:, -3:], x[4][:, -3:]], "local window reaches back"),
+    ],
+)
 def test_unsupported_inputs_raise_clear_errors(change, match):
     with pytest.raises((ValueError, TypeError), match=match):
         joint_attention(*change(_inputs()), stride=4, local_span=16)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(local_span=-1), "local_span=-1 must be an integer >= 0"),
-    (dict(local_span=2.0), "must be an integer"),
-    (dict(local_span=2, tail=True), "tail mode keeps at most stride - 1 = 3"),
-    (dict(local_span=3, tail="tail"), "must be a bool"),
-    (dict(local_span=3, q_start=-1), "q_start=-1 must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(local_span=-1), "local_span=-1 must be an integer >= 0"),
+        (dict(local_span=2.0), "must be an integer"),
+        (dict(local_span=2, tail=True), "tail mode keeps at most stride - 1 = 3"),
+        (dict(local_span=3, tail="tail"), "must be a bool"),
+        (dict(local_span=3, q_start=-1), "q_start=-1 must be an integer >= 0"),
+    ],
+)
 def test_bad_window_arguments_raise_clear_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         joint_attention(*_inputs(), stride=4, **kw)

@@ -16,13 +16,16 @@ from .test_attention import TOL
 NAMES = ("dq", "dkc", "dvc", "dk", "dv", "dsinks")
 
 
-@pytest.mark.parametrize("B, Tq, H, KV, D, stride, local, q_start, dtype", [
-    (1, 23, 4, 1, 16, 4, 5, 0, torch.float32),  # V4's CSA geometry, MQA
-    (2, 70, 6, 2, 64, 8, "tail", 0, torch.float32),  # GQA 3 (padded rows), tail window
-    (1, 9, 4, 4, 16, 4, 0, 0, torch.float32),  # no local window: the first queries see only the sink
-    (1, 1, 8, 1, 16, 4, 3, 40, torch.float32),  # one decoding step
-    (1, 40, 4, 1, 32, 4, 6, 0, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "B, Tq, H, KV, D, stride, local, q_start, dtype",
+    [
+        (1, 23, 4, 1, 16, 4, 5, 0, torch.float32),  # V4's CSA geometry, MQA
+        (2, 70, 6, 2, 64, 8, "tail", 0, torch.float32),  # GQA 3 (padded rows), tail window
+        (1, 9, 4, 4, 16, 4, 0, 0, torch.float32),  # no local window: the first queries see only the sink
+        (1, 1, 8, 1, 16, 4, 3, 40, torch.float32),  # one decoding step
+        (1, 40, 4, 1, 32, 4, 6, 0, torch.bfloat16),
+    ],
+)
 def test_sinks_match_reference(B, Tq, H, KV, D, stride, local, q_start, dtype):
     torch.manual_seed(0)
     inputs = attention_inputs(B, Tq, H, KV, D, stride=stride, q_start=q_start, dtype=dtype)
@@ -32,8 +35,9 @@ def test_sinks_match_reference(B, Tq, H, KV, D, stride, local, q_start, dtype):
     grads = torch.autograd.grad(out, [*inputs, sinks], grad_out)
 
     ref_inputs = fp32_leaves([*inputs, sinks])
-    ref_out, ref_lse = joint_attention_reference(*ref_inputs[:5], stride=stride, local_window=local,
-                                                 q_start=q_start, sinks=ref_inputs[5])
+    ref_out, ref_lse = joint_attention_reference(
+        *ref_inputs[:5], stride=stride, local_window=local, q_start=q_start, sinks=ref_inputs[5]
+    )
     ref_grads = torch.autograd.grad(ref_out, ref_inputs, grad_out.float(), allow_unused=True)
 
     tol = TOL[dtype]

@@ -14,8 +14,23 @@ def test_benchmark_writes_a_table_and_json(tmp_path, capsys):
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "bench.json"
-    result = bench.main(["--T", "40", "--layouts", "paper", "--geometries", "w8s4", "--repeats", "1", "--warmup", "0",
-                         "--no-check", "--json", str(out)])
+    result = bench.main(
+        [
+            "--T",
+            "40",
+            "--layouts",
+            "paper",
+            "--geometries",
+            "w8s4",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-check",
+            "--json",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     impls = [row["impl"] for row in result["rows"]]
     assert impls[0].startswith("full") and "reference" in impls

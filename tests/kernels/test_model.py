@@ -18,8 +18,17 @@ from .helpers import DEVICE, rel_rms
 
 def model_config(impl: str, **attention) -> ModelConfig:
     att = {**dict(kind="compressed", impl=impl, window=8, stride=8, kv_heads=1, local_window=16), **attention}
-    return ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, mlp_dim=64,
-                       max_seq_len=128, attention=att)
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_seq_len=128,
+        attention=att,
+    )
 
 
 def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -44,15 +53,31 @@ def assert_impls_match(attention: dict, seq_len: int) -> None:
         assert rel_rms(grads_k[name], g) < 1e-4, name
 
 
-@pytest.mark.parametrize("attention", [
-    dict(),  # paper default: W8/S8, 1 KV head (GQA 4), scalar gate, separate K/V, 16-token local window
-    dict(window=8, stride=4, gate="vector", kv="tied", kv_heads=2, local_window="tail"),
-    dict(window=12, stride=8, pooling="mean", kv_heads=4, local_window=0),  # W not a multiple of S, no GQA
-    # DeepSeek-V4 CSA (conf/attention/deepseek_v4_csa.yaml at this size): per-series maps, sinks, trailing RoPE
-    dict(window=8, stride=4, gate="vector", offset_maps="series", kv="tied", compressed_norm="post", rope="partial",
-         rope_dims=8, rope_side="trailing", rope_pairing="interleaved", rope_theta=160000.0, sink=True,
-         output_rope="inverse", local_window=5),
-])
+@pytest.mark.parametrize(
+    "attention",
+    [
+        dict(),  # paper default: W8/S8, 1 KV head (GQA 4), scalar gate, separate K/V, 16-token local window
+        dict(window=8, stride=4, gate="vector", kv="tied", kv_heads=2, local_window="tail"),
+        dict(window=12, stride=8, pooling="mean", kv_heads=4, local_window=0),  # W not a multiple of S, no GQA
+        # DeepSeek-V4 CSA (conf/attention/deepseek_v4_csa.yaml at this size): per-series maps, sinks, trailing RoPE
+        dict(
+            window=8,
+            stride=4,
+            gate="vector",
+            offset_maps="series",
+            kv="tied",
+            compressed_norm="post",
+            rope="partial",
+            rope_dims=8,
+            rope_side="trailing",
+            rope_pairing="interleaved",
+            rope_theta=160000.0,
+            sink=True,
+            output_rope="inverse",
+            local_window=5,
+        ),
+    ],
+)
 def test_model_loss_and_gradients_match_between_impls(attention):
     torch.manual_seed(0)
     assert_impls_match(attention, 46)
@@ -66,7 +91,7 @@ def test_decoding_with_kernels_matches_the_full_forward():
     with torch.no_grad():
         full = model(ids)
         cache = model.new_cache(1)
-        steps = [model(ids[:, :21], cache)] + [model(ids[:, t:t + 1], cache) for t in range(21, 30)]
+        steps = [model(ids[:, :21], cache)] + [model(ids[:, t : t + 1], cache) for t in range(21, 30)]
     assert rel_rms(torch.cat(steps, dim=1), full) < 1e-5
 
 

@@ -25,16 +25,19 @@ def pool_inputs(B, E, W, KV, D, gate, dtype, stride, first_entry=0):
     return payload, logits, present
 
 
-@pytest.mark.parametrize("W, S, gate, dtype, D, E, first_entry", [
-    (8, 8, "scalar", torch.float32, 64, 9, 0),  # W == S
-    (8, 4, "vector", torch.float32, 128, 9, 0),  # W > S: entry 0 starts at -4 and pools 4 present tokens
-    (12, 8, "scalar", torch.float16, 64, 7, 0),  # W not a multiple of S
-    (6, 4, "mean", torch.float32, 64, 9, 0),
-    (12, 8, "vector", torch.bfloat16, 64, 5, 0),
-    (8, 4, "mean", torch.bfloat16, 128, 4, 0),
-    (8, 4, "scalar", torch.float32, 64, 5, 3),  # later entries (decoding cache): every offset present
-    (5, 2, "vector", torch.float16, 24, 11, 0),  # odd window, head dim not a power of two
-])
+@pytest.mark.parametrize(
+    "W, S, gate, dtype, D, E, first_entry",
+    [
+        (8, 8, "scalar", torch.float32, 64, 9, 0),  # W == S
+        (8, 4, "vector", torch.float32, 128, 9, 0),  # W > S: entry 0 starts at -4 and pools 4 present tokens
+        (12, 8, "scalar", torch.float16, 64, 7, 0),  # W not a multiple of S
+        (6, 4, "mean", torch.float32, 64, 9, 0),
+        (12, 8, "vector", torch.bfloat16, 64, 5, 0),
+        (8, 4, "mean", torch.bfloat16, 128, 4, 0),
+        (8, 4, "scalar", torch.float32, 64, 5, 3),  # later entries (decoding cache): every offset present
+        (5, 2, "vector", torch.float16, 24, 11, 0),  # odd window, head dim not a power of two
+    ],
+)
 def test_matches_reference(W, S, gate, dtype, D, E, first_entry):
     payload, logits, present = pool_inputs(2, E, W, 2, D, gate, dtype, S, first_entry)
     pooled, alpha = pool(payload, logits, present)

@@ -49,7 +49,7 @@ def _hand_penalty(bias: list[float], n_present: list[int], floor: float) -> floa
     """Every gate's logits equal ``bias`` (gate maps zero): the mean over entries of relu(floor log n - H)."""
     deficits = []
     for n in n_present:
-        b = bias[len(bias) - n:]  # the present offsets of an entry are its last n (positions >= 0)
+        b = bias[len(bias) - n :]  # the present offsets of an entry are its last n (positions >= 0)
         z = sum(math.exp(x) for x in b)
         p = [math.exp(x) / z for x in b]
         h = -sum(q * math.log(q) for q in p)
@@ -107,9 +107,12 @@ def test_gradient_reaches_the_gates_only_and_eval_is_not_hooked():
     last = f"layers.{model.config.n_layers - 1}."
     gates = ("gate_weight", "gate_bias")
     untouched = {n for n, p in model.named_parameters() if p.grad is None}
-    assert untouched == {n for n, _ in model.named_parameters()
-                         if n == "norm.weight" or (n.startswith(last) and not n.endswith(gates)
-                                                   and not n.startswith(last + "input_layernorm"))}
+    assert untouched == {
+        n
+        for n, _ in model.named_parameters()
+        if n == "norm.weight"
+        or (n.startswith(last) and not n.endswith(gates) and not n.startswith(last + "input_layernorm"))
+    }
     assert f"{last}self_attn.k_compressor.payload" in untouched and f"{last}mlp.down_proj.weight" in untouched
     # eval mode (and no_grad): the hooks compute nothing, the forward is the plain model's
     model.eval()
@@ -203,17 +206,23 @@ def test_no_host_sync_between_log_steps_with_the_floor(make_config, monkeypatch)
     assert steps[3] == {"item": 2, "tolist": 3, "__int__": 1}, steps[3]
 
 
-@pytest.mark.parametrize("fields, needle", [
-    (dict(gate_entropy_floor=1.0), r"gate_entropy_floor=1.0 must be a finite number >= 0 and < 1"),
-    (dict(gate_entropy_floor=-0.1), r"gate_entropy_floor=-0.1 must be"),
-    (dict(gate_entropy_floor="0.5"), r"gate_entropy_floor='0.5' must be"),
-    (dict(gate_entropy_floor=0.5, gate_entropy_weight=-1.0), r"gate_entropy_weight=-1.0 must be a finite number >= 0"),
-    (dict(gate_entropy_floor=0.5, gate_entropy_weight=math.inf), r"gate_entropy_weight=inf must be"),
-    (dict(gate_entropy_weight=0.1), r"gate_entropy_weight=0.1 .* set attention.gate_entropy_floor in \(0, 1\)"),
-    (dict(gate_entropy_floor=0.5, pooling="mean"), r"needs kind='compressed' and pooling='gate'"),
-    (dict(gate_entropy_floor=0.5, kind="full"), r"needs kind='compressed' and pooling='gate'"),
-    (dict(gate_entropy_floor=0.5, window=1, stride=1), r"needs attention.window >= 2"),
-])
+@pytest.mark.parametrize(
+    "fields, needle",
+    [
+        (dict(gate_entropy_floor=1.0), r"gate_entropy_floor=1.0 must be a finite number >= 0 and < 1"),
+        (dict(gate_entropy_floor=-0.1), r"gate_entropy_floor=-0.1 must be"),
+        (dict(gate_entropy_floor="0.5"), r"gate_entropy_floor='0.5' must be"),
+        (
+            dict(gate_entropy_floor=0.5, gate_entropy_weight=-1.0),
+            r"gate_entropy_weight=-1.0 must be a finite number >= 0",
+        ),
+        (dict(gate_entropy_floor=0.5, gate_entropy_weight=math.inf), r"gate_entropy_weight=inf must be"),
+        (dict(gate_entropy_weight=0.1), r"gate_entropy_weight=0.1 .* set attention.gate_entropy_floor in \(0, 1\)"),
+        (dict(gate_entropy_floor=0.5, pooling="mean"), r"needs kind='compressed' and pooling='gate'"),
+        (dict(gate_entropy_floor=0.5, kind="full"), r"needs kind='compressed' and pooling='gate'"),
+        (dict(gate_entropy_floor=0.5, window=1, stride=1), r"needs attention.window >= 2"),
+    ],
+)
 def test_bad_configs_fail_with_one_line(fields, needle):
     attention = {**W8S4, **fields}
     with pytest.raises(ConfigError, match=needle) as err:

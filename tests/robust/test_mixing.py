@@ -31,8 +31,12 @@ def brute_mixed_influence(t: int, p: int, window: int, stride: int, local, kerne
     tokens) holds p, or through the exact local window (unchanged by mixing)."""
     if p > t:
         return False
-    via_entry = any(brute_covers(j, q, window, stride) for j in range(t + 1) if (j + 1) * stride - 1 <= t
-                    for q in range(p, p + kernel))
+    via_entry = any(
+        brute_covers(j, q, window, stride)
+        for j in range(t + 1)
+        if (j + 1) * stride - 1 <= t
+        for q in range(p, p + kernel)
+    )
     in_local = p >= ((t + 1) // stride) * stride if local == "tail" else t - local + 1 <= p
     return via_entry or in_local
 
@@ -56,7 +60,7 @@ def test_decode_matches_prefill_token_by_token_and_in_chunks(window, stride, ker
         for chunks in ([1] * 27, [5, 3, 1, 6, 2, 1, 1, 8]):
             cache, parts, s = model.new_cache(2), [], 0
             for n in chunks:
-                parts.append(model(ids[:, s:s + n], cache))
+                parts.append(model(ids[:, s : s + n], cache))
                 s += n
             assert (torch.cat(parts, 1) - full).abs().max().item() < 1e-4, chunks
             # the cache keeps the next window's states plus kernel - 1 predecessors, no more
@@ -77,23 +81,30 @@ def test_every_mixing_tap_gets_a_gradient_and_parameters_are_counted():
     assert parameter_count(cfg) == model.num_parameters() == parameter_count(base) + extra
 
 
-@pytest.mark.parametrize("attention", [
-    dict(window=4, stride=4, mixing="conv", mixing_kernel=4, local_window=4),
-    dict(window=8, stride=4, gate="vector", kv="tied", mixing="conv", mixing_kernel=3, local_window="tail"),
-])
+@pytest.mark.parametrize(
+    "attention",
+    [
+        dict(window=4, stride=4, mixing="conv", mixing_kernel=4, local_window=4),
+        dict(window=8, stride=4, gate="vector", kv="tied", mixing="conv", mixing_kernel=3, local_window="tail"),
+    ],
+)
 def test_model_loss_and_gradients_match_between_impls_with_mixing(attention):
     assert_impls_match(attention, 30)
 
 
-@pytest.mark.parametrize("attention, match", [
-    (dict(kind="compressed", window=4, stride=4, mixing="conv"), "needs attention.mixing_kernel"),
-    (dict(kind="compressed", window=4, stride=4, mixing="conv", mixing_kernel=5), "must be <= attention.stride=4"),
-    (dict(kind="compressed", window=4, stride=4, mixing="conv", mixing_kernel=1), "mixing_kernel"),
-    (dict(kind="compressed", mixing_kernel=2), "only used with attention.mixing='conv'"),
-    (dict(kind="compressed", mixing="lstm"), "attention.mixing='lstm' is not allowed"),
-    (dict(kind="full", mixing="conv", mixing_kernel=2), "option of kind='compressed'"),
-])
+@pytest.mark.parametrize(
+    "attention, match",
+    [
+        (dict(kind="compressed", window=4, stride=4, mixing="conv"), "needs attention.mixing_kernel"),
+        (dict(kind="compressed", window=4, stride=4, mixing="conv", mixing_kernel=5), "must be <= attention.stride=4"),
+        (dict(kind="compressed", window=4, stride=4, mixing="conv", mixing_kernel=1), "mixing_kernel"),
+        (dict(kind="compressed", mixing_kernel=2), "only used with attention.mixing='conv'"),
+        (dict(kind="compressed", mixing="lstm"), "attention.mixing='lstm' is not allowed"),
+        (dict(kind="full", mixing="conv", mixing_kernel=2), "option of kind='compressed'"),
+    ],
+)
 def test_bad_mixing_settings_raise_one_clear_error(attention, match):
     with pytest.raises(ConfigError, match=match):
-        ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=1, head_dim=16, mlp_dim=64,
-                    attention=attention)
+        ModelConfig(
+            vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=1, head_dim=16, mlp_dim=64, attention=attention
+        )

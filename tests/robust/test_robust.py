@@ -38,28 +38,47 @@ def test_plan_runs_the_core_models_of_each_task_for_each_seed_with_one_attention
                 assert next(b for b in models if b.name == m.baseline).role == "baseline"
 
 
-def _row(model: str, role: str, seed: int, worst: float, gap_lower: float = 0.0, p: float = 0.5,
-         baseline=None) -> dict:
-    return {"task": "split", "model": model, "role": role, "baseline": baseline, "seed": seed, "mean": worst + 0.01,
-            "worst_phase_accuracy": worst, "phase_gap": gap_lower + 0.02, "phase_gap_lower": gap_lower,
-            "phase_gap_upper": gap_lower + 0.04, "phase_p_value": p, "phase_noise_floor": 0.05}
+def _row(model: str, role: str, seed: int, worst: float, gap_lower: float = 0.0, p: float = 0.5, baseline=None) -> dict:
+    return {
+        "task": "split",
+        "model": model,
+        "role": role,
+        "baseline": baseline,
+        "seed": seed,
+        "mean": worst + 0.01,
+        "worst_phase_accuracy": worst,
+        "phase_gap": gap_lower + 0.02,
+        "phase_gap_lower": gap_lower,
+        "phase_gap_upper": gap_lower + 0.04,
+        "phase_p_value": p,
+        "phase_noise_floor": 0.05,
+    }
 
 
 def test_criteria_need_every_seed():
     rows = [_row("gate_w4s4", "baseline", s, 0.10, gap_lower=0.7, p=0.0005) for s in (0, 1)]
     rows += [_row("full", "control", s, 0.88) for s in (0, 1)]
     # seed 0 clears both bars, seed 1 only the minimum: the goal is not met
-    rows += [_row("conv_w4s4", "fix", 0, 0.86, baseline="gate_w4s4"),
-             _row("conv_w4s4", "fix", 1, 0.50, gap_lower=0.3, p=0.001, baseline="gate_w4s4")]
+    rows += [
+        _row("conv_w4s4", "fix", 0, 0.86, baseline="gate_w4s4"),
+        _row("conv_w4s4", "fix", 1, 0.50, gap_lower=0.3, p=0.001, baseline="gate_w4s4"),
+    ]
     # +29 pp in one seed is below the minimum
-    rows += [_row("stagger_w4s4", "fix", 0, 0.39, baseline="gate_w4s4"),
-             _row("stagger_w4s4", "fix", 1, 0.90, baseline="gate_w4s4")]
+    rows += [
+        _row("stagger_w4s4", "fix", 0, 0.39, baseline="gate_w4s4"),
+        _row("stagger_w4s4", "fix", 1, 0.90, baseline="gate_w4s4"),
+    ]
     # both seeds flat and within 5 pp of full attention's worst phase (0.88): both bars cleared
     rows += [_row("overlap_w8s4", "fix", s, 0.85, baseline="gate_w4s4") for s in (0, 1)]
     got = {c.claim.split(":")[0] + (" goal" if "within" in c.claim else " min"): c.passed for c in criteria(rows)}
-    assert got == {"split/conv_w4s4 min": True, "split/conv_w4s4 goal": False,
-                   "split/stagger_w4s4 min": False, "split/stagger_w4s4 goal": False,
-                   "split/overlap_w8s4 min": True, "split/overlap_w8s4 goal": True}
+    assert got == {
+        "split/conv_w4s4 min": True,
+        "split/conv_w4s4 goal": False,
+        "split/stagger_w4s4 min": False,
+        "split/stagger_w4s4 goal": False,
+        "split/overlap_w8s4 min": True,
+        "split/overlap_w8s4 goal": True,
+    }
     # a fix whose baseline did not run is not judged
     assert not criteria([r for r in rows if r["model"] != "gate_w4s4"])
     # nor is the goal against a control that has not learned the task (dense at make robust's budget: 13-14%)

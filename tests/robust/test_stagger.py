@@ -49,8 +49,9 @@ def test_influence_mask_with_a_grid_offset_is_the_rule(window, stride, local):
     T = 27
     for offset in range(stride):
         m = influence_mask(T, window, stride, local, grid_offset=offset)
-        expected = torch.tensor([[rule_influence(t, p, window, stride, offset, local) for p in range(T)]
-                                 for t in range(T)])
+        expected = torch.tensor(
+            [[rule_influence(t, p, window, stride, offset, local) for p in range(T)] for t in range(T)]
+        )
         assert torch.equal(m, expected), offset
     unshifted = influence_mask(T, window, stride, local)
     assert torch.equal(influence_mask(T, window, stride, local, grid_offset=0), unshifted)
@@ -79,15 +80,21 @@ def test_a_token_reaches_a_query_only_through_a_visible_shifted_entry_or_the_loc
         layer = block.self_attn
         assert layer.grid_offset == layer_idx
         mask = influence_mask(T, window, stride, local, grid_offset=layer_idx)
-        assert_layer_influence(layer, T, lambda t, p: rule_influence(t, p, window, stride, layer_idx, local))
-        assert_layer_influence(layer, T, lambda t, p: bool(mask[t, p]))
+        assert_layer_influence(layer, T, lambda t, p, o=layer_idx: rule_influence(t, p, window, stride, o, local))
+        assert_layer_influence(layer, T, lambda t, p, mask=mask: bool(mask[t, p]))
 
 
 def test_stagger_gives_layer_l_the_offset_l_times_stride_over_layers():
-    for stride, n_layers, expected in [(8, 2, [0, 4]), (4, 2, [0, 2]), (4, 3, [0, 1, 2]), (8, 3, [0, 2, 5]),
-                                       (2, 4, [0, 0, 1, 1])]:
-        cfg = small_config(dict(variant("w8s8"), window=stride, stride=stride, grid_offsets="stagger"),
-                           n_layers=n_layers)
+    for stride, n_layers, expected in [
+        (8, 2, [0, 4]),
+        (4, 2, [0, 2]),
+        (4, 3, [0, 1, 2]),
+        (8, 3, [0, 2, 5]),
+        (2, 4, [0, 0, 1, 1]),
+    ]:
+        cfg = small_config(
+            dict(variant("w8s8"), window=stride, stride=stride, grid_offsets="stagger"), n_layers=n_layers
+        )
         assert [cfg.grid_offset(layer) for layer in range(n_layers)] == expected
         assert [b.self_attn.grid_offset for b in Transformer(cfg).layers] == expected
 
@@ -99,14 +106,17 @@ def _perturbed(model: Transformer) -> Transformer:
     return model.eval()
 
 
-@pytest.mark.parametrize("name, changes", [
-    ("w4s4", dict(local_window=4)),
-    ("w4s4", dict(local_window=0)),
-    ("w8s4", dict(local_window="tail")),
-    ("w8s8", dict(window=8, stride=6, local_window=5)),
-    ("w4s4_conv", dict(local_window=3)),  # token mixing: the pending states keep K - 1 predecessors
-    ("deepseek_v4_csa", dict(local_window=5)),  # sinks, per-series maps, trailing interleaved RoPE, inverse output
-])
+@pytest.mark.parametrize(
+    "name, changes",
+    [
+        ("w4s4", dict(local_window=4)),
+        ("w4s4", dict(local_window=0)),
+        ("w8s4", dict(local_window="tail")),
+        ("w8s8", dict(window=8, stride=6, local_window=5)),
+        ("w4s4_conv", dict(local_window=3)),  # token mixing: the pending states keep K - 1 predecessors
+        ("deepseek_v4_csa", dict(local_window=5)),  # sinks, per-series maps, trailing interleaved RoPE, inverse output
+    ],
+)
 def test_decode_matches_prefill_token_by_token_and_in_uneven_chunks_for_every_offset(name, changes):
     att = dict(variant(name), **changes)
     S = att["stride"]
@@ -118,17 +128,20 @@ def test_decode_matches_prefill_token_by_token_and_in_uneven_chunks_for_every_of
             for chunks in ([1] * 29, [5, 3, 1, 6, 2, 1, 1, 9, 1], [S - 1, 1, S + 1, 2 * S, 29 - 4 * S - 1]):
                 cache, parts, s = model.new_cache(2), [], 0
                 for n in chunks:
-                    parts.append(model(ids[:, s:s + n], cache))
+                    parts.append(model(ids[:, s : s + n], cache))
                     s += n
                 err = (torch.cat(parts, 1) - full).abs().max().item()
                 assert err < 1e-5, (offset, chunks, err)
 
 
-@pytest.mark.parametrize("attention", [
-    dict(window=8, stride=8, grid_offsets="stagger"),  # offsets 0, 4
-    dict(window=8, stride=4, gate="vector", kv="tied", local_window="tail", grid_offsets=[3, 1]),
-    dict(window=4, stride=4, mixing="conv", mixing_kernel=3, local_window=0, grid_offsets=[1, 2]),
-])
+@pytest.mark.parametrize(
+    "attention",
+    [
+        dict(window=8, stride=8, grid_offsets="stagger"),  # offsets 0, 4
+        dict(window=8, stride=4, gate="vector", kv="tied", local_window="tail", grid_offsets=[3, 1]),
+        dict(window=4, stride=4, mixing="conv", mixing_kernel=3, local_window=0, grid_offsets=[1, 2]),
+    ],
+)
 def test_model_loss_and_gradients_match_between_impls_with_staggered_grids(attention):
     assert_impls_match(attention, 30)
 
@@ -157,16 +170,19 @@ def test_offsets_of_zero_are_the_unshifted_model_exactly(name):
 
 
 def _brute_pairs(T: int, window: int, stride: int, offset: int, local) -> int:
-    return sum(len(rule_entries(t, window, stride, offset)) + sum(rule_local(t, p, stride, offset, local)
-                                                                  for p in range(T)) for t in range(T))
+    return sum(
+        len(rule_entries(t, window, stride, offset)) + sum(rule_local(t, p, stride, offset, local) for p in range(T))
+        for t in range(T)
+    )
 
 
 @pytest.mark.parametrize("window, stride, local", [(4, 4, 4), (8, 4, "tail"), (8, 6, 3), (8, 8, 0)])
 @pytest.mark.parametrize("T", [1, 5, 8, 37])
 def test_flops_count_the_visible_pairs_of_each_shifted_layer(window, stride, local, T):
     offsets = list(range(stride))
-    cfg = small_config(dict(variant("w8s8"), window=window, stride=stride, local_window=local, grid_offsets=offsets),
-                       n_layers=stride)
+    cfg = small_config(
+        dict(variant("w8s8"), window=window, stride=stride, local_window=local, grid_offsets=offsets), n_layers=stride
+    )
     pairs = [visible_pairs(T, cfg, layer) for layer in range(stride)]
     assert pairs == [_brute_pairs(T, window, stride, o, local) for o in offsets]
     f = flops_per_token(cfg, T)
@@ -177,21 +193,37 @@ def test_flops_count_the_visible_pairs_of_each_shifted_layer(window, stride, loc
     assert f.compressor == pytest.approx(2 * per_entry * entries / T)
 
 
-@pytest.mark.parametrize("attention, overrides, match", [
-    (dict(grid_offsets=[0]), {}, r"attention.grid_offsets has 1 entries; it needs one per layer \(model.n_layers=2\)"),
-    (dict(grid_offsets=[0, 4]), {}, r"attention.grid_offsets\[1\]=4 must be < attention.stride=4"),
-    (dict(grid_offsets=[0, -1]), {}, r"attention.grid_offsets\[1\]=-1 must be an integer >= 0"),
-    (dict(grid_offsets=[0, 1.5]), {}, r"attention.grid_offsets\[1\]=1.5 must be an integer >= 0"),
-    (dict(grid_offsets="shuffle"), {}, "attention.grid_offsets='shuffle' is not allowed"),
-    (dict(grid_offsets=2), {}, "must be null, 'stagger' or a list of ints"),
-    (dict(kind="full", grid_offsets="stagger"), {}, "grid_offsets is an option of kind='compressed'"),
-    (dict(kind="full", grid_offsets=[0, 0]), {}, "grid_offsets is an option of kind='compressed'"),
-])
+@pytest.mark.parametrize(
+    "attention, overrides, match",
+    [
+        (
+            dict(grid_offsets=[0]),
+            {},
+            r"attention.grid_offsets has 1 entries; it needs one per layer \(model.n_layers=2\)",
+        ),
+        (dict(grid_offsets=[0, 4]), {}, r"attention.grid_offsets\[1\]=4 must be < attention.stride=4"),
+        (dict(grid_offsets=[0, -1]), {}, r"attention.grid_offsets\[1\]=-1 must be an integer >= 0"),
+        (dict(grid_offsets=[0, 1.5]), {}, r"attention.grid_offsets\[1\]=1.5 must be an integer >= 0"),
+        (dict(grid_offsets="shuffle"), {}, "attention.grid_offsets='shuffle' is not allowed"),
+        (dict(grid_offsets=2), {}, "must be null, 'stagger' or a list of ints"),
+        (dict(kind="full", grid_offsets="stagger"), {}, "grid_offsets is an option of kind='compressed'"),
+        (dict(kind="full", grid_offsets=[0, 0]), {}, "grid_offsets is an option of kind='compressed'"),
+    ],
+)
 def test_bad_grid_offsets_raise_one_clear_error(attention, overrides, match):
     att = {**dict(kind="compressed", window=4, stride=4), **attention}
     with pytest.raises(ConfigError, match=match) as err:
-        ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, head_dim=16, mlp_dim=64,
-                    attention=att, **overrides)
+        ModelConfig(
+            vocab_size=64,
+            d_model=32,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=1,
+            head_dim=16,
+            mlp_dim=64,
+            attention=att,
+            **overrides,
+        )
     assert "\n" not in str(err.value)
 
 
@@ -205,6 +237,7 @@ def test_decoding_a_staggered_model_with_kernels_matches_the_full_forward():
     with torch.no_grad():
         full = model.eval()(ids)
         cache = model.new_cache(1)
-        steps = [model(ids[:, :2], cache), model(ids[:, 2:9], cache)] + [model(ids[:, t:t + 1], cache)
-                                                                          for t in range(9, 30)]
+        steps = [model(ids[:, :2], cache), model(ids[:, 2:9], cache)] + [
+            model(ids[:, t : t + 1], cache) for t in range(9, 30)
+        ]
     assert rel_rms(torch.cat(steps, dim=1), full) < 1e-5

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 
 from ckv.config import ModelConfig
+from ckv.io.weights import load_weights
 from ckv.model import Transformer
-from ckv.train import list_checkpoints, latest_checkpoint, train
+from ckv.train import latest_checkpoint, list_checkpoints, train
 from ckv.train.checkpoint import CheckpointManager
 from ckv.train.distributed import DistEnv
 from ckv.train.export import export_checkpoint
-from ckv.io.weights import load_weights
 
 from .helpers import child_env, losses, worker_command
 
@@ -55,8 +55,13 @@ def test_kill_during_save_keeps_previous_checkpoint(make_config):
     """A process SIGKILLed while writing checkpoint 4 leaves checkpoint 2 as latest and loadable; the run then
     resumes from it and reproduces an uninterrupted run exactly."""
     cfg = make_config("killed", trainer={"max_steps": 6, "save_every": 2})
-    proc = subprocess.Popen(worker_command("hang-in-save", cfg), env=child_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        worker_command("hang-in-save", cfg),
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     marker = Path(cfg.run_dir) / "HANGING"
     deadline = time.time() + 120
     while not marker.exists() and proc.poll() is None and time.time() < deadline:

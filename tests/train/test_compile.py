@@ -12,10 +12,18 @@ from ckv.train import train
 
 from .helpers import losses
 
-ATTENTIONS = {"full": {"kind": "full"},
-              "compressed": {"kind": "compressed", "window": 8, "stride": 4, "impl": "torch"},
-              "compressed_tail_sinks": {"kind": "compressed", "window": 8, "stride": 4, "impl": "torch",
-                                        "local_window": "tail", "sink": True}}
+ATTENTIONS = {
+    "full": {"kind": "full"},
+    "compressed": {"kind": "compressed", "window": 8, "stride": 4, "impl": "torch"},
+    "compressed_tail_sinks": {
+        "kind": "compressed",
+        "window": 8,
+        "stride": 4,
+        "impl": "torch",
+        "local_window": "tail",
+        "sink": True,
+    },
+}
 
 
 @pytest.mark.parametrize("name", list(ATTENTIONS))
@@ -45,6 +53,7 @@ def test_trainer_compile_gives_the_same_losses(make_config):
     torch._dynamo.reset()
     attention = ATTENTIONS["compressed"]
     eager = losses(train(make_config("eager", attention=attention, trainer={"max_steps": 6, "save_every": 0})))
-    compiled = losses(train(make_config("compiled", attention=attention,
-                                        trainer={"max_steps": 6, "save_every": 0, "compile": True})))
+    compiled = losses(
+        train(make_config("compiled", attention=attention, trainer={"max_steps": 6, "save_every": 0, "compile": True}))
+    )
     assert len(eager) == 6 and compiled == pytest.approx(eager, abs=1e-4)

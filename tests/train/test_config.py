@@ -26,29 +26,38 @@ def test_from_dict_builds_every_section(make_config):
     assert again.to_dict() == cfg.to_dict()
 
 
-@pytest.mark.parametrize("section, value, needle", [
-    ("trainer", {"max_steps": 0}, "trainer.max_steps"),
-    ("trainer", {"precision": "fp16"}, "trainer.precision"),
-    ("trainer", {"bogus": 1}, "bogus"),
-    ("optim", {"schedule": "linear"}, "optim.schedule"),
-    ("wandb", {"mode": "sometimes"}, "wandb.mode"),
-    ("attention", {"kind": "compressed", "window": 4, "stride": 8}, "attention.window"),
-    ("attention", {"kind": "sparse"}, "attention.kind='sparse' has no registered backend"),
-    ("attention", {"impl": "triton"}, "does not support attention.impl='triton'"),
-    ("attention", {"windw": 8}, "unknown attention field(s) ['windw']"),
-    ("model", {"n_layr": 2}, "unknown model field(s) ['n_layr']"),
-    ("model", {"n_heads": 3}, "model.n_heads=3"),
-    ("model", {"preset": "huge"}, "model.preset='huge'"),
-    ("wandb", {"tags": "a"}, "wandb.tags"),
-])
+@pytest.mark.parametrize(
+    "section, value, needle",
+    [
+        ("trainer", {"max_steps": 0}, "trainer.max_steps"),
+        ("trainer", {"precision": "fp16"}, "trainer.precision"),
+        ("trainer", {"bogus": 1}, "bogus"),
+        ("optim", {"schedule": "linear"}, "optim.schedule"),
+        ("wandb", {"mode": "sometimes"}, "wandb.mode"),
+        ("attention", {"kind": "compressed", "window": 4, "stride": 8}, "attention.window"),
+        ("attention", {"kind": "sparse"}, "attention.kind='sparse' has no registered backend"),
+        ("attention", {"impl": "triton"}, "does not support attention.impl='triton'"),
+        ("attention", {"windw": 8}, "unknown attention field(s) ['windw']"),
+        ("model", {"n_layr": 2}, "unknown model field(s) ['n_layr']"),
+        ("model", {"n_heads": 3}, "model.n_heads=3"),
+        ("model", {"preset": "huge"}, "model.preset='huge'"),
+        ("wandb", {"tags": "a"}, "wandb.tags"),
+    ],
+)
 def test_bad_values_name_the_field(make_config, section, value, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         make_config(**{section: value})
 
 
 FLOAT_FIELDS = {  # every float field of OptimConfig, with a value just outside its range
-    "lr": 0.0, "weight_decay": -0.1, "beta1": 1.0, "beta2": -0.5, "eps": 0.0, "grad_clip": -1.0,
-    "min_lr_ratio": 1.5, "decay_fraction": 0.0,
+    "lr": 0.0,
+    "weight_decay": -0.1,
+    "beta1": 1.0,
+    "beta2": -0.5,
+    "eps": 0.0,
+    "grad_clip": -1.0,
+    "min_lr_ratio": 1.5,
+    "decay_fraction": 0.0,
 }
 
 
@@ -134,8 +143,11 @@ def test_scheduler_state_round_trip():
 
 def test_resume_conflicts(make_config):
     a = plain(make_config().to_dict())
-    b = plain(make_config(trainer={"log_every": 7, "save_every": 3, "stop_at_step": 2}, wandb={"enabled": True},
-                          name="x").to_dict())
+    b = plain(
+        make_config(
+            trainer={"log_every": 7, "save_every": 3, "stop_at_step": 2}, wandb={"enabled": True}, name="x"
+        ).to_dict()
+    )
     assert resume_conflicts(a, b) == []  # none of these change what is trained (run_dir differs too)
     c = plain(make_config(optim={"lr": 1e-3}, attention={"kind": "compressed", "window": 8, "stride": 8}).to_dict())
     lines = resume_conflicts(a, c)
@@ -153,5 +165,7 @@ def test_an_option_added_after_a_run_was_saved_resumes_at_its_default_only(make_
     saved["trainer"].pop("stop_check_every")
     assert resume_conflicts(saved, current) == []
     changed = plain(make_config(attention={**att, "grid_offsets": "stagger", "gate_entropy_floor": 0.5}).to_dict())
-    assert resume_conflicts(saved, changed) == ["attention.gate_entropy_floor: (unset) -> 0.5",
-                                                "attention.grid_offsets: (unset) -> 'stagger'"]
+    assert resume_conflicts(saved, changed) == [
+        "attention.gate_entropy_floor: (unset) -> 0.5",
+        "attention.grid_offsets: (unset) -> 'stagger'",
+    ]

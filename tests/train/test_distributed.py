@@ -26,8 +26,16 @@ def _free_port() -> int:
 def test_two_processes_save_resume_and_match_one(make_config, stage: int) -> None:
     sections = dict(trainer={"max_steps": 6, "save_every": 2}, deepspeed={"zero_optimization": {"stage": stage}})
     two = make_config("two", **sections)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           *worker_command("stop-and-resume", two)[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(_free_port()),
+        *worker_command("stop-and-resume", two)[1:],
+    ]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed at step 3" in proc.stderr

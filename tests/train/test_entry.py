@@ -32,14 +32,19 @@ def _compose(overrides: list[str], hydra_node: bool = False):
 
 
 def _train_config(overrides: list[str]) -> TrainConfig:
-    return TrainConfig.from_dict(OmegaConf.to_container(_compose(overrides), resolve=True, throw_on_missing=True),
-                                 run_dir="unused")
+    return TrainConfig.from_dict(
+        OmegaConf.to_container(_compose(overrides), resolve=True, throw_on_missing=True), run_dir="unused"
+    )
 
 
 def test_default_config_composes():  # plain `python train.py`
     cfg = _train_config([])
     assert (cfg.name, cfg.model.preset, cfg.data.kind, cfg.deepspeed["zero_optimization"]["stage"]) == (
-        "default", "tiny", "text", 0)
+        "default",
+        "tiny",
+        "text",
+        0,
+    )
 
 
 def _leaves(d: dict, prefix: str = "") -> dict:
@@ -87,35 +92,391 @@ def test_group_options_state_only_their_difference(group):
         assert raw and not same, f"{path.name} restates {same}"
 
 
-ATTENTION_FIELDS = ("kind", "impl", "rope", "rope_dims", "qk_norm", "kv_heads", "window", "stride", "pooling", "gate",
-                    "gate_bias", "offset_maps", "kv", "compressed_norm", "entry_rope_position", "local_window")
+ATTENTION_FIELDS = (
+    "kind",
+    "impl",
+    "rope",
+    "rope_dims",
+    "qk_norm",
+    "kv_heads",
+    "window",
+    "stride",
+    "pooling",
+    "gate",
+    "gate_bias",
+    "offset_maps",
+    "kv",
+    "compressed_norm",
+    "entry_rope_position",
+    "local_window",
+)
 # The composed attention group of each option before its file was reduced to its difference (computed from the
 # full files of commit 7524006 with compose(overrides=["attention=NAME"]); full options state the first six).
 ATTENTION_RESOLVED = {
-    "deepseek_w8s4": ('compressed', 'auto', 'partial', 16, True, 1, 8, 4, 'gate', 'vector', True, 'shared', 'tied', 'post', 'block_start', 16),
-    "deepseek_w8s4_scalar": ('compressed', 'auto', 'partial', 16, True, 1, 8, 4, 'gate', 'scalar', True, 'shared', 'tied', 'post', 'block_start', 16),
-    "full": ('full', 'auto', 'full', None, True, None),
-    "full_kv1": ('full', 'auto', 'full', None, True, 1),
-    "full_kv4": ('full', 'auto', 'full', None, True, 4),
-    "full_kv8": ('full', 'auto', 'full', None, True, 8),
-    "w12s12": ('compressed', 'auto', 'full', None, True, 1, 12, 12, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w4s4": ('compressed', 'auto', 'full', None, True, 1, 4, 4, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s4": ('compressed', 'auto', 'full', None, True, 1, 8, 4, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s6": ('compressed', 'auto', 'full', None, True, 1, 8, 6, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_kv2": ('compressed', 'auto', 'full', None, True, 2, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_kv4": ('compressed', 'auto', 'full', None, True, 4, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_kv8": ('compressed', 'auto', 'full', None, True, 8, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_mean": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'mean', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_mean_tied_postnorm": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'mean', 'scalar', True, 'specific', 'tied', 'post', 'block_start', 16),
-    "w8s8_no_gate_bias": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'scalar', False, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_no_qk_norm": ('compressed', 'auto', 'full', None, False, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_no_rope": ('compressed', 'auto', 'none', None, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_rope16": ('compressed', 'auto', 'partial', 16, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 16),
-    "w8s8_tail": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 'tail'),
-    "w8s8_tail_kv8": ('compressed', 'auto', 'full', None, True, 8, 8, 8, 'gate', 'scalar', True, 'specific', 'separate', 'pre', 'block_start', 'tail'),
-    "w8s8_tied_kv": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'scalar', True, 'specific', 'tied', 'pre', 'block_start', 16),
-    "w8s8_vector_gate": ('compressed', 'auto', 'full', None, True, 1, 8, 8, 'gate', 'vector', True, 'specific', 'separate', 'pre', 'block_start', 16),
+    "deepseek_w8s4": (
+        "compressed",
+        "auto",
+        "partial",
+        16,
+        True,
+        1,
+        8,
+        4,
+        "gate",
+        "vector",
+        True,
+        "shared",
+        "tied",
+        "post",
+        "block_start",
+        16,
+    ),
+    "deepseek_w8s4_scalar": (
+        "compressed",
+        "auto",
+        "partial",
+        16,
+        True,
+        1,
+        8,
+        4,
+        "gate",
+        "scalar",
+        True,
+        "shared",
+        "tied",
+        "post",
+        "block_start",
+        16,
+    ),
+    "full": ("full", "auto", "full", None, True, None),
+    "full_kv1": ("full", "auto", "full", None, True, 1),
+    "full_kv4": ("full", "auto", "full", None, True, 4),
+    "full_kv8": ("full", "auto", "full", None, True, 8),
+    "w12s12": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        12,
+        12,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w4s4": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        4,
+        4,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s4": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        4,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s6": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        6,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_kv2": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        2,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_kv4": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        4,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_kv8": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        8,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_mean": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        8,
+        "mean",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_mean_tied_postnorm": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        8,
+        "mean",
+        "scalar",
+        True,
+        "specific",
+        "tied",
+        "post",
+        "block_start",
+        16,
+    ),
+    "w8s8_no_gate_bias": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        8,
+        "gate",
+        "scalar",
+        False,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_no_qk_norm": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        False,
+        1,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_no_rope": (
+        "compressed",
+        "auto",
+        "none",
+        None,
+        True,
+        1,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_rope16": (
+        "compressed",
+        "auto",
+        "partial",
+        16,
+        True,
+        1,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_tail": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        "tail",
+    ),
+    "w8s8_tail_kv8": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        8,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        "tail",
+    ),
+    "w8s8_tied_kv": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        8,
+        "gate",
+        "scalar",
+        True,
+        "specific",
+        "tied",
+        "pre",
+        "block_start",
+        16,
+    ),
+    "w8s8_vector_gate": (
+        "compressed",
+        "auto",
+        "full",
+        None,
+        True,
+        1,
+        8,
+        8,
+        "gate",
+        "vector",
+        True,
+        "specific",
+        "separate",
+        "pre",
+        "block_start",
+        16,
+    ),
 }
 
 
@@ -123,9 +484,18 @@ ATTENTION_RESOLVED = {
 # group as first written out in full: the V4 options in commit b845f52, token mixing / shared maps in fdbbdca;
 # the gate-entropy floor options state their two fields).
 ADDED = {
-    "deepseek_v4_csa": ("deepseek_w8s4", {"offset_maps": "series", "local_window": 128, "rope_side": "trailing",
-                                          "rope_pairing": "interleaved", "rope_theta": 160000.0, "sink": True,
-                                          "output_rope": "inverse"}),
+    "deepseek_v4_csa": (
+        "deepseek_w8s4",
+        {
+            "offset_maps": "series",
+            "local_window": 128,
+            "rope_side": "trailing",
+            "rope_pairing": "interleaved",
+            "rope_theta": 160000.0,
+            "sink": True,
+            "output_rope": "inverse",
+        },
+    ),
     "deepseek_v4_hca": ("deepseek_v4_csa", {"window": 128, "stride": 128, "offset_maps": "shared"}),
     "w4s4_conv": ("w4s4", {"mixing": "conv", "mixing_kernel": 4}),
     "w8s8_conv": ("w8s8", {"mixing": "conv", "mixing_kernel": 4}),
@@ -160,8 +530,12 @@ def test_demo_models_differ_only_in_attention():
     """make demo's fairness: the control and the S = 2 model are the S = 4 gate model with one attention change."""
     gate4, gate2, full = (_train_config([f"experiment={e}"]) for e in ("demo_gate_s4", "demo_gate_s2", "demo_full"))
     for other in (gate2, full):
-        assert (other.model, other.data, other.optim, other.trainer) == (gate4.model, gate4.data, gate4.optim,
-                                                                          gate4.trainer)
+        assert (other.model, other.data, other.optim, other.trainer) == (
+            gate4.model,
+            gate4.data,
+            gate4.optim,
+            gate4.trainer,
+        )
     g4, g2, f = (c.model.build(c.attention, data_vocab_size=164) for c in (gate4, gate2, full))
     assert (g4.kv_heads, g4.d_model, g4.init_std) == (1, 128, 0.05)
     for m, geometry in ((g4, ("compressed", 4, 4, 4, "gate")), (g2, ("compressed", 2, 2, 4, "gate"))):
@@ -176,7 +550,16 @@ def test_paper_setup():
     assert (model.n_layers, model.d_model, model.n_heads, model.head_dim) == (28, 1024, 16, 128)
     a = model.attention
     assert (a.kind, a.window, a.stride, a.kv_heads, a.pooling, a.gate, a.kv, a.rope, a.local_window) == (
-        "compressed", 8, 8, 1, "gate", "scalar", "separate", "full", 16)
+        "compressed",
+        8,
+        8,
+        1,
+        "gate",
+        "scalar",
+        "separate",
+        "full",
+        16,
+    )
     tokens = cfg.trainer.max_steps * cfg.trainer.global_batch_size * cfg.data.seq_len
     assert cfg.trainer.max_steps == 47_518 and 99e9 < tokens < 101e9
     assert cfg.trainer.precision == "bf16" and cfg.seed == 42
@@ -206,14 +589,16 @@ def test_slurm_launcher_config(monkeypatch, tmp_path):
     pre-timeout signal; nothing is submitted (map_array is intercepted)."""
     import submitit
 
-    cfg = _compose(["experiment=paper_seeds", "hydra/launcher=slurm", f"out_dir={tmp_path}"] + USER_DATA,
-                   hydra_node=True)
+    cfg = _compose(
+        ["experiment=paper_seeds", "hydra/launcher=slurm", f"out_dir={tmp_path}"] + USER_DATA, hydra_node=True
+    )
     launcher = instantiate(cfg.hydra.launcher)
     assert type(launcher).__name__ == "SlurmLauncher"
     captured = {}
     monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # pretend srun exists
-    monkeypatch.setattr(submitit.AutoExecutor, "map_array",
-                        lambda self, fn, *args: captured.update(ex=self, args=args) or [])
+    monkeypatch.setattr(
+        submitit.AutoExecutor, "map_array", lambda self, fn, *args: captured.update(ex=self, args=args) or []
+    )
     launcher.setup(hydra_context=None, task_function=None, config=cfg)
     launcher.launch([["seed=42"], ["seed=43"]], initial_job_idx=0)
     sbatch = captured["ex"]._executor._make_submission_file_text("srun python train.py", "uid")
@@ -231,8 +616,12 @@ def test_job_dir_name():
     assert len(long) == ENTRY["MAX_DIR_NAME"] and long != name(["x=" + "a" * 299 + "b"], 0)
 
 
-NEUTRAL_VALUES = {"name": "other", "run_dir": "/elsewhere", "trainer.progress": "false",
-                  "trainer.data_cache_dir": "/tmp/cache"}
+NEUTRAL_VALUES = {
+    "name": "other",
+    "run_dir": "/elsewhere",
+    "trainer.progress": "false",
+    "trainer.data_cache_dir": "/tmp/cache",
+}
 
 
 def _override(key: str) -> str:
@@ -245,8 +634,11 @@ def test_run_folder_name_leaves_out_exactly_the_resumable_keys():
     folder: experiment, out_dir, seed) is left out of the name; every other trainer field stays in it."""
     neutral = [_override(k if not k.endswith(".") else k + "mode") for k in RESUMABLE_CHANGES]
     neutral = [o.replace("wandb.mode=3", "wandb.mode=offline") for o in neutral]
-    kept = [f"trainer.{f.name}={4 if f.name != 'device' else 'cpu'}" for f in dataclasses.fields(TrainerConfig)
-            if not trajectory_neutral(f"trainer.{f.name}") and f.name != "precision"]
+    kept = [
+        f"trainer.{f.name}={4 if f.name != 'device' else 'cpu'}"
+        for f in dataclasses.fields(TrainerConfig)
+        if not trajectory_neutral(f"trainer.{f.name}") and f.name != "precision"
+    ]
     assert len(kept) >= 4 and "trainer.max_steps=4" in kept
     placement = ["experiment=cpu_smoke", "out_dir=/runs", "seed=3"]
     cfg = _compose(neutral + kept + placement + ["attention=w8s8"], hydra_node=True)
@@ -255,24 +647,31 @@ def test_run_folder_name_leaves_out_exactly_the_resumable_keys():
     assert (cfg.hydra.sweep.dir, cfg.hydra.sweep.subdir) == ("/runs/other", expected)
 
 
-@pytest.mark.parametrize("typo, field", [("+model.n_layr=2", "unknown model field(s) ['n_layr']"),
-                                          ("+attention.windw=8", "unknown attention field(s) ['windw']"),
-                                          ("optim.lr=abc", "optim.lr='abc' must be a finite number > 0"),
-                                          ("optim.lr=inf", "optim.lr=inf must be a finite number > 0")])
+@pytest.mark.parametrize(
+    "typo, field",
+    [
+        ("+model.n_layr=2", "unknown model field(s) ['n_layr']"),
+        ("+attention.windw=8", "unknown attention field(s) ['windw']"),
+        ("optim.lr=abc", "optim.lr='abc' must be a finite number > 0"),
+        ("optim.lr=inf", "optim.lr=inf must be a finite number > 0"),
+    ],
+)
 def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field):
     """The default data (the shipped corpus) would train a BPE tokenizer first; a bad model, attention or optim
     value must fail before that, in one line, and leave the tokenizer cache untouched."""
     cache = tmp_path / "cache"
-    proc = _run_entry([typo, f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache}", "wandb.enabled=false"],
-                      timeout=60)
+    proc = _run_entry(
+        [typo, f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache}", "wandb.enabled=false"], timeout=60
+    )
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"ckv: error: {field}"), proc.stderr
     assert not cache.exists()
 
 
 def _run_entry(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=child_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_missing_data_path_is_named(tmp_path):
@@ -281,13 +680,25 @@ def test_missing_data_path_is_named(tmp_path):
 
 
 def test_multirun_two_strides(tmp_path, cache_dir):
-    proc = _run_entry(["-m", "experiment=cpu_smoke", "data=lookup_split", "attention=w8s8", "attention.stride=4,8",
-                       "trainer.max_steps=3", "trainer.val_every=0", f"out_dir={tmp_path}", "wandb.enabled=false",
-                       f"trainer.data_cache_dir={cache_dir}"])
+    proc = _run_entry(
+        [
+            "-m",
+            "experiment=cpu_smoke",
+            "data=lookup_split",
+            "attention=w8s8",
+            "attention.stride=4,8",
+            "trainer.max_steps=3",
+            "trainer.val_every=0",
+            f"out_dir={tmp_path}",
+            "wandb.enabled=false",
+            f"trainer.data_cache_dir={cache_dir}",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p for p in (tmp_path / "cpu_smoke").iterdir() if p.is_dir())
-    assert [p.name for p in runs] == [f"attention.stride={s},attention=w8s8,data=lookup_split,trainer.max_steps=3,"
-                                      "seed=0" for s in (4, 8)]
+    assert [p.name for p in runs] == [
+        f"attention.stride={s},attention=w8s8,data=lookup_split,trainer.max_steps=3,seed=0" for s in (4, 8)
+    ]
     for stride, run in zip((4, 8), runs):
         saved = yaml.safe_load((run / "config.yaml").read_text())
         assert (saved["attention"]["stride"], saved["attention"]["window"]) == (stride, 8)
@@ -298,8 +709,9 @@ def test_multirun_two_strides(tmp_path, cache_dir):
 @pytest.mark.smoke
 def test_cpu_smoke_experiment(tmp_path, cache_dir):
     """CI's end-to-end run: python train.py experiment=cpu_smoke (shipped corpus, compressed W4/S4, wandb offline)."""
-    proc = _run_entry(["experiment=cpu_smoke", f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache_dir}",
-                       "wandb.mode=offline"])
+    proc = _run_entry(
+        ["experiment=cpu_smoke", f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache_dir}", "wandb.mode=offline"]
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "cpu_smoke" / "seed=0"
     records = read_metrics(run)

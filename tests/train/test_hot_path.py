@@ -15,8 +15,8 @@ from ckv.config import ConfigError
 from ckv.data import BatchStream, DataError
 from ckv.flops import flops_per_token
 from ckv.io.weights import load_weights
-from ckv.train import read_metrics, train
 from ckv.train import loop as loop_module
+from ckv.train import read_metrics, train
 
 from .helpers import losses
 
@@ -65,8 +65,9 @@ def test_no_host_sync_between_log_steps(make_config, monkeypatch, attention):
     compressed layers' window checks and the loss read are off the hot path. Step 4 (a log step and a stop check)
     reads 5: the loss (item), its all-reduce, the stop flag's all-reduce and the divergence watch's all-reduce
     (tolist each) and the watch's first bad step (int)."""
-    cfg = make_config(attention=attention, trainer={"max_steps": 8, "log_every": 4, "stop_check_every": 4,
-                                                    "save_every": 0})
+    cfg = make_config(
+        attention=attention, trainer={"max_steps": 8, "log_every": 4, "stop_check_every": 4, "save_every": 0}
+    )
     steps = _syncs_per_step(monkeypatch, cfg)
     assert len(steps) == 7
     assert [sum(c.values()) for i, c in enumerate(steps, 1) if i != 4] == [0] * 6, steps
@@ -74,8 +75,9 @@ def test_no_host_sync_between_log_steps(make_config, monkeypatch, attention):
 
 
 def test_debug_checks_turn_the_model_id_check_back_on(make_config, monkeypatch):
-    cfg = make_config(trainer={"max_steps": 3, "log_every": 4, "stop_check_every": 4, "save_every": 0,
-                               "debug_checks": True})
+    cfg = make_config(
+        trainer={"max_steps": 3, "log_every": 4, "stop_check_every": 4, "save_every": 0, "debug_checks": True}
+    )
     steps = _syncs_per_step(monkeypatch, cfg)
     # two micro-batches per step, min and max each
     assert [c["__int__"] for c in steps] == [4, 4], steps
@@ -91,9 +93,11 @@ def test_checkpointing_and_chunked_loss_give_the_same_losses(make_config):
     the later losses depend on them)."""
     base = _losses(make_config, "base")
     assert len(base) == 4
-    for name, options in {"full": {"activation_checkpointing": "full"},
-                          "selective_chunked": {"activation_checkpointing": "selective", "loss_chunk_tokens": 48},
-                          "chunked": {"loss_chunk_tokens": 100}}.items():
+    for name, options in {
+        "full": {"activation_checkpointing": "full"},
+        "selective_chunked": {"activation_checkpointing": "selective", "loss_chunk_tokens": 48},
+        "chunked": {"loss_chunk_tokens": 100},
+    }.items():
         assert _losses(make_config, name, **options) == pytest.approx(base, abs=1e-5), name
 
 

@@ -20,7 +20,14 @@ from safetensors.torch import load_file
 from ckv.io.layout import LOCK_FILE
 from ckv.io.weights import load_weights
 from ckv.train import (
-    CheckpointError, DivergenceError, RunLockedError, TrainConfig, WandbConfig, list_checkpoints, read_metrics, train,
+    CheckpointError,
+    DivergenceError,
+    RunLockedError,
+    TrainConfig,
+    WandbConfig,
+    list_checkpoints,
+    read_metrics,
+    train,
 )
 from ckv.train.checkpoint import verify_checkpoint
 from ckv.train.loop import EXPLODED_LOSS_FACTOR
@@ -29,8 +36,10 @@ from ckv.train.metrics import MetricsLogger
 from .helpers import REPO, child_env
 
 ZERO1 = {"zero_optimization": {"stage": 1}}  # cpu_smoke's ZeRO stage: the engine folder holds model and optimizer files
-HOLD = ("import sys\nfrom ckv.io.lock import RunLock\nwith RunLock(sys.argv[1]):\n    print('locked', flush=True)\n"
-        "    sys.stdin.read()")  # holds the lock until its stdin closes
+HOLD = (
+    "import sys\nfrom ckv.io.lock import RunLock\nwith RunLock(sys.argv[1]):\n    print('locked', flush=True)\n"
+    "    sys.stdin.read()"
+)  # holds the lock until its stdin closes
 
 
 def _strict_json(line: str) -> dict:
@@ -42,20 +51,36 @@ def _strict_json(line: str) -> dict:
 
 def _cpu_smoke(run_dir: Path, cache_dir: Path, *overrides: str) -> TrainConfig:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="train"):
-        cfg = compose(config_name="config", overrides=["experiment=cpu_smoke", "wandb.enabled=false",
-                                                       "trainer.progress=false", f"trainer.data_cache_dir={cache_dir}",
-                                                       *overrides])
+        cfg = compose(
+            config_name="config",
+            overrides=[
+                "experiment=cpu_smoke",
+                "wandb.enabled=false",
+                "trainer.progress=false",
+                f"trainer.data_cache_dir={cache_dir}",
+                *overrides,
+            ],
+        )
     return TrainConfig.from_dict(OmegaConf.to_container(cfg, resolve=True), run_dir=str(run_dir))
 
 
 def test_divergence_stops_without_saving_or_exporting(tmp_path, cache_dir):
     """``experiment=cpu_smoke optim.lr=1e4``: the gradient norm goes to inf within a few steps. The run stops
     naming the step; every checkpoint it kept predates that step and holds finite weights; nothing is exported."""
-    cfg = _cpu_smoke(tmp_path / "run", cache_dir, "optim.lr=1e4", "trainer.max_steps=12", "trainer.save_every=1",
-                     "trainer.log_every=1", "trainer.val_every=0")
-    with pytest.raises(DivergenceError, match=r"training diverged at step \d+: the (gradient norm is not finite|loss "
-                                              r"is not finite|loss exploded).*stopping without saving or exporting") \
-            as err:
+    cfg = _cpu_smoke(
+        tmp_path / "run",
+        cache_dir,
+        "optim.lr=1e4",
+        "trainer.max_steps=12",
+        "trainer.save_every=1",
+        "trainer.log_every=1",
+        "trainer.val_every=0",
+    )
+    with pytest.raises(
+        DivergenceError,
+        match=r"training diverged at step \d+: the (gradient norm is not finite|loss "
+        r"is not finite|loss exploded).*stopping without saving or exporting",
+    ) as err:
         train(cfg)
     bad_step = int(re.search(r"diverged at step (\d+)", str(err.value)).group(1))
     run = Path(cfg.run_dir)
@@ -70,9 +95,23 @@ def test_divergence_stops_without_saving_or_exporting(tmp_path, cache_dir):
 
 @pytest.mark.slow
 def test_diverged_train_py_exits_non_zero(tmp_path, cache_dir):
-    proc = subprocess.run([sys.executable, "train.py", "experiment=cpu_smoke", "optim.lr=1e4", "trainer.max_steps=12",
-                           f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache_dir}", "wandb.enabled=false"],
-                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "train.py",
+            "experiment=cpu_smoke",
+            "optim.lr=1e4",
+            "trainer.max_steps=12",
+            f"out_dir={tmp_path}",
+            f"trainer.data_cache_dir={cache_dir}",
+            "wandb.enabled=false",
+        ],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("ckv: error: training diverged at step")
     assert not (tmp_path / "cpu_smoke" / "seed=0" / "model").exists()
@@ -90,8 +129,13 @@ def test_metrics_write_null_and_a_flag_for_non_finite_values(tmp_path):
 
 def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(make_config, capsys):
     cfg = make_config(trainer={"max_steps": 2})
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, cfg.run_dir], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=child_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, cfg.run_dir],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunLockedError, match=rf"is being trained by another process \(pid {holder.pid} on host"):
@@ -101,8 +145,11 @@ def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(make_config, cap
         holder.wait(timeout=60)
     assert not list_checkpoints(cfg.run_dir) and not (Path(cfg.run_dir) / "metrics.jsonl").exists()
 
-    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True).stdout)
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     (Path(cfg.run_dir) / LOCK_FILE).write_text(json.dumps({"pid": dead, "host": "node7", "since": "yesterday"}))
     train(cfg)
     assert f"took over the stale lock of a process that is gone: pid {dead} on host node7" in capsys.readouterr().err
@@ -148,8 +195,11 @@ def test_damaged_newest_checkpoint_is_named_and_fallback_resumes_exactly(make_co
 
     truncated = _damage(newest)["truncated engine file"][0]
     _apply(truncated, "truncate")
-    with pytest.raises(CheckpointError, match=re.escape(f"{truncated} is damaged") + r".*\nresume from the newest "
-                                              r"intact checkpoint, step_00000002, with trainer.resume=fallback"):
+    with pytest.raises(
+        CheckpointError,
+        match=re.escape(f"{truncated} is damaged") + r".*\nresume from the newest "
+        r"intact checkpoint, step_00000002, with trainer.resume=fallback",
+    ):
         train(cfg)
     assert truncated.is_file()  # strict: nothing moved
 

@@ -12,12 +12,18 @@ import yaml
 from safetensors.torch import load_file
 
 from ckv.config import ConfigError
+from ckv.io.weights import load_weights
 from ckv.model import Transformer
 from ckv.train import (
-    DivergenceError, ResumeError, TrainingInterrupted, latest_checkpoint, list_checkpoints, read_metrics, train,
+    DivergenceError,
+    ResumeError,
+    TrainingInterrupted,
+    latest_checkpoint,
+    list_checkpoints,
+    read_metrics,
+    train,
 )
 from ckv.train.engine import Engine
-from ckv.io.weights import load_weights
 
 from .helpers import TEXT_DATA, losses
 
@@ -79,8 +85,11 @@ def test_resume_after_sigterm_is_exact(make_config, monkeypatch):
 
 
 def test_run_folder_outputs(make_config):
-    cfg = make_config(attention={"kind": "compressed", "window": 8, "stride": 4},
-                      trainer={"max_steps": 4, "save_every": 2}, wandb={"enabled": True, "mode": "offline"})
+    cfg = make_config(
+        attention={"kind": "compressed", "window": 8, "stride": 4},
+        trainer={"max_steps": 4, "save_every": 2},
+        wandb={"enabled": True, "mode": "offline"},
+    )
     run_dir = Path(train(cfg))
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert saved["attention"]["stride"] == 4 and saved["trainer"]["max_steps"] == 4
@@ -108,8 +117,11 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(make_config, monkeypatch)
         return out * float("nan") if len(calls) > 10 else out  # step 6 onwards
 
     monkeypatch.setattr(Transformer, "forward", forward)
-    with pytest.raises(DivergenceError, match=r"diverged at step 6: the loss is not finite.*last good checkpoint is "
-                                              r".*step_00000004"):
+    with pytest.raises(
+        DivergenceError,
+        match=r"diverged at step 6: the loss is not finite.*last good checkpoint is "
+        r".*step_00000004",
+    ):
         train(cfg)
     assert latest_checkpoint(cfg.run_dir).name == "step_00000004"
     assert load_weights(latest_checkpoint(cfg.run_dir) / "weights")
@@ -126,12 +138,15 @@ def test_resume_with_incompatible_config_is_refused(make_config):
     train(make_config("run", trainer={"max_steps": 2, "log_every": 2, "save_every": 1}))  # compatible changes
 
 
-@pytest.mark.parametrize("section, value, needle", [
-    ("data", {"kind": "text", "seq_len": 64, "text": {"paths": ["/nonexistent/corpus.jsonl"]}}, "/nonexistent"),
-    ("trainer", {"global_batch_size": 6}, "cannot be split"),
-    ("data", {"kind": "text", "seq_len": 64, "text": {"tokenizer": "UNREADABLE"}}, "tokenizer"),
-    ("model", {"max_seq_len": 32}, "exceeds the model's max_seq_len"),
-])
+@pytest.mark.parametrize(
+    "section, value, needle",
+    [
+        ("data", {"kind": "text", "seq_len": 64, "text": {"paths": ["/nonexistent/corpus.jsonl"]}}, "/nonexistent"),
+        ("trainer", {"global_batch_size": 6}, "cannot be split"),
+        ("data", {"kind": "text", "seq_len": 64, "text": {"tokenizer": "UNREADABLE"}}, "tokenizer"),
+        ("model", {"max_seq_len": 32}, "exceeds the model's max_seq_len"),
+    ],
+)
 def test_clear_errors(make_config, tmp_path, section, value, needle):
     if value.get("text", {}).get("tokenizer") == "UNREADABLE":
         (tmp_path / "tokenizer.json").write_text("{not json")
@@ -143,8 +158,10 @@ def test_clear_errors(make_config, tmp_path, section, value, needle):
 @pytest.mark.parametrize("stage", [0, 1])
 def test_bf16_engine(make_config, stage):
     """The GPU precision path (DeepSpeed bf16 with fp32 master weights) runs, stops, resumes and exports on CPU."""
-    sections = dict(trainer={"max_steps": 4, "precision": "bf16", "save_every": 2},
-                    deepspeed={"zero_optimization": {"stage": stage}})
+    sections = dict(
+        trainer={"max_steps": 4, "precision": "bf16", "save_every": 2},
+        deepspeed={"zero_optimization": {"stage": stage}},
+    )
     train(make_config(**{**sections, "trainer": {**sections["trainer"], "stop_at_step": 2}}))
     run_dir = Path(train(make_config(**sections)))
     assert json.loads((run_dir / "run_info.jsonl").read_text().splitlines()[-1])["precision"] == "bf16"

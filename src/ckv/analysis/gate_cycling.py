@@ -16,9 +16,10 @@ without a bias raise ``AnalysisNotApplicable``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -34,8 +35,9 @@ from ckv.eval.stats import group_accuracy, with_cluster_intervals
 log = logging.getLogger(__name__)
 
 
-def cycling_parameters(module: nn.Module, model_name: str = "this model",
-                       layers: Optional[Sequence[int]] = None) -> tuple[list[nn.Parameter], str]:
+def cycling_parameters(
+    module: nn.Module, model_name: str = "this model", layers: Optional[Sequence[int]] = None
+) -> tuple[list[nn.Parameter], str]:
     """The offset-first gate parameters gate cycling rolls (in ``layers``, default all) and a description of
     what is shifted. Raises ``AnalysisNotApplicable`` when the model has nothing to cycle."""
     branches = gated_branches(module, "gate_cycling", model_name, layers)
@@ -43,16 +45,20 @@ def cycling_parameters(module: nn.Module, model_name: str = "this model",
     if a.window != a.stride:
         raise AnalysisNotApplicable(
             f"analysis=gate_cycling needs W == S (then a token's offset in its window is its phase); {model_name} "
-            f"has attention.window={a.window}, attention.stride={a.stride}")
+            f"has attention.window={a.window}, attention.stride={a.stride}"
+        )
     if a.offset_maps == "specific":
         params = [p for b in branches for p in (b.compressor.gate_weight, b.compressor.gate_bias) if p is not None]
         return params, "gate_weight" + (" and gate_bias" if a.gate_bias else "") + " (offset-specific gate maps)"
     if not a.gate_bias:
         raise AnalysisNotApplicable(
             f"analysis=gate_cycling: {model_name} shares its gate map across offsets (attention.offset_maps=shared) "
-            "and has no gate bias (attention.gate_bias=false): no gate parameter is offset-specific")
-    return ([b.compressor.gate_bias for b in branches],
-            "gate_bias only (shared gate maps: the offset bias is the only offset-specific gate parameter)")
+            "and has no gate bias (attention.gate_bias=false): no gate parameter is offset-specific"
+        )
+    return (
+        [b.compressor.gate_bias for b in branches],
+        "gate_bias only (shared gate maps: the offset bias is the only offset-specific gate parameter)",
+    )
 
 
 @contextmanager
@@ -123,8 +129,9 @@ class CyclingSettings:
                 raise ConfigError(f"analysis.{name}={v!r} must be null or a non-empty list of integers")
 
 
-def _r2_dict(reps: np.ndarray, clean: np.ndarray, observed: np.ndarray, deltas: Sequence[int], boundary: int,
-             level: float) -> dict:
+def _r2_dict(
+    reps: np.ndarray, clean: np.ndarray, observed: np.ndarray, deltas: Sequence[int], boundary: int, level: float
+) -> dict:
     """``r2`` and ``r2_corr`` with paired bootstrap intervals; ``reps`` (R, 1 + K, S) holds clean then shifts."""
     point = prediction_r2(clean, observed, deltas, boundary)
     boot = prediction_r2(reps[:, 0], reps[:, 1:], deltas, boundary)
@@ -137,8 +144,10 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
     _, shifted = cycling_parameters(module, ctx.model.name, settings.layers)
     S = ctx.task.stride
     if S != module.config.attention.stride:
-        raise ConfigError(f"analysis=gate_cycling: task.stride={S} differs from the model's stride "
-                          f"{module.config.attention.stride}; phases must be positions mod the model's stride")
+        raise ConfigError(
+            f"analysis=gate_cycling: task.stride={S} differs from the model's stride "
+            f"{module.config.attention.stride}; phases must be positions mod the model's stride"
+        )
     deltas = list(settings.deltas) if settings.deltas is not None else list(range(S))
     clean = ctx.evaluate()
     observed = []
@@ -148,25 +157,41 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
             observed.append(ctx.evaluate().correct)
     t, opts, boundary = clean.table, ctx.options.stats, S - 1
     reps = paired_replicates([clean.correct, *observed], t["phase"], S, t["base"], opts)  # (R, 1 + K, S)
-    a0, *acc = [with_cluster_intervals(group_accuracy(o, t["phase"], S), reps[:, i], opts.level)
-                for i, o in enumerate([clean.correct, *observed])]
+    a0, *acc = [
+        with_cluster_intervals(group_accuracy(o, t["phase"], S), reps[:, i], opts.level)
+        for i, o in enumerate([clean.correct, *observed])
+    ]
     obs = np.stack([a.accuracy for a in acc])  # (K, S)
     per_delta = []
     for k, (d, a) in enumerate(zip(deltas, acc)):
         fit = _r2_dict(reps[:, [0, 1 + k]], a0.accuracy, obs[[k]], [d], boundary, opts.level) if d % S else None
-        per_delta.append({
-            "delta": d, "mean": float(np.mean(observed[k])),
-            "identical_to_clean": bool(np.array_equal(observed[k], clean.correct)),
-            "observed": a.accuracy.tolist(), "lower": a.lower.tolist(), "upper": a.upper.tolist(),
-            "interval": a.interval,
-            "predicted": predicted_accuracy(a0.accuracy, d).tolist(), **(fit or {"r2": None, "r2_corr": None}),
-        })
+        per_delta.append(
+            {
+                "delta": d,
+                "mean": float(np.mean(observed[k])),
+                "identical_to_clean": bool(np.array_equal(observed[k], clean.correct)),
+                "observed": a.accuracy.tolist(),
+                "lower": a.lower.tolist(),
+                "upper": a.upper.tolist(),
+                "interval": a.interval,
+                "predicted": predicted_accuracy(a0.accuracy, d).tolist(),
+                **(fit or {"r2": None, "r2_corr": None}),
+            }
+        )
     return {
-        "stride": S, "boundary_phase": boundary, "shifted": shifted,
+        "stride": S,
+        "boundary_phase": boundary,
+        "shifted": shifted,
         "layers": list(settings.layers) if settings.layers is not None else "all",
-        "clean": {"mean": float(np.mean(clean.correct)), "accuracy": a0.accuracy.tolist(), "lower": a0.lower.tolist(),
-                  "upper": a0.upper.tolist(), "interval": a0.interval},
-        "deltas": per_delta, "pooled": _r2_dict(reps, a0.accuracy, obs, deltas, boundary, opts.level),
+        "clean": {
+            "mean": float(np.mean(clean.correct)),
+            "accuracy": a0.accuracy.tolist(),
+            "lower": a0.lower.tolist(),
+            "upper": a0.upper.tolist(),
+            "interval": a0.interval,
+        },
+        "deltas": per_delta,
+        "pooled": _r2_dict(reps, a0.accuracy, obs, deltas, boundary, opts.level),
     }
 
 

@@ -16,9 +16,10 @@ for every saved checkpoint: how the gates specialise during training.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -68,9 +69,17 @@ class GateAccumulator:
         static = effective_offsets(mean, dim=0).mean(-1)  # (KV,)
         per_window = (self.concentration / self.windows).mean(-1)  # (KV,)
         profile = window * mean.mean(-1)  # (W, KV)
-        return [{"kv_head": h, "profile": profile[:, h].tolist(), "static": float(static[h]),
-                 "per_window": float(per_window[h]), "peak_offset": int(profile[:, h].argmax()), "windows": self.windows}
-                for h in range(profile.shape[1])]
+        return [
+            {
+                "kv_head": h,
+                "profile": profile[:, h].tolist(),
+                "static": float(static[h]),
+                "per_window": float(per_window[h]),
+                "peak_offset": int(profile[:, h].argmax()),
+                "windows": self.windows,
+            }
+            for h in range(profile.shape[1])
+        ]
 
 
 @contextmanager
@@ -84,10 +93,10 @@ def record_gates(branches: list[Branch]) -> Iterator[dict[tuple[int, str], GateA
         def hook(_: nn.Module, args: tuple, output: tuple) -> None:
             present, alpha = args[2], output[1]  # Pooling.forward(payload, logits, present) -> (pooled, alpha)
             acc.add(alpha.detach(), present)
+
         return hook
 
-    handles = [b.compressor.pooling.register_forward_hook(hook_for(accumulators[(b.layer, b.name)]))
-               for b in branches]
+    handles = [b.compressor.pooling.register_forward_hook(hook_for(accumulators[(b.layer, b.name)])) for b in branches]
     try:
         yield accumulators
     finally:
@@ -100,8 +109,9 @@ def gate_statistics(model: LoadedModel, task: LookupTask, options: RunOptions) -
     Rows: ``layer``, ``branch``, ``kv_head`` plus ``GateAccumulator.summary``'s fields."""
     branches = gated_branches(model.module, "gates", model.name)
     with record_gates(branches) as accs:
-        outcome = task.evaluate(model.logits, batch_size=options.batch_size, device=model.device,
-                                progress=options.progress)
+        outcome = task.evaluate(
+            model.logits, batch_size=options.batch_size, device=model.device, progress=options.progress
+        )
     rows = [{"layer": layer, "branch": name, **s} for (layer, name), acc in accs.items() for s in acc.summary()]
     return rows, outcome
 
@@ -109,9 +119,17 @@ def gate_statistics(model: LoadedModel, task: LookupTask, options: RunOptions) -
 def peak_shifts(rows: list[dict], window: int) -> list[dict]:
     """Per layer and KV head with both branches: ``(V peak - K peak) mod W`` (the paper: about +1)."""
     peaks = {(r["layer"], r["kv_head"], r["branch"]): r["peak_offset"] for r in rows}
-    return [{"layer": layer, "kv_head": h, "k_peak": k, "v_peak": peaks[(layer, h, "V")],
-             "shift": (peaks[(layer, h, "V")] - k) % window}
-            for (layer, h, b), k in peaks.items() if b == "K" and (layer, h, "V") in peaks]
+    return [
+        {
+            "layer": layer,
+            "kv_head": h,
+            "k_peak": k,
+            "v_peak": peaks[(layer, h, "V")],
+            "shift": (peaks[(layer, h, "V")] - k) % window,
+        }
+        for (layer, h, b), k in peaks.items()
+        if b == "K" and (layer, h, "V") in peaks
+    ]
 
 
 @dataclass(frozen=True)
@@ -143,7 +161,9 @@ def checkpoint_series(ctx: AnalysisContext, settings: GateSettings) -> list[dict
     steps = sorted(found) if settings.checkpoints == "all" else list(settings.checkpoints)
     missing = [s for s in steps if s not in found]
     if missing:
-        raise ConfigError(f"analysis.checkpoints: steps {missing} are not checkpoints of {run_dir}; it has {sorted(found)}")
+        raise ConfigError(
+            f"analysis.checkpoints: steps {missing} are not checkpoints of {run_dir}; it has {sorted(found)}"
+        )
     impl = ctx.model.module.config.attention.impl
     series = []
     for step in steps:
@@ -162,14 +182,19 @@ def gates(ctx: AnalysisContext) -> dict:
     rows, outcome = gate_statistics(ctx.model, ctx.task, ctx.options)
     window = ctx.model.module.config.attention.window
     result = {
-        "window": window, "stride": ctx.task.stride, "channels": "vector gates: channel means",
-        "accuracy": _accuracy(outcome, ctx.task.stride), "gates": rows, "peak_shifts": peak_shifts(rows, window),
+        "window": window,
+        "stride": ctx.task.stride,
+        "channels": "vector gates: channel means",
+        "accuracy": _accuracy(outcome, ctx.task.stride),
+        "gates": rows,
+        "peak_shifts": peak_shifts(rows, window),
         "checkpoints": checkpoint_series(ctx, settings),
     }
     if ctx.options.plots:
         plots = [plot_gate_profiles(rows, window, ctx.out_dir / "gate_profiles.png", ctx.model.name)]
         if result["checkpoints"]:
-            plots.append(plot_gate_training(result["checkpoints"], window, ctx.out_dir / "gate_training.png",
-                                            ctx.model.name))
+            plots.append(
+                plot_gate_training(result["checkpoints"], window, ctx.out_dir / "gate_training.png", ctx.model.name)
+            )
         result["plots"] = [p.name for p in plots]
     return result

@@ -10,9 +10,10 @@ a mean replaces the layer's attention output by the mean of that output.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -68,18 +69,23 @@ def attention_sites(module: nn.Module) -> list[AttentionSite]:
     """The attention output of every layer of a ckv ``Transformer`` or of a transformers model laid out like
     Qwen/Llama (``model.layers[i].self_attn.o_proj``, ``config.num_attention_heads``)."""
     if isinstance(module, Transformer):
-        return [AttentionSite(i, b.self_attn.o_proj, b.self_attn.n_heads, b.self_attn.kv_heads, b.self_attn.head_dim)
-                for i, b in enumerate(module.layers)]
+        return [
+            AttentionSite(i, b.self_attn.o_proj, b.self_attn.n_heads, b.self_attn.kv_heads, b.self_attn.head_dim)
+            for i, b in enumerate(module.layers)
+        ]
     layers = getattr(getattr(module, "model", None), "layers", None)
     cfg = getattr(module, "config", None)
     n_heads = getattr(cfg, "num_attention_heads", None)
     if layers is None or not n_heads or not all(hasattr(getattr(b, "self_attn", None), "o_proj") for b in layers):
         raise AnalysisNotApplicable(
             f"cannot find the attention outputs of {type(module).__name__}: knock-outs need a ckv Transformer or a "
-            "transformers model with model.layers[i].self_attn.o_proj and config.num_attention_heads")
+            "transformers model with model.layers[i].self_attn.o_proj and config.num_attention_heads"
+        )
     kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    return [AttentionSite(i, b.self_attn.o_proj, n_heads, kv, b.self_attn.o_proj.in_features // n_heads)
-            for i, b in enumerate(layers)]
+    return [
+        AttentionSite(i, b.self_attn.o_proj, n_heads, kv, b.self_attn.o_proj.in_features // n_heads)
+        for i, b in enumerate(layers)
+    ]
 
 
 class FinalInputMeans:
@@ -106,6 +112,7 @@ def capture_final_inputs(sites: Sequence[AttentionSite]) -> Iterator[FinalInputM
             means.sums[layer] = means.sums[layer] + x if layer in means.sums else x
             if layer == sites[0].layer:  # count prompts once per forward pass
                 means.count += args[0].shape[0]
+
         return hook
 
     handles = [s.o_proj.register_forward_pre_hook(hook_for(s.layer)) for s in sites]
@@ -119,6 +126,7 @@ def capture_final_inputs(sites: Sequence[AttentionSite]) -> Iterator[FinalInputM
 @contextmanager
 def replace_final_input(site: AttentionSite, columns: slice, value: torch.Tensor) -> Iterator[None]:
     """Inside the block, the o_proj input of ``site`` at the final position has ``value`` in ``columns``."""
+
     def hook(_: nn.Module, args: tuple) -> tuple:
         x = args[0].clone()  # (B, T, H * D)
         x[:, -1, columns] = value.to(device=x.device, dtype=x.dtype)
@@ -141,21 +149,27 @@ class Branch:
     compressor: Compressor
 
 
-def gated_branches(module: nn.Module, analysis: str, model_name: str = "this model",
-                   layers: Optional[Sequence[int]] = None) -> list[Branch]:
+def gated_branches(
+    module: nn.Module, analysis: str, model_name: str = "this model", layers: Optional[Sequence[int]] = None
+) -> list[Branch]:
     """Every learned-gate compressor branch of a ckv compressed model (K, then V unless K/V are tied), in
     ``layers`` (default all). Raises ``AnalysisNotApplicable`` naming why the model has no learned gates."""
     if not isinstance(module, Transformer):
-        raise AnalysisNotApplicable(f"analysis={analysis} needs a ckv model; {model_name} is a "
-                                    f"{type(module).__name__} (gate parameters are unknown)")
+        raise AnalysisNotApplicable(
+            f"analysis={analysis} needs a ckv model; {model_name} is a "
+            f"{type(module).__name__} (gate parameters are unknown)"
+        )
     a = module.config.attention
     if not a.compressed:
-        raise AnalysisNotApplicable(f"analysis={analysis} needs a compressed model, but {model_name} uses full "
-                                    "attention (attention.kind=full): there are no gates")
+        raise AnalysisNotApplicable(
+            f"analysis={analysis} needs a compressed model, but {model_name} uses full "
+            "attention (attention.kind=full): there are no gates"
+        )
     if a.pooling != "gate":
         raise AnalysisNotApplicable(
             f"analysis={analysis} needs learned gates, but {model_name} pools by uniform averaging "
-            f"(attention.pooling=mean): every present offset weighs 1/W and there are no gate parameters")
+            f"(attention.pooling=mean): every present offset weighs 1/W and there are no gate parameters"
+        )
     n = len(module.layers)
     chosen = range(n) if layers is None else layers
     bad = [i for i in chosen if not 0 <= i < n]

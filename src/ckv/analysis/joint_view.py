@@ -49,10 +49,14 @@ def joint_rows(knockout: dict, gates: list[dict], window: int) -> list[dict]:
     for u in knockout["units"]:
         effect = [p["effect"] for p in u["phases"]]
         finite = [(e, r) for r, e in enumerate(effect) if e is not None]
-        row = {"layer": u["layer"], "kv_head": u["kv_head"], "knockout": effect,
-               "knockout_lower": [p["effect_lower"] for p in u["phases"]],
-               "knockout_upper": [p["effect_upper"] for p in u["phases"]],
-               "worst_phase": min(finite)[1] if finite else None}
+        row = {
+            "layer": u["layer"],
+            "kv_head": u["kv_head"],
+            "knockout": effect,
+            "knockout_lower": [p["effect_lower"] for p in u["phases"]],
+            "knockout_upper": [p["effect_upper"] for p in u["phases"]],
+            "worst_phase": min(finite)[1] if finite else None,
+        }
         for branch in ("K", "V"):
             g = by.get((u["layer"], u["kv_head"], branch))
             key = branch.lower()
@@ -73,8 +77,13 @@ def joint(ctx: AnalysisContext) -> dict:
     gates, _ = gate_statistics(ctx.model, ctx.task, ctx.options)  # first: fails fast on models without gates
     knockout = run_knockout(ctx, KnockoutSettings(settings.calibration, settings.calibration_seed, ("heads",)))
     window = ctx.model.module.config.attention.window
-    result = {"stride": ctx.task.stride, "window": window, "calibration": knockout["calibration"],
-              "clean": knockout["clean"]["headline"], "rows": joint_rows(knockout, gates, window)}
+    result = {
+        "stride": ctx.task.stride,
+        "window": window,
+        "calibration": knockout["calibration"],
+        "clean": knockout["clean"]["headline"],
+        "rows": joint_rows(knockout, gates, window),
+    }
     if ctx.options.plots:
         result["plots"] = [plot_joint(result, ctx.out_dir / "joint.png", ctx.model.name).name]
     return result

@@ -18,7 +18,12 @@ from typing import Optional
 import numpy as np
 
 from ckv.analysis.hooks import (
-    AttentionSite, FinalInputMeans, attention_sites, capture_final_inputs, replace_final_input, settings_from_params,
+    AttentionSite,
+    FinalInputMeans,
+    attention_sites,
+    capture_final_inputs,
+    replace_final_input,
+    settings_from_params,
 )
 from ckv.analysis.paired import interval, paired_replicates, relative_change
 from ckv.analysis.plots import plot_knockout
@@ -49,7 +54,9 @@ class KnockoutSettings:
             object.__setattr__(self, "units", (self.units,))
         if not isinstance(self.calibration, int) or isinstance(self.calibration, bool) or self.calibration < 1:
             raise ConfigError(f"analysis.calibration={self.calibration!r} must be an integer >= 1 (base examples)")
-        if self.calibration_seed is not None and (not isinstance(self.calibration_seed, int) or self.calibration_seed < 0):
+        if self.calibration_seed is not None and (
+            not isinstance(self.calibration_seed, int) or self.calibration_seed < 0
+        ):
             raise ConfigError(f"analysis.calibration_seed={self.calibration_seed!r} must be null or an integer >= 0")
         bad = [u for u in self.units if u not in UNIT_KINDS]
         if bad or not self.units:
@@ -92,19 +99,35 @@ def calibration_means(
     with another seed, the scored prompts removed). Returns the means and a description of the set."""
     spec = ctx.task.spec
     seed = spec.seed + 1 if settings.calibration_seed is None else settings.calibration_seed
-    calib = LookupTask(dataclasses.replace(spec, seed=seed, n_base=settings.calibration), ctx.task.codec,
-                       max_len=ctx.model.max_len, model_stride=ctx.model.stride, training=ctx.model.lookup)
+    calib = LookupTask(
+        dataclasses.replace(spec, seed=seed, n_base=settings.calibration),
+        ctx.task.codec,
+        max_len=ctx.model.max_len,
+        model_stride=ctx.model.stride,
+        training=ctx.model.lookup,
+    )
     scored = {p.tobytes() for p in ctx.task.prompts}
     keep = [i for i, p in enumerate(calib.prompts) if p.tobytes() not in scored]
     if not keep:
         raise ConfigError("every calibration prompt equals a scored prompt: change analysis.calibration_seed")
     answers = calib.table["answer_id"][keep]
     with capture_final_inputs(sites) as means:
-        scores = score_next_token(ctx.model.logits, [calib.prompts[i] for i in keep], answers[:, None],
-                                  batch_size=ctx.options.batch_size, device=ctx.model.device,
-                                  progress=ctx.options.progress, desc="calibration")
-    info = {"n_base": settings.calibration, "seed": seed, "n_prompts": len(keep),
-            "dropped_as_scored": len(calib.prompts) - len(keep), "accuracy": float(np.mean(scores.top1 == answers))}
+        scores = score_next_token(
+            ctx.model.logits,
+            [calib.prompts[i] for i in keep],
+            answers[:, None],
+            batch_size=ctx.options.batch_size,
+            device=ctx.model.device,
+            progress=ctx.options.progress,
+            desc="calibration",
+        )
+    info = {
+        "n_base": settings.calibration,
+        "seed": seed,
+        "n_prompts": len(keep),
+        "dropped_as_scored": len(calib.prompts) - len(keep),
+        "accuracy": float(np.mean(scores.top1 == answers)),
+    }
     return means, info
 
 
@@ -120,29 +143,44 @@ def knockout_effects(ctx: AnalysisContext, clean: LookupOutcome, knocked: list[n
     outcomes = [clean.correct, *knocked]
     reps = paired_replicates(outcomes, t["phase"], S, t["base"], opts)  # (R, 1 + U, S)
     reps_all = paired_replicates(outcomes, np.zeros_like(t["phase"]), 1, t["base"], opts)[..., 0]  # (R, 1 + U)
-    acc = [with_cluster_intervals(group_accuracy(o, t["phase"], S), reps[:, i], opts.level)
-           for i, o in enumerate(outcomes)]
+    acc = [
+        with_cluster_intervals(group_accuracy(o, t["phase"], S), reps[:, i], opts.level) for i, o in enumerate(outcomes)
+    ]
     means = [float(np.mean(o)) for o in outcomes]
     out = []
     for u in range(1, len(outcomes)):
         phases = []
         for r in range(S):
             c, k = acc[0].accuracy[r], acc[u].accuracy[r]
-            phases.append({
-                "phase": r, "clean": float(c), "knocked": float(k),
-                "knocked_lower": float(acc[u].lower[r]), "knocked_upper": float(acc[u].upper[r]),
-                "knocked_interval": acc[u].interval,
-                **_flat("effect", interval(relative_change(reps[:, 0, r], reps[:, u, r]), relative_change(c, k),
-                                           opts.level)),
-                **_flat("delta", interval(reps[:, u, r] - reps[:, 0, r], k - c, opts.level)),
-            })
-        out.append({
-            "clean_mean": means[0], "knocked_mean": means[u],
-            **_flat("effect", interval(relative_change(reps_all[:, 0], reps_all[:, u]),
-                                       relative_change(means[0], means[u]), opts.level)),
-            **_flat("delta", interval(reps_all[:, u] - reps_all[:, 0], means[u] - means[0], opts.level)),
-            "phases": phases,
-        })
+            phases.append(
+                {
+                    "phase": r,
+                    "clean": float(c),
+                    "knocked": float(k),
+                    "knocked_lower": float(acc[u].lower[r]),
+                    "knocked_upper": float(acc[u].upper[r]),
+                    "knocked_interval": acc[u].interval,
+                    **_flat(
+                        "effect",
+                        interval(relative_change(reps[:, 0, r], reps[:, u, r]), relative_change(c, k), opts.level),
+                    ),
+                    **_flat("delta", interval(reps[:, u, r] - reps[:, 0, r], k - c, opts.level)),
+                }
+            )
+        out.append(
+            {
+                "clean_mean": means[0],
+                "knocked_mean": means[u],
+                **_flat(
+                    "effect",
+                    interval(
+                        relative_change(reps_all[:, 0], reps_all[:, u]), relative_change(means[0], means[u]), opts.level
+                    ),
+                ),
+                **_flat("delta", interval(reps_all[:, u] - reps_all[:, 0], means[u] - means[0], opts.level)),
+                "phases": phases,
+            }
+        )
     return out
 
 
@@ -167,10 +205,14 @@ def run_knockout(ctx: AnalysisContext, settings: KnockoutSettings) -> dict:
     effects = knockout_effects(ctx, clean, knocked)
     report = ctx.report(clean)
     return {
-        "stride": stride, "position": "final query position (the last prompt token, whose logits are scored)",
-        "calibration": calibration, "clean": {"headline": report["headline"], "phase": report["phase"]},
-        "units": [{"layer": u.layer, "kv_head": u.kv_head, "heads": list(u.heads), "label": u.label, **e}
-                  for u, e in zip(units, effects)],
+        "stride": stride,
+        "position": "final query position (the last prompt token, whose logits are scored)",
+        "calibration": calibration,
+        "clean": {"headline": report["headline"], "phase": report["phase"]},
+        "units": [
+            {"layer": u.layer, "kv_head": u.kv_head, "heads": list(u.heads), "label": u.label, **e}
+            for u, e in zip(units, effects)
+        ],
     }
 
 

@@ -8,7 +8,8 @@ resample to every variant. Implemented by stacking the variants as extra groups 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -36,8 +37,9 @@ def paired_replicates(
         raise ValueError(f"every outcome must score the same {n} prompts")
     correct = np.concatenate([np.asarray(o, dtype=np.float64) for o in outcomes])
     stacked = np.concatenate([np.asarray(groups, dtype=np.int64) + i * n_groups for i in range(k)])
-    acc, _ = bootstrap_group_accuracy(correct, stacked, k * n_groups, np.tile(clusters, k), options.n_bootstrap,
-                                      options.seed)
+    acc, _ = bootstrap_group_accuracy(
+        correct, stacked, k * n_groups, np.tile(clusters, k), options.n_bootstrap, options.seed
+    )
     return acc.reshape(-1, k, n_groups)
 
 

@@ -10,8 +10,9 @@ mappings: the results' ``interval``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import numpy as np
 from matplotlib import colormaps
@@ -29,8 +30,19 @@ def _array(values: Sequence[Sequence[Optional[float]]]) -> np.ndarray:
     return np.array([[np.nan if v is None else float(v) for v in row] for row in values], dtype=np.float64)
 
 
-def _heatmap(fig: Figure, ax: Axes, data: np.ndarray, *, rows: list[str], cols: list[str], cmap: str, vlim: float,
-             center: float, cbar_label: str, text: Optional[list[list[str]]] = None) -> None:
+def _heatmap(
+    fig: Figure,
+    ax: Axes,
+    data: np.ndarray,
+    *,
+    rows: list[str],
+    cols: list[str],
+    cmap: str,
+    vlim: float,
+    center: float,
+    cbar_label: str,
+    text: Optional[list[list[str]]] = None,
+) -> None:
     """``data`` (R, C) with a symmetric colour range ``center +- vlim``, a labelled colour bar and, for small
     maps, ``text`` in each cell."""
     cm = colormaps[cmap].with_extremes(bad="0.8")
@@ -87,12 +99,25 @@ def plot_knockout(result: dict, out_dir: Path, title: str) -> list[Path]:
         data, text = _effect_cells(units)
         fig = Figure(figsize=(max(5.5, 0.75 * S + 3.5), _height(len(units))))
         ax = fig.subplots()
-        _heatmap(fig, ax, data, rows=[u["label"] for u in units], cols=[str(r) for r in range(S)], cmap="RdBu",
-                 vlim=_effect_range(data), center=0.0, cbar_label=EFFECT_LABEL, text=text)
+        _heatmap(
+            fig,
+            ax,
+            data,
+            rows=[u["label"] for u in units],
+            cols=[str(r) for r in range(S)],
+            cmap="RdBu",
+            vlim=_effect_range(data),
+            center=0.0,
+            cbar_label=EFFECT_LABEL,
+            text=text,
+        )
         ax.set_xlabel(f"phase of the target position (mod {S})")
         ax.set_ylabel(f"knocked-out {what}")
-        ax.set_title(f"{title}: mean ablation at the final query position\nclean accuracy per phase {clean} %; "
-                     "* = paired 95% interval excludes 0; grey = clean accuracy 0", fontsize=9)
+        ax.set_title(
+            f"{title}: mean ablation at the final query position\nclean accuracy per phase {clean} %; "
+            "* = paired 95% interval excludes 0; grey = clean accuracy 0",
+            fontsize=9,
+        )
         paths.append(_save(fig, out_dir / f"knockout_{kind}.png"))
     return paths
 
@@ -123,12 +148,25 @@ def plot_gate_profiles(rows: list[dict], window: int, path: Path, title: str) ->
         rs = [r for r in rows if r["branch"] == b]
         data, text = _profile_cells([r["profile"] for r in rs])
         labels = [f"L{r['layer']} kv{r['kv_head']} ({r['static']:.1f} | {r['per_window']:.1f})" for r in rs]
-        _heatmap(fig, ax, data, rows=labels, cols=[str(i) for i in range(window)], cmap="BrBG", vlim=vlim, center=0.0,
-                 cbar_label=PROFILE_LABEL, text=text)
+        _heatmap(
+            fig,
+            ax,
+            data,
+            rows=labels,
+            cols=[str(i) for i in range(window)],
+            cmap="BrBG",
+            vlim=vlim,
+            center=0.0,
+            cbar_label=PROFILE_LABEL,
+            text=text,
+        )
         ax.set_xlabel(f"offset in the window (0..{window - 1})")
         ax.set_title(f"{b} gates: mean weight per offset x {window} (1 = uniform)", fontsize=9)
-    fig.suptitle(f"{title}: gate offset profiles\nrow labels: layer, KV head (static exp(H(E[alpha])) | per-window "
-                 f"E[exp(H(alpha))]; 1 = one-hot, {window} = uniform)", fontsize=9)
+    fig.suptitle(
+        f"{title}: gate offset profiles\nrow labels: layer, KV head (static exp(H(E[alpha])) | per-window "
+        f"E[exp(H(alpha))]; 1 = one-hot, {window} = uniform)",
+        fontsize=9,
+    )
     fig.tight_layout()
     return _save(fig, path)
 
@@ -152,8 +190,10 @@ def plot_gate_training(series: list[dict], window: int, path: Path, title: str) 
         ax.set_ylabel(f"effective number of offsets (1 = one-hot, {window} = uniform)")
         ax.set_title(f"{b} gates", fontsize=9)
         ax.grid(alpha=0.3)
-        styles = [Line2D([], [], color="black", ls="-", label="static"),
-                  Line2D([], [], color="black", ls="--", label="per window")]
+        styles = [
+            Line2D([], [], color="black", ls="-", label="static"),
+            Line2D([], [], color="black", ls="--", label="per window"),
+        ]
         ax.legend(handles=ax.get_legend_handles_labels()[0][:12] + styles, fontsize=7, ncol=2)
     acc = axes[-1]
     S = len(series[0]["accuracy"]["phase"])
@@ -214,7 +254,9 @@ def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
         pred = PCT * (np.asarray(d["predicted"]) - np.asarray(clean["accuracy"]))
         obs = PCT * (np.asarray(d["observed"]) - np.asarray(clean["accuracy"]))
         keep = x != boundary
-        sc.scatter(pred[keep], obs[keep], color=color, s=25, edgecolors="black", linewidths=0.4, label=f"d={d['delta']}")
+        sc.scatter(
+            pred[keep], obs[keep], color=color, s=25, edgecolors="black", linewidths=0.4, label=f"d={d['delta']}"
+        )
         sc.scatter(pred[~keep], obs[~keep], facecolors="none", edgecolors=color, s=25)
         changes += [*pred, *obs]
     lim = max(5.0, float(np.nanmax(np.abs(changes)))) if changes else 5.0
@@ -244,24 +286,58 @@ def plot_joint(result: dict, path: Path, title: str) -> Path:
     branches = [b for b in ("k", "v") if any(r[f"{b}_profile"] is not None for r in rows)]
     fig = Figure(figsize=(4.0 + 0.6 * S + 4.2 * len(branches), _height(len(rows))))
     axes = fig.subplots(1, 1 + len(branches), gridspec_kw={"width_ratios": [S + 2] + [W + 2] * len(branches)})
-    data, text = _effect_cells([{"phases": [{"effect": e, "effect_lower": lo, "effect_upper": hi}
-                                            for e, lo, hi in zip(r["knockout"], r["knockout_lower"], r["knockout_upper"])]}
-                                for r in rows])
-    labels = [f"L{r['layer']} kv{r['kv_head']}" + (f" (r_K {_fmt_corr(r['loss_vs_k'])}, r_V {_fmt_corr(r['loss_vs_v'])})"
-                                                   if W == S else "") for r in rows]
-    _heatmap(fig, axes[0], data, rows=labels, cols=[str(r) for r in range(S)], cmap="RdBu", vlim=_effect_range(data),
-             center=0.0, cbar_label=EFFECT_LABEL, text=text)
+    data, text = _effect_cells(
+        [
+            {
+                "phases": [
+                    {"effect": e, "effect_lower": lo, "effect_upper": hi}
+                    for e, lo, hi in zip(r["knockout"], r["knockout_lower"], r["knockout_upper"])
+                ]
+            }
+            for r in rows
+        ]
+    )
+    labels = [
+        f"L{r['layer']} kv{r['kv_head']}"
+        + (f" (r_K {_fmt_corr(r['loss_vs_k'])}, r_V {_fmt_corr(r['loss_vs_v'])})" if W == S else "")
+        for r in rows
+    ]
+    _heatmap(
+        fig,
+        axes[0],
+        data,
+        rows=labels,
+        cols=[str(r) for r in range(S)],
+        cmap="RdBu",
+        vlim=_effect_range(data),
+        center=0.0,
+        cbar_label=EFFECT_LABEL,
+        text=text,
+    )
     axes[0].set_xlabel(f"phase (mod {S})")
     axes[0].set_title("knock-out of the KV-head group", fontsize=9)
     vlim = _profile_range([r[f"{b}_profile"] for b in branches for r in rows])
     for ax, b in zip(axes[1:], branches):
         prof, ptext = _profile_cells([r[f"{b}_profile"] for r in rows])
-        _heatmap(fig, ax, prof, rows=["" for _ in rows], cols=[str(i) for i in range(W)], cmap="BrBG", vlim=vlim,
-                 center=0.0, cbar_label=PROFILE_LABEL, text=ptext)
+        _heatmap(
+            fig,
+            ax,
+            prof,
+            rows=["" for _ in rows],
+            cols=[str(i) for i in range(W)],
+            cmap="BrBG",
+            vlim=vlim,
+            center=0.0,
+            cbar_label=PROFILE_LABEL,
+            text=ptext,
+        )
         ax.set_xlabel(f"offset (0..{W - 1})")
         ax.set_title(f"{b.upper()} gate profile", fontsize=9)
     corr = "\nr_K, r_V: correlation of the loss profile (-effect) with the K, V gate profile" if W == S else ""
-    fig.suptitle(f"{title}: knock-out effect (% of clean accuracy, * = 95% interval excludes 0) vs gate profiles "
-                 f"(mass x {W}, 1 = uniform){corr}", fontsize=9)
+    fig.suptitle(
+        f"{title}: knock-out effect (% of clean accuracy, * = 95% interval excludes 0) vs gate profiles "
+        f"(mass x {W}, 1 = uniform){corr}",
+        fontsize=9,
+    )
     fig.tight_layout()
     return _save(fig, path)

@@ -9,9 +9,10 @@ whichever module a caller imports first.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from ckv.config import ConfigError
 from ckv.eval.lookup import LookupOutcome, LookupSpec, LookupTask
@@ -34,8 +35,12 @@ class AnalysisContext:
 
     def evaluate(self, logits: Optional[LogitsFn] = None) -> LookupOutcome:
         """Score the task's prompts with ``logits`` (default: the unmodified model)."""
-        return self.task.evaluate(logits or self.model.logits, batch_size=self.options.batch_size,
-                                  device=self.model.device, progress=self.options.progress)
+        return self.task.evaluate(
+            logits or self.model.logits,
+            batch_size=self.options.batch_size,
+            device=self.model.device,
+            progress=self.options.progress,
+        )
 
     def report(self, outcome: LookupOutcome) -> dict:
         """Per-residue and per-phase statistics of an outcome (see ``LookupTask.report``)."""
@@ -59,7 +64,9 @@ def register_analysis(name: str) -> Callable[[AnalysisFn], AnalysisFn]:
     return deco
 
 
-def run_analysis(config: dict[str, Any], model: LoadedModel, spec: LookupSpec, options: RunOptions = RunOptions()) -> dict:
+def run_analysis(
+    config: dict[str, Any], model: LoadedModel, spec: LookupSpec, options: RunOptions = RunOptions()
+) -> dict:
     """Run the analysis named ``config["name"]`` (the other keys are its ``ctx.params``) on the lookup task
     ``spec``; writes ``<out>/<name>/<name>.json`` and returns the envelope."""
     params = dict(config)
@@ -71,7 +78,9 @@ def run_analysis(config: dict[str, Any], model: LoadedModel, spec: LookupSpec, o
     task = build_task(spec, model, options.limit)
     out = output_dir(model, spec, options) / name
     result = ANALYSES[name](AnalysisContext(model, task, options, params, out))
-    envelope = {**results_envelope(model, spec, options, {"task": "lookup", **task.describe()}),
-                "analysis": {"name": name, "params": params, "results": result}}
+    envelope = {
+        **results_envelope(model, spec, options, {"task": "lookup", **task.describe()}),
+        "analysis": {"name": name, "params": params, "results": result},
+    }
     write_json(out / f"{name}.json", envelope)
     return envelope

@@ -31,8 +31,16 @@ from ckv.io.results import read_json, write_json
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
 TASK = "demo_lookup"
-DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                   "TORCHELASTIC_RUN_ID")
+DISTRIBUTED_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 @dataclass(frozen=True)
@@ -62,13 +70,25 @@ PLAN = (
 
 # make demo-grid: strides 2/4/8, W = S and W = 2S, learned gate vs uniform mean (12 models)
 GRID = tuple(
-    DemoRun("demo_gate_s4", 0, "grid", (f"attention.window={w}", f"attention.stride={s}", f"attention.pooling={p}"),
-            name=f"grid_{p}_w{w}s{s}")
-    for p in ("gate", "mean") for s in (2, 4, 8) for w in (s, 2 * s)
+    DemoRun(
+        "demo_gate_s4",
+        0,
+        "grid",
+        (f"attention.window={w}", f"attention.stride={s}", f"attention.pooling={p}"),
+        name=f"grid_{p}_w{w}s{s}",
+    )
+    for p in ("gate", "mean")
+    for s in (2, 4, 8)
+    for w in (s, 2 * s)
 )
 
-QUICK_TRAIN = ("trainer.max_steps=12", "trainer.val_every=0", "trainer.save_every=0", "trainer.log_every=4",
-               "optim.warmup_steps=2")
+QUICK_TRAIN = (
+    "trainer.max_steps=12",
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.log_every=4",
+    "optim.warmup_steps=2",
+)
 QUICK_EVAL = ("task.n_base=64", "stats.n_bootstrap=200", "stats.n_permutations=200")
 
 
@@ -110,16 +130,34 @@ def train_and_evaluate(run: DemoRun, out: Path, quick: bool, env: dict, clock: T
     py = sys.executable
     t0 = time.monotonic()
     rdir = run_dir(out, run)
-    train_cmd = [py, *run.entry, f"experiment={run.experiment}", f"seed={run.seed}", f"hydra.run.dir='{rdir}'",
-                 "trainer.progress=false", "wandb.enabled=false", *run.train_overrides, *(QUICK_TRAIN if quick else ())]
+    train_cmd = [
+        py,
+        *run.entry,
+        f"experiment={run.experiment}",
+        f"seed={run.seed}",
+        f"hydra.run.dir='{rdir}'",
+        "trainer.progress=false",
+        "wandb.enabled=false",
+        *run.train_overrides,
+        *(QUICK_TRAIN if quick else ()),
+    ]
     run_command(train_cmd, out / "logs" / f"train_{run.name or run.experiment}_seed{run.seed}.log", env)
     train_s = time.monotonic() - t0
-    eval_cmd = [py, "eval.py", f"model.path='{rdir}'", f"task={TASK}", "progress=false", *run.eval_overrides,
-                *(QUICK_EVAL if quick else ())]
+    eval_cmd = [
+        py,
+        "eval.py",
+        f"model.path='{rdir}'",
+        f"task={TASK}",
+        "progress=false",
+        *run.eval_overrides,
+        *(QUICK_EVAL if quick else ()),
+    ]
     run_command(eval_cmd, out / "logs" / f"eval_{run.name or run.experiment}_seed{run.seed}.log", env)
     steps = read_run_config(rdir)["trainer"]["max_steps"]
-    print(f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
-          flush=True)
+    print(
+        f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
+        flush=True,
+    )
     results = read_json(results_file(rdir, TASK))["results"]
     return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps, "results": results}
 
@@ -129,8 +167,15 @@ def job_env() -> dict:
     (every run is its own single-process job: rank variables left behind would make two runs rendezvous on the
     same port)."""
     env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
-    return {**env, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MPLBACKEND": "Agg",
-            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    return {
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MPLBACKEND": "Agg",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
 
 
 def run_plan(plan: tuple[DemoRun, ...], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> list[dict]:
@@ -161,33 +206,50 @@ def check_science(done: list[dict]) -> list[Check]:
         h = rep["headline"]
         gate_means.append(h["mean"])
         ok = h["phase_gap"] >= 0.20 and h["phase_gap_lower"] > h["phase_noise_floor"]
-        checks.append(Check(f"{run.label}: phase gap (mod S={rep['stride']}) >= 20 pp, interval above the noise floor",
-                            ok,
-                            f"gap {100 * h['phase_gap']:.1f} pp [{100 * h['phase_gap_lower']:.1f}, "
-                            f"{100 * h['phase_gap_upper']:.1f}], noise floor {100 * h['phase_noise_floor']:.1f} pp"))
+        checks.append(
+            Check(
+                f"{run.label}: phase gap (mod S={rep['stride']}) >= 20 pp, interval above the noise floor",
+                ok,
+                f"gap {100 * h['phase_gap']:.1f} pp [{100 * h['phase_gap_lower']:.1f}, "
+                f"{100 * h['phase_gap_upper']:.1f}], noise floor {100 * h['phase_noise_floor']:.1f} pp",
+            )
+        )
     for run, rep in by_role.get("geometry", []):
         h = rep["headline"]
         # a period counts only where there is a phase effect: significant, and its interval above the noise floor
         real = gap_is_real(h["phase_p_value"], h["phase_gap_lower"], h["phase_noise_floor"])
         ok = real and h["dominant_period"] == rep["stride"]
         score = h["periodicity_score"]
-        checks.append(Check(f"{run.label}: a significant phase effect whose dominant period equals the stride "
-                            f"({rep['stride']})", ok,
-                            f"dominant period {h['dominant_period']}, periodicity score "
-                            f"{'-' if score is None else round(score, 3)}, gap {100 * h['phase_gap']:.1f} pp "
-                            f"[{100 * h['phase_gap_lower']:.1f}, {100 * h['phase_gap_upper']:.1f}], p = "
-                            f"{h['phase_p_value']:.4f}, noise floor {100 * h['phase_noise_floor']:.1f} pp"))
+        checks.append(
+            Check(
+                f"{run.label}: a significant phase effect whose dominant period equals the stride ({rep['stride']})",
+                ok,
+                f"dominant period {h['dominant_period']}, periodicity score "
+                f"{'-' if score is None else round(score, 3)}, gap {100 * h['phase_gap']:.1f} pp "
+                f"[{100 * h['phase_gap_lower']:.1f}, {100 * h['phase_gap_upper']:.1f}], p = "
+                f"{h['phase_p_value']:.4f}, noise floor {100 * h['phase_noise_floor']:.1f} pp",
+            )
+        )
     for run, rep in by_role.get("control", []):
         h = rep["headline"]
         best_gate = max(gate_means) if gate_means else 0.0
         ok_mean = h["mean"] >= 0.40 and h["mean"] >= best_gate - 0.15
-        checks.append(Check(f"{run.label}: full attention has learned (mean >= 40% and >= gate mean - 15 pp)", ok_mean,
-                            f"mean {100 * h['mean']:.1f}% vs best gate mean {100 * best_gate:.1f}%"))
-        checks.append(Check(f"{run.label}: no significant phase dependence at stride {rep['stride']} "
-                            f"(phase-gap permutation p > 0.05)",
-                            h["phase_p_value"] > 0.05,
-                            f"p = {h['phase_p_value']:.3f}, gap {100 * h['phase_gap']:.1f} pp, "
-                            f"noise floor {100 * h['phase_noise_floor']:.1f} pp"))
+        checks.append(
+            Check(
+                f"{run.label}: full attention has learned (mean >= 40% and >= gate mean - 15 pp)",
+                ok_mean,
+                f"mean {100 * h['mean']:.1f}% vs best gate mean {100 * best_gate:.1f}%",
+            )
+        )
+        checks.append(
+            Check(
+                f"{run.label}: no significant phase dependence at stride {rep['stride']} "
+                f"(phase-gap permutation p > 0.05)",
+                h["phase_p_value"] > 0.05,
+                f"p = {h['phase_p_value']:.3f}, gap {100 * h['phase_gap']:.1f} pp, "
+                f"noise floor {100 * h['phase_noise_floor']:.1f} pp",
+            )
+        )
     return checks
 
 
@@ -199,27 +261,41 @@ def exit_code(checks: list[Check], quick: bool) -> int:
 
 def table(done: list[dict]) -> str:
     """The printed table: mean, per-phase accuracy, phase gap (mod S) with interval, permutation p and noise floor."""
-    lines = [f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
-             f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'period':>6s}"]
+    lines = [
+        f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
+        f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'period':>6s}"
+    ]
     for d in done:
         rep = d["results"]
         h, groups = rep["headline"], rep["phase"]["groups"]
         per = " / ".join(f"{100 * g['accuracy']:.1f}" for g in groups) + f"  (S={rep['stride']})"
         gap = f"{100 * h['phase_gap']:.1f} [{100 * h['phase_gap_lower']:.1f}, {100 * h['phase_gap_upper']:.1f}]"
-        lines.append(f"{d['run'].label:22s} {d['steps']:6d} {d['train_seconds']:8.0f} {100 * h['mean']:7.1f}"
-                     f"  {per:44s} {gap:>20s} {h['phase_p_value']:7.4f}"
-                     f" {100 * h['phase_noise_floor']:8.1f} {str(h['dominant_period']):>6s}")
+        lines.append(
+            f"{d['run'].label:22s} {d['steps']:6d} {d['train_seconds']:8.0f} {100 * h['mean']:7.1f}"
+            f"  {per:44s} {gap:>20s} {h['phase_p_value']:7.4f}"
+            f" {100 * h['phase_noise_floor']:8.1f} {str(h['dominant_period']):>6s}"
+        )
     return "\n".join(lines)
 
 
 def run_records(done: list[dict]) -> list[dict]:
     """The runs as stored in the demo's JSON record."""
-    return [{"label": d["run"].label, "role": d["run"].role, "dir": str(d["dir"]), "steps": d["steps"],
-             "train_seconds": d["train_seconds"], "results": str(results_file(d["dir"], TASK))} for d in done]
+    return [
+        {
+            "label": d["run"].label,
+            "role": d["run"].role,
+            "dir": str(d["dir"]),
+            "steps": d["steps"],
+            "train_seconds": d["train_seconds"],
+            "results": str(results_file(d["dir"], TASK)),
+        }
+        for d in done
+    ]
 
 
-def demo_arguments(doc: str, out: str, quick_help: str = "a few steps per model: pipeline check only"
-                   ) -> argparse.ArgumentParser:
+def demo_arguments(
+    doc: str, out: str, quick_help: str = "a few steps per model: pipeline check only"
+) -> argparse.ArgumentParser:
     """The options every demo-style app shares: ``--out``, ``--workers`` (models trained at once), ``--quick``."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=out, help=f"output folder (default: {out})")
@@ -236,12 +312,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out).resolve()
     env = job_env()
     clock = Timer()
-    print(f"ckv demo{' grid' if args.grid else ''} -> {out}: {len(plan)} models, {args.workers} at a time"
-          f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
+    print(
+        f"ckv demo{' grid' if args.grid else ''} -> {out}: {len(plan)} models, {args.workers} at a time"
+        f"{' (quick: pipeline check, not the science)' if args.quick else ''}",
+        flush=True,
+    )
     done = run_plan(plan, out, args.quick, args.workers, env, clock)
     runs = ",".join(f"'{d['dir']}'" for d in done)  # quoted: run folder names hold '='
-    run_command([sys.executable, "eval.py", f"summary=[{runs}]", f"task={TASK}", f"summary_out={out}", "progress=false"],
-                out / "logs" / "summary.log", env)
+    run_command(
+        [sys.executable, "eval.py", f"summary=[{runs}]", f"task={TASK}", f"summary_out={out}", "progress=false"],
+        out / "logs" / "summary.log",
+        env,
+    )
     checks = check_science(done)
     print("\n" + table(done) + "\n")
     for c in checks:
@@ -249,15 +331,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     verdict = bool(checks) and all(c.passed for c in checks)
     if args.quick:
         print("quick mode: the thresholds above need the full budget; only the pipeline was checked")
-    plots = {"phases": out / "comparison_phases.png", "residues": out / "comparison_residues.png",
-             "grid": out / "summary_grid.png"}
-    write_json(out / "demo.json", {
-        "quick": args.quick, "grid": args.grid, "seconds": time.monotonic() - clock.start,
-        "all_passed": verdict, "checks": [c.__dict__ for c in checks], "runs": run_records(done),
-        "plots": {k: str(v) for k, v in plots.items()},
-    })
-    print(f"[{clock}] plots: {', '.join(str(p) for p in plots.values())}; table: {out / 'summary.csv'}; "
-          f"record: {out / 'demo.json'}")
+    plots = {
+        "phases": out / "comparison_phases.png",
+        "residues": out / "comparison_residues.png",
+        "grid": out / "summary_grid.png",
+    }
+    write_json(
+        out / "demo.json",
+        {
+            "quick": args.quick,
+            "grid": args.grid,
+            "seconds": time.monotonic() - clock.start,
+            "all_passed": verdict,
+            "checks": [c.__dict__ for c in checks],
+            "runs": run_records(done),
+            "plots": {k: str(v) for k, v in plots.items()},
+        },
+    )
+    print(
+        f"[{clock}] plots: {', '.join(str(p) for p in plots.values())}; table: {out / 'summary.csv'}; "
+        f"record: {out / 'demo.json'}"
+    )
     if checks:
         print("the science holds in this run" if verdict else "NOT every claim holds in this run: see FAIL lines above")
     return exit_code(checks, args.quick)

@@ -33,7 +33,16 @@ from pathlib import Path
 from typing import Optional
 
 from ckv.apps.demo import (
-    TASK, Check, DemoRun, Timer, demo_arguments, exit_code, job_env, run_plan, run_records, table,
+    TASK,
+    Check,
+    DemoRun,
+    Timer,
+    demo_arguments,
+    exit_code,
+    job_env,
+    run_plan,
+    run_records,
+    table,
 )
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
@@ -52,14 +61,20 @@ def hf_eval_overrides() -> tuple[str, ...]:
     data = compose_train_config([f"experiment={BASE}"], "unused").data
     lookup, fmt = data.lookup, dataclasses.asdict(lookup_format_for(data))
     spec = ",".join(f"{k}:{'null' if v is None else v}" for k, v in fmt.items())
-    return ("model=hf", f"model.stride={STRIDE}", f"task.n_records={lookup.n_records}",
-            f"task.n_demos={lookup.n_queries - 1}", f"task.vocab.format={{{spec}}}")
+    return (
+        "model=hf",
+        f"model.stride={STRIDE}",
+        f"task.n_records={lookup.n_records}",
+        f"task.n_demos={lookup.n_queries - 1}",
+        f"task.vocab.format={{{spec}}}",
+    )
 
 
 def v4_plan(with_hf: bool) -> tuple[DemoRun, ...]:
     """The four models (three without transformers' V4), in table order."""
-    hf = DemoRun(BASE, 0, "v4_hf", eval_overrides=hf_eval_overrides(), name="demo_v4_hf",
-                 entry=("-m", "ckv.apps.train_hf_v4"))
+    hf = DemoRun(
+        BASE, 0, "v4_hf", eval_overrides=hf_eval_overrides(), name="demo_v4_hf", entry=("-m", "ckv.apps.train_hf_v4")
+    )
     ckv_runs = (
         DemoRun("demo_v4_csa", 0, "v4_ckv"),
         DemoRun("demo_gate_s4", 0, "gate"),
@@ -82,7 +97,8 @@ def mechanisms(done: list[dict]) -> list[str]:
             f"phase effect {'yes' if real else 'no'} (gap {100 * h['phase_gap']:.1f} pp "
             f"[{100 * h['phase_gap_lower']:.1f}, {100 * h['phase_gap_upper']:.1f}], p = {h['phase_p_value']:.4f}, "
             f"noise floor {100 * h['phase_noise_floor']:.1f} pp); straddling {'yes' if straddling else 'no'} "
-            f"(weakest phase {h['worst_phase']}, boundary phase {s - 1})")
+            f"(weakest phase {h['worst_phase']}, boundary phase {s - 1})"
+        )
     return lines
 
 
@@ -92,8 +108,13 @@ def control_check(done: list[dict]) -> list[Check]:
     for d in done:
         if d["run"].role == "control":
             mean = d["results"]["headline"]["mean"]
-            checks.append(Check(f"{d['run'].label}: full attention has learned (mean >= 40%)", mean >= 0.40,
-                                f"mean {100 * mean:.1f}%"))
+            checks.append(
+                Check(
+                    f"{d['run'].label}: full attention has learned (mean >= 40%)",
+                    mean >= 0.40,
+                    f"mean {100 * mean:.1f}%",
+                )
+            )
     return checks
 
 
@@ -116,27 +137,42 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out).resolve()
     clock = Timer()
     if not with_hf:
-        print("the installed transformers has no DeepseekV4ForCausalLM (transformers >= 5.x ships it): "
-              "transformers' V4 model is left out; running ckv's three models only", flush=True)
-    print(f"ckv demo-v4 -> {out}: {len(plan)} models, {args.workers} at a time"
-          f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
+        print(
+            "the installed transformers has no DeepseekV4ForCausalLM (transformers >= 5.x ships it): "
+            "transformers' V4 model is left out; running ckv's three models only",
+            flush=True,
+        )
+    print(
+        f"ckv demo-v4 -> {out}: {len(plan)} models, {args.workers} at a time"
+        f"{' (quick: pipeline check, not the science)' if args.quick else ''}",
+        flush=True,
+    )
     done = run_plan(plan, out, args.quick, args.workers, job_env(), clock)
     plot = write_summary(done, out)
     findings, checks = mechanisms(done), control_check(done)
     print("\n" + table(done) + "\n")
-    print("what each model shows (phase effect: significant gap above the noise floor; straddling: and its weakest "
-          "phase is the boundary phase S - 1; crowding is not tested by this task):")
+    print(
+        "what each model shows (phase effect: significant gap above the noise floor; straddling: and its weakest "
+        "phase is the boundary phase S - 1; crowding is not tested by this task):"
+    )
     for line in findings:
         print(f"  {line}")
     for c in checks:
         print(f"  [{'PASS' if c.passed else 'FAIL'}] {c.claim}: {c.detail}")
     if args.quick:
         print("quick mode: a few steps per model say nothing about the mechanisms; only the pipeline was checked")
-    write_json(out / "demo_v4.json", {
-        "quick": args.quick, "transformers_v4": with_hf, "seconds": time.monotonic() - clock.start,
-        "findings": findings, "checks": [c.__dict__ for c in checks], "runs": run_records(done),
-        "plots": {"phases": str(plot)},
-    })
+    write_json(
+        out / "demo_v4.json",
+        {
+            "quick": args.quick,
+            "transformers_v4": with_hf,
+            "seconds": time.monotonic() - clock.start,
+            "findings": findings,
+            "checks": [c.__dict__ for c in checks],
+            "runs": run_records(done),
+            "plots": {"phases": str(plot)},
+        },
+    )
     print(f"[{clock}] plot: {plot}; table: {out / 'summary.csv'}; record: {out / 'demo_v4.json'}")
     return exit_code(checks, args.quick)
 

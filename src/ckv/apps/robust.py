@@ -1,4 +1,5 @@
-"""``make robust``: phase-robust compression at equal KV memory (docs/robustness.md), on the two failure mechanisms' tasks.
+"""``make robust``: phase-robust compression at equal KV memory (docs/robustness.md), on the two failure mechanisms'
+tasks.
 
 Two CPU tasks on make demo's model, optimiser and budget (docs/robustness.md): **split** (straddling: make demo's
 split records, ``conf/experiment/robust_split.yaml``) and **dense** (crowding: four single-token records per
@@ -20,6 +21,7 @@ per token, under ``outputs/robust/``.
 The criteria are reported (MET / not met), not enforced: the run exits 0 when every command succeeded and
 non-zero when one failed.
 """
+
 from __future__ import annotations
 
 import sys
@@ -60,19 +62,19 @@ MODELS: dict[str, tuple[Model, ...]] = {
     # straddling: every compressed model stores one entry per 4 tokens (S = 4)
     "split": (
         Model("gate_w4s4", "w4s4", "baseline"),
-        Model("conv_w4s4", "w4s4_conv", "fix", "gate_w4s4"),                 # fix 2: causal mixing before pooling
-        Model("stagger_w4s4", "w4s4_stagger", "fix", "gate_w4s4"),           # fix 3: layer grids shifted by 0, 2
-        Model("overlap_w8s4", "w8s4", "fix", "gate_w4s4"),                   # fix 1: W = 2S, offset-specific maps
+        Model("conv_w4s4", "w4s4_conv", "fix", "gate_w4s4"),  # fix 2: causal mixing before pooling
+        Model("stagger_w4s4", "w4s4_stagger", "fix", "gate_w4s4"),  # fix 3: layer grids shifted by 0, 2
+        Model("overlap_w8s4", "w8s4", "fix", "gate_w4s4"),  # fix 1: W = 2S, offset-specific maps
         Model("overlap_shared_w8s4", "w8s4_shared", "fix", "gate_w4s4", core=False),  # fix 1: shared maps
-        Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w4s4", core=False),      # fix 1: V4's two series
+        Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w4s4", core=False),  # fix 1: V4's two series
         Model("v4_csa_conv_w8s4", "deepseek_v4_csa_conv", "fix", "gate_w4s4", core=False),  # fixes 1 + 2
-        Model("entropy_w4s4", "w4s4_entropy", "fix", "gate_w4s4", core=False),        # fix 4 (a crowding fix)
+        Model("entropy_w4s4", "w4s4_entropy", "fix", "gate_w4s4", core=False),  # fix 4 (a crowding fix)
         Model("full", "full", "control"),
     ),
     # crowding: the paper's W = 8 / S = 4 (every 2-token record fits one window) and W = S = 8 (one entry per 8)
     "dense": (
         Model("gate_w8s4", "w8s4", "baseline"),
-        Model("entropy_w8s4", "w8s4_entropy", "fix", "gate_w8s4"),           # fix 4: gate-entropy floor
+        Model("entropy_w8s4", "w8s4_entropy", "fix", "gate_w8s4"),  # fix 4: gate-entropy floor
         Model("overlap_shared_w8s4", "w8s4_shared", "fix", "gate_w8s4", core=False),
         Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w8s4", core=False),
         Model("v4_csa_conv_w8s4", "deepseek_v4_csa_conv", "fix", "gate_w8s4", core=False),
@@ -92,18 +94,30 @@ GOAL_MARGIN = 0.05  # the goal: worst phase within 5 pp of full attention's, gap
 MODEL_BY_RUN = {f"{task}_{m.name}": m for task, models in MODELS.items() for m in models}
 
 
-def plan(tasks: tuple[str, ...], seeds: tuple[int, ...], everything: bool = False,
-         add: tuple[str, ...] = ()) -> tuple[DemoRun, ...]:
+def plan(
+    tasks: tuple[str, ...], seeds: tuple[int, ...], everything: bool = False, add: tuple[str, ...] = ()
+) -> tuple[DemoRun, ...]:
     """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``: the core models and those
     named in ``add`` (in every task that has them), or with ``everything`` every model."""
     unknown = sorted(set(add) - {m.name for models in MODELS.values() for m in models})
     if unknown:
-        raise ValueError(f"--add {' '.join(unknown)}: not a model of {', '.join(MODELS)} "
-                         f"(choose from {sorted({m.name for ms in MODELS.values() for m in ms if not m.core})})")
+        raise ValueError(
+            f"--add {' '.join(unknown)}: not a model of {', '.join(MODELS)} "
+            f"(choose from {sorted({m.name for ms in MODELS.values() for m in ms if not m.core})})"
+        )
     return tuple(
-        DemoRun(f"robust_{task}", seed, m.role, (f"attention={m.option}",),
-                (f"task.stride={CONTROL_STRIDE[task]}",) if m.role == "control" else (), name=f"{task}_{m.name}")
-        for task in tasks for m in MODELS[task] if m.core or everything or m.name in add for seed in seeds
+        DemoRun(
+            f"robust_{task}",
+            seed,
+            m.role,
+            (f"attention={m.option}",),
+            (f"task.stride={CONTROL_STRIDE[task]}",) if m.role == "control" else (),
+            name=f"{task}_{m.name}",
+        )
+        for task in tasks
+        for m in MODELS[task]
+        if m.core or everything or m.name in add
+        for seed in seeds
     )
 
 
@@ -123,34 +137,52 @@ def row(d: dict) -> dict:
     cfg = load_config(Path(d["dir"]) / MODEL_DIR)
     residue = rep["residue"]["gap"]
     return {
-        "task": d["run"].experiment.removeprefix("robust_"), "model": d["run"].name.split("_", 1)[1],
-        "role": d["run"].role, "baseline": MODEL_BY_RUN[d["run"].name].baseline, "seed": d["run"].seed, "steps": d["steps"], "train_seconds": d["train_seconds"],
-        "stride": rep["stride"], "mean": h["mean"], "per_phase": [g["accuracy"] for g in rep["phase"]["groups"]],
-        "worst_phase": h["worst_phase"], "worst_phase_accuracy": h["worst_phase_accuracy"],
-        "phase_gap": h["phase_gap"], "phase_gap_lower": h["phase_gap_lower"], "phase_gap_upper": h["phase_gap_upper"],
-        "phase_p_value": h["phase_p_value"], "phase_noise_floor": h["phase_noise_floor"],
-        "residue_gap": residue["value"], "residue_gap_lower": residue["lower"], "residue_gap_upper": residue["upper"],
+        "task": d["run"].experiment.removeprefix("robust_"),
+        "model": d["run"].name.split("_", 1)[1],
+        "role": d["run"].role,
+        "baseline": MODEL_BY_RUN[d["run"].name].baseline,
+        "seed": d["run"].seed,
+        "steps": d["steps"],
+        "train_seconds": d["train_seconds"],
+        "stride": rep["stride"],
+        "mean": h["mean"],
+        "per_phase": [g["accuracy"] for g in rep["phase"]["groups"]],
+        "worst_phase": h["worst_phase"],
+        "worst_phase_accuracy": h["worst_phase_accuracy"],
+        "phase_gap": h["phase_gap"],
+        "phase_gap_lower": h["phase_gap_lower"],
+        "phase_gap_upper": h["phase_gap_upper"],
+        "phase_p_value": h["phase_p_value"],
+        "phase_noise_floor": h["phase_noise_floor"],
+        "residue_gap": residue["value"],
+        "residue_gap_lower": residue["lower"],
+        "residue_gap_upper": residue["upper"],
         "residue_noise_floor": residue["noise_floor"],
-        "kv_bytes_per_token": kv_bytes_per_token(cfg), "parameters": parameter_count(cfg),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg),
+        "parameters": parameter_count(cfg),
         "results": str(d["dir"]),
     }
 
 
 def table(rows: list[dict]) -> str:
     """The printed table, one line per run."""
-    head = (f"{'task/model/seed':34s} {'KV B/tok':>8s} {'params':>8s} {'train s':>7s} {'mean %':>6s} {'worst %':>7s}  "
-            f"{'per-phase accuracy % (phase = pos mod S)':42s} {'phase gap pp [95%]':>19s} {'floor':>5s} {'p':>6s} "
-            f"{'residue gap pp [95%]':>20s} {'floor':>5s}")
+    head = (
+        f"{'task/model/seed':34s} {'KV B/tok':>8s} {'params':>8s} {'train s':>7s} {'mean %':>6s} {'worst %':>7s}  "
+        f"{'per-phase accuracy % (phase = pos mod S)':42s} {'phase gap pp [95%]':>19s} {'floor':>5s} {'p':>6s} "
+        f"{'residue gap pp [95%]':>20s} {'floor':>5s}"
+    )
     lines = [head]
     for r in rows:
         per = " / ".join(f"{100 * a:.0f}" for a in r["per_phase"]) + f" (S={r['stride']})"
         gap = f"{100 * r['phase_gap']:.1f} [{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}]"
         res = f"{100 * r['residue_gap']:.1f} [{100 * r['residue_gap_lower']:.1f}, {100 * r['residue_gap_upper']:.1f}]"
-        lines.append(f"{r['task'] + '/' + r['model'] + '/' + str(r['seed']):34s} {r['kv_bytes_per_token']:8.0f} "
-                     f"{r['parameters']:8d} {r['train_seconds']:7.0f} {100 * r['mean']:6.1f} "
-                     f"{100 * r['worst_phase_accuracy']:7.1f}  {per:42s} {gap:>19s} "
-                     f"{100 * r['phase_noise_floor']:5.1f} {r['phase_p_value']:6.4f} {res:>20s} "
-                     f"{100 * r['residue_noise_floor']:5.1f}")
+        lines.append(
+            f"{r['task'] + '/' + r['model'] + '/' + str(r['seed']):34s} {r['kv_bytes_per_token']:8.0f} "
+            f"{r['parameters']:8d} {r['train_seconds']:7.0f} {100 * r['mean']:6.1f} "
+            f"{100 * r['worst_phase_accuracy']:7.1f}  {per:42s} {gap:>19s} "
+            f"{100 * r['phase_noise_floor']:5.1f} {r['phase_p_value']:6.4f} {res:>20s} "
+            f"{100 * r['residue_noise_floor']:5.1f}"
+        )
     return "\n".join(lines)
 
 
@@ -167,9 +199,15 @@ def plot(rows: list[dict], path: Path) -> None:
         for i, m in enumerate(models):
             pts = [r for r in rows if r["task"] == task and r["model"] == m.name]
             dodge = 2 ** (0.06 * (i - (len(models) - 1) / 2))
-            ax.scatter([r["kv_bytes_per_token"] * dodge for r in pts], [100 * r["worst_phase_accuracy"] for r in pts],
-                       color=plt.cm.tab10(i), marker={"control": "s", "baseline": "X"}.get(m.role, "o"),
-                       label=f"{m.name} ({m.role})", s=45, alpha=0.85)
+            ax.scatter(
+                [r["kv_bytes_per_token"] * dodge for r in pts],
+                [100 * r["worst_phase_accuracy"] for r in pts],
+                color=plt.cm.tab10(i),
+                marker={"control": "s", "baseline": "X"}.get(m.role, "o"),
+                label=f"{m.name} ({m.role})",
+                s=45,
+                alpha=0.85,
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV-cache bytes per token (bf16, all layers; equal-memory models spread a little)")
         ax.set_ylabel("worst-phase accuracy (%)")
@@ -198,27 +236,44 @@ def criteria(rows: list[dict]) -> list[Check]:
         if any(b is None or c is None for _, b, c in pairs):
             continue
         gains = [f["worst_phase_accuracy"] - b["worst_phase_accuracy"] for f, b, _ in pairs]
-        checks.append(Check(
-            f"{task}/{model}: worst phase >= {100 * MIN_GAIN:.0f} pp above {r0['baseline']} in every seed",
-            all(g >= MIN_GAIN for g in gains),
-            "; ".join(f"seed {s}: {100 * f['worst_phase_accuracy']:.1f}% vs {100 * b['worst_phase_accuracy']:.1f}% "
-                      f"({100 * g:+.1f} pp)" for s, (f, b, _), g in zip(seeds, pairs, gains))))
+        checks.append(
+            Check(
+                f"{task}/{model}: worst phase >= {100 * MIN_GAIN:.0f} pp above {r0['baseline']} in every seed",
+                all(g >= MIN_GAIN for g in gains),
+                "; ".join(
+                    f"seed {s}: {100 * f['worst_phase_accuracy']:.1f}% vs {100 * b['worst_phase_accuracy']:.1f}% "
+                    f"({100 * g:+.1f} pp)"
+                    for s, (f, b, _), g in zip(seeds, pairs, gains)
+                ),
+            )
+        )
         real = [gap_is_real(f["phase_p_value"], f["phase_gap_lower"], f["phase_noise_floor"]) for f, _, _ in pairs]
         near = [f["worst_phase_accuracy"] >= c["worst_phase_accuracy"] - GOAL_MARGIN for f, _, c in pairs]
         unlearned = [(s, c["mean"]) for s, (_, _, c) in zip(seeds, pairs) if c["mean"] < CONTROL_LEARNED]
         if unlearned:  # "as good as full attention" means nothing against a control that has not learned the task
-            checks.append(Check(
-                f"{task}/{model}: goal not judged: the full-attention control has not learned the task "
-                f"(mean < {100 * CONTROL_LEARNED:.0f}%)", False,
-                "; ".join(f"seed {s}: control mean {100 * m:.1f}%" for s, m in unlearned)))
+            checks.append(
+                Check(
+                    f"{task}/{model}: goal not judged: the full-attention control has not learned the task "
+                    f"(mean < {100 * CONTROL_LEARNED:.0f}%)",
+                    False,
+                    "; ".join(f"seed {s}: control mean {100 * m:.1f}%" for s, m in unlearned),
+                )
+            )
             continue
-        checks.append(Check(
-            f"{task}/{model}: no real phase gap and worst phase within {100 * GOAL_MARGIN:.0f} pp of full "
-            f"attention's in every seed", not any(real) and all(near),
-            "; ".join(f"seed {s}: gap {100 * f['phase_gap']:.1f} pp [{100 * f['phase_gap_lower']:.1f}, "
-                      f"{100 * f['phase_gap_upper']:.1f}] p = {f['phase_p_value']:.4f} floor "
-                      f"{100 * f['phase_noise_floor']:.1f}, worst {100 * f['worst_phase_accuracy']:.1f}% vs full "
-                      f"{100 * c['worst_phase_accuracy']:.1f}%" for s, (f, _, c) in zip(seeds, pairs))))
+        checks.append(
+            Check(
+                f"{task}/{model}: no real phase gap and worst phase within {100 * GOAL_MARGIN:.0f} pp of full "
+                f"attention's in every seed",
+                not any(real) and all(near),
+                "; ".join(
+                    f"seed {s}: gap {100 * f['phase_gap']:.1f} pp [{100 * f['phase_gap_lower']:.1f}, "
+                    f"{100 * f['phase_gap_upper']:.1f}] p = {f['phase_p_value']:.4f} floor "
+                    f"{100 * f['phase_noise_floor']:.1f}, worst {100 * f['worst_phase_accuracy']:.1f}% vs full "
+                    f"{100 * c['worst_phase_accuracy']:.1f}%"
+                    for s, (f, _, c) in zip(seeds, pairs)
+                ),
+            )
+        )
     return checks
 
 
@@ -226,21 +281,51 @@ def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, c
     """The crowding analysis on ``ANALYSED_TASKS``' compressed models: ``eval.py analysis=joint`` (per layer and KV
     head, the knock-out effect per phase beside the K and V gate profiles, docs/analysis.md), one summary per run.
     ``static`` is the effective number of offsets of the window-averaged gate (1 = one offset, W = uniform)."""
-    todo = [d for d in done if d["run"].experiment.removeprefix("robust_") in ANALYSED_TASKS
-            and d["run"].role != "control"]
+    todo = [
+        d for d in done if d["run"].experiment.removeprefix("robust_") in ANALYSED_TASKS and d["run"].role != "control"
+    ]
 
     def one(d: dict) -> dict:
-        run_command([sys.executable, "eval.py", f"model.path='{d['dir']}'", f"task={TASK}", "analysis=joint",
-                     "progress=false", *(QUICK_EVAL if quick else ())],
-                    out / "logs" / f"joint_{d['run'].name}_seed{d['run'].seed}.log", env)
+        run_command(
+            [
+                sys.executable,
+                "eval.py",
+                f"model.path='{d['dir']}'",
+                f"task={TASK}",
+                "analysis=joint",
+                "progress=false",
+                *(QUICK_EVAL if quick else ()),
+            ],
+            out / "logs" / f"joint_{d['run'].name}_seed{d['run'].seed}.log",
+            env,
+        )
         res = read_json(Path(d["dir"]) / "eval" / TASK / "joint" / "joint.json")["analysis"]["results"]
         print(f"[{clock}] {d['run'].label}: crowding analysis done", flush=True)
-        return {"label": d["run"].label, "window": res["window"], "stride": res["stride"],
-                "worst_phase": res["clean"]["worst_phase"], "layers": [
-                    {k: u.get(k) for k in ("layer", "kv_head", "k_static", "v_static", "k_peak", "v_peak",
-                                           "worst_phase", "loss_vs_k", "loss_vs_v", "knockout")}
-                    for u in res["rows"]],
-                "file": str(Path(d["dir"]) / "eval" / TASK / "joint" / "joint.json")}
+        return {
+            "label": d["run"].label,
+            "window": res["window"],
+            "stride": res["stride"],
+            "worst_phase": res["clean"]["worst_phase"],
+            "layers": [
+                {
+                    k: u.get(k)
+                    for k in (
+                        "layer",
+                        "kv_head",
+                        "k_static",
+                        "v_static",
+                        "k_peak",
+                        "v_peak",
+                        "worst_phase",
+                        "loss_vs_k",
+                        "loss_vs_v",
+                        "knockout",
+                    )
+                }
+                for u in res["rows"]
+            ],
+            "file": str(Path(d["dir"]) / "eval" / TASK / "joint" / "joint.json"),
+        }
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(one, todo))
@@ -255,9 +340,12 @@ def crowding_lines(analyses: list[dict]) -> list[str]:
         for u in a["layers"]:
             ko = " / ".join("-" if e is None else f"{e:+.0f}" for e in u["knockout"])
             v = "" if u["v_static"] is None else f", V {u['v_static']:.1f} (peak {u['v_peak']})"
-            lines.append(f"{a['label']} L{u['layer']} kv{u['kv_head']}: static offsets of W={a['window']}: "
-                         f"K {u['k_static']:.1f} (peak {u['k_peak']}){v}; knock-out effect per phase (% change of accuracy) {ko}, "
-                         f"most hurt phase {u['worst_phase']}; clean worst phase {a['worst_phase']}")
+            lines.append(
+                f"{a['label']} L{u['layer']} kv{u['kv_head']}: static offsets of W={a['window']}: "
+                f"K {u['k_static']:.1f} (peak {u['k_peak']}){v}; "
+                f"knock-out effect per phase (% change of accuracy) {ko}, "
+                f"most hurt phase {u['worst_phase']}; clean worst phase {a['worst_phase']}"
+            )
     return lines
 
 
@@ -265,9 +353,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = demo_arguments(__doc__, "outputs/robust", "seed 0 only, a few steps per model: pipeline check only")
     ap.add_argument("--task", choices=("both", *MODELS), default="both", help="which task(s) to run")
     ap.add_argument("--all", action="store_true", help="every model of MODELS, not only the core set")
-    ap.add_argument("--add", nargs="+", default=(), metavar="MODEL",
-                    help="models outside the core set to train as well (finished runs in --out are reused: their "
-                         "'train s' is then the seconds of the resume check, not of their training)")
+    ap.add_argument(
+        "--add",
+        nargs="+",
+        default=(),
+        metavar="MODEL",
+        help="models outside the core set to train as well (finished runs in --out are reused: their "
+        "'train s' is then the seconds of the resume check, not of their training)",
+    )
     ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out's robust.json")
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
@@ -277,13 +370,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"plot: {png}")
         return 0
     try:
-        runs = plan(tuple(MODELS) if args.task == "both" else (args.task,), SEEDS[:1] if args.quick else SEEDS,
-                    everything=args.all, add=tuple(args.add))
+        runs = plan(
+            tuple(MODELS) if args.task == "both" else (args.task,),
+            SEEDS[:1] if args.quick else SEEDS,
+            everything=args.all,
+            add=tuple(args.add),
+        )
     except ValueError as e:
         ap.error(str(e))
     clock, env = Timer(), job_env()
-    print(f"ckv robust -> {out}: {len(runs)} models, {args.workers} at a time"
-          f"{' (quick: pipeline check, not the science)' if args.quick else ''}", flush=True)
+    print(
+        f"ckv robust -> {out}: {len(runs)} models, {args.workers} at a time"
+        f"{' (quick: pipeline check, not the science)' if args.quick else ''}",
+        flush=True,
+    )
     done = run_plan(runs, out, args.quick, args.workers, env, clock)
     rows = [row(d) for d in done]
     analyses = analyse(done, out, args.quick, args.workers, env, clock)
@@ -292,14 +392,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     for c in checks:
         print(f"  [{'MET' if c.passed else 'not met'}] {c.claim}: {c.detail}")
     if analyses:
-        print("\ncrowding analysis (eval.py analysis=joint on each compressed model of "
-              f"{', '.join(ANALYSED_TASKS)}):")
+        print(f"\ncrowding analysis (eval.py analysis=joint on each compressed model of {', '.join(ANALYSED_TASKS)}):")
         for line in crowding_lines(analyses):
             print(f"  {line}")
     plot(rows, png)
-    write_json(out / "robust.json", {"quick": args.quick, "seconds": time.monotonic() - clock.start, "rows": rows,
-                                     "criteria": [c.__dict__ for c in checks], "crowding": analyses,
-                                     "plot": str(png)})
+    write_json(
+        out / "robust.json",
+        {
+            "quick": args.quick,
+            "seconds": time.monotonic() - clock.start,
+            "rows": rows,
+            "criteria": [c.__dict__ for c in checks],
+            "crowding": analyses,
+            "plot": str(png),
+        },
+    )
     if args.quick:
         print("quick mode: a few steps per model; the numbers above check the pipeline, not the science")
     print(f"[{clock}] plot: {png}; record: {out / 'robust.json'}")

@@ -32,8 +32,17 @@ def check_variant(attention: dict, seq_len: int = 61, seed: int = 0) -> dict:
     sequence is lengthened to ``window + 29`` tokens where the window is longer, so that entries close."""
     torch.manual_seed(seed)
     seq_len = max(seq_len, attention.get("window", 0) + 29)
-    cfg = ModelConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, mlp_dim=128,
-                      max_seq_len=max(256, seq_len), attention=attention)
+    cfg = ModelConfig(
+        vocab_size=128,
+        d_model=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=2,
+        head_dim=16,
+        mlp_dim=128,
+        max_seq_len=max(256, seq_len),
+        attention=attention,
+    )
     model = Transformer(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, seq_len))
     logits = model(ids)
@@ -43,10 +52,15 @@ def check_variant(attention: dict, seq_len: int = 61, seed: int = 0) -> dict:
     model.eval()
     with torch.no_grad():
         cache = model.new_cache(2)
-        steps = [model(ids[:, :5], cache)] + [model(ids[:, t:t + 1], cache) for t in range(5, seq_len)]
+        steps = [model(ids[:, :5], cache)] + [model(ids[:, t : t + 1], cache) for t in range(5, seq_len)]
         err = (torch.cat(steps, 1) - logits.detach()).abs().max().item()
-    return {"loss": loss.item(), "grad_norm": grad_norm, "decode_err": err, "cache_bytes": cache.nbytes()["total"],
-            "logits": logits.detach()}
+    return {
+        "loss": loss.item(),
+        "grad_norm": grad_norm,
+        "decode_err": err,
+        "cache_bytes": cache.nbytes()["total"],
+        "logits": logits.detach(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,10 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when ckv_kernels is first imported (not yet)
     files = sorted(f for f in Path(args.conf_dir).glob("*.yaml") if not args.only or f.stem in args.only)
     if not files:
-        print(f"no attention configs in {args.conf_dir}" + (f" named {args.only}" if args.only else ""), file=sys.stderr)
+        print(
+            f"no attention configs in {args.conf_dir}" + (f" named {args.only}" if args.only else ""), file=sys.stderr
+        )
         return 2
-    print(f"{'variant':34s} {'loss':>7s} {'|grad|':>8s} {'decode err':>11s} {'vs torch':>9s} {'cache KiB':>10s} "
-          f"{'time s':>7s}")
+    print(
+        f"{'variant':34s} {'loss':>7s} {'|grad|':>8s} {'decode err':>11s} {'vs torch':>9s} {'cache KiB':>10s} "
+        f"{'time s':>7s}"
+    )
     worst, runs = 0.0, 0
     for f in files:
         attention = load_variant(args.conf_dir, f.stem)
@@ -76,12 +94,16 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, r["decode_err"], vs_torch)
             reference, runs = reference or r, runs + 1
             name = f.stem if impl is None else f"{f.stem} [{impl}]"
-            print(f"{name:34s} {r['loss']:7.3f} {r['grad_norm']:8.3f} {r['decode_err']:11.2e} {vs:>9s} "
-                  f"{r['cache_bytes'] / 1024:10.1f} {time.perf_counter() - t0:7.2f}")
+            print(
+                f"{name:34s} {r['loss']:7.3f} {r['grad_norm']:8.3f} {r['decode_err']:11.2e} {vs:>9s} "
+                f"{r['cache_bytes'] / 1024:10.1f} {time.perf_counter() - t0:7.2f}"
+            )
     ok = worst < 1e-4
-    print(f"{len(files)} variants, {runs} runs: forward+backward ran; incremental decoding matches the full forward"
-          f"{' and triton matches torch' if args.triton else ''} (max |diff| {worst:.1e}) -> "
-          f"{'OK' if ok else 'MISMATCH'}")
+    print(
+        f"{len(files)} variants, {runs} runs: forward+backward ran; incremental decoding matches the full forward"
+        f"{' and triton matches torch' if args.triton else ''} (max |diff| {worst:.1e}) -> "
+        f"{'OK' if ok else 'MISMATCH'}"
+    )
     return 0 if ok else 1
 
 

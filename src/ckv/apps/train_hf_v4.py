@@ -74,8 +74,13 @@ def train_v4(cfg: TrainConfig, arch: dict[str, Any], out: Path) -> dict[str, Any
     if cfg.trainer.max_steps < 1:
         raise ConfigError(f"trainer.max_steps={cfg.trainer.max_steps} must be >= 1 for the V4 trainer")
     accum = accumulation_steps(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, 1)
-    stream = build_batches(cfg.data, batch_size=cfg.trainer.micro_batch_size, seed=cfg.seed, split="train",
-                           cache_dir=cfg.trainer.data_cache_dir)
+    stream = build_batches(
+        cfg.data,
+        batch_size=cfg.trainer.micro_batch_size,
+        seed=cfg.seed,
+        split="train",
+        cache_dir=cfg.trainer.data_cache_dir,
+    )
     model = build_v4(arch, stream.vocab_size, cfg.seed).train()
     o = cfg.optim
     opt = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
@@ -99,15 +104,21 @@ def train_v4(cfg: TrainConfig, arch: dict[str, Any], out: Path) -> dict[str, Any
         sched.step()
         opt.zero_grad(set_to_none=True)
         if (step + 1) % log_every == 0 or step + 1 == cfg.trainer.max_steps:
-            lines.append(json.dumps({"step": step + 1, "loss": total, "lr": sched.get_last_lr()[0],
-                                     "seconds": time.monotonic() - t0}))
+            lines.append(
+                json.dumps(
+                    {"step": step + 1, "loss": total, "lr": sched.get_last_lr()[0], "seconds": time.monotonic() - t0}
+                )
+            )
             print(lines[-1], flush=True)
     model.save_pretrained(out)
     write_text_atomic(out / METRICS_FILE, "\n".join(lines) + "\n")
     # ckv's model and attention sections describe no model here: the V4 fields take their place
     record = {k: v for k, v in cfg.to_dict().items() if k not in ("model", "attention")}
-    record.update(hf_model={"architecture": "DeepseekV4ForCausalLM", **arch}, train_seconds=time.monotonic() - t0,
-                  parameters=sum(p.numel() for p in model.parameters()))
+    record.update(
+        hf_model={"architecture": "DeepseekV4ForCausalLM", **arch},
+        train_seconds=time.monotonic() - t0,
+        parameters=sum(p.numel() for p in model.parameters()),
+    )
     write_text_atomic(out / CONFIG_FILE, yaml.safe_dump(record, sort_keys=False))
     return record
 
@@ -116,16 +127,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     dirs = [a for a in args if a.startswith(RUN_DIR_KEY)]
     if len(dirs) != 1:
-        print("usage: python -m ckv.apps.train_hf_v4 <train.py overrides> hydra.run.dir=<model folder>",
-              file=sys.stderr)
+        print(
+            "usage: python -m ckv.apps.train_hf_v4 <train.py overrides> hydra.run.dir=<model folder>", file=sys.stderr
+        )
         return 2
     if not has_deepseek_v4():
         import transformers
 
-        print(f"ckv: error: transformers {transformers.__version__} has no DeepseekV4ForCausalLM "
-              "(transformers >= 5.x ships it)", file=sys.stderr)
+        print(
+            f"ckv: error: transformers {transformers.__version__} has no DeepseekV4ForCausalLM "
+            "(transformers >= 5.x ships it)",
+            file=sys.stderr,
+        )
         return NO_V4_EXIT
-    out = Path(dirs[0][len(RUN_DIR_KEY):].strip("'\""))
+    out = Path(dirs[0][len(RUN_DIR_KEY) :].strip("'\""))
     overrides = [a for a in args if not a.startswith(RUN_DIR_KEY)]
     try:
         cfg = compose_train_config(overrides, str(out))
@@ -134,8 +149,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ConfigError as e:
         print(f"ckv: error: {e}", file=sys.stderr)
         return 2
-    print(f"DeepseekV4ForCausalLM ({record['parameters']:,} parameters) trained for {cfg.trainer.max_steps} steps "
-          f"in {record['train_seconds']:.0f} s -> {out}")
+    print(
+        f"DeepseekV4ForCausalLM ({record['parameters']:,} parameters) trained for {cfg.trainer.max_steps} steps "
+        f"in {record['train_seconds']:.0f} s -> {out}"
+    )
     return 0
 
 

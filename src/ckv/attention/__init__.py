@@ -46,5 +46,12 @@ from ckv.attention.full import FullAttention  # noqa: E402
 register(FullAttention)
 register(CompressedAttention)
 
-__all__ = ["REGISTRY", "AttentionBackend", "CompressedAttention", "FullAttention", "build_attention",
-           "check_attention", "register"]
+__all__ = [
+    "REGISTRY",
+    "AttentionBackend",
+    "CompressedAttention",
+    "FullAttention",
+    "build_attention",
+    "check_attention",
+    "register",
+]

@@ -71,11 +71,17 @@ def _check_interpreter(device: torch.device) -> None:
         )
     if not _interpreter_announced:
         _interpreter_announced = True
-        warnings.warn(f"attention.impl='triton' on {device.type}: the Triton kernels run under the interpreter "
-                      "(TRITON_INTERPRET=1), which is correct but very slow", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"attention.impl='triton' on {device.type}: the Triton kernels run under the interpreter "
+            "(TRITON_INTERPRET=1), which is correct but very slow",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
-def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor, impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+def pool(
+    payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor, impl: str = "torch"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch of ``reference.pool_reference`` (see there for shapes): returns pooled entries and weights."""
     if resolve_impl(impl, payload.device) == "triton":
         from ckv_kernels import pool as pool_triton
@@ -85,27 +91,49 @@ def pool(payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.T
 
 
 def joint_attention(
-    q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    stride: int, local_window: LocalWindow, q_start: int = 0, impl: str = "torch",
-    sinks: Optional[torch.Tensor] = None, origin: int = 0,
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    stride: int,
+    local_window: LocalWindow,
+    q_start: int = 0,
+    impl: str = "torch",
+    sinks: Optional[torch.Tensor] = None,
+    origin: int = 0,
 ) -> torch.Tensor:
     """Dispatch of ``reference.joint_attention_reference`` (see there for shapes and ``origin``); returns the
     output only. A layer with a shifted grid passes ``q_start`` in grid coordinates and its ``origin``."""
     if resolve_impl(impl, q.device) == "triton":
         from ckv_kernels import joint_attention as joint_attention_triton
 
-        return joint_attention_triton(q, kc, vc, k, v, stride=stride, local_span=local_span(local_window, stride),
-                                      tail=local_window == "tail", q_start=q_start, sinks=sinks, origin=origin)[0]
-    return joint_attention_reference(q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start,
-                                     sinks=sinks, origin=origin)[0]
+        return joint_attention_triton(
+            q,
+            kc,
+            vc,
+            k,
+            v,
+            stride=stride,
+            local_span=local_span(local_window, stride),
+            tail=local_window == "tail",
+            q_start=q_start,
+            sinks=sinks,
+            origin=origin,
+        )[0]
+    return joint_attention_reference(
+        q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start, sinks=sinks, origin=origin
+    )[0]
 
 
 class Pooling(nn.Module):
     """The pooling step of a compressor as a submodule without parameters or state, so that a forward hook can
     read the weights: ``forward(payload, logits, present, impl)`` returns ``(pooled, alpha)`` (see ``pool``)."""
 
-    def forward(self, payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor,
-                impl: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor, impl: str = "torch"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return pool(payload, logits, present, impl=impl)
 
 
@@ -128,7 +156,7 @@ class CausalMixing(nn.Module):
         padded = nn.functional.pad(h, (0, 0, self.kernel - 1, 0))  # (B, T + K - 1, d), zeros before row 0
         out = h
         for k in range(self.kernel):  # tap k reads the token k steps back
-            out = out + self.weight[k] * padded[:, self.kernel - 1 - k: self.kernel - 1 - k + T]
+            out = out + self.weight[k] * padded[:, self.kernel - 1 - k : self.kernel - 1 - k + T]
         return out
 
 
@@ -153,8 +181,9 @@ class Compressor(nn.Module):
         self.gate_dim = self.kv_heads if a.gate == "scalar" else out
         self.specific = a.offset_maps == "specific"
         # per-series maps: the series of each offset, (W,); None for offset-specific or shared maps
-        self.register_buffer("series", offset_series(W, a.stride) if a.offset_maps == "series" else None,
-                             persistent=False)
+        self.register_buffer(
+            "series", offset_series(W, a.stride) if a.offset_maps == "series" else None, persistent=False
+        )
         lead = (W,) if self.specific else (W // a.stride,) if self.series is not None else ()
         self.payload = nn.Parameter(torch.empty(*lead, d, out))  # C_i: (W, d, KV*D) or C: (d, KV*D)
         self.gate_weight = nn.Parameter(torch.empty(*lead, d, self.gate_dim)) if a.pooling == "gate" else None
@@ -169,8 +198,9 @@ class Compressor(nn.Module):
             return torch.einsum("bewd,wdo->bewo", hw, weight[self.series])  # (W, d, o): each offset's series map
         return hw @ weight
 
-    def forward(self, hw: torch.Tensor, present: torch.Tensor, impl: str = "torch",
-                norm: Optional[nn.Module] = None) -> torch.Tensor:
+    def forward(
+        self, hw: torch.Tensor, present: torch.Tensor, impl: str = "torch", norm: Optional[nn.Module] = None
+    ) -> torch.Tensor:
         """hw: (B, E, W, d) hidden states of each entry's window (zeros where absent); present: (E, W); ``norm``
         (the layer's compressed-key RMSNorm in "pre" mode) is applied to each token's payload before pooling.
         Returns the pooled payload (B, E, KV, D)."""
@@ -233,8 +263,10 @@ class CompressedAttention(AttentionBackend):
         # the earliest present position pooled is max(entry_start(first), P) - P (real): ints only, no host sync
         need = self.history if h_start > 0 else 0
         if n > 0 and max(entry_start(first, self.window, self.stride), P) - P < h_start + need:
-            raise ValueError("hidden states do not reach back to the start of a window being pooled"
-                             + (f" (and its {self.history} mixing predecessors)" if self.history else ""))
+            raise ValueError(
+                "hidden states do not reach back to the start of a window being pooled"
+                + (f" (and its {self.history} mixing predecessors)" if self.history else "")
+            )
         pos, present = window_positions(first, n, self.window, self.stride, device=h.device, origin=P)  # (n, W) grid
         idx = pos - P - h_start
         mask = present[None, :, :, None].to(h.dtype)  # (1, n, W, 1)
@@ -246,14 +278,21 @@ class CompressedAttention(AttentionBackend):
         # without mixing both branches pool the same windows: one gather, so one gradient sum into h
         shared = windows(self.k_compressor) if self.history == 0 else None
         impl = self.impl_for(h)
-        kc = self.k_compressor(windows(self.k_compressor) if shared is None else shared, present, impl=impl,
-                               norm=self.ck_norm if self.norm_before_pooling else None)
+        kc = self.k_compressor(
+            windows(self.k_compressor) if shared is None else shared,
+            present,
+            impl=impl,
+            norm=self.ck_norm if self.norm_before_pooling else None,
+        )
         if self.ck_norm is not None and not self.norm_before_pooling:
             kc = self.ck_norm(kc)
         j = torch.arange(first, first + n, device=h.device)
         kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope, origin=P) - P)
-        vc = kc if self.v_compressor is None else self.v_compressor(
-            windows(self.v_compressor) if shared is None else shared, present, impl=impl)
+        vc = (
+            kc
+            if self.v_compressor is None
+            else self.v_compressor(windows(self.v_compressor) if shared is None else shared, present, impl=impl)
+        )
         return kc, vc
 
     def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
@@ -281,12 +320,23 @@ class CompressedAttention(AttentionBackend):
             # the next window's hidden states, plus the mixing's history before it (none before position 0)
             keep_p = min(pending_keep(n + P, self.window, self.stride, origin=P) + self.history, h.shape[1])
             cache.kc, cache.vc = kc, (None if tied else vc)
-            cache.k = k_all[:, k_all.shape[1] - keep_l:]
-            cache.v = cache.k if tied else v_all[:, v_all.shape[1] - keep_l:]
-            cache.pending = h[:, h.shape[1] - keep_p:]
+            cache.k = k_all[:, k_all.shape[1] - keep_l :]
+            cache.v = cache.k if tied else v_all[:, v_all.shape[1] - keep_l :]
+            cache.pending = h[:, h.shape[1] - keep_p :]
             cache.length = n
-        out = joint_attention(q, kc, vc, k_all, v_all, stride=self.stride, local_window=self.local_window,
-                              q_start=start + P, impl=self.impl_for(x), sinks=self.sinks, origin=P)  # (B, T, H, D)
+        out = joint_attention(
+            q,
+            kc,
+            vc,
+            k_all,
+            v_all,
+            stride=self.stride,
+            local_window=self.local_window,
+            q_start=start + P,
+            impl=self.impl_for(x),
+            sinks=self.sinks,
+            origin=P,
+        )  # (B, T, H, D)
         if self.inverse_output_rope:  # tied values carry RoPE: rotate back by the query's position
             out = self.rotary(out, positions, inverse=True)
         return self.o_proj(out.reshape(B, T, -1))

@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +29,9 @@ def _flash_attn_func() -> Optional[Callable[..., torch.Tensor]]:
         return None
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0,
-                     impl: str = "torch") -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int = 0, impl: str = "torch"
+) -> torch.Tensor:
     """q: (B, Tq, H, D) at positions ``q_start..``; k, v: (B, Tk, KV, D) at positions ``0..Tk-1`` with
     ``Tk = q_start + Tq``. ``impl``: a resolved implementation, ``torch`` (SDPA) or ``flash``. Returns (B, Tq, H, D)."""
     Tq, Tk = q.shape[1], k.shape[1]
@@ -58,8 +60,10 @@ class FullAttention(AttentionBackend):
     def check(cls, config: ModelConfig) -> None:
         super().check(config)
         if config.attention.impl == "flash" and _flash_attn_func() is None:
-            raise ConfigError("attention.impl='flash' needs the flash-attn package (pip install flash-attn); "
-                              "impl='torch' runs PyTorch SDPA")
+            raise ConfigError(
+                "attention.impl='flash' needs the flash-attn package (pip install flash-attn); "
+                "impl='torch' runs PyTorch SDPA"
+            )
 
     @classmethod
     def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -69,8 +73,10 @@ class FullAttention(AttentionBackend):
         if impl == "auto":
             return "flash" if flash_fits and _flash_attn_func() is not None else "torch"
         if impl == "flash" and not flash_fits:
-            raise ConfigError(f"attention.impl='flash' runs on CUDA in fp16/bf16, not on {device.type} in {dtype}; "
-                              "use impl='auto' or 'torch' (SDPA)")
+            raise ConfigError(
+                f"attention.impl='flash' runs on CUDA in fp16/bf16, not on {device.type} in {dtype}; "
+                "use impl='auto' or 'torch' (SDPA)"
+            )
         return impl
 
     def forward(self, x: torch.Tensor, cache: Optional[FullLayerCache] = None) -> torch.Tensor:

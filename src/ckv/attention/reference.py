@@ -29,8 +29,9 @@ def pool_reference(
     return pooled, alpha
 
 
-def _earliest_local_key(q_start: int, Tq: int, L: int, local_window: LocalWindow, stride: int,
-                        origin: int = 0) -> Optional[int]:
+def _earliest_local_key(
+    q_start: int, Tq: int, L: int, local_window: LocalWindow, stride: int, origin: int = 0
+) -> Optional[int]:
     """The earliest key position any of the queries ``q_start .. q_start+Tq-1`` keeps exactly (None: none keeps
     one), from ints alone (no host sync). A query at ``t`` keeps ``max(local_start(t), t - L + 1, origin) .. t``; that
     start never decreases with ``t``, and within ``stride`` queries one keeps a key when any does (only a tail
@@ -105,7 +106,7 @@ def joint_attention_reference(
     p = torch.exp(scores - m) * mask  # masked columns are exactly 0, also where a row is all masked
     denom = p.sum(dim=-1)  # (B, KV, G, Tq)
     o = torch.einsum("bkgte,bekd->btkgd", p[..., :E], vc.float())
-    o = o + torch.einsum("bkgtl,btlkd->btkgd", p[..., E:E + L], v_l.float())
+    o = o + torch.einsum("bkgtl,btlkd->btkgd", p[..., E : E + L], v_l.float())
     o = o / denom.clamp_min(1e-30).permute(0, 3, 1, 2)[..., None]
     lse = torch.where(denom > 0, m.squeeze(-1) + denom.clamp_min(1e-30).log(), float("-inf"))
     return o.reshape(B, Tq, H, D).to(q.dtype), lse.permute(0, 3, 1, 2).reshape(B, Tq, H)

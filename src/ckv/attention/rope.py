@@ -51,8 +51,8 @@ class Rotary(nn.Module):
             sin = -sin
         D = x.shape[-1]
         lead = 0 if self.side == "leading" else D - r  # first rotated dim
-        xr = x[..., lead:lead + r]
+        xr = x[..., lead : lead + r]
         rotated = xr * cos + rot(xr) * sin
         if r == D:
             return rotated
-        return torch.cat((x[..., :lead], rotated, x[..., lead + r:]), dim=-1)
+        return torch.cat((x[..., :lead], rotated, x[..., lead + r :]), dim=-1)

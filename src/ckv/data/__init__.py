@@ -31,8 +31,19 @@ from ckv.data.text import build_text_source
 from ckv.data.tokenizer import lookup_special_tokens
 
 __all__ = [
-    "IGNORE", "BatchStream", "DataConfig", "DataError", "LookupConfig", "LookupExample", "LookupFormat",
-    "RecordCodec", "TextConfig", "assemble_lookup", "build_batches", "default_cache_dir", "lookup_format_for",
+    "IGNORE",
+    "BatchStream",
+    "DataConfig",
+    "DataError",
+    "LookupConfig",
+    "LookupExample",
+    "LookupFormat",
+    "RecordCodec",
+    "TextConfig",
+    "assemble_lookup",
+    "build_batches",
+    "default_cache_dir",
+    "lookup_format_for",
     "make_lookup_example",
 ]
 
@@ -71,8 +82,10 @@ def lookup_format_for(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None) ->
         names = lookup_special_tokens(cfg.lookup.format(0).layout_size)
         ids = [tokenizer.token_to_id(name) for name in names]
         if ids[0] is None or ids != list(range(ids[0], ids[0] + len(ids))):
-            raise DataError(f"the tokenizer does not hold the reserved lookup tokens {names[0]}..{names[-1]} with "
-                            "consecutive ids; was it trained by ckv for this data.lookup layout?")
+            raise DataError(
+                f"the tokenizer does not hold the reserved lookup tokens {names[0]}..{names[-1]} with "
+                "consecutive ids; was it trained by ckv for this data.lookup layout?"
+            )
         offset = ids[0]
     fmt = cfg.lookup.format(offset)
     eod = tokenizer.token_to_id(cfg.text.eod_token)
@@ -99,15 +112,19 @@ def build_batches(
         raise ConfigError(f"seed={seed!r} must be an integer >= 0")
     cache_dir = cache_dir or default_cache_dir()
     where = dict(seed=seed, split=SPLITS[split], rank=rank, world_size=world_size)
-    used = {k: v for k, v in json.loads(json.dumps(cfg.to_dict())).items()  # the fields this kind reads
-            if k in ("kind", "seq_len") or k == cfg.kind or cfg.kind == "mixture"}
+    used = {
+        k: v
+        for k, v in json.loads(json.dumps(cfg.to_dict())).items()  # the fields this kind reads
+        if k in ("kind", "seq_len") or k == cfg.kind or cfg.kind == "mixture"
+    }
     identity = {"seed": seed, "rank": rank, "world_size": world_size, "split": split, **_flat(used, "data.")}
 
     if cfg.kind == "lookup":
         fmt = lookup_format_for(cfg)
         source = LookupSequences(cfg.lookup, fmt, cfg.seq_len, **where)
-        return BatchStream(source, batch_size=batch_size, identity=identity, vocab_size=fmt.vocab_size,
-                           lookup_format=fmt)
+        return BatchStream(
+            source, batch_size=batch_size, identity=identity, vocab_size=fmt.vocab_size, lookup_format=fmt
+        )
 
     reserve = cfg.kind == "mixture" and cfg.lookup.offset is None
     if reserve and cfg.text.tokenizer is not None:
@@ -118,11 +135,22 @@ def build_batches(
     extra = lookup_special_tokens(cfg.lookup.format(0).layout_size) if reserve else []
     text = build_text_source(cfg.text, cfg.seq_len, extra_special_tokens=extra, cache_dir=cache_dir, **where)
     if cfg.kind == "text":
-        return BatchStream(text, batch_size=batch_size, identity=identity, vocab_size=text.vocab_size,
-                           tokenizer_path=text.tokenizer_path)
+        return BatchStream(
+            text,
+            batch_size=batch_size,
+            identity=identity,
+            vocab_size=text.vocab_size,
+            tokenizer_path=text.tokenizer_path,
+        )
 
     fmt = lookup_format_for(cfg, text.tok)
     lookups = LookupSequences(cfg.lookup, fmt, cfg.seq_len, **where)
     source = Mixture(text, lookups, cfg.mixture_ratio)
-    return BatchStream(source, batch_size=batch_size, identity=identity, vocab_size=text.vocab_size,
-                       tokenizer_path=text.tokenizer_path, lookup_format=fmt)
+    return BatchStream(
+        source,
+        batch_size=batch_size,
+        identity=identity,
+        vocab_size=text.vocab_size,
+        tokenizer_path=text.tokenizer_path,
+        lookup_format=fmt,
+    )

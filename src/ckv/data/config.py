@@ -66,7 +66,9 @@ class TextConfig:
         if self.paths is not None:
             self.paths = list(self.paths)
             if not self.paths or not all(isinstance(p, str) and p for p in self.paths):
-                raise ConfigError(f"{o}.paths={self.paths!r} must be null (shipped corpus) or a non-empty list of paths")
+                raise ConfigError(
+                    f"{o}.paths={self.paths!r} must be null (shipped corpus) or a non-empty list of paths"
+                )
         check_choice(f"{o}.txt_sample_by", self.txt_sample_by, TXT_SAMPLE_BY)
         if not isinstance(self.eod_token, str) or not self.eod_token:
             raise ConfigError(f"{o}.eod_token={self.eod_token!r} must be a non-empty string")
@@ -123,8 +125,15 @@ class LookupConfig:
 
     def format(self, offset: int) -> LookupFormat:
         """The id layout placed at ``offset``."""
-        return LookupFormat(record=self.record, n_keys=self.n_keys, n_values=self.n_values, n_filler=self.n_filler,
-                            key_base=self.key_base, value_base=self.value_base, offset=offset)
+        return LookupFormat(
+            record=self.record,
+            n_keys=self.n_keys,
+            n_values=self.n_values,
+            n_filler=self.n_filler,
+            key_base=self.key_base,
+            value_base=self.value_base,
+            offset=offset,
+        )
 
     @property
     def max_len(self) -> int:
@@ -161,7 +170,7 @@ class DataConfig:
         check_float("data.mixture_ratio", self.mixture_ratio, 0, 1, low_open=True, high_open=True)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DataConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DataConfig:
         """Build from a plain dict (e.g. ``OmegaConf.to_container(cfg.data)``), rejecting unknown fields."""
         return _from_dict(cls, dict(d), "data")
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import glob
 import os
 import warnings
-from typing import Any, Iterator, Optional, Union
+from collections.abc import Iterator
+from typing import Any, Optional, Union
 
 import datasets
 
@@ -54,7 +55,9 @@ def _builder(path: str) -> str:
             stem = stem[: -len(ext)]
     builder = BUILDERS.get(os.path.splitext(stem)[1].lower())
     if builder is None:
-        raise DataError(f"data.text.paths: {path!r} is not a jsonl/json, parquet or txt file (known: {sorted(BUILDERS)})")
+        raise DataError(
+            f"data.text.paths: {path!r} is not a jsonl/json, parquet or txt file (known: {sorted(BUILDERS)})"
+        )
     return builder
 
 
@@ -106,8 +109,14 @@ def load_corpus(cfg: TextConfig, *, cache_dir: str) -> Corpus:
         builder = builders.pop()
         kwargs = {"sample_by": cfg.txt_sample_by} if builder == "text" else {}
         try:
-            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=cfg.streaming,
-                                       cache_dir=os.path.join(cache_dir, "datasets"), **kwargs)
+            ds = datasets.load_dataset(
+                builder,
+                data_files=files,
+                split="train",
+                streaming=cfg.streaming,
+                cache_dir=os.path.join(cache_dir, "datasets"),
+                **kwargs,
+            )
         except Exception as e:  # datasets raises many types for unreadable files; name them all here
             raise DataError(f"data.text.paths: could not read {files} as {builder}: {type(e).__name__}: {e}") from e
         if builder == "text":  # the text builder leaves newlines at paragraph/document ends
@@ -118,21 +127,32 @@ def load_corpus(cfg: TextConfig, *, cache_dir: str) -> Corpus:
     return ds
 
 
-def _check_skipped(skipped: int, rows: int, first: Optional[tuple[int, Any]], text_field: str,
-                   max_fraction: float) -> None:
+def _check_skipped(
+    skipped: int, rows: int, first: Optional[tuple[int, Any]], text_field: str, max_fraction: float
+) -> None:
     """After a full pass: stop when more than ``max_fraction`` of the rows had no text, else warn with the count."""
     if not skipped or first is None:
         return
     share = f"{skipped} of {rows} corpus rows ({100 * skipped / rows:.1f}%)"
     first_row = f"the first is row {first[0]}: {str(first[1])[:200]}"
     if skipped > max_fraction * rows:
-        raise DataError(f"{share} have no {text_field!r} value, more than data.text.max_skipped_fraction="
-                        f"{max_fraction:g}; {first_row}. Fix the corpus or data.text.text_field, or raise the threshold")
+        raise DataError(
+            f"{share} have no {text_field!r} value, more than data.text.max_skipped_fraction="
+            f"{max_fraction:g}; {first_row}. Fix the corpus or data.text.text_field, or raise the threshold"
+        )
     warnings.warn(SkippedDocumentsWarning(f"skipped {share} without a {text_field!r} value; {first_row}"), stacklevel=2)
 
 
-def iter_documents(ds: Corpus, text_field: str, *, split: int, val_every: int, rank: int = 0,
-                   world_size: int = 1, max_skipped_fraction: float = TextConfig.max_skipped_fraction) -> Iterator[str]:
+def iter_documents(
+    ds: Corpus,
+    text_field: str,
+    *,
+    split: int,
+    val_every: int,
+    rank: int = 0,
+    world_size: int = 1,
+    max_skipped_fraction: float = TextConfig.max_skipped_fraction,
+) -> Iterator[str]:
     """The non-empty documents of one split and rank, in corpus order.
 
     Row ``i`` belongs to the ``val`` split (``split == 1``) iff ``i % val_every == val_every - 1``, else to
@@ -144,7 +164,9 @@ def iter_documents(ds: Corpus, text_field: str, *, split: int, val_every: int, r
     first_skipped: Optional[tuple[int, Any]] = None
     for i0, batch in enumerate(ds.iter(batch_size=READ_BATCH)):
         if text_field not in batch:
-            raise DataError(f"data.text.text_field={text_field!r} is not a column of the corpus; columns: {list(batch)}")
+            raise DataError(
+                f"data.text.text_field={text_field!r} is not a column of the corpus; columns: {list(batch)}"
+            )
         for i, text in enumerate(batch[text_field], start=i0 * READ_BATCH):
             rows += 1
             if text is None:
@@ -156,6 +178,8 @@ def iter_documents(ds: Corpus, text_field: str, *, split: int, val_every: int, r
             j += 1
             if (j - 1) % world_size == rank and text:
                 if not isinstance(text, str):
-                    raise DataError(f"data.text.text_field={text_field!r} holds {type(text).__name__}, not text (row {i})")
+                    raise DataError(
+                        f"data.text.text_field={text_field!r} holds {type(text).__name__}, not text (row {i})"
+                    )
                 yield text
     _check_skipped(skipped, rows, first_skipped, text_field, max_skipped_fraction)

@@ -27,9 +27,10 @@ the order of ``LookupFormat.ranges``. ``offset`` lets the layout sit inside a bi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional, Protocol, Sequence
+from typing import Optional, Protocol
 
 import numpy as np
 
@@ -154,8 +155,12 @@ class LookupFormat:
         elif self.record == "kkvv":
             sizes += [("key", self.key_base), ("value", self.value_base)]
         else:
-            sizes += [("record_hi", self.n_key_hi * self.n_values), ("record_lo", self.key_base * self.n_values),
-                      ("query", self.n_keys), ("answer", self.n_values)]
+            sizes += [
+                ("record_hi", self.n_key_hi * self.n_values),
+                ("record_lo", self.key_base * self.n_values),
+                ("query", self.n_keys),
+                ("answer", self.n_values),
+            ]
         out, start = {}, self.offset
         for name, size in sizes:
             out[name] = range(start, start + size)
@@ -186,9 +191,16 @@ class LookupFormat:
 
     def describe(self) -> dict:
         """The layout's fields, for results files."""
-        return {"source": "format", "record": self.record, "n_keys": self.n_keys, "n_values": self.n_values,
-                "n_filler": self.n_filler, "key_base": self.key_base, "value_base": self.value_base,
-                "offset": self.offset}
+        return {
+            "source": "format",
+            "record": self.record,
+            "n_keys": self.n_keys,
+            "n_values": self.n_values,
+            "n_filler": self.n_filler,
+            "key_base": self.key_base,
+            "value_base": self.value_base,
+            "offset": self.offset,
+        }
 
     @property
     def answer_range(self) -> range:
@@ -227,7 +239,10 @@ class LookupFormat:
         if self.record == "split":
             hi, lo = divmod(key, self.key_base)
             r = self.ranges
-            return [r["record_hi"].start + hi * self.n_values + value, r["record_lo"].start + lo * self.n_values + value]
+            return [
+                r["record_hi"].start + hi * self.n_values + value,
+                r["record_lo"].start + lo * self.n_values + value,
+            ]
         return self.query_tokens(key) + self.answer_tokens(value)
 
     def query_tokens(self, key: int) -> list[int]:
@@ -262,7 +277,9 @@ class LookupFormat:
 
     def example_len(self, n_records: int, n_queries: int, fillers: int, prefix_pad: int) -> int:
         """Length of an example with ``fillers`` filler tokens in total."""
-        return 1 + prefix_pad + n_records * self.record_len + fillers + 2 + n_queries * (self.query_len + self.answer_len)
+        return (
+            1 + prefix_pad + n_records * self.record_len + fillers + 2 + n_queries * (self.query_len + self.answer_len)
+        )
 
 
 @dataclass
@@ -315,16 +332,22 @@ def assemble_lookup(
     pads_, queried_ = np.asarray(pads, dtype=np.int64), np.asarray(queried, dtype=np.int64)
     n = len(keys_)
     if values_.shape != (n,) or pads_.shape != (n + 1,) or queried_.ndim != 1:
-        raise ValueError(f"a lookup sequence needs N keys and values, N + 1 pad slots and a 1-d list of queries; "
-                         f"got shapes {keys_.shape}, {values_.shape}, {pads_.shape}, {queried_.shape}")
+        raise ValueError(
+            f"a lookup sequence needs N keys and values, N + 1 pad slots and a 1-d list of queries; "
+            f"got shapes {keys_.shape}, {values_.shape}, {pads_.shape}, {queried_.shape}"
+        )
     if n and (keys_.min() < 0 or keys_.max() >= codec.n_keys or values_.min() < 0 or values_.max() >= codec.n_values):
-        raise ValueError(f"keys must lie in [0, {codec.n_keys}) and values in [0, {codec.n_values}); got keys "
-                         f"{keys_.tolist()}, values {values_.tolist()}")
+        raise ValueError(
+            f"keys must lie in [0, {codec.n_keys}) and values in [0, {codec.n_values}); got keys "
+            f"{keys_.tolist()}, values {values_.tolist()}"
+        )
     if len(set(keys_.tolist())) != n:
         raise ValueError(f"keys must be distinct, got {keys_.tolist()}")
     if (pads_ < 0).any() or ((queried_ < 0) | (queried_ >= n)).any():
-        raise ValueError(f"pads must be >= 0 and queries must index the records; got pads {pads_.tolist()}, "
-                         f"queries {queried_.tolist()}")
+        raise ValueError(
+            f"pads must be >= 0 and queries must index the records; got pads {pads_.tolist()}, "
+            f"queries {queried_.tolist()}"
+        )
     filler_ids = np.asarray(codec.filler_ids, dtype=np.int64)
     if pads_[1:].sum() and not len(filler_ids):
         raise ValueError("filler tokens requested but the layout has no filler ids (lookup.n_filler=0)")
@@ -349,9 +372,13 @@ def assemble_lookup(
     loss_mask = np.zeros(len(tokens), dtype=bool)
     loss_mask[answer_mask] = True
     return LookupExample(
-        tokens=np.asarray(tokens, dtype=np.int64), loss_mask=loss_mask,
-        record_starts=np.asarray(record_starts, dtype=np.int64), keys=keys_, values=values_,
-        answer_positions=np.asarray(answer_positions, dtype=np.int64), query_records=queried_,
+        tokens=np.asarray(tokens, dtype=np.int64),
+        loss_mask=loss_mask,
+        record_starts=np.asarray(record_starts, dtype=np.int64),
+        keys=keys_,
+        values=values_,
+        answer_positions=np.asarray(answer_positions, dtype=np.int64),
+        query_records=queried_,
     )
 
 

@@ -68,7 +68,7 @@ class BatchStream:
         """The ``tokenizer.json`` the text was tokenised with (None for pure lookup data)."""
         return self._tokenizer_path
 
-    def __iter__(self) -> "BatchStream":
+    def __iter__(self) -> BatchStream:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -76,8 +76,10 @@ class BatchStream:
         self.batches += 1
         ids = np.stack([p[0] for p in pairs]).astype(np.int64)  # (B, T)
         if ids.min() < 0 or ids.max() >= self._vocab_size:  # the data-boundary check (host memory, no device sync)
-            raise DataError(f"batch {self.batches} holds token ids outside [0, {self._vocab_size}): min {ids.min()}, "
-                            f"max {ids.max()}")
+            raise DataError(
+                f"batch {self.batches} holds token ids outside [0, {self._vocab_size}): min {ids.min()}, "
+                f"max {ids.max()}"
+            )
         return {
             "input_ids": torch.from_numpy(ids),  # (B, T)
             "labels": torch.from_numpy(np.stack([p[1] for p in pairs]).astype(np.int64)),  # (B, T)

@@ -18,8 +18,9 @@ class LookupSequences:
     seeded by ``(seed, split, salt, i * world_size + r)``, so streams are reproducible, random-access (the
     state is one counter) and distinct across ranks and splits."""
 
-    def __init__(self, cfg: LookupConfig, fmt: LookupFormat, seq_len: int, *, seed: int, split: int,
-                 rank: int, world_size: int) -> None:
+    def __init__(
+        self, cfg: LookupConfig, fmt: LookupFormat, seq_len: int, *, seed: int, split: int, rank: int, world_size: int
+    ) -> None:
         if cfg.max_len > seq_len + 1:
             raise ValueError(f"lookup examples of up to {cfg.max_len} tokens do not fit seq_len={seq_len}")
         self.cfg, self.fmt, self.seq_len = cfg, fmt, seq_len

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable, Iterator
 from itertools import islice
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -43,8 +44,19 @@ def _blocks(it: Iterable[str], size: int) -> Iterator[list[str]]:
 class TextSource:
     """What both text sources share: the corpus, its tokenizer, and where this stream reads from."""
 
-    def __init__(self, cfg: TextConfig, seq_len: int, ds: Corpus, tok: Tokenizer, tokenizer_path: str, *,
-                 seed: int, split: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self,
+        cfg: TextConfig,
+        seq_len: int,
+        ds: Corpus,
+        tok: Tokenizer,
+        tokenizer_path: str,
+        *,
+        seed: int,
+        split: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
         self.cfg, self.seq_len, self.ds, self.tok = cfg, seq_len, ds, tok
         self.tokenizer_path = tokenizer_path
         self.eod_id = token_id(tok, cfg.eod_token, tokenizer_path, "data.text.eod_token")
@@ -53,8 +65,15 @@ class TextSource:
         self.dtype = np.uint16 if self.vocab_size <= 1 << 16 else np.uint32
 
     def documents(self, rank: int = 0, world_size: int = 1) -> Iterator[str]:
-        return iter_documents(self.ds, self.cfg.text_field, split=self.split, val_every=self.cfg.val_every,
-                              rank=rank, world_size=world_size, max_skipped_fraction=self.cfg.max_skipped_fraction)
+        return iter_documents(
+            self.ds,
+            self.cfg.text_field,
+            split=self.split,
+            val_every=self.cfg.val_every,
+            rank=rank,
+            world_size=world_size,
+            max_skipped_fraction=self.cfg.max_skipped_fraction,
+        )
 
     def encode(self, texts: Iterator[str]) -> Iterator[np.ndarray]:
         """Token ids of each text followed by the end-of-document id, tokenised ``ENCODE_BATCH`` at a time."""
@@ -158,8 +177,13 @@ class StreamingText(TextSource):
                             window = buf.copy()
                             buf[0], fill = window[-1], 1
                             at_end = pos == len(doc)
-                            self._state = {"epoch": s["epoch"], "block": b, "doc": d + 1 if at_end else d,
-                                           "pos": 0 if at_end else pos, "last": int(window[-1])}
+                            self._state = {
+                                "epoch": s["epoch"],
+                                "block": b,
+                                "doc": d + 1 if at_end else d,
+                                "pos": 0 if at_end else pos,
+                                "last": int(window[-1]),
+                            }
                             yield window
                 s["doc"], s["pos"] = 0, 0
             if not seen_any:
@@ -167,8 +191,17 @@ class StreamingText(TextSource):
             s["epoch"], s["block"] = s["epoch"] + 1, 0
 
 
-def build_text_source(cfg: TextConfig, seq_len: int, *, extra_special_tokens: list[str], cache_dir: str,
-                      seed: int, split: int, rank: int, world_size: int) -> TextSource:
+def build_text_source(
+    cfg: TextConfig,
+    seq_len: int,
+    *,
+    extra_special_tokens: list[str],
+    cache_dir: str,
+    seed: int,
+    split: int,
+    rank: int,
+    world_size: int,
+) -> TextSource:
     """Load the corpus, load or train its tokenizer, and return the packed source of one rank and split.
 
     A trained BPE's special tokens are ``[eod_token, *extra_special_tokens]`` with ids ``0, 1, ...``; it is
@@ -176,15 +209,17 @@ def build_text_source(cfg: TextConfig, seq_len: int, *, extra_special_tokens: li
     ds = load_corpus(cfg, cache_dir=cache_dir)
     if cfg.tokenizer is None:
         texts, chars = [], 0
-        train_docs = iter_documents(ds, cfg.text_field, split=0, val_every=cfg.val_every,
-                                    max_skipped_fraction=cfg.max_skipped_fraction)
+        train_docs = iter_documents(
+            ds, cfg.text_field, split=0, val_every=cfg.val_every, max_skipped_fraction=cfg.max_skipped_fraction
+        )
         for text in train_docs:
             texts.append(text[: cfg.bpe_max_chars - chars])
             chars += len(texts[-1])
             if chars >= cfg.bpe_max_chars:
                 break
-        path = train_bpe(texts, vocab_size=cfg.vocab_size, special_tokens=[cfg.eod_token, *extra_special_tokens],
-                         cache_dir=cache_dir)
+        path = train_bpe(
+            texts, vocab_size=cfg.vocab_size, special_tokens=[cfg.eod_token, *extra_special_tokens], cache_dir=cache_dir
+        )
     else:
         path = cfg.tokenizer
     tok = load_tokenizer(path)

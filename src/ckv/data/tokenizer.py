@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -46,8 +46,12 @@ def _new_bpe(vocab_size: int, special_tokens: list[str]) -> tuple[Tokenizer, tra
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     return tok, trainer
 
 
@@ -80,7 +84,9 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int, special_tokens: list[str
         deadline = time.monotonic() + LOCK_WAIT_S
         while not os.path.isfile(path):
             if time.monotonic() > deadline:
-                raise DataError(f"gave up waiting for {path}: remove the stale lock {lock} if no process is training it")
+                raise DataError(
+                    f"gave up waiting for {path}: remove the stale lock {lock} if no process is training it"
+                ) from None
             time.sleep(0.2)
         return path
     try:

@@ -17,7 +17,23 @@ from ckv.eval.summary import find_runs, summarize
 from ckv.eval.vocab import VocabSpec
 
 __all__ = [
-    "CheckpointMismatchError", "LoadedModel", "LookupOutcome", "LookupSpec", "LookupTask", "ModelSource", "ProbeSpec",
-    "ProbeTask", "RunOptions", "StatsOptions", "VocabSpec", "build_task", "evaluate", "find_runs", "load_ckv_model",
-    "load_hf_model", "summarize", "summarize_runs", "task_from_dict",
+    "CheckpointMismatchError",
+    "LoadedModel",
+    "LookupOutcome",
+    "LookupSpec",
+    "LookupTask",
+    "ModelSource",
+    "ProbeSpec",
+    "ProbeTask",
+    "RunOptions",
+    "StatsOptions",
+    "VocabSpec",
+    "build_task",
+    "evaluate",
+    "find_runs",
+    "load_ckv_model",
+    "load_hf_model",
+    "summarize",
+    "summarize_runs",
+    "task_from_dict",
 ]

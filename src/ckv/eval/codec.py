@@ -12,8 +12,8 @@ lays every prompt out, from a ``RecordCodec``:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -57,5 +57,12 @@ class TokenCodec:
         return [self.value_ids[value]]
 
     def describe(self) -> dict:
-        return {"source": "tokens", "n_keys": self.n_keys, "n_values": self.n_values, "pad_id": self.pad_id,
-                "prefix": list(self.prefix), "separator": list(self.separator), **self.labels}
+        return {
+            "source": "tokens",
+            "n_keys": self.n_keys,
+            "n_values": self.n_values,
+            "pad_id": self.pad_id,
+            "prefix": list(self.prefix),
+            "separator": list(self.separator),
+            **self.labels,
+        }

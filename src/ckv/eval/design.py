@@ -50,8 +50,10 @@ def make_design(modulus: int, n_records: int, record_len: int, prefix_len: int) 
     """Spread base targets over as many coarse levels as the record block allows, with the smallest pad
     budget that still gives every scheduled position a target record."""
     if modulus < 1 or n_records < 1 or record_len < 1 or prefix_len < 0:
-        raise ValueError(f"invalid design: modulus={modulus}, n_records={n_records}, record_len={record_len}, "
-                         f"prefix_len={prefix_len}")
+        raise ValueError(
+            f"invalid design: modulus={modulus}, n_records={n_records}, record_len={record_len}, "
+            f"prefix_len={prefix_len}"
+        )
     span = n_records * record_len
     n_coarse = max(1, (span - modulus + 1) // modulus)
     max_offset = modulus * n_coarse + modulus - 2
@@ -68,7 +70,9 @@ def base_offsets(n_base: int, design: PositionDesign) -> np.ndarray:
     return (m - 1) + m * (u % design.n_coarse) + v - u
 
 
-def choose_targets(offsets: np.ndarray, design: PositionDesign, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def choose_targets(
+    offsets: np.ndarray, design: PositionDesign, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """For each base offset, a target record index ``t`` (uniform over the feasible ones) and the base pad
     ``a = offset - t * record_len`` (in ``[0, max_base_pad]``) placed before it. Returns ``(t, a)``, (n_base,) each."""
     L = design.record_len
@@ -80,9 +84,7 @@ def choose_targets(offsets: np.ndarray, design: PositionDesign, rng: np.random.G
     return t, offsets - t * L
 
 
-def slot_pads(
-    target: int, pre: int, post: int, n_records: int, padding: str, rng: np.random.Generator
-) -> np.ndarray:
+def slot_pads(target: int, pre: int, post: int, n_records: int, padding: str, rng: np.random.Generator) -> np.ndarray:
     """(n_records + 1,) pad tokens per slot: ``pre`` over slots ``0..target``, ``post`` over the rest.
 
     ``prefix``: all of ``pre`` in slot 0 (every record moves together) and all of ``post`` in the last slot.

@@ -19,8 +19,8 @@ from ckv.config import ConfigError
 from ckv.device import resolve_device
 from ckv.eval.models import LoadedModel
 from ckv.eval.scoring import check_chunk
-from ckv.io.weights import check_finite
 from ckv.eval.vocab import HFTokenizer
+from ckv.io.weights import check_finite
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,8 +47,12 @@ class HFLastLogits:
 
         cache = DynamicCache(config=self.model.config)
         for start in range(0, input_ids.shape[1], self.chunk):
-            out = self.model(input_ids=input_ids[:, start : start + self.chunk], use_cache=True, logits_to_keep=1,
-                             **{self._cache_arg: cache})  # the cache grows in place
+            out = self.model(
+                input_ids=input_ids[:, start : start + self.chunk],
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_arg: cache},
+            )  # the cache grows in place
         return out.logits[:, -1]  # (B, V)
 
 
@@ -89,8 +93,9 @@ def load_hf_model(
         raise ConfigError(f"model.dtype={dtype!r} is not allowed; choose one of {list(DTYPES)}")
     dev = resolve_device(device, "device")
     device_map = device_map_for(dev)
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype], local_files_only=True,
-                                                 trust_remote_code=trust_remote_code, device_map=device_map)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p), dtype=DTYPES[dtype], local_files_only=True, trust_remote_code=trust_remote_code, device_map=device_map
+    )
     if device_map is None:
         model = model.to(dev)
     else:  # inputs go to the device of the first layers (the embedding)
@@ -101,15 +106,35 @@ def load_hf_model(
     has_tok = any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
     if tokenizer is not None and not has_tok:
         raise FileNotFoundError(f"model.tokenizer={str(tok_dir)!r} holds no tokenizer files")
-    tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True,
-                                        trust_remote_code=trust_remote_code) if has_tok else None
+    tok = (
+        AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True, trust_remote_code=trust_remote_code)
+        if has_tok
+        else None
+    )
     cfg = model.config
-    info = {"kind": "hf", "path": str(p.resolve()), "architecture": type(model).__name__, "dtype": dtype,
-            "device_map": getattr(model, "hf_device_map", None) if device_map else None,
-            "config": cfg.to_dict(), "attention": {"kind": "unknown" if stride is None else "compressed",
-                                                   "stride": stride, "window": None, "pooling": None}}
+    info = {
+        "kind": "hf",
+        "path": str(p.resolve()),
+        "architecture": type(model).__name__,
+        "dtype": dtype,
+        "device_map": getattr(model, "hf_device_map", None) if device_map else None,
+        "config": cfg.to_dict(),
+        "attention": {
+            "kind": "unknown" if stride is None else "compressed",
+            "stride": stride,
+            "window": None,
+            "pooling": None,
+        },
+    }
     return LoadedModel(
-        name=p.name, logits=HFLastLogits(model), module=model, device=dev, vocab_size=int(cfg.vocab_size),
-        max_len=_max_len(cfg), stride=stride, tokenizer=HFTokenizer(tok) if tok is not None else None,
-        out_dir=p / "eval", info=info,
+        name=p.name,
+        logits=HFLastLogits(model),
+        module=model,
+        device=dev,
+        vocab_size=int(cfg.vocab_size),
+        max_len=_max_len(cfg),
+        stride=stride,
+        tokenizer=HFTokenizer(tok) if tok is not None else None,
+        out_dir=p / "eval",
+        info=info,
     )

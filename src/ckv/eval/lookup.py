@@ -64,12 +64,16 @@ class LookupSpec:
     vocab: VocabSpec = field(default_factory=VocabSpec)
 
     def __post_init__(self) -> None:
-        check_task_fields(self, required=(("n_base", 1), ("modulus", 1), ("seed", 0)),
-                          optional=(("n_records", 2), ("n_demos", 0), ("stride", 1)))
+        check_task_fields(
+            self,
+            required=(("n_base", 1), ("modulus", 1), ("seed", 0)),
+            optional=(("n_records", 2), ("n_demos", 0), ("stride", 1)),
+        )
 
 
-def check_task_fields(spec: Any, required: tuple[tuple[str, int], ...],
-                      optional: tuple[tuple[str, int], ...] = ()) -> None:
+def check_task_fields(
+    spec: Any, required: tuple[tuple[str, int], ...], optional: tuple[tuple[str, int], ...] = ()
+) -> None:
     """The checks every lookup-style task spec shares: ``vocab`` given as a dict becomes a ``VocabSpec``,
     ``padding`` is one of PADDINGS, the ``required`` fields are integers >= their minimum and the ``optional``
     ones null or such integers (all through ``ckv.config.check_int``, so errors read ``task.<field>=...``)."""
@@ -92,11 +96,15 @@ def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulu
     if stride is None:
         return None
     if modulus < stride:
-        raise ConfigError(f"task.modulus={modulus} is smaller than the stride {stride}: residues mod {modulus} cannot "
-                          f"separate the {stride} phases; use a multiple of {stride} (the paper uses 24)")
+        raise ConfigError(
+            f"task.modulus={modulus} is smaller than the stride {stride}: residues mod {modulus} cannot "
+            f"separate the {stride} phases; use a multiple of {stride} (the paper uses 24)"
+        )
     if modulus % stride:
-        raise ConfigError(f"task.modulus={modulus} is not a multiple of the stride {stride}: phase groups would "
-                          f"not be balanced; use a common multiple (the paper uses 24)")
+        raise ConfigError(
+            f"task.modulus={modulus} is not a multiple of the stride {stride}: phase groups would "
+            f"not be balanced; use a common multiple (the paper uses 24)"
+        )
     return stride
 
 
@@ -105,12 +113,19 @@ def gap_headline(report: Optional[dict], prefix: str) -> dict:
     interval kind, permutation p and noise floor, and the worst group with its accuracy and interval; all
     ``None`` when the grouping was not made (a phase gap without a stride)."""
     g = (report or {}).get("gap", {})
-    return {f"{prefix}_gap": g.get("value"), f"{prefix}_gap_lower": g.get("lower"),
-            f"{prefix}_gap_upper": g.get("upper"), f"{prefix}_gap_interval": g.get("interval"),
-            f"{prefix}_p_value": g.get("p_value"), f"{prefix}_noise_floor": g.get("noise_floor"),
-            f"worst_{prefix}": g.get("worst_group"), f"worst_{prefix}_accuracy": g.get("worst_accuracy"),
-            f"worst_{prefix}_lower": g.get("worst_lower"), f"worst_{prefix}_upper": g.get("worst_upper"),
-            f"{prefix}_group_interval": (report or {}).get("interval")}
+    return {
+        f"{prefix}_gap": g.get("value"),
+        f"{prefix}_gap_lower": g.get("lower"),
+        f"{prefix}_gap_upper": g.get("upper"),
+        f"{prefix}_gap_interval": g.get("interval"),
+        f"{prefix}_p_value": g.get("p_value"),
+        f"{prefix}_noise_floor": g.get("noise_floor"),
+        f"worst_{prefix}": g.get("worst_group"),
+        f"worst_{prefix}_accuracy": g.get("worst_accuracy"),
+        f"worst_{prefix}_lower": g.get("worst_lower"),
+        f"worst_{prefix}_upper": g.get("worst_upper"),
+        f"{prefix}_group_interval": (report or {}).get("interval"),
+    }
 
 
 @dataclass
@@ -132,8 +147,16 @@ class LookupTask:
     """The built prompts of one lookup task. ``table`` columns (P,): base (the key->value mapping), shift,
     target_record, target_position, residue, phase (-1 without a stride), query_position, key, value, answer_id."""
 
-    def __init__(self, spec: LookupSpec, codec: RecordCodec, *, max_len: int, model_stride: Optional[int] = None,
-                 training: Optional[LookupConfig] = None, limit: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        spec: LookupSpec,
+        codec: RecordCodec,
+        *,
+        max_len: int,
+        model_stride: Optional[int] = None,
+        training: Optional[LookupConfig] = None,
+        limit: Optional[int] = None,
+    ) -> None:
         self.spec, self.codec = spec, codec
         self.n_records = spec.n_records or (training.n_records if training else PAPER_N_RECORDS)
         default_demos = training.n_queries - 1 if training else PAPER_N_DEMOS
@@ -156,33 +179,51 @@ class LookupTask:
         if self.n_demos > n - 1:
             raise ConfigError(f"task.n_demos={self.n_demos} needs more than {n} records (demos ask other records)")
         if not len(c.filler_ids) and (self.spec.padding == "in_sequence" or self.spec.fixed_query):
-            raise ConfigError("this layout has no filler ids to put between or after records (lookup n_filler=0); "
-                              "use task.padding=prefix with task.fixed_query=false")
+            raise ConfigError(
+                "this layout has no filler ids to put between or after records (lookup n_filler=0); "
+                "use task.padding=prefix with task.fixed_query=false"
+            )
         if self.spec.n_base % self.modulus:
-            log.warning("task.n_base=%d is not a multiple of modulus=%d: target-position means differ slightly "
-                        "between residue groups", self.spec.n_base, self.modulus)
+            log.warning(
+                "task.n_base=%d is not a multiple of modulus=%d: target-position means differ slightly "
+                "between residue groups",
+                self.spec.n_base,
+                self.modulus,
+            )
         if training is None:
             return
         if training.filler[1] == 0 and (self.spec.fixed_query or self.spec.padding == "in_sequence"):
-            log.warning("the model trained without filler tokens between records, but this task puts filler "
-                        "tokens after/between records; consider task.fixed_query=false with prefix padding")
+            log.warning(
+                "the model trained without filler tokens between records, but this task puts filler "
+                "tokens after/between records; consider task.fixed_query=false with prefix padding"
+            )
         most_pads = self.design.max_base_pad + self.modulus - 1
         if self.spec.padding == "prefix" and most_pads > training.prefix_pad[1]:
-            log.warning("this task puts up to %d prefix pad tokens before the records; the model trained with at most "
-                        "%d", most_pads, training.prefix_pad[1])
+            log.warning(
+                "this task puts up to %d prefix pad tokens before the records; the model trained with at most %d",
+                most_pads,
+                training.prefix_pad[1],
+            )
         if self.n_demos + 1 > training.n_queries:
             log.warning("this task asks %d queries; the model trained with %d", self.n_demos + 1, training.n_queries)
 
     def _check_length(self, max_len: int) -> None:
         c = self.codec
         query, answer = len(c.query_tokens(0)), len(c.answer_tokens(0))
-        longest = (len(c.prefix) + self.n_records * c.record_len + self.design.pad_budget + len(c.separator)
-                   + self.n_demos * (query + answer) + query)
+        longest = (
+            len(c.prefix)
+            + self.n_records * c.record_len
+            + self.design.pad_budget
+            + len(c.separator)
+            + self.n_demos * (query + answer)
+            + query
+        )
         if longest > max_len:
             raise ConfigError(
                 f"lookup prompts need {longest} tokens ({self.n_records} records x {self.codec.record_len} tokens, "
                 f"{self.design.pad_budget} pad tokens, {self.n_demos} demonstrations) but the model's context is "
-                f"{max_len}: lower task.n_records or task.n_demos (or task.modulus)")
+                f"{max_len}: lower task.n_records or task.n_demos (or task.modulus)"
+            )
 
     # ---- prompt construction ------------------------------------------------------------------------------
     def _build(self) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
@@ -205,18 +246,36 @@ class LookupTask:
                 ex = assemble_lookup(c, keys, values, slot_pads(t, pre, post, n, s.padding, rng), queried, rng)
                 position = int(ex.record_starts[t])
                 prompts.append(ex.prompt)
-                rows.append(dict(base=i, shift=k, target_record=t, target_position=position, residue=position % m,
-                                 phase=int(phase(position, self.stride)) if self.stride else -1,
-                                 query_position=len(ex.prompt) - 1,
-                                 key=int(keys[t]), value=int(values[t]), answer_id=ex.answer_id))
+                rows.append(
+                    dict(
+                        base=i,
+                        shift=k,
+                        target_record=t,
+                        target_position=position,
+                        residue=position % m,
+                        phase=int(phase(position, self.stride)) if self.stride else -1,
+                        query_position=len(ex.prompt) - 1,
+                        key=int(keys[t]),
+                        value=int(values[t]),
+                        answer_id=ex.answer_id,
+                    )
+                )
         return prompts, {col: np.array([r[col] for r in rows], dtype=np.int64) for col in rows[0]}
 
     # ---- evaluation ---------------------------------------------------------------------------------------
-    def evaluate(self, model: LogitsFn, *, batch_size: int = 64, device: torch.device | str = "cpu",
-                 progress: bool = True) -> LookupOutcome:
+    def evaluate(
+        self, model: LogitsFn, *, batch_size: int = 64, device: torch.device | str = "cpu", progress: bool = True
+    ) -> LookupOutcome:
         """Score every prompt with ``model`` (``input_ids -> logits``)."""
-        scores = score_next_token(model, self.prompts, self.table["answer_id"][:, None], batch_size=batch_size,
-                                  device=device, progress=progress, desc=self.spec.name)
+        scores = score_next_token(
+            model,
+            self.prompts,
+            self.table["answer_id"][:, None],
+            batch_size=batch_size,
+            device=device,
+            progress=progress,
+            desc=self.spec.name,
+        )
         correct = (scores.top1 == self.table["answer_id"]).astype(np.int64)
         return LookupOutcome(self.table, scores.top1, correct, scores.probs[:, 0])
 
@@ -225,28 +284,44 @@ class LookupTask:
         out = []
         for r in range(self.modulus):
             pos = self.table["target_position"][self.table["residue"] == r].astype(np.float64)
-            out.append({"residue": r, "n": len(pos), "mean": float(pos.mean()) if len(pos) else None,
-                        "var": float(pos.var()) if len(pos) else None})
+            out.append(
+                {
+                    "residue": r,
+                    "n": len(pos),
+                    "mean": float(pos.mean()) if len(pos) else None,
+                    "var": float(pos.var()) if len(pos) else None,
+                }
+            )
         return out
 
     def describe(self) -> dict:
         """The resolved settings and the design, for results.json."""
         q = np.unique(self.table["query_position"])
         return {
-            "spec": {**asdict(self.spec), "n_records": self.n_records, "n_demos": self.n_demos,
-                     "stride": self.stride, "n_base": self.n_base},
+            "spec": {
+                **asdict(self.spec),
+                "n_records": self.n_records,
+                "n_demos": self.n_demos,
+                "stride": self.stride,
+                "n_base": self.n_base,
+            },
             "codec": self.codec.describe(),
-            "design": {**asdict(self.design), "pad_budget": self.design.pad_budget,
-                       "query_position": int(q[0]) if len(q) == 1 else None,
-                       "prompt_length": [int(min(map(len, self.prompts))), int(max(map(len, self.prompts)))],
-                       "target_position_by_residue": self.position_moments()},
+            "design": {
+                **asdict(self.design),
+                "pad_budget": self.design.pad_budget,
+                "query_position": int(q[0]) if len(q) == 1 else None,
+                "prompt_length": [int(min(map(len, self.prompts))), int(max(map(len, self.prompts)))],
+                "target_position_by_residue": self.position_moments(),
+            },
         }
 
     def require_stride(self, what: str) -> int:
         """The phase period, or a ``ConfigError`` naming ``what`` needs it (a model without a stride)."""
         if self.stride is None:
-            raise ConfigError(f"{what} groups targets by phase, but the model has no stride (full attention): set "
-                              f"task.stride to the stride of the comparison")
+            raise ConfigError(
+                f"{what} groups targets by phase, but the model has no stride (full attention): set "
+                f"task.stride to the stride of the comparison"
+            )
         return self.stride
 
     def report(self, outcome: LookupOutcome, options: StatsOptions = StatsOptions()) -> dict:
@@ -254,15 +329,27 @@ class LookupTask:
         stride) and a headline with both gaps. Intervals are cluster bootstraps over the key->value mappings."""
         t = outcome.table
         residue = summarize_groups(outcome.correct, t["residue"], self.modulus, t["base"], options, period=self.stride)
-        phases = (summarize_groups(outcome.correct, t["phase"], self.stride, t["base"], options)
-                  if self.stride else None)
+        phases = summarize_groups(outcome.correct, t["phase"], self.stride, t["base"], options) if self.stride else None
         per, mean = residue.get("periodicity", {}), residue["mean"]
         headline = {
-            "mean": mean["value"], "mean_lower": mean["lower"], "mean_upper": mean["upper"],
-            "modulus": self.modulus, **gap_headline(residue, "residue"),
-            "stride": self.stride, **gap_headline(phases, "phase"),
-            "periodicity_score": per.get("score"), "dominant_period": per.get("dominant_period"),
+            "mean": mean["value"],
+            "mean_lower": mean["lower"],
+            "mean_upper": mean["upper"],
+            "modulus": self.modulus,
+            **gap_headline(residue, "residue"),
+            "stride": self.stride,
+            **gap_headline(phases, "phase"),
+            "periodicity_score": per.get("score"),
+            "dominant_period": per.get("dominant_period"),
         }
-        return {"task": "lookup", "name": self.spec.name, "modulus": self.modulus, "stride": self.stride,
-                "n_prompts": len(outcome.correct), "headline": headline, "residue": residue, "phase": phases,
-                **self.describe()}
+        return {
+            "task": "lookup",
+            "name": self.spec.name,
+            "modulus": self.modulus,
+            "stride": self.stride,
+            "n_prompts": len(outcome.correct),
+            "headline": headline,
+            "residue": residue,
+            "phase": phases,
+            **self.describe(),
+        }

@@ -24,7 +24,14 @@ from ckv.device import resolve_device
 from ckv.eval.scoring import LogitsFn
 from ckv.eval.vocab import TextTokenizer, TokenizersTokenizer
 from ckv.io.layout import (
-    EVAL_DIR, MODEL_DIR, STATE_FILE, TOKENIZER_FILE, WEIGHTS_DIR, is_run_dir, latest_checkpoint, list_checkpoints,
+    EVAL_DIR,
+    MODEL_DIR,
+    STATE_FILE,
+    TOKENIZER_FILE,
+    WEIGHTS_DIR,
+    is_run_dir,
+    latest_checkpoint,
+    list_checkpoints,
     read_run_config,
 )
 from ckv.io.weights import WEIGHTS_CONFIG_FILE, WEIGHTS_FILE, is_weights_dir, load_config, load_weights
@@ -86,8 +93,10 @@ def find_weights(path: PathLike, step: Union[int, str, None] = None) -> tuple[Pa
             raise ConfigError(f"model.step={step!r} is for run folders; {p} is already a weights folder")
         return p, next((a for a in list(p.parents)[:3] if is_run_dir(a)), None)
     if not is_run_dir(p):
-        raise FileNotFoundError(f"{p} is neither a ckv run folder (config.yaml with model/ or checkpoints/) nor a "
-                                f"weights folder ({WEIGHTS_CONFIG_FILE} + {WEIGHTS_FILE})")
+        raise FileNotFoundError(
+            f"{p} is neither a ckv run folder (config.yaml with model/ or checkpoints/) nor a "
+            f"weights folder ({WEIGHTS_CONFIG_FILE} + {WEIGHTS_FILE})"
+        )
     if step is None and is_weights_dir(p / MODEL_DIR):
         return p / MODEL_DIR, p
     if step is None or step == "latest":
@@ -113,13 +122,18 @@ def check_against_run(config: ModelConfig, run_cfg: dict[str, Any], where: Path)
     actual = config.to_dict()
     expected["attention"].pop("impl", None)
     actual["attention"].pop("impl", None)
-    diff = [f"{k}: run {expected[k]!r} vs checkpoint {actual.get(k)!r}" for k in expected if expected[k] != actual.get(k)]
+    diff = [
+        f"{k}: run {expected[k]!r} vs checkpoint {actual.get(k)!r}" for k in expected if expected[k] != actual.get(k)
+    ]
     if diff:
-        raise CheckpointMismatchError(f"the checkpoint {where} does not match its run's config.yaml: " + "; ".join(diff))
+        raise CheckpointMismatchError(
+            f"the checkpoint {where} does not match its run's config.yaml: " + "; ".join(diff)
+        )
 
 
-def _run_lookup(run_cfg: dict[str, Any], tokenizer: Optional[Tokenizer],
-                where: Path) -> tuple[Optional[LookupConfig], Optional[LookupFormat]]:
+def _run_lookup(
+    run_cfg: dict[str, Any], tokenizer: Optional[Tokenizer], where: Path
+) -> tuple[Optional[LookupConfig], Optional[LookupFormat]]:
     """The lookup settings and id layout a run trained on (``None`` for pure text runs), resolved by the data
     package's ``lookup_format_for`` with its checks."""
     data = run_cfg.get("data")
@@ -161,18 +175,35 @@ def load_ckv_model(
     lookup, fmt = _run_lookup(run_cfg, raw_tok, weights)
     a = config.attention
     info = {
-        "kind": "ckv", "path": str(Path(path).resolve()), "weights": str(weights.resolve()),
-        "run_dir": str(run_dir.resolve()) if run_dir else None, "step": step,
-        "run_name": run_cfg.get("name"), "seed": run_cfg.get("seed"), "config": config.to_dict(),
-        "attention": {"kind": a.kind, "window": a.window if a.compressed else None,
-                      "stride": a.stride if a.compressed else None, "pooling": a.pooling if a.compressed else None},
+        "kind": "ckv",
+        "path": str(Path(path).resolve()),
+        "weights": str(weights.resolve()),
+        "run_dir": str(run_dir.resolve()) if run_dir else None,
+        "step": step,
+        "run_name": run_cfg.get("name"),
+        "seed": run_cfg.get("seed"),
+        "config": config.to_dict(),
+        "attention": {
+            "kind": a.kind,
+            "window": a.window if a.compressed else None,
+            "stride": a.stride if a.compressed else None,
+            "pooling": a.pooling if a.compressed else None,
+        },
     }
     trainer_state = weights.parent / STATE_FILE
     if trainer_state.is_file():
         info["trainer_state"] = json.loads(trainer_state.read_text())
     return LoadedModel(
-        name=run_cfg.get("name") or (run_dir.name if run_dir else weights.name), logits=CkvLastLogits(model),
-        module=model, device=dev, vocab_size=config.vocab_size, max_len=config.max_seq_len,
-        stride=a.stride if a.compressed else None, tokenizer=TokenizersTokenizer(raw_tok) if raw_tok else None,
-        lookup=lookup, lookup_format=fmt, out_dir=_default_out_dir(weights, run_dir), info=info,
+        name=run_cfg.get("name") or (run_dir.name if run_dir else weights.name),
+        logits=CkvLastLogits(model),
+        module=model,
+        device=dev,
+        vocab_size=config.vocab_size,
+        max_len=config.max_seq_len,
+        stride=a.stride if a.compressed else None,
+        tokenizer=TokenizersTokenizer(raw_tok) if raw_tok else None,
+        lookup=lookup,
+        lookup_format=fmt,
+        out_dir=_default_out_dir(weights, run_dir),
+        info=info,
     )

@@ -68,9 +68,18 @@ class NeedleSpec:
     vocab: VocabSpec = field(default_factory=VocabSpec)
 
     def __post_init__(self) -> None:
-        check_task_fields(self, required=(("context_tokens", 8), ("record_len", 2), ("modulus", 1),
-                                          ("prompts_per_residue", 1), ("prefill_chunk", 1), ("seed", 0)),
-                          optional=(("n_records", 2), ("stride", 1)))
+        check_task_fields(
+            self,
+            required=(
+                ("context_tokens", 8),
+                ("record_len", 2),
+                ("modulus", 1),
+                ("prompts_per_residue", 1),
+                ("prefill_chunk", 1),
+                ("seed", 0),
+            ),
+            optional=(("n_records", 2), ("stride", 1)),
+        )
 
     @property
     def records(self) -> int:
@@ -129,8 +138,13 @@ class MultiTokenKeyCodec:
         return self.base.answer_tokens(value)
 
     def describe(self) -> dict:
-        return {**self.base.describe(), "source": "multi_token_keys", "record_len": self.record_len,
-                "key_tokens": self.key_len, "n_keys": self.n_keys}
+        return {
+            **self.base.describe(),
+            "source": "multi_token_keys",
+            "record_len": self.record_len,
+            "key_tokens": self.key_len,
+            "n_keys": self.n_keys,
+        }
 
 
 def needle_codec(codec: RecordCodec, record_len: int) -> RecordCodec:
@@ -140,9 +154,11 @@ def needle_codec(codec: RecordCodec, record_len: int) -> RecordCodec:
         return codec
     if isinstance(codec, TokenCodec):
         return MultiTokenKeyCodec(codec, record_len)
-    raise ConfigError(f"task.record_len={record_len}, but the model's lookup layout has records of "
-                      f"{codec.record_len} tokens; set task.record_len={codec.record_len} (or use vocab source "
-                      f"'words'/'ids')")
+    raise ConfigError(
+        f"task.record_len={record_len}, but the model's lookup layout has records of "
+        f"{codec.record_len} tokens; set task.record_len={codec.record_len} (or use vocab source "
+        f"'words'/'ids')"
+    )
 
 
 def depth_levels(n_base: int, modulus: int, n_depths: int) -> np.ndarray:
@@ -162,8 +178,15 @@ class NeedleTask(LookupTask):
     task's columns, so ``evaluate``, ``position_moments`` and ``report`` are the lookup task's; its constructor
     and prompt builder are not used)."""
 
-    def __init__(self, spec: NeedleSpec, codec: RecordCodec, *, max_len: int, model_stride: Optional[int] = None,
-                 limit: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        spec: NeedleSpec,
+        codec: RecordCodec,
+        *,
+        max_len: int,
+        model_stride: Optional[int] = None,
+        limit: Optional[int] = None,
+    ) -> None:
         self.spec, self.codec = spec, needle_codec(codec, spec.record_len)  # type: ignore[assignment]
         self.n_records, self.n_demos = spec.records, 0
         self.modulus = spec.modulus
@@ -176,20 +199,27 @@ class NeedleTask(LookupTask):
     def _check_context(self, max_len: int) -> None:
         s, c, n = self.spec, self.codec, self.n_records
         if s.context_tokens > max_len:
-            raise ConfigError(f"task.context_tokens={s.context_tokens} exceeds the model's context of {max_len} "
-                              f"tokens; lower task.context_tokens")
+            raise ConfigError(
+                f"task.context_tokens={s.context_tokens} exceeds the model's context of {max_len} "
+                f"tokens; lower task.context_tokens"
+            )
         if n > c.n_keys:
-            raise ConfigError(f"the haystack's {n} records need distinct keys but the vocabulary makes only "
-                              f"{c.n_keys}; lower task.n_records or give more keys")
+            raise ConfigError(
+                f"the haystack's {n} records need distinct keys but the vocabulary makes only "
+                f"{c.n_keys}; lower task.n_records or give more keys"
+            )
         question = len(c.separator) + len(c.query_tokens(0))
         self.haystack = s.context_tokens - len(c.prefix) - question  # record and filler tokens
         self.filler = self.haystack - n * c.record_len
         if self.filler < 2 * s.modulus:
-            raise ConfigError(f"{n} records of {c.record_len} tokens leave {self.filler} filler tokens in a context of "
-                              f"{s.context_tokens}; the design needs >= {2 * s.modulus}: lower task.n_records")
+            raise ConfigError(
+                f"{n} records of {c.record_len} tokens leave {self.filler} filler tokens in a context of "
+                f"{s.context_tokens}; the design needs >= {2 * s.modulus}: lower task.n_records"
+            )
         if self.filler and not len(c.filler_ids) and s.padding == "in_sequence":
-            raise ConfigError("this layout has no filler ids to put between records (lookup n_filler=0); "
-                              "use task.padding=prefix")
+            raise ConfigError(
+                "this layout has no filler ids to put between records (lookup n_filler=0); use task.padding=prefix"
+            )
 
     def _build_haystacks(self) -> tuple[LazyPrompts, dict[str, np.ndarray]]:
         s, c, m, n, L = self.spec, self.codec, self.modulus, self.n_records, self.codec.record_len
@@ -209,12 +239,19 @@ class NeedleTask(LookupTask):
         self._keys: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._offsets, self._targets = offsets, targets
         target_kv = np.array([[kv[targets[i]] for kv in self._mapping(i)] for i in range(self.n_base)])  # (n_base, 2)
-        table = dict(base=base, shift=shift, target_record=targets[base], target_position=position,
-                     residue=position % m,
-                     phase=np.asarray(phase(position, self.stride) if self.stride else np.full_like(position, -1),
-                                      dtype=np.int64),
-                     query_position=np.full(len(base), s.context_tokens - 1), key=target_kv[base, 0],
-                     value=target_kv[base, 1])
+        table = dict(
+            base=base,
+            shift=shift,
+            target_record=targets[base],
+            target_position=position,
+            residue=position % m,
+            phase=np.asarray(
+                phase(position, self.stride) if self.stride else np.full_like(position, -1), dtype=np.int64
+            ),
+            query_position=np.full(len(base), s.context_tokens - 1),
+            key=target_kv[base, 0],
+            value=target_kv[base, 1],
+        )
         table["answer_id"] = np.array([c.answer_tokens(int(v))[0] for v in table["value"]], dtype=np.int64)
         prompts = LazyPrompts(np.full(len(base), s.context_tokens), self._prompt)
         return prompts, {k: np.asarray(v, dtype=np.int64) for k, v in table.items()}
@@ -238,21 +275,31 @@ class NeedleTask(LookupTask):
         pads = slot_pads(t, pre, self.filler - pre, self.n_records, self.spec.padding, rng)
         ex = assemble_lookup(self.codec, keys, values, pads, [t], rng)
         if int(ex.record_starts[t]) != self.table["target_position"][j]:
-            raise RuntimeError(f"needle prompt {j}: target at {ex.record_starts[t]}, planned at "
-                               f"{self.table['target_position'][j]}")
+            raise RuntimeError(
+                f"needle prompt {j}: target at {ex.record_starts[t]}, planned at {self.table['target_position'][j]}"
+            )
         return ex.prompt
 
     def describe(self) -> dict:
         """The resolved settings and the design, for results.json."""
         return {
-            "spec": {**asdict(self.spec), "n_records": self.n_records, "stride": self.stride,
-                     "prompts_per_residue": self.n_base},
+            "spec": {
+                **asdict(self.spec),
+                "n_records": self.n_records,
+                "stride": self.stride,
+                "prompts_per_residue": self.n_base,
+            },
             "codec": self.codec.describe(),
-            "design": {"modulus": self.modulus, "context_tokens": self.spec.context_tokens,
-                       "record_len": self.codec.record_len, "haystack_tokens": self.haystack,
-                       "filler_tokens": self.filler, "query_position": self.spec.context_tokens - 1,
-                       "prompt_length": [self.spec.context_tokens] * 2,
-                       "target_position_by_residue": self.position_moments()},
+            "design": {
+                "modulus": self.modulus,
+                "context_tokens": self.spec.context_tokens,
+                "record_len": self.codec.record_len,
+                "haystack_tokens": self.haystack,
+                "filler_tokens": self.filler,
+                "query_position": self.spec.context_tokens - 1,
+                "prompt_length": [self.spec.context_tokens] * 2,
+                "target_position_by_residue": self.position_moments(),
+            },
         }
 
     def report(self, outcome: LookupOutcome, options: StatsOptions = StatsOptions()) -> dict:

@@ -7,9 +7,10 @@ line, and says in its title what the best-minus-worst gap, its interval and the 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import numpy as np
 from matplotlib import colormaps
@@ -51,8 +52,10 @@ def _save(fig: Figure, path: PathLike) -> Path:
 def gap_text(grouping: dict, unit: str = "pp") -> str:
     """``gap 40.2 pp [36.1, 44.0], noise floor 2.8, p=0.0005`` for a ``summarize_groups`` report."""
     g = grouping["gap"]
-    return (f"gap {_fmt_pct(g['value'])} {unit} [{_fmt_pct(g['lower'])}, {_fmt_pct(g['upper'])}], "
-            f"noise floor {_fmt_pct(g['noise_floor'])}, p={_fmt_p(g['p_value'])}")
+    return (
+        f"gap {_fmt_pct(g['value'])} {unit} [{_fmt_pct(g['lower'])}, {_fmt_pct(g['upper'])}], "
+        f"noise floor {_fmt_pct(g['noise_floor'])}, p={_fmt_p(g['p_value'])}"
+    )
 
 
 def _yerr(y: np.ndarray, groups: list[dict]) -> np.ndarray:
@@ -62,8 +65,9 @@ def _yerr(y: np.ndarray, groups: list[dict]) -> np.ndarray:
     return np.maximum(np.stack([y - lo, hi - y]), 0.0)
 
 
-def _group_curve(ax: Axes, grouping: dict, *, stride: Optional[int], label: Optional[str] = None,
-                 color=None, bars: bool = False) -> None:
+def _group_curve(
+    ax: Axes, grouping: dict, *, stride: Optional[int], label: Optional[str] = None, color=None, bars: bool = False
+) -> None:
     """Accuracy per group with its intervals (the grouping's ``interval`` kind) and the mean line (points coloured
     by phase if ``stride``)."""
     groups = grouping["groups"]
@@ -76,12 +80,20 @@ def _group_curve(ax: Axes, grouping: dict, *, stride: Optional[int], label: Opti
         ax.errorbar(x, y, yerr=err, fmt="none", ecolor="black", capsize=3, lw=1)
     else:
         ax.plot(x, y, "-", color=color or "0.6", lw=1, zorder=1, label=label if color is not None else None)
-        colors = [_colors(stride)[xi % stride] for xi in x] if stride and color is None else [color or "tab:blue"] * len(x)
+        colors = (
+            [_colors(stride)[xi % stride] for xi in x] if stride and color is None else [color or "tab:blue"] * len(x)
+        )
         ax.errorbar(x, y, yerr=err, fmt="none", ecolor="0.4", capsize=2, lw=0.8, zorder=2)
         ax.scatter(x, y, c=colors, s=22, zorder=3, edgecolors="black", linewidths=0.4)
-    ax.axhline(_pct(mean["value"]), ls="--", color=color or "black", lw=1,
-               label=f"mean {_fmt_pct(mean['value'])}% [{_fmt_pct(mean['lower'])}, {_fmt_pct(mean['upper'])}]"
-               if color is None else None)
+    ax.axhline(
+        _pct(mean["value"]),
+        ls="--",
+        color=color or "black",
+        lw=1,
+        label=f"mean {_fmt_pct(mean['value'])}% [{_fmt_pct(mean['lower'])}, {_fmt_pct(mean['upper'])}]"
+        if color is None
+        else None,
+    )
     if mean["lower"] is not None and color is None:
         ax.axhspan(_pct(mean["lower"]), _pct(mean["upper"]), color="0.85", zorder=0)
     ax.set_ylim(-3, 103)
@@ -90,10 +102,17 @@ def _group_curve(ax: Axes, grouping: dict, *, stride: Optional[int], label: Opti
 
 
 def _phase_legend(ax: Axes, stride: int) -> None:
-    handles = [Line2D([], [], marker="o", ls="", color=c, markeredgecolor="black", label=f"phase {p}")
-               for p, c in enumerate(_colors(stride))]
-    ax.legend(handles=ax.get_legend_handles_labels()[0] + handles, fontsize=7, loc="best",
-              ncol=2 if stride > 4 else 1, framealpha=0.9)
+    handles = [
+        Line2D([], [], marker="o", ls="", color=c, markeredgecolor="black", label=f"phase {p}")
+        for p, c in enumerate(_colors(stride))
+    ]
+    ax.legend(
+        handles=ax.get_legend_handles_labels()[0] + handles,
+        fontsize=7,
+        loc="best",
+        ncol=2 if stride > 4 else 1,
+        framealpha=0.9,
+    )
 
 
 def plot_lookup(report: dict, path: PathLike, title: str) -> Path:
@@ -153,8 +172,10 @@ def plot_lookup_comparison(items: Sequence[tuple[str, dict]], path: PathLike, nc
     for ax in axes[n:]:
         ax.set_visible(False)
     kinds = sorted({rep["residue"].get("interval", "wilson").replace("_", " ") for _, rep in items})
-    fig.suptitle(f"lookup accuracy per residue, one panel per run (error bars: {' / '.join(kinds)} 95%; dashed: mean)",
-                 fontsize=10)
+    fig.suptitle(
+        f"lookup accuracy per residue, one panel per run (error bars: {' / '.join(kinds)} 95%; dashed: mean)",
+        fontsize=10,
+    )
     fig.tight_layout()
     return _save(fig, path)
 
@@ -173,8 +194,16 @@ def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Pat
         x = np.array([g["group"] for g in ph["groups"]]) + dx
         y = np.array([_pct(g["accuracy"]) for g in ph["groups"]])
         err = _yerr(y, ph["groups"])
-        ax.errorbar(x, y, yerr=err, fmt="o-", color=color, capsize=3, ms=5,
-                    label=f"{label}: gap {_fmt_pct(ph['gap']['value'])} pp (floor {_fmt_pct(ph['gap']['noise_floor'])})")
+        ax.errorbar(
+            x,
+            y,
+            yerr=err,
+            fmt="o-",
+            color=color,
+            capsize=3,
+            ms=5,
+            label=f"{label}: gap {_fmt_pct(ph['gap']['value'])} pp (floor {_fmt_pct(ph['gap']['noise_floor'])})",
+        )
         ax.axhline(_pct(ph["mean"]["value"]), ls="--", color=color, lw=0.8)
     S = max(rep["stride"] for _, rep in items)
     ax.set_xticks(range(S))
@@ -208,21 +237,27 @@ def plot_probe(report: dict, path: PathLike, title: str) -> Path:
         ax.set_xticks(x[x % S == 0])
     ax.set_xlabel(f"filler length (tokens); grey lines: length = 0 mod {S}")
     ax.set_ylabel("probability of the candidate (whole sequence, %)")
-    top_p = max((PCT * np.exp(r[f"logp[{lab}]"]) for r in rows for lab in labels if r[f"logp[{lab}]"] is not None),
-                default=1.0)
+    top_p = max(
+        (PCT * np.exp(r[f"logp[{lab}]"]) for r in rows for lab in labels if r[f"logp[{lab}]"] is not None), default=1.0
+    )
     ax.set_ylim(-2, min(103.0, 1.15 * top_p + 3))  # small probabilities stay visible
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, title="filled: the full-vocabulary top-1", title_fontsize=8)
     per = report.get("periodicity") or {}
     dom = per.get("dominant_period")
-    ax.set_title(f"{title}: {report['name']}, {report['flips']} flips of the full-vocabulary top-1, dominant period "
-                 f"of p({labels[0]}): {'none' if dom is None else f'{dom:g}'}", fontsize=9)
+    ax.set_title(
+        f"{title}: {report['name']}, {report['flips']} flips of the full-vocabulary top-1, dominant period "
+        f"of p({labels[0]}): {'none' if dom is None else f'{dom:g}'}",
+        fontsize=9,
+    )
     return _save(fig, path)
 
 
-GRID_METRICS = (("phase_gap", "phase gap mod S (pp)", "Reds"),
-                ("worst_phase_accuracy", "worst-phase accuracy (%)", "Blues"),
-                ("mean", "mean accuracy (%)", "Greens"))
+GRID_METRICS = (
+    ("phase_gap", "phase gap mod S (pp)", "Reds"),
+    ("worst_phase_accuracy", "worst-phase accuracy (%)", "Blues"),
+    ("mean", "mean accuracy (%)", "Greens"),
+)
 
 
 def _grid_cell_text(runs: Sequence[dict], key: str, value: float) -> str:
@@ -236,8 +271,9 @@ def _grid_cell_text(runs: Sequence[dict], key: str, value: float) -> str:
         text += f"\n(mean of {len(runs)} {'seeds' if len(set(seeds)) == len(seeds) else 'runs: not only seeds'})"
     elif lo is not None and hi is not None:
         text += f"\n[{PCT * lo:.0f}, {PCT * hi:.0f}]"
-    if key == "phase_gap" and not all(gap_is_real(r.get("phase_p_value"), r.get("phase_gap_lower"),
-                                                  r.get("phase_noise_floor")) for r in runs):
+    if key == "phase_gap" and not all(
+        gap_is_real(r.get("phase_p_value"), r.get("phase_gap_lower"), r.get("phase_noise_floor")) for r in runs
+    ):
         text += "\nn.s."
     return text
 
@@ -288,8 +324,9 @@ def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
     metrics = [m for m in GRID_METRICS if any(r.get(m[0]) is not None for r in rows if r.get("stride") is not None)]
     grids = stride_window_grids(rows, [key for key, _, _ in metrics])
     first = next(iter(grids.values()))
-    fig = Figure(figsize=(len(metrics) * (1.3 + 1.05 * len(first.strides)),
-                          len(grids) * (1.4 + 0.7 * len(first.windows))))
+    fig = Figure(
+        figsize=(len(metrics) * (1.3 + 1.05 * len(first.strides)), len(grids) * (1.4 + 0.7 * len(first.windows)))
+    )
     axes = fig.subplots(len(grids), len(metrics), squeeze=False)
     for i, (pooling, g) in enumerate(grids.items()):
         for j, (key, label, cmap_name) in enumerate(metrics):
@@ -300,8 +337,15 @@ def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
             for (w, s), runs in g.cells.items():
                 v = g.values[key][g.windows.index(w), g.strides.index(s)]
                 if not np.isnan(v):
-                    ax.text(g.strides.index(s), g.windows.index(w), _grid_cell_text(runs, key, v), ha="center",
-                            va="center", fontsize=7, color="white" if v > 60 else "black")
+                    ax.text(
+                        g.strides.index(s),
+                        g.windows.index(w),
+                        _grid_cell_text(runs, key, v),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if v > 60 else "black",
+                    )
             ax.set_xticks(range(len(g.strides)), [str(s) for s in g.strides])
             ax.set_yticks(range(len(g.windows)), [str(w) for w in g.windows])
             ax.set_xlabel("stride")
@@ -312,8 +356,11 @@ def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
         gaps = [r["phase_gap"] for r in full if r.get("phase_gap") is not None]
         residue = [r["residue_gap"] for r in full if r.get("residue_gap") is not None]
         means = [r["mean"] for r in full if r.get("mean") is not None]
-        title += (f"\nfull attention ({len(full)} runs): mean {PCT * np.mean(means):.1f}%" if means else
-                  f"\nfull attention ({len(full)} runs)")
+        title += (
+            f"\nfull attention ({len(full)} runs): mean {PCT * np.mean(means):.1f}%"
+            if means
+            else f"\nfull attention ({len(full)} runs)"
+        )
         title += f", residue gap mod {full[0]['modulus']} {PCT * np.mean(residue):.1f} pp" if residue else ""
         title += f", phase gap {PCT * np.mean(gaps):.1f} pp" if gaps else ""
     fig.suptitle(title, fontsize=10)

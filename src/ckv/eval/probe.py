@@ -130,8 +130,10 @@ def exact_fillers(tokenizer: TextTokenizer, unit: str, lengths: range) -> dict[i
         k += 1
     missing = [n for n in lengths if n not in found]
     if missing:
-        raise ConfigError(f"task.unit={unit!r}: no repeat of it tokenises to exactly {missing} tokens in the model's "
-                          "tokenizer; choose another unit (or lengths)")
+        raise ConfigError(
+            f"task.unit={unit!r}: no repeat of it tokenises to exactly {missing} tokens in the model's "
+            "tokenizer; choose another unit (or lengths)"
+        )
     return found
 
 
@@ -146,11 +148,18 @@ def text_prompt(spec: ProbeSpec, tokenizer: Optional[TextTokenizer]) -> ProbePro
     fillers = exact_fillers(tokenizer, spec.unit, range(lo, hi + 1))  # type: ignore[arg-type]
     head = [] if bos is None else [int(bos)]
     before_ids, after_ids = tokenizer.encode(before), tokenizer.encode(after)
-    canonical = {n: tokenizer.encode(before + text + after) == before_ids + ids + after_ids
-                 for n, (text, ids) in fillers.items()}
-    return ProbePrompt(head + before_ids, {n: ids for n, (_, ids) in fillers.items()}, after_ids,
-                       [tokenizer.encode(c) for c in spec.candidates], list(spec.candidates),
-                       filler_texts={n: text for n, (text, _) in fillers.items()}, canonical=canonical)
+    canonical = {
+        n: tokenizer.encode(before + text + after) == before_ids + ids + after_ids for n, (text, ids) in fillers.items()
+    }
+    return ProbePrompt(
+        head + before_ids,
+        {n: ids for n, (_, ids) in fillers.items()},
+        after_ids,
+        [tokenizer.encode(c) for c in spec.candidates],
+        list(spec.candidates),
+        filler_texts={n: text for n, (text, _) in fillers.items()},
+        canonical=canonical,
+    )
 
 
 def lookup_prompt(spec: ProbeSpec, codec: RecordCodec, n_records: int) -> ProbePrompt:
@@ -185,8 +194,16 @@ def _log(p: np.ndarray) -> np.ndarray:
 class ProbeTask:
     """The built probe prompts (one per filler length)."""
 
-    def __init__(self, spec: ProbeSpec, prompt: ProbePrompt, *, max_len: int, model_stride: Optional[int] = None,
-                 tokenizer: Optional[TextTokenizer] = None, limit: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        spec: ProbeSpec,
+        prompt: ProbePrompt,
+        *,
+        max_len: int,
+        model_stride: Optional[int] = None,
+        tokenizer: Optional[TextTokenizer] = None,
+        limit: Optional[int] = None,
+    ) -> None:
         self.spec, self.prompt, self.tokenizer = spec, prompt, tokenizer
         self.stride = spec.stride or model_stride or 1
         lo, hi = spec.lengths
@@ -194,11 +211,13 @@ class ProbeTask:
         self.prompts = [prompt.ids(int(n)) for n in self.filler_tokens]
         longest = max(len(p) for p in self.prompts) + max(len(c) for c in prompt.candidates) - 1
         if longest > max_len:
-            raise ConfigError(f"probe prompts need up to {longest} tokens but the model's context is {max_len}; "
-                              "lower task.lengths")
+            raise ConfigError(
+                f"probe prompts need up to {longest} tokens but the model's context is {max_len}; lower task.lengths"
+            )
 
-    def evaluate(self, model: LogitsFn, *, batch_size: int = 64, device: torch.device | str = "cpu",
-                 progress: bool = True) -> dict:
+    def evaluate(
+        self, model: LogitsFn, *, batch_size: int = 64, device: torch.device | str = "cpu", progress: bool = True
+    ) -> dict:
         """Score every length: full-vocabulary top-1 and each candidate's sequence log-probability; returns the
         report (``report``)."""
         cands = self.prompt.candidates
@@ -209,8 +228,9 @@ class ProbeTask:
         # teacher forcing: token j of a candidate after the prompt and the candidate's first j tokens
         later = [(i, c, j) for i in range(len(self.prompts)) for c, seq in enumerate(cands) for j in range(1, len(seq))]
         if later:
-            extended = [np.concatenate([self.prompts[i], np.asarray(cands[c][:j], dtype=np.int64)])
-                        for i, c, j in later]
+            extended = [
+                np.concatenate([self.prompts[i], np.asarray(cands[c][:j], dtype=np.int64)]) for i, c, j in later
+            ]
             targets = np.array([[cands[c][j]] for _, c, j in later])
             rest = score_next_token(model, extended, targets, **run)
             rows, cols = np.array([i for i, _, _ in later]), np.array([c for _, c, _ in later])
@@ -226,35 +246,75 @@ class ProbeTask:
         phases = self.filler_tokens % S
         top1_is = [labels[firsts.index(int(t))] if int(t) in firsts else None for t in top1]  # a candidate or None
         best = logp.argmax(1)  # the more probable candidate, whatever the top-1
-        rows = [{"filler_tokens": int(f), "phase": int(ph), "top1_id": int(t),
-                 "top1_token": self.tokenizer.decode([int(t)]) if self.tokenizer else None, "top1_is": ti,
-                 "expected_is_top1": ti == labels[0], "best_candidate": labels[int(b)],
-                 **{f"logp[{lab}]": (float(v) if math.isfinite(v) else None) for lab, v in zip(labels, lp)},
-                 **({"filler_text": self.prompt.filler_texts[int(f)], "canonical": self.prompt.canonical[int(f)]}
-                    if self.prompt.filler_texts else {})}
-                for f, ph, t, ti, b, lp in zip(self.filler_tokens, phases, top1, top1_is, best, logp)]
+        rows = [
+            {
+                "filler_tokens": int(f),
+                "phase": int(ph),
+                "top1_id": int(t),
+                "top1_token": self.tokenizer.decode([int(t)]) if self.tokenizer else None,
+                "top1_is": ti,
+                "expected_is_top1": ti == labels[0],
+                "best_candidate": labels[int(b)],
+                **{f"logp[{lab}]": (float(v) if math.isfinite(v) else None) for lab, v in zip(labels, lp)},
+                **(
+                    {"filler_text": self.prompt.filler_texts[int(f)], "canonical": self.prompt.canonical[int(f)]}
+                    if self.prompt.filler_texts
+                    else {}
+                ),
+            }
+            for f, ph, t, ti, b, lp in zip(self.filler_tokens, phases, top1, top1_is, best, logp)
+        ]
         expected_top = np.array([r["expected_is_top1"] for r in rows])
         per_phase = []
         for ph in range(S):
             sel = phases == ph
             if not sel.any():
                 continue
-            per_phase.append({"phase": ph, "n_lengths": int(sel.sum()),
-                              "expected_top1_share": float(expected_top[sel].mean()),
-                              **{f"logp[{lab}]": {"mean": float(logp[sel, c].mean()), "min": float(logp[sel, c].min()),
-                                                  "max": float(logp[sel, c].max())} for c, lab in enumerate(labels)}})
+            per_phase.append(
+                {
+                    "phase": ph,
+                    "n_lengths": int(sel.sum()),
+                    "expected_top1_share": float(expected_top[sel].mean()),
+                    **{
+                        f"logp[{lab}]": {
+                            "mean": float(logp[sel, c].mean()),
+                            "min": float(logp[sel, c].min()),
+                            "max": float(logp[sel, c].max()),
+                        }
+                        for c, lab in enumerate(labels)
+                    },
+                }
+            )
         curve = np.exp(logp[:, 0])  # p(expected answer), a whole-sequence probability
         periodicity = None
         if n >= 2 and S <= n:
             dom = dominant_period(curve)
-            periodicity = {"of": f"p({labels[0]})", "period": S, "score": periodicity_score(curve, S),
-                           "chance": periodicity_chance(n, S), "dominant_period": dom.period,
-                           "dominant_p_value": dom.p_value}
+            periodicity = {
+                "of": f"p({labels[0]})",
+                "period": S,
+                "score": periodicity_score(curve, S),
+                "chance": periodicity_chance(n, S),
+                "dominant_period": dom.period,
+                "dominant_p_value": dom.p_value,
+            }
         flips = int(np.sum(top1[1:] != top1[:-1]))
-        headline = {"flips": flips, "candidate_flips": int(np.sum(best[1:] != best[:-1])),
-                    "expected_top1_share": float(expected_top.mean()),
-                    "top1_by_length": {r["filler_tokens"]: r["top1_token"] if self.tokenizer else r["top1_id"] for r in rows},
-                    "dominant_period": (periodicity or {}).get("dominant_period")}
-        return {"task": "probe", "name": self.spec.name, "stride": S, "labels": labels,
-                "candidate_ids": self.prompt.candidates, "spec": asdict(self.spec), "headline": headline,
-                "lengths": rows, "phases": per_phase, "flips": flips, "periodicity": periodicity}
+        headline = {
+            "flips": flips,
+            "candidate_flips": int(np.sum(best[1:] != best[:-1])),
+            "expected_top1_share": float(expected_top.mean()),
+            "top1_by_length": {r["filler_tokens"]: r["top1_token"] if self.tokenizer else r["top1_id"] for r in rows},
+            "dominant_period": (periodicity or {}).get("dominant_period"),
+        }
+        return {
+            "task": "probe",
+            "name": self.spec.name,
+            "stride": S,
+            "labels": labels,
+            "candidate_ids": self.prompt.candidates,
+            "spec": asdict(self.spec),
+            "headline": headline,
+            "lengths": rows,
+            "phases": per_phase,
+            "flips": flips,
+            "periodicity": periodicity,
+        }

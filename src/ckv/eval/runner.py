@@ -17,11 +17,11 @@ from ckv.eval.models import LoadedModel, load_ckv_model
 from ckv.eval.needle import NeedleSpec, NeedleTask
 from ckv.eval.plots import plot_lookup, plot_probe
 from ckv.eval.probe import ProbeSpec, ProbeTask, lookup_prompt, text_prompt
-from ckv.io.results import RESULTS_CSV, RESULTS_JSON, write_csv, write_json
 from ckv.eval.scoring import CkvChunkedLastLogits, LogitsFn
 from ckv.eval.stats import StatsOptions
 from ckv.eval.summary import find_runs, results_file, summarize
 from ckv.eval.vocab import build_codec
+from ckv.io.results import RESULTS_CSV, RESULTS_JSON, write_csv, write_json
 from ckv.model import Transformer
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,14 @@ class ModelSource:
             raise ConfigError("model.path is not set: give a run folder, weights folder or transformers model folder")
         if self.kind == "ckv":
             return load_ckv_model(self.path, step=self.step, device=device, impl=self.impl)
-        return load_hf_model(self.path, device=device, dtype=self.dtype, tokenizer=self.tokenizer,
-                             stride=self.stride, trust_remote_code=self.trust_remote_code)
+        return load_hf_model(
+            self.path,
+            device=device,
+            dtype=self.dtype,
+            tokenizer=self.tokenizer,
+            stride=self.stride,
+            trust_remote_code=self.trust_remote_code,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,23 +101,30 @@ def task_from_dict(d: dict[str, Any]) -> TaskSpec:
 def build_task(spec: TaskSpec, model: LoadedModel, limit: Optional[int] = None) -> Union[LookupTask, ProbeTask]:
     """Build the prompts of ``spec`` for ``model`` (vocabulary, context and stride checks happen here)."""
     if isinstance(spec, LookupSpec):
-        codec = build_codec(spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer,
-                            run_format=model.lookup_format)
-        return LookupTask(spec, codec, max_len=model.max_len, model_stride=model.stride, training=model.lookup, limit=limit)
+        codec = build_codec(
+            spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format
+        )
+        return LookupTask(
+            spec, codec, max_len=model.max_len, model_stride=model.stride, training=model.lookup, limit=limit
+        )
     if isinstance(spec, NeedleSpec):
-        codec = build_codec(spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer,
-                            run_format=model.lookup_format)
+        codec = build_codec(
+            spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format
+        )
         return NeedleTask(spec, codec, max_len=model.max_len, model_stride=model.stride, limit=limit)
     if spec.source == "text":
         prompt = text_prompt(spec, model.tokenizer)
     else:
-        codec = build_codec(spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer,
-                            run_format=model.lookup_format)
+        codec = build_codec(
+            spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format
+        )
         n = spec.n_records or (model.lookup.n_records if model.lookup else None)
         if n is None:
             raise ConfigError("task.n_records is null and the model did not train on lookups; set task.n_records")
         prompt = lookup_prompt(spec, codec, n)
-    return ProbeTask(spec, prompt, max_len=model.max_len, model_stride=model.stride, tokenizer=model.tokenizer, limit=limit)
+    return ProbeTask(
+        spec, prompt, max_len=model.max_len, model_stride=model.stride, tokenizer=model.tokenizer, limit=limit
+    )
 
 
 def task_logits(model: LoadedModel, spec: TaskSpec) -> LogitsFn:
@@ -137,10 +150,16 @@ def output_dir(model: LoadedModel, spec: TaskSpec, options: RunOptions) -> Path:
 
 def results_envelope(model: LoadedModel, spec: TaskSpec, options: RunOptions, report: dict) -> dict:
     """What every results file holds around a task's ``report``: the model, the task and options, the version."""
-    return {"model": {"name": model.name, **model.info},
-            "eval": {"task": {"kind": report["task"], **dataclasses.asdict(spec)}, "options": options,
-                     "ckv_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S")},
-            "results": report}
+    return {
+        "model": {"name": model.name, **model.info},
+        "eval": {
+            "task": {"kind": report["task"], **dataclasses.asdict(spec)},
+            "options": options,
+            "ckv_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+        "results": report,
+    }
 
 
 def evaluate(model: LoadedModel, spec: TaskSpec, options: RunOptions = RunOptions()) -> tuple[dict, Path]:

@@ -9,8 +9,9 @@ are scored by chunked prefill through the model's KV cache (``CkvChunkedLastLogi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence, Union
+from typing import Union
 
 import numpy as np
 import torch
@@ -102,7 +103,9 @@ def score_next_token(
     cand = np.asarray(candidates, dtype=np.int64)
     if cand.ndim != 2 or cand.shape[0] != len(prompts):
         raise ValueError(f"candidates must be (n_prompts={len(prompts)}, C), got {cand.shape}")
-    lengths = prompts.lengths if isinstance(prompts, LazyPrompts) else np.array([len(p) for p in prompts], dtype=np.int64)
+    lengths = (
+        prompts.lengths if isinstance(prompts, LazyPrompts) else np.array([len(p) for p in prompts], dtype=np.int64)
+    )
     top1 = np.zeros(len(prompts), dtype=np.int64)
     probs = np.zeros(cand.shape, dtype=np.float64)
     batches = length_batches(lengths, batch_size)

@@ -218,15 +218,19 @@ def permutation_test(
         gaps.append(best_minus_worst(acc))
     null = np.concatenate(gaps)
     p = (1 + int(np.sum(null >= observed - 1e-12))) / (1 + n_permutations)
-    return PermutationResult(p_value=p, noise_floor=float(np.quantile(null, quantile)), observed_gap=observed,
-                             n_permutations=n_permutations)
+    return PermutationResult(
+        p_value=p, noise_floor=float(np.quantile(null, quantile)), observed_gap=observed, n_permutations=n_permutations
+    )
 
 
-def gap_is_real(p_value: Optional[float], gap_lower: Optional[float], noise_floor: Optional[float],
-                alpha: float = 0.05) -> bool:
+def gap_is_real(
+    p_value: Optional[float], gap_lower: Optional[float], noise_floor: Optional[float], alpha: float = 0.05
+) -> bool:
     """A phase gap counts as an effect when the permutation test rejects "no phase effect" (``p < alpha``) and the
     gap's interval lies above the noise floor. A statistic that was not computed (None) does not veto."""
-    return (p_value is None or p_value < alpha) and (gap_lower is None or noise_floor is None or gap_lower > noise_floor)
+    return (p_value is None or p_value < alpha) and (
+        gap_lower is None or noise_floor is None or gap_lower > noise_floor
+    )
 
 
 # ---- periodicity -----------------------------------------------------------------------------------------------
@@ -263,8 +267,10 @@ def _beta_fraction(a: float, b: float, x: float) -> float:
     d = 1.0 / (d if abs(d) > tiny else tiny)
     h = d
     for m in range(1, 500):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
             d = 1.0 + num * d
             d = 1.0 / (d if abs(d) > tiny else tiny)
             c = 1.0 + num / c
@@ -379,10 +385,14 @@ def summarize_groups(
     only for ``2 <= period < n_groups``).
     """
     acc = group_accuracy(correct, groups, n_groups)
-    boot_groups, boot_mean = bootstrap_group_accuracy(correct, groups, n_groups, clusters, options.n_bootstrap, options.seed)
+    boot_groups, boot_mean = bootstrap_group_accuracy(
+        correct, groups, n_groups, clusters, options.n_bootstrap, options.seed
+    )
     if clusters is not None:
         acc = with_cluster_intervals(acc, boot_groups, options.level)
-    perm = permutation_test(correct, groups, n_groups, clusters, options.n_permutations, 1 - options.alpha, options.seed)
+    perm = permutation_test(
+        correct, groups, n_groups, clusters, options.n_permutations, 1 - options.alpha, options.seed
+    )
     c = np.asarray(correct, dtype=np.float64)
     gap = percentile_interval(best_minus_worst(boot_groups), perm.observed_gap, options.level)
     mean = percentile_interval(boot_mean, float(c.mean()) if len(c) else math.nan, options.level)
@@ -392,28 +402,51 @@ def summarize_groups(
     boot_kind = CLUSTER_BOOTSTRAP if clusters is not None else BOOTSTRAP
     out: dict = {
         "groups": [
-            {"group": i, "n": int(acc.n[i]), "correct": int(acc.correct[i]), "accuracy": _finite(acc.accuracy[i]),
-             "lower": _finite(acc.lower[i]), "upper": _finite(acc.upper[i])}
+            {
+                "group": i,
+                "n": int(acc.n[i]),
+                "correct": int(acc.correct[i]),
+                "accuracy": _finite(acc.accuracy[i]),
+                "lower": _finite(acc.lower[i]),
+                "upper": _finite(acc.upper[i]),
+            }
             for i in range(n_groups)
         ],
         "interval": acc.interval,
-        "mean": {"value": _finite(mean.value), "lower": _finite(mean.lower), "upper": _finite(mean.upper), "n": len(c),
-                 "interval": boot_kind},
+        "mean": {
+            "value": _finite(mean.value),
+            "lower": _finite(mean.lower),
+            "upper": _finite(mean.upper),
+            "n": len(c),
+            "interval": boot_kind,
+        },
         "gap": {
-            "value": _finite(gap.value), "lower": _finite(gap.lower), "upper": _finite(gap.upper),
-            "interval": boot_kind, "best_group": best, "worst_group": worst,
-            "best_accuracy": _finite(acc.accuracy[best]), "worst_accuracy": _finite(acc.accuracy[worst]),
-            "worst_lower": _finite(acc.lower[worst]), "worst_upper": _finite(acc.upper[worst]),
-            "p_value": perm.p_value, "noise_floor": perm.noise_floor, "n_permutations": perm.n_permutations,
-            "n_bootstrap": options.n_bootstrap, "level": options.level,
+            "value": _finite(gap.value),
+            "lower": _finite(gap.lower),
+            "upper": _finite(gap.upper),
+            "interval": boot_kind,
+            "best_group": best,
+            "worst_group": worst,
+            "best_accuracy": _finite(acc.accuracy[best]),
+            "worst_accuracy": _finite(acc.accuracy[worst]),
+            "worst_lower": _finite(acc.lower[worst]),
+            "worst_upper": _finite(acc.upper[worst]),
+            "p_value": perm.p_value,
+            "noise_floor": perm.noise_floor,
+            "n_permutations": perm.n_permutations,
+            "n_bootstrap": options.n_bootstrap,
+            "level": options.level,
         },
     }
     curve = acc.accuracy
     if period is not None and 2 <= period < n_groups and np.all(np.isfinite(curve)):
         dom = dominant_period(curve, options.alpha)
         out["periodicity"] = {
-            "period": period, "score": periodicity_score(curve, period),
+            "period": period,
+            "score": periodicity_score(curve, period),
             "chance": periodicity_chance(n_groups, period),
-            "dominant_period": dom.period, "dominant_p_value": dom.p_value, "dominant_score": dom.score,
+            "dominant_period": dom.period,
+            "dominant_p_value": dom.p_value,
+            "dominant_score": dom.score,
         }
     return out

@@ -5,8 +5,9 @@ window, and comparison plots of the per-residue/per-phase curves."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Union
 
 from ckv.config import ConfigError
 from ckv.eval.plots import plot_grid_summary, plot_lookup_comparison, plot_phase_overlay
@@ -56,34 +57,51 @@ def summary_row(label: str, results: dict) -> dict:
     h = rep["headline"]
     kind = att.get("kind")
     return {
-        "run": label, "kind": kind, "pooling": att.get("pooling") if kind == "compressed" else kind,
-        "window": att.get("window"), "stride": att.get("stride"), "seed": results["model"].get("seed"),
-        "eval_stride": rep["stride"], "modulus": rep["modulus"], "n_prompts": rep["n_prompts"],
-        "mean": h["mean"], "mean_lower": h["mean_lower"], "mean_upper": h["mean_upper"],
+        "run": label,
+        "kind": kind,
+        "pooling": att.get("pooling") if kind == "compressed" else kind,
+        "window": att.get("window"),
+        "stride": att.get("stride"),
+        "seed": results["model"].get("seed"),
+        "eval_stride": rep["stride"],
+        "modulus": rep["modulus"],
+        "n_prompts": rep["n_prompts"],
+        "mean": h["mean"],
+        "mean_lower": h["mean_lower"],
+        "mean_upper": h["mean_upper"],
         **{f"residue_{k}": h.get(f"residue_{k}") for k in SUMMARY_GAP_FIELDS},
         **{f"phase_{k}": h.get(f"phase_{k}") for k in SUMMARY_GAP_FIELDS},
-        "worst_phase": h.get("worst_phase"), "worst_phase_accuracy": h.get("worst_phase_accuracy"),
+        "worst_phase": h.get("worst_phase"),
+        "worst_phase_accuracy": h.get("worst_phase_accuracy"),
         "worst_phase_accuracy_lower": h.get("worst_phase_lower"),
         "worst_phase_accuracy_upper": h.get("worst_phase_upper"),
         "group_interval": h.get("phase_group_interval") or h.get("residue_group_interval"),
-        "periodicity_score": h["periodicity_score"], "dominant_period": h["dominant_period"],
+        "periodicity_score": h["periodicity_score"],
+        "dominant_period": h["dominant_period"],
     }
 
 
 def check_comparable(rows: Sequence[dict]) -> None:
     """Runs of one summary are compared on one yardstick: the residue gap needs the same modulus for all runs
-    (``ConfigError`` otherwise: one line from eval.py); a full-attention control's phase gap is comparable only at a stride some
+    (``ConfigError`` otherwise: one line from eval.py); a full-attention control's phase gap is comparable only at a
+    stride some
     compressed run has (a warning otherwise)."""
     moduli = sorted({r["modulus"] for r in rows})
     if len(moduli) > 1:
-        raise ConfigError(f"the runs were evaluated with different task.modulus {moduli}: their residue gaps are not "
-                         "comparable; re-evaluate them with one modulus (summary_rerun=true)")
+        raise ConfigError(
+            f"the runs were evaluated with different task.modulus {moduli}: their residue gaps are not "
+            "comparable; re-evaluate them with one modulus (summary_rerun=true)"
+        )
     strides = {r["stride"] for r in rows if r["stride"] is not None}
     for r in rows:
         if r["stride"] is None and strides and r["eval_stride"] not in strides:
-            log.warning("%s: full attention evaluated at stride %s, compressed runs at %s: its phase gap is not "
-                        "comparable (evaluate it with task.stride=<one of them>)", r["run"], r["eval_stride"],
-                        sorted(strides))
+            log.warning(
+                "%s: full attention evaluated at stride %s, compressed runs at %s: its phase gap is not "
+                "comparable (evaluate it with task.stride=<one of them>)",
+                r["run"],
+                r["eval_stride"],
+                sorted(strides),
+            )
 
 
 def summarize(

@@ -74,7 +74,8 @@ class VocabSpec:
         least two letters and encode back to themselves; alternately a key and a value.
       - ``auto``: ``format`` when the model trained on lookups (or ``format`` is given), else ``tokenizer``
         (a text-trained model has no synthetic layout).
-    For ``words``/``ids``/``tokenizer``: ``pad`` (a single-token string or an id) fills padding, ``separator`` (a string or
+    For ``words``/``ids``/``tokenizer``: ``pad`` (a single-token string or an id) fills padding, ``separator`` (a
+    string or
     a list of ids) separates records from queries, ``bos`` is ``"auto"`` (the tokenizer's BOS, if any), an id
     or ``None``.
     """
@@ -95,8 +96,10 @@ class VocabSpec:
         if not isinstance(self.n_tokens, int) or isinstance(self.n_tokens, bool) or self.n_tokens < 2:
             raise ConfigError(f"task.vocab.n_tokens={self.n_tokens!r} must be an integer >= 2")
         if self.source in ("format", "auto", "tokenizer") and (self.keys is not None or self.values is not None):
-            raise ConfigError(f"task.vocab.keys/values are for source 'words' or 'ids'; source {self.source!r} "
-                              "takes keys and values from the lookup layout or the tokenizer")
+            raise ConfigError(
+                f"task.vocab.keys/values are for source 'words' or 'ids'; source {self.source!r} "
+                "takes keys and values from the lookup layout or the tokenizer"
+            )
         if self.source == "format":
             return
         for name in ("keys", "values"):
@@ -133,8 +136,10 @@ def _word_ids(tok: TextTokenizer, words: list, prefix: str, what: str) -> tuple[
         else:
             ids.append(enc[0])
     if bad:
-        raise ConfigError(f"task.vocab.{what}: {len(bad)} of {len(words)} words are not single tokens in the "
-                          f"model's tokenizer (each must be one token): " + "; ".join(bad[:10]))
+        raise ConfigError(
+            f"task.vocab.{what}: {len(bad)} of {len(words)} words are not single tokens in the "
+            f"model's tokenizer (each must be one token): " + "; ".join(bad[:10])
+        )
     dup = sorted({w for w, i in zip(words, ids) if ids.count(i) > 1})
     if dup:
         raise ConfigError(f"task.vocab.{what}: words map to the same token: {dup}")
@@ -148,7 +153,9 @@ def _id_range(spec: Any, what: str, vocab_size: int) -> tuple[int, ...]:
     if stop <= start:
         raise ConfigError(f"task.vocab.{what}=[{start}, {stop}) is an empty vocabulary")
     if start < 0 or stop > vocab_size:
-        raise ConfigError(f"task.vocab.{what}=[{start}, {stop}) does not fit the model's vocabulary of {vocab_size} ids")
+        raise ConfigError(
+            f"task.vocab.{what}=[{start}, {stop}) does not fit the model's vocabulary of {vocab_size} ids"
+        )
     return tuple(range(start, stop))
 
 
@@ -174,19 +181,29 @@ def _separator(spec: Union[str, list, None], tok: Optional[TextTokenizer], vocab
     return [_token(int(s), None, "separator", vocab_size) for s in spec]  # type: ignore[misc]
 
 
-def tokenizer_words(tok: TextTokenizer, vocab_size: int, prefix: str, n: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def tokenizer_words(
+    tok: TextTokenizer, vocab_size: int, prefix: str, n: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``n`` key and ``n`` value ids drawn from ``tok`` (see ``VocabSpec``, source ``tokenizer``), disjoint."""
     found: list[int] = []
     for i in range(vocab_size):
         text = tok.decode([i])
-        word = text[len(prefix):]
-        if (text.startswith(prefix) and len(word) >= 2 and word.isascii() and word.isalpha()
-                and _one_token_problem(tok, text, tok.encode(text)) is None and tok.encode(text)[0] == i):
+        word = text[len(prefix) :]
+        if (
+            text.startswith(prefix)
+            and len(word) >= 2
+            and word.isascii()
+            and word.isalpha()
+            and _one_token_problem(tok, text, tok.encode(text)) is None
+            and tok.encode(text)[0] == i
+        ):
             found.append(i)
             if len(found) == 2 * n:
                 return tuple(found[0::2]), tuple(found[1::2])
-    raise ConfigError(f"task.vocab.source='tokenizer': the model's tokenizer has only {len(found)} single-token words "
-                      f"{prefix!r} + letters, {2 * n} needed; lower task.vocab.n_tokens (and task.n_records)")
+    raise ConfigError(
+        f"task.vocab.source='tokenizer': the model's tokenizer has only {len(found)} single-token words "
+        f"{prefix!r} + letters, {2 * n} needed; lower task.vocab.n_tokens (and task.n_records)"
+    )
 
 
 def resolve_format(spec: VocabSpec, run_format: Optional[LookupFormat], vocab_size: int) -> LookupFormat:
@@ -196,11 +213,15 @@ def resolve_format(spec: VocabSpec, run_format: Optional[LookupFormat], vocab_si
     elif run_format is not None:
         fmt = run_format
     else:
-        raise ConfigError("task.vocab.source='format' needs a lookup layout: the model's run has no lookup data "
-                          "config, so give task.vocab.format (LookupFormat fields) or use source 'words'/'ids'")
+        raise ConfigError(
+            "task.vocab.source='format' needs a lookup layout: the model's run has no lookup data "
+            "config, so give task.vocab.format (LookupFormat fields) or use source 'words'/'ids'"
+        )
     if fmt.vocab_size > vocab_size:
-        raise ConfigError(f"the lookup layout needs ids up to {fmt.vocab_size - 1} but the model's vocabulary has "
-                          f"{vocab_size} ids: the checkpoint does not match this task's format")
+        raise ConfigError(
+            f"the lookup layout needs ids up to {fmt.vocab_size - 1} but the model's vocabulary has "
+            f"{vocab_size} ids: the checkpoint does not match this task's format"
+        )
     return fmt
 
 
@@ -215,15 +236,22 @@ def build_codec(
         return resolve_format(spec, run_format, vocab_size)
     if source == "tokenizer":
         if tokenizer is None:
-            raise ConfigError("task.vocab.source='tokenizer' needs a tokenizer, but the model has none and did not "
-                              "train on lookups; use source 'ids'")
+            raise ConfigError(
+                "task.vocab.source='tokenizer' needs a tokenizer, but the model has none and did not "
+                "train on lookups; use source 'ids'"
+            )
         keys, values = tokenizer_words(tokenizer, vocab_size, spec.word_prefix, spec.n_tokens)
-        labels = {"keys": [tokenizer.decode([i]) for i in keys], "values": [tokenizer.decode([i]) for i in values],
-                  "drawn_from": "the model's tokenizer"}
+        labels = {
+            "keys": [tokenizer.decode([i]) for i in keys],
+            "values": [tokenizer.decode([i]) for i in values],
+            "drawn_from": "the model's tokenizer",
+        }
     elif source == "words":
         if tokenizer is None:
-            raise ConfigError("task.vocab.source='words' needs a tokenizer, but the model has none "
-                              "(a ckv run keeps it in model/tokenizer.json); use source 'ids' instead")
+            raise ConfigError(
+                "task.vocab.source='words' needs a tokenizer, but the model has none "
+                "(a ckv run keeps it in model/tokenizer.json); use source 'ids' instead"
+            )
         keys = _word_ids(tokenizer, list(spec.keys), spec.word_prefix, "keys")  # type: ignore[arg-type]
         values = _word_ids(tokenizer, list(spec.values), spec.word_prefix, "values")  # type: ignore[arg-type]
         labels = {"keys": [str(k) for k in spec.keys], "values": [str(v) for v in spec.values]}  # type: ignore[union-attr]
@@ -246,5 +274,11 @@ def build_codec(
     overlap = sorted(structural & (set(keys) | set(values)))
     if overlap:
         raise ConfigError(f"task.vocab: the pad/separator/bos ids {overlap} are also keys or values")
-    return TokenCodec(key_ids=keys, value_ids=values, pad_id=pad, prefix=[] if bos is None else [bos],  # type: ignore[arg-type]
-                      separator=separator, labels=labels)
+    return TokenCodec(
+        key_ids=keys,
+        value_ids=values,
+        pad_id=pad,
+        prefix=[] if bos is None else [bos],  # type: ignore[arg-type]
+        separator=separator,
+        labels=labels,
+    )

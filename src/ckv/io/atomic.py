@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Union
 
 PathLike = Union[str, os.PathLike]
 

@@ -31,11 +31,19 @@ def to_hf_config(config: ModelConfig) -> Any:
 
     _require_convertible(config)
     return Qwen3Config(
-        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.mlp_dim,
-        num_hidden_layers=config.n_layers, num_attention_heads=config.n_heads, num_key_value_heads=config.kv_heads,
-        head_dim=config.head_dim, max_position_embeddings=config.max_seq_len, rms_norm_eps=config.norm_eps,
-        tie_word_embeddings=config.tie_embeddings, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
-        attention_bias=False, use_sliding_window=False,
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=config.mlp_dim,
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=config.kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        tie_word_embeddings=config.tie_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        attention_bias=False,
+        use_sliding_window=False,
     )
 
 
@@ -52,10 +60,17 @@ def from_hf_config(hf_config: Any) -> ModelConfig:
     if getattr(hf_config, "attention_bias", False) or getattr(hf_config, "use_sliding_window", False):
         raise ConfigError("attention biases and sliding-window layers are not supported by ckv")
     return ModelConfig(
-        vocab_size=hf_config.vocab_size, d_model=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
-        n_heads=hf_config.num_attention_heads, n_kv_heads=hf_config.num_key_value_heads, head_dim=hf_config.head_dim,
-        mlp_dim=hf_config.intermediate_size, rope_theta=float(theta), max_seq_len=hf_config.max_position_embeddings,
-        norm_eps=hf_config.rms_norm_eps, tie_embeddings=bool(hf_config.tie_word_embeddings),
+        vocab_size=hf_config.vocab_size,
+        d_model=hf_config.hidden_size,
+        n_layers=hf_config.num_hidden_layers,
+        n_heads=hf_config.num_attention_heads,
+        n_kv_heads=hf_config.num_key_value_heads,
+        head_dim=hf_config.head_dim,
+        mlp_dim=hf_config.intermediate_size,
+        rope_theta=float(theta),
+        max_seq_len=hf_config.max_position_embeddings,
+        norm_eps=hf_config.rms_norm_eps,
+        tie_embeddings=bool(hf_config.tie_word_embeddings),
         attention=AttentionConfig(kind="full"),
     )
 
@@ -75,7 +90,7 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], tie_embeddings: bool) -> 
         if k == "lm_head.weight":
             out[k] = v
         elif k.startswith("model."):
-            out[k[len("model."):]] = v
+            out[k[len("model.") :]] = v
         elif not k.endswith("rotary_emb.inv_freq"):
             raise KeyError(f"unexpected Qwen3 weight {k!r}")
     if tie_embeddings:
@@ -88,7 +103,9 @@ def to_hf(model: Transformer) -> Any:
     from transformers import Qwen3ForCausalLM
 
     hf = Qwen3ForCausalLM(to_hf_config(model.config))
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(model.state_dict(), model.config.tie_embeddings), strict=False)
+    missing, unexpected = hf.load_state_dict(
+        to_hf_state_dict(model.state_dict(), model.config.tie_embeddings), strict=False
+    )
     missing = [k for k in missing if "rotary_emb" not in k]
     if missing or unexpected:
         raise RuntimeError(f"conversion to Qwen3 left missing={missing}, unexpected={unexpected}")

@@ -71,7 +71,7 @@ def list_checkpoints(run_dir: PathLike) -> list[tuple[int, Path]]:
         return []
     found = []
     for p in root.iterdir():
-        digits = p.name[len(STEP_PREFIX):]
+        digits = p.name[len(STEP_PREFIX) :]
         if p.is_dir() and p.name.startswith(STEP_PREFIX) and digits.isdigit() and (p / STATE_FILE).is_file():
             found.append((int(digits), p))
     return sorted(found)

@@ -27,8 +27,7 @@ class RunLockedError(RuntimeError):
 
 
 def _holder_text(info: dict[str, Any]) -> str:
-    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')} "
-            f"(since {info.get('since', '?')})")
+    return f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (since {info.get('since', '?')})"
 
 
 def _read_holder(path: Path) -> Optional[dict[str, Any]]:
@@ -48,7 +47,7 @@ class RunLock:
         self.stale: Optional[str] = None
         self._fd: Optional[int] = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -81,7 +80,7 @@ class RunLock:
         os.close(self._fd)
         self._fd = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Union
+from typing import Union
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -40,8 +41,9 @@ def check_finite(state: Mapping[str, torch.Tensor], where: PathLike) -> None:
     for name, t in state.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             bad = int((~torch.isfinite(t)).sum())
-            raise NonFiniteWeightsError(f"{where}: tensor {name!r} holds {bad} NaN/inf value(s) of {t.numel()}; "
-                                        "refusing to use these weights")
+            raise NonFiniteWeightsError(
+                f"{where}: tensor {name!r} holds {bad} NaN/inf value(s) of {t.numel()}; refusing to use these weights"
+            )
 
 
 def _aliases(model: Transformer) -> set[str]:
@@ -82,7 +84,9 @@ def load_weights(directory: PathLike, device: Union[str, torch.device] = "cpu", 
     (e.g. ``impl``)."""
     config = load_config(directory)
     if attention_overrides:
-        config = ModelConfig.from_dict({**config.to_dict(), "attention": {**config.to_dict()["attention"], **attention_overrides}})
+        config = ModelConfig.from_dict(
+            {**config.to_dict(), "attention": {**config.to_dict()["attention"], **attention_overrides}}
+        )
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")
@@ -92,5 +96,7 @@ def load_weights(directory: PathLike, device: Union[str, torch.device] = "cpu", 
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in _aliases(model)]
     if missing or unexpected:
-        raise ValueError(f"weights in {directory} do not match their config: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"weights in {directory} do not match their config: missing {missing}, unexpected {unexpected}"
+        )
     return model.to(device)

@@ -13,7 +13,19 @@ from ckv.train.run import ResumeError
 from ckv.train.signals import TrainingInterrupted
 
 __all__ = [
-    "CheckpointError", "DivergenceError", "ModelSpec", "OptimConfig", "ResumeError", "RunLockedError",
-    "TrainConfig", "TrainerConfig", "TrainingInterrupted", "WandbConfig", "latest_checkpoint",
-    "list_checkpoints", "read_metrics", "resume_conflicts", "train",
+    "CheckpointError",
+    "DivergenceError",
+    "ModelSpec",
+    "OptimConfig",
+    "ResumeError",
+    "RunLockedError",
+    "TrainConfig",
+    "TrainerConfig",
+    "TrainingInterrupted",
+    "WandbConfig",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "read_metrics",
+    "resume_conflicts",
+    "train",
 ]

@@ -38,8 +38,18 @@ import torch
 
 from ckv.io.atomic import fsync_file, fsync_tree, replace_dir, write_text_atomic
 from ckv.io.layout import (
-    CHECKPOINTS_DIR, DAMAGED_PREFIX, LATEST_FILE, STATE_FILE, TMP_PREFIX, TOKENIZER_FILE, TRASH_PREFIX, WEIGHTS_DIR,
-    CheckpointError, latest_checkpoint, list_checkpoints, step_dir_name,
+    CHECKPOINTS_DIR,
+    DAMAGED_PREFIX,
+    LATEST_FILE,
+    STATE_FILE,
+    TMP_PREFIX,
+    TOKENIZER_FILE,
+    TRASH_PREFIX,
+    WEIGHTS_DIR,
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    step_dir_name,
 )
 from ckv.io.weights import NonFiniteWeightsError, check_finite, save_weights
 from ckv.train.distributed import DistEnv, barrier
@@ -146,8 +156,14 @@ class CheckpointManager:
                     shutil.rmtree(p, ignore_errors=True)
         barrier()
 
-    def save(self, engine: Engine, step: int, trainer_state: dict[str, Any], rank_state: dict[str, Any],
-             tokenizer_path: Optional[str] = None) -> Path:
+    def save(
+        self,
+        engine: Engine,
+        step: int,
+        trainer_state: dict[str, Any],
+        rank_state: dict[str, Any],
+        tokenizer_path: Optional[str] = None,
+    ) -> Path:
         """Write checkpoint ``step`` atomically, point ``latest`` at it and prune old ones. Returns its folder.
         A step this process already saved or resumed from is not written again."""
         if self.last_saved is not None and self.last_saved[0] == step:
@@ -182,7 +198,7 @@ class CheckpointManager:
 
     def _prune(self, keep: Path) -> None:
         found = list_checkpoints(self.run_dir)
-        recent = {p for _, p in found[-self.keep_last:]}
+        recent = {p for _, p in found[-self.keep_last :]}
         for step, path in found:
             if path in recent or path == keep or (self.keep_every and step % self.keep_every == 0):
                 continue
@@ -224,8 +240,10 @@ class CheckpointManager:
             if chosen is None:
                 hint = "no intact checkpoint is left to fall back to: train into a new run folder"
             else:
-                hint = (f"resume from the newest intact checkpoint, {chosen.name}, with trainer.resume=fallback (it "
-                        "moves the damaged ones aside, deleting nothing)")
+                hint = (
+                    f"resume from the newest intact checkpoint, {chosen.name}, with trainer.resume=fallback (it "
+                    "moves the damaged ones aside, deleting nothing)"
+                )
             raise CheckpointError(f"cannot resume {self.run_dir}: {damage[0]}\n{hint}")
         barrier()
         if self.env.is_main:

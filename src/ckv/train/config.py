@@ -15,7 +15,14 @@ from typing import Any, Optional
 from ckv.attention import check_attention
 from ckv.checkpointing import MODES as CHECKPOINTING_MODES
 from ckv.config import (
-    AttentionConfig, ConfigError, ModelSpec, check_bool, check_choice, check_float, check_int, field_names,
+    AttentionConfig,
+    ConfigError,
+    ModelSpec,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    field_names,
     reject_unknown,
 )
 from ckv.data import DataConfig
@@ -30,10 +37,22 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 # affect neither the model, the data order nor the optimisation. They may change when a run resumes, and they are
 # left out of a run's folder name (train.py's ckv_job_dir resolver).
 RESUMABLE_CHANGES = (
-    "name", "run_dir", "wandb.",
-    "trainer.log_every", "trainer.val_every", "trainer.val_batches", "trainer.save_every", "trainer.keep_last",
-    "trainer.keep_every", "trainer.stop_at_step", "trainer.progress", "trainer.data_cache_dir", "trainer.resume",
-    "trainer.stop_check_every", "trainer.peak_flops", "trainer.debug_checks",
+    "name",
+    "run_dir",
+    "wandb.",
+    "trainer.log_every",
+    "trainer.val_every",
+    "trainer.val_batches",
+    "trainer.save_every",
+    "trainer.keep_last",
+    "trainer.keep_every",
+    "trainer.stop_at_step",
+    "trainer.progress",
+    "trainer.data_cache_dir",
+    "trainer.resume",
+    "trainer.stop_check_every",
+    "trainer.peak_flops",
+    "trainer.debug_checks",
 )
 
 
@@ -136,8 +155,15 @@ class TrainerConfig:
     debug_checks: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "global_batch_size", "micro_batch_size", "log_every", "val_batches", "keep_last",
-                     "stop_check_every"):
+        for name in (
+            "max_steps",
+            "global_batch_size",
+            "micro_batch_size",
+            "log_every",
+            "val_batches",
+            "keep_last",
+            "stop_check_every",
+        ):
             check_int(f"trainer.{name}", getattr(self, name), 1)
         for name in ("val_every", "save_every", "keep_every", "loss_chunk_tokens"):
             check_int(f"trainer.{name}", getattr(self, name), 0)
@@ -167,14 +193,17 @@ class WandbConfig:
     def __post_init__(self) -> None:
         check_choice("wandb.mode", self.mode, WANDB_MODES)
         check_bool("wandb.enabled", self.enabled)
-        _check(isinstance(self.tags, list) and all(isinstance(t, str) for t in self.tags),
-               f"wandb.tags={self.tags!r} must be a list of strings")
+        _check(
+            isinstance(self.tags, list) and all(isinstance(t, str) for t in self.tags),
+            f"wandb.tags={self.tags!r} must be a list of strings",
+        )
 
 
 @dataclass
 class TrainConfig:
     """Everything one training run needs. The field defaults are the defaults of ``python train.py`` too: the
-    option each conf/ group takes by default states these values and no others (tests/train/test_entry.py). ``deepspeed`` is a DeepSpeed config fragment (ZeRO settings etc.);
+    option each conf/ group takes by default states these values and no others (tests/train/test_entry.py).
+    ``deepspeed`` is a DeepSpeed config fragment (ZeRO settings etc.);
     batch sizes, precision, clipping and the optimizer are filled in from the other sections.
 
     Construction validates every section, including the model the ``model`` and ``attention`` sections describe
@@ -209,12 +238,14 @@ class TrainConfig:
         # bound on a fixed model.vocab_size is checked once the data is prepared
         check_attention(self.model.build(self.attention, data_vocab_size=1))
         stage = (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
-        _check(not (self.trainer.loss_chunk_tokens and stage == 3),
-               f"trainer.loss_chunk_tokens={self.trainer.loss_chunk_tokens} needs the whole LM head weight on every "
-               "rank, which ZeRO stage 3 partitions: use trainer.loss_chunk_tokens=0 or ZeRO stage 0-2")
+        _check(
+            not (self.trainer.loss_chunk_tokens and stage == 3),
+            f"trainer.loss_chunk_tokens={self.trainer.loss_chunk_tokens} needs the whole LM head weight on every "
+            "rank, which ZeRO stage 3 partitions: use trainer.loss_chunk_tokens=0 or ZeRO stage 0-2",
+        )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], run_dir: Optional[str] = None) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any], run_dir: Optional[str] = None) -> TrainConfig:
         """Build from a plain nested dict (the resolved Hydra config). Keys the entry point uses for folder
         naming only (``out_dir``, ``experiment``) are ignored."""
         d = {k: v for k, v in d.items() if k not in ("out_dir", "experiment")}
@@ -225,10 +256,16 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """The plain nested dict written to ``<run_dir>/config.yaml`` (``from_dict`` reads it back)."""
         return {
-            "name": self.name, "seed": self.seed, "run_dir": str(self.run_dir),
-            "model": self.model.to_dict(), "attention": dict(self.attention), "data": self.data.to_dict(),
-            "optim": dataclasses.asdict(self.optim), "trainer": dataclasses.asdict(self.trainer),
-            "deepspeed": dict(self.deepspeed), "wandb": dataclasses.asdict(self.wandb),
+            "name": self.name,
+            "seed": self.seed,
+            "run_dir": str(self.run_dir),
+            "model": self.model.to_dict(),
+            "attention": dict(self.attention),
+            "data": self.data.to_dict(),
+            "optim": dataclasses.asdict(self.optim),
+            "trainer": dataclasses.asdict(self.trainer),
+            "deepspeed": dict(self.deepspeed),
+            "wandb": dataclasses.asdict(self.wandb),
         }
 
 
@@ -243,11 +280,16 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def field_defaults() -> dict[str, Any]:
     """Every config key's default (flattened ``section.field``), from the config classes themselves."""
-    return _flatten({
-        "model": ModelSpec().to_dict(), "attention": dataclasses.asdict(AttentionConfig()),
-        "data": DataConfig().to_dict(), "optim": dataclasses.asdict(OptimConfig()),
-        "trainer": dataclasses.asdict(TrainerConfig()), "wandb": dataclasses.asdict(WandbConfig()),
-    })
+    return _flatten(
+        {
+            "model": ModelSpec().to_dict(),
+            "attention": dataclasses.asdict(AttentionConfig()),
+            "data": DataConfig().to_dict(),
+            "optim": dataclasses.asdict(OptimConfig()),
+            "trainer": dataclasses.asdict(TrainerConfig()),
+            "wandb": dataclasses.asdict(WandbConfig()),
+        }
+    )
 
 
 def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

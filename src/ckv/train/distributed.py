@@ -13,10 +13,10 @@ import atexit
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,13 +57,25 @@ def _launcher_vars() -> dict[str, str]:
         try:
             from submitit.helpers import TorchDistributedEnvironment
         except ImportError as e:
-            raise RuntimeError("a multi-task SLURM job needs submitit (pip install hydra-submitit-launcher) to find "
-                               "its ranks; or launch each node with torchrun") from e
+            raise RuntimeError(
+                "a multi-task SLURM job needs submitit (pip install hydra-submitit-launcher) to find "
+                "its ranks; or launch each node with torchrun"
+            ) from e
         env = TorchDistributedEnvironment()
-        return {"RANK": str(env.rank), "WORLD_SIZE": str(env.world_size), "LOCAL_RANK": str(env.local_rank),
-                "MASTER_ADDR": env.master_addr, "MASTER_PORT": str(env.master_port)}
-    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(_free_port())}
+        return {
+            "RANK": str(env.rank),
+            "WORLD_SIZE": str(env.world_size),
+            "LOCAL_RANK": str(env.local_rank),
+            "MASTER_ADDR": env.master_addr,
+            "MASTER_PORT": str(env.master_port),
+        }
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
 
 
 def import_deepspeed(device: str) -> ModuleType:
@@ -81,8 +93,10 @@ def import_deepspeed(device: str) -> ModuleType:
     except ImportError as e:
         raise ImportError("training needs DeepSpeed: pip install 'ckv[deepspeed]' (deepspeed>=0.15)") from e
     if get_accelerator().device_name() != want:
-        raise RuntimeError(f"DeepSpeed already runs on {get_accelerator().device_name()!r} in this process; "
-                           f"a {want} run needs a fresh process")
+        raise RuntimeError(
+            f"DeepSpeed already runs on {get_accelerator().device_name()!r} in this process; "
+            f"a {want} run needs a fresh process"
+        )
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     if want == "cpu":
         import deepspeed.ops
@@ -105,7 +119,8 @@ def _shutdown() -> None:
 def distributed(device: torch.device) -> Iterator[DistEnv]:
     """The process group for ``device`` (CPU or CUDA, from ``ckv.device.resolve_device``), initialised on first
     use and kept for the life of the process (DeepSpeed caches its groups, so several runs in one process — Hydra
-    multirun, tests — share it). At exit every rank waits at a barrier, then destroys the group, so that no rank leaves while another still
+    multirun, tests — share it). At exit every rank waits at a barrier, then destroys the group, so that no rank leaves
+    while another still
     talks to it; after a failed run the barrier is skipped."""
     global _clean_exit
     if not dist.is_initialized():
@@ -164,4 +179,3 @@ def strip_local_rank_arg(argv: list[str]) -> list[str]:
             out.append(a)
         i += 1
     return out
-

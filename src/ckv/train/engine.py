@@ -6,9 +6,10 @@ imported lazily (``ckv.train.distributed.import_deepspeed``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +26,16 @@ from ckv.train.schedule import build_scheduler
 IGNORE_INDEX = -100
 ENGINE_TAG = "engine"  # the DeepSpeed tag (sub-folder) inside a ckv checkpoint folder
 # DeepSpeed config keys that ckv fills in from the trainer and optim sections
-RESERVED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                 "gradient_clipping", "bf16", "fp16", "optimizer", "scheduler")
+RESERVED_KEYS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "bf16",
+    "fp16",
+    "optimizer",
+    "scheduler",
+)
 
 
 def resolve_precision(precision: str, device: str) -> str:
@@ -52,8 +61,10 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, precision: str) -> dict[
     """The full DeepSpeed config: ``cfg.deepspeed`` (ZeRO etc.) plus batch sizes, clipping and precision."""
     clash = sorted(set(RESERVED_KEYS) & set(cfg.deepspeed))
     if clash:
-        raise ConfigError(f"deepspeed.{clash[0]} is set by ckv (batch sizes in trainer.*, clipping in "
-                          f"optim.grad_clip, precision in trainer.precision, optimizer in optim.*): remove {clash}")
+        raise ConfigError(
+            f"deepspeed.{clash[0]} is set by ckv (batch sizes in trainer.*, clipping in "
+            f"optim.grad_clip, precision in trainer.precision, optimizer in optim.*): remove {clash}"
+        )
     t = cfg.trainer
     return {
         **cfg.deepspeed,
@@ -101,8 +112,11 @@ class Engine:
         model.check_token_ids = t.debug_checks
         apply_activation_checkpointing(model, t.activation_checkpointing)
         a = cfg.attention
-        self.gate_entropy = (GateEntropyFloor(model, a["gate_entropy_floor"], a["gate_entropy_weight"])
-                             if a["gate_entropy_floor"] > 0 else None)
+        self.gate_entropy = (
+            GateEntropyFloor(model, a["gate_entropy_floor"], a["gate_entropy_weight"])
+            if a["gate_entropy_floor"] > 0
+            else None
+        )
         self._deficits: list[torch.Tensor] = []  # this optimizer step's gate-entropy deficit per micro-batch
         if t.compile:
             model.compile()
@@ -112,7 +126,10 @@ class Engine:
         config = deepspeed_config(cfg, env.world_size, self.precision)
         self.accumulation_steps = config["gradient_accumulation_steps"]
         self.ds, _, _, _ = self._deepspeed.initialize(
-            model=model, optimizer=optimizer, config=config, dist_init_required=False,
+            model=model,
+            optimizer=optimizer,
+            config=config,
+            dist_init_required=False,
             lr_scheduler=lambda opt: build_scheduler(opt, o, cfg.trainer.max_steps),
         )
 
@@ -146,8 +163,13 @@ class Engine:
     def _loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.loss_chunk_tokens:
             hidden = self.ds(input_ids, head=False)  # (B, T, d)
-            return chunked_cross_entropy(hidden, self.module.lm_head.weight, labels,
-                                         chunk_tokens=self.loss_chunk_tokens, ignore_index=IGNORE_INDEX)
+            return chunked_cross_entropy(
+                hidden,
+                self.module.lm_head.weight,
+                labels,
+                chunk_tokens=self.loss_chunk_tokens,
+                ignore_index=IGNORE_INDEX,
+            )
         return lm_loss(self.ds(input_ids), labels)
 
     def micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -193,8 +215,9 @@ class Engine:
 
     def load(self, directory: Path) -> None:
         """Collective: restore model, optimizer and scheduler state saved by ``save``."""
-        path, _ = self.ds.load_checkpoint(str(directory), tag=ENGINE_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=True)
+        path, _ = self.ds.load_checkpoint(
+            str(directory), tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the engine state in {directory / ENGINE_TAG}")
 

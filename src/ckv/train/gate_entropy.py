@@ -64,8 +64,9 @@ class GateEntropyFloor:
         self._terms: list[torch.Tensor] = []
         self._open = False
         self._device = next(model.parameters()).device
-        self._handles = [m.register_forward_hook(self._hook, with_kwargs=True)
-                         for m in model.modules() if isinstance(m, Pooling)]
+        self._handles = [
+            m.register_forward_hook(self._hook, with_kwargs=True) for m in model.modules() if isinstance(m, Pooling)
+        ]
         if not self._handles:
             raise ValueError("the gate-entropy floor found no compressor pooling step (Pooling) in the model")
 
@@ -99,4 +100,3 @@ class GateEntropyFloor:
     def hooks(self) -> int:
         """How many Pooling modules are hooked (2 per compressed layer, 1 with tied K/V)."""
         return len(self._handles)
-

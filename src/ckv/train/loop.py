@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -66,9 +67,13 @@ class DivergenceWatch:
             return
         if first == int(at):
             loss, norm = float(self.loss), float(self.grad_norm)
-            why = ("the loss is not finite" if not math.isfinite(loss) else
-                   "the gradient norm is not finite" if not math.isfinite(norm) else
-                   f"the loss exploded above {self.loss_limit:.2f} = {EXPLODED_LOSS_FACTOR:g} x ln(vocab)")
+            why = (
+                "the loss is not finite"
+                if not math.isfinite(loss)
+                else "the gradient norm is not finite"
+                if not math.isfinite(norm)
+                else f"the loss exploded above {self.loss_limit:.2f} = {EXPLODED_LOSS_FACTOR:g} x ln(vocab)"
+            )
             seen = f"{why} (loss {loss:.6g}, grad_norm {norm:.6g})"
         else:
             seen = "another rank saw a non-finite or exploding loss or gradient norm"
@@ -90,9 +95,17 @@ def seed_everything(seed: int) -> None:
 def _streams(cfg: TrainConfig, env: DistEnv) -> tuple[BatchStream, BatchStream]:
     """Train and validation streams of this rank. Rank 0 builds first, so that a tokenizer it trains and caches
     is reused by the others rather than trained by all of them at once."""
+
     def build(split: str) -> BatchStream:
-        return build_batches(cfg.data, batch_size=cfg.trainer.micro_batch_size, seed=cfg.seed, rank=env.rank,
-                             world_size=env.world_size, split=split, cache_dir=cfg.trainer.data_cache_dir)
+        return build_batches(
+            cfg.data,
+            batch_size=cfg.trainer.micro_batch_size,
+            seed=cfg.seed,
+            rank=env.rank,
+            world_size=env.world_size,
+            split=split,
+            cache_dir=cfg.trainer.data_cache_dir,
+        )
 
     streams: tuple[BatchStream, BatchStream] | None = None
     if env.is_main:
@@ -115,8 +128,10 @@ class _Loop:
         self.val_start = self.val_stream.state_dict()
         model_cfg = cfg.model.build(cfg.attention, self.train_stream.vocab_size)
         if cfg.data.seq_len > model_cfg.max_seq_len:
-            raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
-                              f"{model_cfg.max_seq_len}; raise model.max_seq_len or lower data.seq_len")
+            raise ConfigError(
+                f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len="
+                f"{model_cfg.max_seq_len}; raise model.max_seq_len or lower data.seq_len"
+            )
         torch.manual_seed(cfg.seed)
         self.engine = Engine(Transformer(model_cfg), cfg, env)
         self.watch = DivergenceWatch(env.device, model_cfg.vocab_size)
@@ -128,16 +143,32 @@ class _Loop:
         self.deficit: Optional[torch.Tensor] = None  # the last step's gate-entropy deficit (None: floor off)
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
         if env.is_main:
-            write_run_files(cfg, provenance({
-                **(info or {}), "world_size": env.world_size, "device": env.device.type,
-                "precision": self.engine.precision, "accumulation_steps": self.engine.accumulation_steps,
-                "parameters": sum(p.numel() for p in self.engine.module.parameters()),
-            }))
+            write_run_files(
+                cfg,
+                provenance(
+                    {
+                        **(info or {}),
+                        "world_size": env.world_size,
+                        "device": env.device.type,
+                        "precision": self.engine.precision,
+                        "accumulation_steps": self.engine.accumulation_steps,
+                        "parameters": sum(p.numel() for p in self.engine.module.parameters()),
+                    }
+                ),
+            )
         self.ckpts.clean_leftovers()
         notes = [*notes, *self._resume()]
         self.target = min(t.max_steps, t.stop_at_step or t.max_steps)
-        self.log = MetricsLogger(self.run_dir, env.is_main, cfg.wandb, f"{cfg.name}/{self.run_dir.name}",
-                                 plain(cfg.to_dict()), self.step, t.max_steps, t.progress)
+        self.log = MetricsLogger(
+            self.run_dir,
+            env.is_main,
+            cfg.wandb,
+            f"{cfg.name}/{self.run_dir.name}",
+            plain(cfg.to_dict()),
+            self.step,
+            t.max_steps,
+            t.progress,
+        )
         self.log.message(
             f"{self.run_dir} | {model_cfg.n_layers} layers, d={model_cfg.d_model}, {cfg.attention.get('kind')} "
             f"attention, vocab {model_cfg.vocab_size} | {env.world_size} rank(s) on {env.device.type}, "
@@ -145,9 +176,12 @@ class _Loop:
             + (f"resumed at step {self.step}" if self.step else "fresh start")
         )
         if self.peak is None:
-            notes = [*notes, "MFU is not reported: no dense bf16 peak is known for "
-                     + (torch.cuda.get_device_name() if env.device.type == "cuda" else "a CPU")
-                     + "; set trainer.peak_flops (FLOP/s per device) to report it"]
+            notes = [
+                *notes,
+                "MFU is not reported: no dense bf16 peak is known for "
+                + (torch.cuda.get_device_name() if env.device.type == "cuda" else "a CPU")
+                + "; set trainer.peak_flops (FLOP/s per device) to report it",
+            ]
         for note in notes:
             self.log.message(note)
 
@@ -170,8 +204,13 @@ class _Loop:
     def save(self) -> Path:
         """Checkpoint the current step, after checking that no step since the last check diverged."""
         self.watch.check(self.run_dir)
-        return self.ckpts.save(self.engine, self.step, {"tokens": self.tokens},
-                               {"data": self.train_stream.state_dict()}, self.train_stream.tokenizer_path)
+        return self.ckpts.save(
+            self.engine,
+            self.step,
+            {"tokens": self.tokens},
+            {"data": self.train_stream.state_dict()},
+            self.train_stream.tokenizer_path,
+        )
 
     def validate(self) -> float:
         """Mean loss over ``trainer.val_batches`` held-out batches per rank (the same batches every time)."""
@@ -205,18 +244,30 @@ class _Loop:
                         loss = all_reduce_mean([step_loss.item()], self.env.device)[0]  # the mean over ranks
                     else:  # the LM loss ("loss" leaves the penalty out) and the gate-entropy deficit, over ranks
                         loss, deficit = all_reduce_mean([step_loss.item(), self.deficit.item()], self.env.device)
-                        extra = {"gate_entropy_deficit": deficit,
-                                 "gate_entropy_penalty": self.engine.gate_entropy.weight * deficit}
+                        extra = {
+                            "gate_entropy_deficit": deficit,
+                            "gate_entropy_penalty": self.engine.gate_entropy.weight * deficit,
+                        }
                     now = time.perf_counter()
                     tok_s = (self.step - last_step) * self.tokens_per_step / max(now - last_time, 1e-9)
                     last_time, last_step = now, self.step
-                    util = (None if self.peak is None else
-                            mfu(tok_s / self.env.world_size, self.flops_per_token, self.peak))
-                    self.log.log({"step": self.step, "loss": loss, "lr": lr, "grad_norm": self.engine.grad_norm,
-                                  "tokens": self.tokens, "tokens_per_s": tok_s,
-                                  "flops_per_token": self.flops_per_token, "mfu": util, **extra})
-                    self.log.progress(self.step, **{"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
-                                                    "lr": f"{lr:.2e}"})
+                    util = (
+                        None if self.peak is None else mfu(tok_s / self.env.world_size, self.flops_per_token, self.peak)
+                    )
+                    self.log.log(
+                        {
+                            "step": self.step,
+                            "loss": loss,
+                            "lr": lr,
+                            "grad_norm": self.engine.grad_norm,
+                            "tokens": self.tokens,
+                            "tokens_per_s": tok_s,
+                            "flops_per_token": self.flops_per_token,
+                            "mfu": util,
+                            **extra,
+                        }
+                    )
+                    self.log.progress(self.step, **{"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}", "lr": f"{lr:.2e}"})
                     self.watch.check(self.run_dir)
                 if t.val_every and (self.step % t.val_every == 0 or self.step == t.max_steps):
                     val = self.validate()

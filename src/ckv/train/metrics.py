@@ -56,8 +56,17 @@ class MetricsLogger:
     """Rank 0 writes; on other ranks every method is a no-op. One record per ``log`` call goes to
     ``metrics.jsonl`` (flushed at once) and to wandb; ``progress`` moves the bar (loss, tokens/s, ETA)."""
 
-    def __init__(self, run_dir: Path, enabled: bool, wandb_cfg: WandbConfig, run_name: str, config: dict[str, Any],
-                 start_step: int, total_steps: int, show_progress: bool) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        enabled: bool,
+        wandb_cfg: WandbConfig,
+        run_name: str,
+        config: dict[str, Any],
+        start_step: int,
+        total_steps: int,
+        show_progress: bool,
+    ) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._wandb = None
@@ -77,14 +86,26 @@ class MetricsLogger:
         try:
             import wandb
         except ImportError:
-            print("ckv: wandb is not installed; metrics go to metrics.jsonl only "
-                  "(pip install wandb, or set wandb.enabled=false to silence this)", file=sys.stderr)
+            print(
+                "ckv: wandb is not installed; metrics go to metrics.jsonl only "
+                "(pip install wandb, or set wandb.enabled=false to silence this)",
+                file=sys.stderr,
+            )
             return None
         id_file = self.run_dir / WANDB_ID_FILE
         if not id_file.is_file():
             write_text_atomic(id_file, uuid.uuid4().hex[:12])
-        return wandb.init(project=cfg.project, entity=cfg.entity, name=run_name, id=id_file.read_text().strip(),
-                          resume="allow", dir=str(self.run_dir), config=config, mode=mode, tags=list(cfg.tags))
+        return wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            name=run_name,
+            id=id_file.read_text().strip(),
+            resume="allow",
+            dir=str(self.run_dir),
+            config=config,
+            mode=mode,
+            tags=list(cfg.tags),
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one record (must hold ``step``). ``None`` values are left out; a NaN or infinite value is
@@ -92,13 +113,18 @@ class MetricsLogger:
         if not self.enabled:
             return
         nonfinite = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-        record = {**{k: (None if k in nonfinite else v) for k, v in record.items() if v is not None},
-                  **({"nonfinite": nonfinite} if nonfinite else {}), "time": round(time.time(), 3)}
+        record = {
+            **{k: (None if k in nonfinite else v) for k, v in record.items() if v is not None},
+            **({"nonfinite": nonfinite} if nonfinite else {}),
+            "time": round(time.time(), 3),
+        }
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k not in ("step", "time", "nonfinite") and v is not None},
-                            step=record["step"])
+            self._wandb.log(
+                {k: v for k, v in record.items() if k not in ("step", "time", "nonfinite") and v is not None},
+                step=record["step"],
+            )
 
     def progress(self, step: int, **fields: Any) -> None:
         """Show progress at ``step`` with ``fields`` (e.g. loss, tokens/s): a live bar on a terminal, otherwise
@@ -112,8 +138,12 @@ class MetricsLogger:
         elapsed = time.perf_counter() - self._t0
         eta = elapsed / max(step - self._start, 1) * (self._total - step)
         shown = " ".join(f"{k} {v}" for k, v in fields.items())
-        print(f"step {step}/{self._total} ({100 * step / self._total:.0f}%) {shown} | elapsed {_clock(elapsed)} "
-              f"eta {_clock(eta)}", file=sys.stderr, flush=True)
+        print(
+            f"step {step}/{self._total} ({100 * step / self._total:.0f}%) {shown} | elapsed {_clock(elapsed)} "
+            f"eta {_clock(eta)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def message(self, text: str) -> None:
         """A line for the console (above the bar)."""

@@ -18,8 +18,20 @@ from ckv.io.atomic import write_text_atomic
 from ckv.io.layout import CONFIG_FILE, RUN_INFO_FILE, list_checkpoints, read_run_config
 from ckv.train.config import TrainConfig, resume_conflicts
 
-PACKAGES = ("ckv", "torch", "deepspeed", "numpy", "safetensors", "hydra-core", "omegaconf", "datasets", "tokenizers",
-            "wandb", "triton", "transformers")
+PACKAGES = (
+    "ckv",
+    "torch",
+    "deepspeed",
+    "numpy",
+    "safetensors",
+    "hydra-core",
+    "omegaconf",
+    "datasets",
+    "tokenizers",
+    "wandb",
+    "triton",
+    "transformers",
+)
 
 
 class ResumeError(RuntimeError):
@@ -37,6 +49,7 @@ def plain(obj: Any) -> Any:
 
 def git_info(path: Path) -> dict[str, Any]:
     """Commit SHA and dirty flag of the git checkout holding ``path`` (``None``s outside a checkout)."""
+
     def git(*args: str) -> Optional[str]:
         try:
             out = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, timeout=10)
@@ -82,8 +95,9 @@ def check_resumable(cfg: TrainConfig) -> None:
     if conflicts:
         raise ResumeError(
             f"cannot resume {run_dir}: its checkpoints were trained with a different config "
-            f"(saved -> current):\n  " + "\n  ".join(conflicts) +
-            "\nrestore these values, or train into a new run folder (another name, seed or out_dir)"
+            f"(saved -> current):\n  "
+            + "\n  ".join(conflicts)
+            + "\nrestore these values, or train into a new run folder (another name, seed or out_dir)"
         )
 
 

@@ -46,9 +46,15 @@ class LRSchedule:
         raise ValueError(f"unknown schedule kind {self.kind!r}")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over ``optimizer`` following ``optim.schedule`` for a run of ``total_steps`` updates."""
-    schedule = LRSchedule(kind=optim.schedule, total_steps=total_steps, warmup_steps=optim.warmup_steps,
-                          min_ratio=optim.min_lr_ratio, decay_fraction=optim.decay_fraction)
+    schedule = LRSchedule(
+        kind=optim.schedule,
+        total_steps=total_steps,
+        warmup_steps=optim.warmup_steps,
+        min_ratio=optim.min_lr_ratio,
+        decay_fraction=optim.decay_fraction,
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -16,8 +16,10 @@ class TrainingInterrupted(RuntimeError):
 
     def __init__(self, signum: int, checkpoint: Any) -> None:
         self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}; checkpoint saved at {checkpoint}; "
-                         "run the same command again to resume")
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name}; checkpoint saved at {checkpoint}; "
+            "run the same command again to resume"
+        )
 
 
 class StopRequest:
@@ -31,7 +33,7 @@ class StopRequest:
         self.signum: Optional[int] = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
             for s in STOP_SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
