@@ -13,7 +13,7 @@ Memory model (an estimate; bytes per parameter from the ZeRO paper, Rajbhandari 
   impl=triton or flash-attn): both pre-norms' inputs and outputs (4 d), Q/K/V before and after their norms and
   the attention output (4 H D + 4 KV D), the SwiGLU's gate, up, silu and product (4 mlp_dim), and for compressed
   attention each token's share of the pooled windows (window/stride x (d + branches x 2 KV D)); for full
-  attention this lies within 25% of what autograd saves on CPU (tests/foundation/test_plan.py). Full activation
+  attention this lies within 25% of what autograd saves on CPU (tests/test_plan.py). Full activation
   checkpointing keeps each block's input (d per token and layer) plus one block's activations twice over
   (its recompute and its gradients);
 - logits (``ckv.loss.logits_bytes``): today's path holds the micro-batch's logits in bf16 plus two fp32 copies

@@ -109,7 +109,7 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An untrained tiny DeepseekV4ForCausalLM with the word tokenizer (the text tasks' pipeline; the one trained on
-    ckv's synthetic lookup is tests/demo/test_demo_v4.py's)."""
+    ckv's synthetic lookup is tests/apps/test_demo_v4.py's)."""
     return save_tiny(tiny_deepseek_v4, tmp_path_factory.mktemp("deepseek_v4"))
 
 

@@ -7,8 +7,8 @@ from ckv import Transformer
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.geometry import window_positions
 
-from .helpers import assert_influence, small_config, variant
-from .test_geometry import brute_covers, brute_influence
+from tests.helpers import assert_influence, small_config, variant
+from tests.test_geometry import brute_covers, brute_influence
 
 
 @pytest.mark.parametrize("window, stride", [(4, 4), (8, 4), (8, 6), (5, 2)])

@@ -19,7 +19,7 @@ from ckv.config import AttentionConfig, ConfigError
 from ckv.geometry import window_positions
 from ckv.train import TrainConfig, read_metrics, train
 from ckv.train.gate_entropy import GateEntropyFloor, gate_entropy_deficit
-from tests.foundation.helpers import ATTENTION_DIR, small_config, variant
+from tests.helpers import ATTENTION_DIR, small_config, variant
 from tests.train.helpers import base_config, losses
 from tests.train.test_hot_path import _syncs_per_step
 

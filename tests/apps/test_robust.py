@@ -10,8 +10,8 @@ from ckv import Transformer
 from ckv.apps.demo import ROOT
 from ckv.apps.robust import MODEL_BY_RUN, MODELS, criteria, kv_bytes_per_token, plan
 from ckv.apps.robust import main as robust_main
-from tests.demo.helpers import run_quick
-from tests.foundation.helpers import small_config, variant
+from tests.apps.helpers import run_quick
+from tests.helpers import small_config, variant
 
 
 def test_plan_runs_the_core_models_of_each_task_for_each_seed_with_one_attention_override():

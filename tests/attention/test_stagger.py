@@ -11,7 +11,7 @@ from ckv import ModelConfig, Transformer
 from ckv.config import ConfigError
 from ckv.flops import flops_per_token, visible_pairs
 from ckv.geometry import influence_mask
-from tests.foundation.helpers import small_config, variant
+from tests.helpers import small_config, variant
 from tests.kernels.test_model import assert_impls_match
 
 

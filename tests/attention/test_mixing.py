@@ -1,7 +1,7 @@
 """Token mixing before pooling (attention.mixing='conv', docs/robustness.md) against its definition and every standing
 attention property: the visibility rule (reach widened by the kernel, never past the query), decode == prefill
 across window boundaries, torch == triton under the interpreter, gradients, parameter count, config errors.
-(conf/attention/w4s4_conv.yaml also runs through the variant-parametrised tests of tests/foundation.)"""
+(conf/attention/w4s4_conv.yaml also runs through the variant-parametrised tests of tests/attention and tests/test_*.py.)"""
 
 import pytest
 import torch
@@ -10,8 +10,8 @@ from ckv import ModelConfig, Transformer
 from ckv.attention.compressed import CausalMixing
 from ckv.config import ConfigError
 from ckv.flops import parameter_count
-from tests.foundation.helpers import assert_influence, small_config, variant
-from tests.foundation.test_geometry import brute_covers
+from tests.helpers import assert_influence, small_config, variant
+from tests.test_geometry import brute_covers
 from tests.kernels.test_model import assert_impls_match
 
 

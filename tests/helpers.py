@@ -1,4 +1,4 @@
-"""Small builders shared by the foundation tests."""
+"""Small builders shared by the model and attention tests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from ckv import ModelConfig, Transformer
 from ckv.apps.smoke import load_variant
 
-ATTENTION_DIR = Path(__file__).resolve().parents[2] / "conf" / "attention"
+ATTENTION_DIR = Path(__file__).resolve().parents[1] / "conf" / "attention"
 VARIANTS = sorted(p.stem for p in ATTENTION_DIR.glob("*.yaml"))
 
 

@@ -11,7 +11,7 @@ from ckv import Transformer
 from ckv.checkpointing import apply_activation_checkpointing
 from ckv.config import ConfigError
 
-from .helpers import small_config, variant
+from tests.helpers import small_config, variant
 
 
 def _loss_and_grads(model, ids, labels):

@@ -6,7 +6,7 @@ import torch
 from ckv import Transformer
 from ckv.io.hf import from_hf, load_hf, save_hf, to_hf
 
-from .helpers import VARIANTS, small_config, variant
+from tests.helpers import VARIANTS, small_config, variant
 
 # A rope theta that is no default anywhere (ckv's and transformers' 1e4, the 1e6 ckv.io.hf falls back to), so a
 # conversion that drops it in either direction changes the rotation of every position and fails the parity.

@@ -31,7 +31,7 @@ from ckv.attention.compressed import CompressedAttention  # noqa: E402
 from ckv.attention.reference import joint_attention_reference  # noqa: E402
 from ckv.cache import CompressedLayerCache  # noqa: E402
 
-from .helpers import variant  # noqa: E402
+from tests.helpers import variant  # noqa: E402
 
 D_MODEL, HEADS, HEAD_DIM, ROPE_DIMS, SLIDING = 32, 4, 16, 8, 5
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"ckv": REPO / "src" / "ckv", "ckv_kernels": REPO / "kernels"}
 MODEL_LAYER = {
     "ckv",

@@ -9,7 +9,7 @@ from ckv.config import ConfigError, ModelConfig
 from ckv.flops import PEAK_BF16_FLOPS, flops_per_token, mfu, parameter_count, peak_flops, visible_pairs
 from ckv.geometry import compressed_mask, grid_origin, local_mask, num_entries
 
-from .helpers import VARIANTS, small_config, variant
+from tests.helpers import VARIANTS, small_config, variant
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -10,8 +10,8 @@ from ckv import AttentionConfig, ConfigError, Transformer
 from ckv.attention.rope import Rotary
 from ckv.geometry import offset_series
 
-from .helpers import assert_influence, small_config, variant
-from .test_geometry import brute_influence
+from tests.helpers import assert_influence, small_config, variant
+from tests.test_geometry import brute_influence
 
 
 @pytest.mark.parametrize(
