@@ -4,6 +4,7 @@ variant compiles for Hopper and see which configs spill.
 
     python benchmarks/kernel_resources.py                      # sm_90, bf16, D 128, both head layouts
     python benchmarks/kernel_resources.py --kernels key-compressed --groups 16 --arch 90
+    python benchmarks/kernel_resources.py --kernels select-fwd select-dq select-entry   # top-k selection
 
 Needs triton's bundled ptxas; must run without TRITON_INTERPRET. Compiling takes seconds per config on a CPU.
 """
@@ -33,7 +34,12 @@ import ckv_kernels.attention as A  # noqa: E402
 
 P = importlib.import_module("ckv_kernels.pool")  # the module (the package re-exports a function of that name)
 
-INT_ARGS = ("Tq", "Tk", "E", "KV", "q_start", "k_start", "stride", "n_keys", "span", "chunk", "split_stride", "W", "D")
+INT_ARGS = (
+    *("Tq", "Tk", "E", "KV", "K_SEL", "q_start", "k_start", "stride", "n_keys", "span", "chunk", "split_stride"),
+    *("W", "D"),
+)
+INDEX_PTRS = {"SEL": "*i32", "COUNT": "*i32", "TOKENS": "*i32", "OFFSETS": "*i64"}  # top-k selection
+SELECT = ("select-fwd", "select-dq", "select-entry")
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:
@@ -62,6 +68,13 @@ def _constexprs(kernel: str, G: int, D: int, config: triton.Config) -> dict:
             GATE=P.VECTOR.value, BWD=kernel == "pool-bwd", BLOCK_E=block_e, BLOCK_W=8, BLOCK_D=triton.next_power_of_2(D)
         )
     constexprs = dict(G=G, G_PAD=triton.next_power_of_2(G), D=D, TAIL=False, UPCAST=False, **config.kwargs)
+    if kernel == "select-entry":
+        constexprs.pop("TAIL")
+        return constexprs
+    if kernel in ("select-fwd", "select-dq"):  # one position per program: G_PAD >= 16 rows
+        return dict(
+            constexprs, G_PAD=max(16, constexprs["G_PAD"]), LOCAL=True, BWD=kernel == "select-dq", HAS_SINK=False
+        )
     if kernel in ("fwd", "dq"):
         return dict(constexprs, LOCAL=True, BWD=kernel == "dq")
     return dict(constexprs, COMPRESSED=kernel == "key-compressed")
@@ -74,6 +87,9 @@ def compile_variant(kernel: str, dtype: str, G: int, D: int, config: triton.Conf
         "dq": A._query_kernel,
         "key-compressed": A._key_kernel,
         "key-local": A._key_kernel,
+        "select-fwd": A._select_query_kernel,
+        "select-dq": A._select_query_kernel,
+        "select-entry": A._select_entry_kernel,
     }.get(kernel, P._pool_kernel)
     if isinstance(jit, triton.runtime.Autotuner):  # the autotuner wraps the JIT function
         jit = jit.fn
@@ -89,7 +105,7 @@ def compile_variant(kernel: str, dtype: str, G: int, D: int, config: triton.Conf
             if name in fp32_ptrs
             else "*u8"
             if name == "PRESENT"
-            else ptr
+            else INDEX_PTRS.get(name, ptr)
         )
         for name in jit.arg_names
     }
@@ -120,7 +136,7 @@ def main() -> None:
         "--kernels",
         nargs="+",
         default=["fwd", "dq", "key-compressed", "key-local"],
-        choices=["fwd", "dq", "key-compressed", "key-local", "pool-fwd", "pool-bwd"],
+        choices=["fwd", "dq", "key-compressed", "key-local", *SELECT, "pool-fwd", "pool-bwd"],
     )
     p.add_argument("--groups", type=int, nargs="+", default=[2, 16], help="GQA ratios H/KV (Qwen3-0.6B: 2; paper: 16)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -131,18 +147,26 @@ def main() -> None:
     print("kernel | G | BLOCK_M | BLOCK_N | warps | stages | registers | spill bytes | shared KiB")
     print(" | ".join(["---"] * 9))
     for kernel in args.kernels:
-        configs = {"fwd": A._QUERY_CONFIGS, "dq": A._QUERY_CONFIGS}.get(kernel, A._KEY_CONFIGS)
+        configs = {
+            "fwd": A._QUERY_CONFIGS,
+            "dq": A._QUERY_CONFIGS,
+            "select-fwd": A._SELECT_CONFIGS,
+            "select-dq": A._SELECT_CONFIGS,
+            "select-entry": A._ENTRY_CONFIGS,
+        }.get(kernel, A._KEY_CONFIGS)
         if kernel.startswith("pool"):  # no autotuning, no GQA: one launch shape
             configs, groups = [triton.Config({"BLOCK_M": 1, "BLOCK_N": 0}, num_warps=4, num_stages=3)], [1]
         else:
             groups = args.groups
         for G in groups:
             for config in configs:
-                if config.kwargs["BLOCK_M"] < triton.next_power_of_2(G):
+                if config.kwargs.get("BLOCK_M", 64) < triton.next_power_of_2(G):
                     continue
                 r = compile_variant(kernel, args.dtype, G, args.head_dim, config, args.arch)
                 blocks = (
-                    ["-", "-"] if kernel.startswith("pool") else [str(config.kwargs[b]) for b in ("BLOCK_M", "BLOCK_N")]
+                    ["-", "-"]
+                    if kernel.startswith("pool")
+                    else [str(config.kwargs.get(b, "-")) for b in ("BLOCK_M", "BLOCK_N")]
                 )
                 cells = [kernel, str(G), *blocks, str(config.num_warps), str(config.num_stages)]
                 if "error" in r:

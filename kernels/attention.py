@@ -54,6 +54,14 @@ def _cfg(m: int, n: int, warps: int, stages: int) -> triton.Config:
 _QUERY_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 2)]
 _KEY_CONFIGS = [_cfg(64, 32, 8, 2), _cfg(32, 64, 8, 2), _cfg(32, 32, 8, 2), _cfg(16, 64, 8, 2), _cfg(32, 32, 4, 3)]
 _INTERPRETER_CONFIG = _cfg(64, 32, 4, 1)
+# Top-k selection: one position per program (``_select_query_kernel``: gathered entries, BLOCK_N per step) and one
+# entry per program (``_select_entry_kernel``: BLOCK_M (position, head) rows per step). Not compiled or timed yet.
+_SELECT_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=2) for n, w in ((64, 4), (32, 4), (64, 8))]
+_SELECT_INTERPRETER_CONFIG = triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)
+_ENTRY_CONFIGS = [
+    triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=2) for m, w in ((32, 4), (64, 8), (32, 8), (16, 4))
+]
+_ENTRY_INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -142,6 +150,118 @@ def _query_step(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _query_start(
+    Q,
+    O,
+    DO,
+    LSE,
+    DELTA,
+    SINK,
+    q_offs,
+    row,
+    row_ok,
+    kv,
+    H,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BWD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Load a row tile's queries and start its pass. Forward: acc = 0 and (m, l) empty or, with HAS_SINK, the
+    head's sink logit (a column of value 0: m = the logit in log2 units, l = 1), so LSE includes it and the
+    backward, which recomputes P from LSE, needs nothing more. BWD: also dO; computes and stores delta =
+    rowsum(dO * O); m = the log-sum-exp (log2 units; 0 for rows that see nothing), l = delta."""
+    q = _load(Q + q_offs, row_ok[:, None], UPCAST)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    if BWD:
+        do = _load(DO + q_offs, row_ok[:, None], UPCAST)
+        delta = tl.sum(do.to(tl.float32) * _load(O + q_offs, row_ok[:, None], UPCAST).to(tl.float32), 1)
+        tl.store(DELTA + row, delta, mask=row_ok)
+        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
+        m_i = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 units; rows seeing nothing: 0
+        l_i = delta
+    else:
+        do = q  # unused in the forward
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if HAS_SINK:  # row % H is the row's head
+            m_i = tl.load(SINK + tl.where(row_ok, row % H, kv * G)) * 1.4426950408889634
+            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    return q, do, acc, m_i, l_i
+
+
+@triton.jit
+def _local_band(
+    acc,
+    m_i,
+    l_i,
+    q,
+    do,
+    t,
+    K,
+    V,
+    t_first,
+    t_last,
+    Tk,
+    E,
+    KV,
+    stride,
+    k_start,
+    span,
+    qk_scale,
+    D: tl.constexpr,
+    TAIL: tl.constexpr,
+    BWD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The band of exact keys the local windows of queries ``t_first .. t_last`` cover, masked per element;
+    K, V point at this (batch, KV head)."""
+    c_lo = tl.maximum(_local_lo(t_first, stride, span, TAIL) - k_start, 0)
+    for c0 in range(c_lo, t_last - k_start + 1, BLOCK_N):
+        acc, m_i, l_i = _query_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            do,
+            t,
+            K,
+            V,
+            c0 + tl.arange(0, BLOCK_N),
+            Tk,
+            KV * D,
+            E,
+            stride,
+            k_start,
+            span,
+            qk_scale,
+            D,
+            True,
+            False,
+            TAIL,
+            BWD,
+            UPCAST,
+        )
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _query_finish(acc, m_i, l_i, O, LSE, DQ, q_offs, row, row_ok, sm_scale, BWD: tl.constexpr):
+    """Store the forward's output and log-sum-exp (rows that saw nothing: 0 and -inf), or with BWD, dq."""
+    if BWD:
+        tl.store(DQ + q_offs, (acc * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        seen = l_i > 0
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that see nothing: acc = 0, output 0
+        tl.store(O + q_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))  # x ln 2
+        tl.store(LSE + row, lse, mask=row_ok)
+
+
 @autotune(_QUERY_CONFIGS, _INTERPRETER_CONFIG, key=["Tq", "E", "D", "G_PAD", "TAIL", "BWD"], prune=_prune_rows)
 @triton.jit
 def _query_kernel(
@@ -179,8 +299,7 @@ def _query_kernel(
 ):
     """Forward (O, LSE) or, with BWD, the dq pass (DQ, DELTA) for one row tile of one (batch, KV head).
     Q, O, DO, DQ: (B, Tq, H, D); KC, VC: (B, E, KV, D); K, V: (B, Tk, KV, D); LSE, DELTA: (B, Tq, H) fp32;
-    SINK (H,) fp32 with HAS_SINK: the forward starts each row's online softmax from its head's sink logit (a
-    column of value 0), so LSE includes it and the backward, which recomputes P from LSE, needs nothing more."""
+    SINK (H,) fp32, read with HAS_SINK (``_query_start``)."""
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
     H = KV * G
     tile = tl.cdiv(Tq, BLOCK_Q) - 1 - tl.program_id(0)  # the last rows see the most entries: start them first
@@ -193,22 +312,9 @@ def _query_kernel(
     plane = (b * Tq).to(tl.int64) * H  # first row of this batch in the (B, Tq, H) planes
     Q, O, DO, DQ, LSE, DELTA = Q + plane * D, O + plane * D, DO + plane * D, DQ + plane * D, LSE + plane, DELTA + plane
     q_offs = row[:, None] * D + d[None, :]  # int32 inside one batch: few registers across the loops
-    q = _load(Q + q_offs, row_ok[:, None], UPCAST)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    if BWD:
-        do = _load(DO + q_offs, row_ok[:, None], UPCAST)
-        delta = tl.sum(do.to(tl.float32) * _load(O + q_offs, row_ok[:, None], UPCAST).to(tl.float32), 1)
-        tl.store(DELTA + row, delta, mask=row_ok)
-        lse = tl.load(LSE + row, mask=row_ok, other=0.0)
-        m_i = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # log2 units; rows seeing nothing: 0
-        l_i = delta
-    else:
-        do = q  # unused in the forward
-        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if HAS_SINK:  # the sink column: m = its logit (log2 units), l = exp2(0); row % H is the row's head
-            m_i = tl.load(SINK + tl.where(row_ok, row % H, kv * G)) * 1.4426950408889634
-            l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    q, do, acc, m_i, l_i = _query_start(
+        Q, O, DO, LSE, DELTA, SINK, q_offs, row, row_ok, kv, H, G, D, BWD, UPCAST, HAS_SINK, BLOCK_M
+    )
 
     # (a) compressed entries: tiles every row sees unmasked, then the tiles where visibility changes
     t_first = q_start + i0
@@ -269,41 +375,148 @@ def _query_kernel(
     # (b) the band of exact keys the tile's local windows cover
     if LOCAL:
         k_base = (b * Tk).to(tl.int64) * KV * D + kv * D
-        c_lo = tl.maximum(_local_lo(t_first, stride, span, TAIL) - k_start, 0)
-        for c0 in range(c_lo, t_last - k_start + 1, BLOCK_N):
-            acc, m_i, l_i = _query_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                do,
-                t,
-                K + k_base,
-                V + k_base,
-                c0 + tl.arange(0, BLOCK_N),
-                Tk,
-                KV * D,
-                E,
-                stride,
-                k_start,
-                span,
-                qk_scale,
-                D,
-                True,
-                False,
-                TAIL,
-                BWD,
-                UPCAST,
-            )
+        acc, m_i, l_i = _local_band(
+            acc,
+            m_i,
+            l_i,
+            q,
+            do,
+            t,
+            K + k_base,
+            V + k_base,
+            t_first,
+            t_last,
+            Tk,
+            E,
+            KV,
+            stride,
+            k_start,
+            span,
+            qk_scale,
+            D,
+            TAIL,
+            BWD,
+            UPCAST,
+            BLOCK_N,
+        )
+    _query_finish(acc, m_i, l_i, O, LSE, DQ, q_offs, row, row_ok, sm_scale, BWD)
 
-    if BWD:
-        tl.store(DQ + q_offs, (acc * sm_scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        seen = l_i > 0
-        out = acc / tl.where(seen, l_i, 1.0)[:, None]  # rows that see nothing: acc = 0, output 0
-        tl.store(O + q_offs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))  # x ln 2
-        tl.store(LSE + row, lse, mask=row_ok)
+
+@autotune(_SELECT_CONFIGS, _SELECT_INTERPRETER_CONFIG, key=["Tq", "E", "K_SEL", "D", "G_PAD", "TAIL", "BWD"])
+@triton.jit
+def _select_query_kernel(
+    Q,
+    KC,
+    VC,
+    K,
+    V,
+    O,
+    LSE,
+    DO,
+    DQ,
+    DELTA,
+    SINK,
+    SEL,
+    COUNT,
+    Tq,
+    Tk,
+    E,
+    KV,
+    K_SEL,
+    q_start,
+    k_start,
+    stride,
+    span,
+    qk_scale,
+    sm_scale,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    TAIL: tl.constexpr,
+    LOCAL: tl.constexpr,
+    BWD: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Forward or dq pass of ``_query_kernel`` with top-k selection, for ONE query position and the G heads of
+    one (batch, KV head): G_PAD >= 16 rows (heads padded, masked: tl.dot needs 16), since no two positions share
+    their entries. SEL (B, Tq, K_SEL) int32: each row's entries in ascending order, the COUNT (B, Tq) int32
+    visible ones first; (a) gathers those ``BLOCK_N`` at a time, (b) is the dense kernel's local band."""
+    H = KV * G
+    i0 = Tq - 1 - tl.program_id(0)  # later positions see more entries: start them first
+    b = tl.program_id(1) // KV
+    kv = tl.program_id(1) % KV
+    i, row, row_ok = _rows(i0, Tq, H, kv, G, G_PAD, G_PAD)  # i = i0 on every row
+    t = q_start + i
+    d = tl.arange(0, D)
+    plane = (b * Tq).to(tl.int64) * H
+    Q, O, DO, DQ, LSE, DELTA = Q + plane * D, O + plane * D, DO + plane * D, DQ + plane * D, LSE + plane, DELTA + plane
+    q_offs = row[:, None] * D + d[None, :]
+    q, do, acc, m_i, l_i = _query_start(
+        Q, O, DO, LSE, DELTA, SINK, q_offs, row, row_ok, kv, H, G, D, BWD, UPCAST, HAS_SINK, G_PAD
+    )
+
+    # (a) the selected entries, gathered; slots past the count read as entry E (masked)
+    sel_base = (b * Tq + i0).to(tl.int64) * K_SEL
+    n_sel = tl.load(COUNT + b * Tq + i0)
+    kc_base = (b * E).to(tl.int64) * KV * D + kv * D
+    for s0 in range(0, n_sel, BLOCK_N):
+        slots = s0 + tl.arange(0, BLOCK_N)
+        cols = tl.load(SEL + sel_base + slots, mask=slots < n_sel, other=E)
+        acc, m_i, l_i = _query_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            do,
+            t,
+            KC + kc_base,
+            VC + kc_base,
+            cols,
+            E,
+            KV * D,
+            E,
+            stride,
+            k_start,
+            span,
+            qk_scale,
+            D,
+            True,
+            True,
+            TAIL,
+            BWD,
+            UPCAST,
+        )
+    # (b) the band of exact keys of this position's local window
+    if LOCAL:
+        k_base = (b * Tk).to(tl.int64) * KV * D + kv * D
+        t0 = q_start + i0
+        acc, m_i, l_i = _local_band(
+            acc,
+            m_i,
+            l_i,
+            q,
+            do,
+            t,
+            K + k_base,
+            V + k_base,
+            t0,
+            t0,
+            Tk,
+            E,
+            KV,
+            stride,
+            k_start,
+            span,
+            qk_scale,
+            D,
+            TAIL,
+            BWD,
+            UPCAST,
+            BLOCK_N,
+        )
+    _query_finish(acc, m_i, l_i, O, LSE, DQ, q_offs, row, row_ok, sm_scale, BWD)
 
 
 @triton.jit
@@ -490,6 +703,70 @@ def _key_kernel(
     tl.store(DVAL + out + offs, dv.to(DVAL.dtype.element_ty), mask=cols[:, None] < n_keys)
 
 
+@autotune(_ENTRY_CONFIGS, _ENTRY_INTERPRETER_CONFIG, key=["Tq", "E", "D", "G_PAD"], prune=_prune_rows)
+@triton.jit
+def _select_entry_kernel(
+    Q,
+    KC,
+    VC,
+    DO,
+    LSE,
+    DELTA,
+    DKC,
+    DVC,
+    OFFSETS,
+    TOKENS,
+    Tq,
+    E,
+    KV,
+    qk_scale,
+    sm_scale,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """dkc, dvc of ONE compressed entry ``program_id(0)`` of one (batch, KV head) under top-k selection: the sum
+    over the query positions that selected it (and see it), in ascending order, ``BLOCK_M // G_PAD`` positions
+    x G heads per step. TOKENS[OFFSETS[b*E + e] : OFFSETS[b*E + e + 1]] (int32) are those positions (indices into
+    Tq), OFFSETS (B*E + 1,) int64. One entry per program: scores are dot products with one key (no tl.dot), and
+    the program writes its entry's gradients alone, zeros when no query selected it (no atomics)."""
+    BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
+    H = KV * G
+    e = tl.program_id(0)
+    b = tl.program_id(1) // KV
+    kv = tl.program_id(1) % KV
+    d = tl.arange(0, D)
+    entry = ((b * E + e).to(tl.int64) * KV + kv) * D
+    key = _load(KC + entry + d, d < D, UPCAST).to(tl.float32)  # (D,)
+    val = _load(VC + entry + d, d < D, UPCAST).to(tl.float32)
+    plane = (b * Tq).to(tl.int64) * H
+    Q, DO, LSE, DELTA = Q + plane * D, DO + plane * D, LSE + plane, DELTA + plane
+    lo = tl.load(OFFSETS + b * E + e)
+    hi = tl.load(OFFSETS + b * E + e + 1)
+    dk = tl.zeros([D], dtype=tl.float32)
+    dv = tl.zeros([D], dtype=tl.float32)
+    r = tl.arange(0, BLOCK_M)
+    g = r % G_PAD
+    for s0 in range(lo, hi, BLOCK_Q):
+        slot = s0 + r // G_PAD
+        ok = (slot < hi) & (g < G)
+        i = tl.load(TOKENS + slot, mask=ok, other=0)
+        row = i * H + kv * G + g
+        q_offs = row[:, None] * D + d[None, :]
+        q = _load(Q + q_offs, ok[:, None], UPCAST).to(tl.float32)  # (BLOCK_M, D)
+        do = _load(DO + q_offs, ok[:, None], UPCAST).to(tl.float32)
+        lse = tl.load(LSE + row, mask=ok, other=0.0) * 1.4426950408889634  # finite: these rows see the entry
+        delta = tl.load(DELTA + row, mask=ok, other=0.0)
+        p = tl.where(ok, tl.exp2(tl.sum(q * key[None, :], 1) * qk_scale - lse), 0.0)  # (BLOCK_M,)
+        ds = p * (tl.sum(do * val[None, :], 1) - delta)
+        dv += tl.sum(p[:, None] * do, 0)
+        dk += tl.sum(ds[:, None] * q, 0)
+    tl.store(DKC + entry + d, (dk * sm_scale).to(DKC.dtype.element_ty))
+    tl.store(DVC + entry + d, dv.to(DVC.dtype.element_ty))
+
+
 def _first_needed_key(q_start: int, Tq: int, stride: int, span: int, tail: bool, origin: int = 0) -> Optional[int]:
     """Earliest exact-key position any query's local window holds, or None when no window holds a key.
     Window starts never decrease with the query position, so it is the first query's window start (no earlier
@@ -558,6 +835,50 @@ def _check_inputs(
     check_runnable(q, kc, vc, k, v)
 
 
+def _prepare_selection(
+    selected: torch.Tensor, B: int, Tq: int, E: int, q_start: int, stride: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check ``selected`` (B, Tq, K) and turn it into what the kernels read: each row's entries in ascending order,
+    int32, empty slots (-1) as E, so that the entries its position sees come first; and their count (B, Tq) int32.
+    One host sync (the check). K = 0 becomes one empty slot (the kernels never get an empty tensor)."""
+    if selected.dtype not in (torch.int64, torch.int32) or selected.dim() != 3 or tuple(selected.shape[:2]) != (B, Tq):
+        raise ValueError(
+            f"selected must be an int64 or int32 tensor (B, Tq, K) = ({B}, {Tq}, K), got {selected.dtype} "
+            f"{tuple(selected.shape)}"
+        )
+    if selected.device != device:
+        raise ValueError(f"selected is on {selected.device}, the other inputs on {device}")
+    if selected.shape[2] == 0:
+        selected = selected.new_full((B, Tq, 1), -1)
+    sel = torch.where(selected < 0, E, selected).to(torch.int32).sort(dim=-1).values  # (B, Tq, K)
+    if sel.numel():
+        lo, hi = selected.min(), selected.max()
+        repeated = ((sel[..., 1:] == sel[..., :-1]) & (sel[..., 1:] < E)).any()
+        if ((lo < -1) | (hi >= E) | repeated).item():
+            if lo < -1 or hi >= E:
+                raise ValueError(
+                    f"selected holds indices {lo.item()} .. {hi.item()}; allowed: -1 (empty slot) .. E-1 = {E - 1}"
+                )
+            raise ValueError("selected repeats an entry index within a row (each selected entry counts once)")
+    visible = torch.clamp((torch.arange(q_start + 1, q_start + Tq + 1, device=device)) // stride, max=E)  # (Tq,)
+    count = (sel < visible[None, :, None]).sum(-1, dtype=torch.int32)  # (B, Tq)
+    return sel.contiguous(), count
+
+
+def _selection_csr(sel: torch.Tensor, count: torch.Tensor, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection inverted for the dkc/dvc pass: the positions (indices into Tq) that see and selected entry e
+    of batch b are ``tokens[offsets[b*E + e] : offsets[b*E + e + 1]]``, ascending. A stable sort of the key
+    ``b*E + entry`` over every (b, position, slot), unused slots keyed ``B*E`` (last); no host sync.
+    Returns offsets (B*E + 1,) int64 and tokens (B*Tq*K,) int32."""
+    B, Tq, K = sel.shape
+    used = torch.arange(K, device=sel.device) < count[..., None]  # (B, Tq, K)
+    batch = torch.arange(B, device=sel.device, dtype=torch.int32)[:, None, None] * E
+    keys, order = torch.where(used, sel + batch, B * E).flatten().sort(stable=True)  # int32 keys
+    tokens = (order.div_(K, rounding_mode="floor") % Tq).to(torch.int32)
+    offsets = torch.searchsorted(keys, torch.arange(B * E + 1, device=sel.device, dtype=keys.dtype))
+    return offsets, tokens
+
+
 class _Problem:
     """Sizes and geometry of one call, turned into kernel arguments once."""
 
@@ -596,38 +917,52 @@ class _Problem:
         return triton.cdiv(triton.cdiv(self.Tq, n), 128) * 128
 
     def run_query(
-        self, q, kc, vc, k, v, o, lse, do, dq, delta, bwd: bool, sinks: Optional[torch.Tensor] = None
+        self,
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        o,
+        lse,
+        do,
+        dq,
+        delta,
+        bwd: bool,
+        sinks: Optional[torch.Tensor] = None,
+        selection: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> None:
-        _query_kernel[self.query_grid](
-            q,
-            kc,
-            vc,
-            k,
-            v,
-            o,
-            lse,
-            do,
-            dq,
-            delta,
-            lse if sinks is None else sinks,  # SINK unread without sinks
-            self.Tq,
-            self.Tk,
-            self.E,
-            self.KV,
-            self.q_start,
-            self.k_start,
-            self.stride,
-            self.span,
-            self.sm_scale * LOG2E,
-            self.sm_scale,
+        """Forward or dq pass; with ``selection`` = (sorted indices, counts) from ``_prepare_selection``, the
+        top-k kernel (one position per program)."""
+        tensors = (q, kc, vc, k, v, o, lse, do, dq, delta, lse if sinks is None else sinks)  # SINK unread without
+        geometry = (self.q_start, self.k_start, self.stride, self.span, self.sm_scale * LOG2E, self.sm_scale)
+        flags = dict(
             G=self.G,
-            G_PAD=self.g_pad,
             D=self.D,
             TAIL=self.tail,
             LOCAL=self.span > 0,
             BWD=bwd,
             UPCAST=self.upcast,
             HAS_SINK=sinks is not None,
+        )
+        if selection is None:
+            _query_kernel[self.query_grid](
+                *tensors, self.Tq, self.Tk, self.E, self.KV, *geometry, G_PAD=self.g_pad, **flags
+            )
+            return
+        sel, count = selection
+        _select_query_kernel[(self.Tq, self.B * self.KV)](
+            *tensors,
+            sel,
+            count,
+            self.Tq,
+            self.Tk,
+            self.E,
+            self.KV,
+            sel.shape[2],
+            *geometry,
+            G_PAD=max(16, self.g_pad),  # tl.dot needs 16 rows
+            **flags,
         )
 
     def run_key(self, q, key, val, do, lse, delta, compressed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -672,19 +1007,48 @@ class _Problem:
             dkey, dval = dkey.sum(0).to(key.dtype), dval.sum(0).to(val.dtype)
         return dkey, dval
 
+    def run_select_entries(self, q, kc, vc, do, lse, delta, sel, count) -> tuple[torch.Tensor, torch.Tensor]:
+        """dkc, dvc under top-k selection: each entry sums over the positions that selected it (``_selection_csr``),
+        one program per (entry, batch, KV head), every entry written."""
+        offsets, tokens = _selection_csr(sel, count, self.E)
+        dkc, dvc = torch.empty_like(kc), torch.empty_like(vc)
+        _select_entry_kernel[(self.E, self.B * self.KV)](
+            q,
+            kc,
+            vc,
+            do,
+            lse,
+            delta,
+            dkc,
+            dvc,
+            offsets,
+            tokens,
+            self.Tq,
+            self.E,
+            self.KV,
+            self.sm_scale * LOG2E,
+            self.sm_scale,
+            G=self.G,
+            G_PAD=self.g_pad,
+            D=self.D,
+            UPCAST=self.upcast,
+        )
+        return dkc, dvc
+
 
 class JointAttentionFunction(torch.autograd.Function):
     """Autograd for the joint-attention kernels. Saves the inputs, the output and the log-sum-exp; the backward
     recomputes P. The log-sum-exp output is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, kc, vc, k, v, sinks, prob: _Problem):
+    def forward(ctx, q, kc, vc, k, v, sinks, prob: _Problem, sel, count):
         o = torch.empty_like(q)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)  # (B, Tq, H)
         sinks32 = None if sinks is None else sinks.detach().float().contiguous()
-        if prob.Tq:
-            prob.run_query(q, kc, vc, k, v, o, lse, o, o, lse, bwd=False, sinks=sinks32)  # DO, DQ, DELTA unused
-        ctx.save_for_backward(q, kc, vc, k, v, o, lse, sinks32)
+        selection = None if sel is None else (sel, count)
+        if prob.Tq:  # DO, DQ, DELTA unused
+            prob.run_query(q, kc, vc, k, v, o, lse, o, o, lse, bwd=False, sinks=sinks32, selection=selection)
+        ctx.save_for_backward(q, kc, vc, k, v, o, lse, sinks32, sel, count)
         ctx.prob = prob
         ctx.sinks_dtype = None if sinks is None else sinks.dtype
         ctx.mark_non_differentiable(lse)
@@ -692,26 +1056,28 @@ class JointAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, _dlse):
-        q, kc, vc, k, v, o, lse, sinks = ctx.saved_tensors
+        q, kc, vc, k, v, o, lse, sinks, sel, count = ctx.saved_tensors
         prob: _Problem = ctx.prob
         do = do.contiguous()
         if prob.Tq == 0:
             dsink = None if sinks is None else torch.zeros_like(sinks, dtype=ctx.sinks_dtype)
-            return tuple(torch.zeros_like(t) for t in (q, kc, vc, k, v)) + (dsink, None)
+            return tuple(torch.zeros_like(t) for t in (q, kc, vc, k, v)) + (dsink, None, None, None)
         dq, delta = torch.empty_like(q), torch.empty_like(lse)
-        prob.run_query(q, kc, vc, k, v, o, lse, do, dq, delta, bwd=True)  # dq, and delta for the key pass
+        selection = None if sel is None else (sel, count)
+        prob.run_query(q, kc, vc, k, v, o, lse, do, dq, delta, bwd=True, selection=selection)  # dq, delta
         # d sink_h = -sum over (batch, query) of P(sink) * delta, P(sink) = exp(sink_h - lse)
         dsink = None if sinks is None else (-(sinks - lse).exp() * delta).sum((0, 1)).to(ctx.sinks_dtype)
-        dkc, dvc = (
-            prob.run_key(q, kc, vc, do, lse, delta, compressed=True)
-            if prob.E
-            else (torch.zeros_like(kc), torch.zeros_like(vc))
-        )
+        if not prob.E:
+            dkc, dvc = torch.zeros_like(kc), torch.zeros_like(vc)
+        elif sel is None:
+            dkc, dvc = prob.run_key(q, kc, vc, do, lse, delta, compressed=True)
+        else:
+            dkc, dvc = prob.run_select_entries(q, kc, vc, do, lse, delta, sel, count)
         if prob.span and prob.Tk:
             dk, dv = prob.run_key(q, k, v, do, lse, delta, compressed=False)
         else:  # no local window: exact keys get no gradient
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        return dq, dkc, dvc, dk, dv, dsink, None
+        return dq, dkc, dvc, dk, dv, dsink, None, None, None
 
 
 def joint_attention(
@@ -728,6 +1094,7 @@ def joint_attention(
     scale: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     origin: int = 0,
+    selected: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over visible compressed entries and the exact keys of each query's local window (Triton;
     same contract as ``ckv.attention.reference.joint_attention_reference``).
@@ -746,6 +1113,9 @@ def joint_attention(
     in its grid coordinates, where real position 0 is ``origin``). The kernels derive query and key positions
     from ``q_start`` and ``Tk`` alone and never read a key before ``k_start >= origin``, so ``origin`` only
     bounds the input checks.
+    ``selected`` (B, Tq, K) int64 or int32: top-k selection, as in the reference (each row lists the entries its
+    position attends to, shared by its heads, -1 = empty slot; an entry counts iff visible and listed; a repeated
+    index or one outside -1 .. E-1 raises ValueError). Checking it costs one host sync.
     """
     _check_inputs(q, kc, vc, k, v, stride, local_span, tail, q_start, origin)
     if sinks is not None:
@@ -755,6 +1125,9 @@ def joint_attention(
                 f"sinks must have shape (H,) = ({q.shape[2]},) on {q.device}, got "
                 f"{tuple(sinks.shape)} on {sinks.device}"
             )
+    sel, count = (None, None)
+    if selected is not None:
+        sel, count = _prepare_selection(selected, q.shape[0], q.shape[1], kc.shape[1], q_start, stride, q.device)
     prob = _Problem(q, kc, k, stride, local_span, tail, q_start, scale)
     q, kc, vc, k, v = (t.contiguous() for t in (q, kc, vc, k, v))
-    return JointAttentionFunction.apply(q, kc, vc, k, v, sinks, prob)
+    return JointAttentionFunction.apply(q, kc, vc, k, v, sinks, prob, sel, count)

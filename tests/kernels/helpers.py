@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import ckv_kernels
-from ckv.geometry import LocalWindow, local_span, num_entries
+from ckv.geometry import LocalWindow, compressed_mask, local_span, num_entries
 
 # CUDA when the kernels are compiled for it (TRITON_INTERPRET=0 on a GPU machine), else the interpreter on CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not ckv_kernels.INTERPRET else "cpu")
@@ -63,3 +63,30 @@ def attention_inputs(
 def fp32_leaves(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The same values in fp32 as fresh leaves (the reference runs on them)."""
     return [t.detach().float().requires_grad_() for t in tensors]
+
+
+def random_selection(
+    B: int,
+    Tq: int,
+    E: int,
+    K: int,
+    *,
+    stride: int,
+    q_start: int = 0,
+    exclude: tuple[int, ...] = (),
+    list_invisible: bool = False,
+) -> torch.Tensor:
+    """(B, Tq, K) int64 top-k selection as an indexer makes it: per position, K distinct entries drawn at random
+    among the visible ones (never those in ``exclude``), -1 in the slots left over, slots in random order. With
+    ``list_invisible`` the left-over slots list entries the position does not see yet (they must count as empty)."""
+    t = torch.arange(q_start, q_start + Tq, device=DEVICE)
+    visible = compressed_mask(t, E, stride)[None].expand(B, Tq, E)  # (B, Tq, E)
+    allowed = visible.clone()
+    allowed[..., list(exclude)] = False
+    scores = torch.rand(B, Tq, E, device=DEVICE) + 2 * allowed  # allowed first, then invisible, then excluded
+    scores[..., list(exclude)] = -1.0
+    top, idx = scores.topk(min(K, E), dim=-1)
+    keep = (top >= 2) | ((top >= 0) & list_invisible & ~visible.gather(-1, idx))
+    sel = torch.where(keep, idx, -1)
+    sel = torch.cat([sel, sel.new_full((B, Tq, K - sel.shape[-1]), -1)], dim=-1)  # K > E: more empty slots
+    return sel.gather(-1, torch.rand(B, Tq, K, device=DEVICE).argsort(-1))

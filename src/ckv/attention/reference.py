@@ -43,6 +43,32 @@ def _earliest_local_key(
     return None
 
 
+def check_selected(selected: torch.Tensor, B: int, Tq: int, E: int) -> None:
+    """Raise ValueError unless ``selected`` is an integer (B, Tq, K) tensor of entry indices in ``-1 .. E-1`` with
+    no index repeated within a row (-1, the empty slot, may repeat). Reads the values (one host sync)."""
+    if selected.dtype not in (torch.int64, torch.int32) or selected.dim() != 3 or selected.shape[:2] != (B, Tq):
+        raise ValueError(
+            f"selected must be an int64 or int32 tensor (B, Tq, K) = ({B}, {Tq}, K), got {selected.dtype} "
+            f"{tuple(selected.shape)}"
+        )
+    if selected.numel() == 0:
+        return
+    lo, hi = selected.min().item(), selected.max().item()
+    if lo < -1 or hi >= E:
+        raise ValueError(f"selected holds indices {lo} .. {hi}; allowed: -1 (empty slot) .. E-1 = {E - 1}")
+    s = selected.sort(dim=-1).values
+    if ((s[..., 1:] == s[..., :-1]) & (s[..., 1:] >= 0)).any():
+        raise ValueError("selected repeats an entry index within a row (each selected entry counts once)")
+
+
+def selection_mask(selected: torch.Tensor, B: int, Tq: int, E: int) -> torch.Tensor:
+    """(B, Tq, E) bool: entry ``j`` is listed in row ``[b, i]`` of ``selected`` (checked by ``check_selected``)."""
+    check_selected(selected, B, Tq, E)
+    listed = torch.zeros(B, Tq, E + 1, dtype=torch.bool, device=selected.device)  # column E: the empty slots
+    listed.scatter_(-1, torch.where(selected < 0, E, selected).long(), True)
+    return listed[..., :E]
+
+
 def joint_attention_reference(
     q: torch.Tensor,
     kc: torch.Tensor,
@@ -56,6 +82,7 @@ def joint_attention_reference(
     scale: Optional[float] = None,
     sinks: Optional[torch.Tensor] = None,
     origin: int = 0,
+    selected: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One softmax over visible compressed entries and the exact keys of each query's local window.
 
@@ -67,6 +94,11 @@ def joint_attention_reference(
     query sees nothing and there is no sink; its output is 0 either way).
     ``origin``: the first present position (0; a layer with a shifted grid passes positions in grid coordinates,
     ``q_start`` included, and its grid coordinate of real position 0): exact keys before it do not exist.
+    ``selected`` (B, Tq, K) integer, top-k selection (DeepSeek-V4's indexer): row ``[b, i]`` lists the entries the
+    query at ``q_start + i`` may attend to, shared by all its heads; -1 marks an empty slot. An entry enters the
+    softmax iff it is visible and listed; the local window and the sinks are unchanged. The order within a row does
+    not matter; an index repeated in a row, or outside ``-1 .. E-1``, raises ValueError (``check_selected``).
+    None: every visible entry (the dense path).
     """
     B, Tq, H, D = q.shape
     E, KV, Tk = kc.shape[1], k.shape[2], k.shape[1]
@@ -77,7 +109,10 @@ def joint_attention_reference(
     k_start = q_start + Tq - Tk
 
     qg = q.reshape(B, Tq, KV, G, D).float()
-    mask_c = compressed_mask(q_pos, E, stride)  # (Tq, E)
+    mask_c = compressed_mask(q_pos, E, stride)[None]  # (1, Tq, E)
+    if selected is not None:
+        mask_c = mask_c & selection_mask(selected, B, Tq, E)  # (B, Tq, E): visible and selected
+    nb = mask_c.shape[0]  # 1, or B with a selection
     s_c = torch.einsum("btkgd,bekd->bkgte", qg, kc.float()) * scale  # (B, KV, G, Tq, E)
 
     L = local_span(local_window, stride)
@@ -95,12 +130,13 @@ def joint_attention_reference(
     v_l = v[:, idx] if Tk else v.new_zeros(B, Tq, L, KV, D)
     s_l = torch.einsum("btkgd,btlkd->bkgtl", qg, k_l.float()) * scale  # (B, KV, G, Tq, L)
 
-    mask = torch.cat([mask_c, mask_l], dim=-1)  # (Tq, E + L)
+    mask = torch.cat([mask_c, mask_l.expand(nb, Tq, L)], dim=-1)  # (nb, Tq, E + L)
     scores = torch.cat([s_c, s_l], dim=-1)
     if sinks is not None:  # the sink: one more always-visible column per head, probability dropped below
         sink = sinks.float().view(1, KV, G, 1, 1).expand(B, KV, G, Tq, 1)
         scores = torch.cat([scores, sink], dim=-1)
-        mask = torch.cat([mask, mask.new_ones(Tq, 1)], dim=-1)
+        mask = torch.cat([mask, mask.new_ones(nb, Tq, 1)], dim=-1)
+    mask = mask[:, None, None]  # (nb, 1, 1, Tq, columns), broadcast over heads
     scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
     m = scores.amax(dim=-1, keepdim=True).detach()
     p = torch.exp(scores - m) * mask  # masked columns are exactly 0, also where a row is all masked
