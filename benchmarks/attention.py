@@ -6,8 +6,11 @@ dim 128) and compressor geometry (W8/S8, W8/S4; 16-token local window) it times 
 - ``pool``: the pooling kernel for keys and values (scalar gate), i.e. what the compressor adds,
 - ``reference``: the PyTorch reference (``joint_attention_reference``), skipped where it would not fit in memory,
 - ``full``: full causal attention (flash-attn when installed, else SDPA), once per (T, layout),
-with achieved TFLOP/s (useful matmul FLOPs: 4*D per visible (query, key) pair and head; backward 2.5x forward),
-peak memory (CUDA only) and speed-ups against full attention and the reference. Prints a table and writes JSON.
+- with ``--topk K`` (default 512 on CUDA, 64 on CPU; 0: none) ``triton`` and ``reference`` again with top-k
+  selection: each position attends to K of its visible entries (spread over them, ``spread_selection``),
+with achieved TFLOP/s (useful matmul FLOPs: 4*D per visible (query, key) pair and head, selected entries only
+under top-k; backward 2.5x forward), peak memory (CUDA only) and speed-ups against full attention and the
+reference (of the same selection). Prints a table and writes JSON (default under ``outputs/benchmarks/``).
 
     python benchmarks/attention.py                 # CUDA: T in 4K..128K; CPU: a CPU-sized set
     python benchmarks/attention.py --quick         # a small set (CPU: seconds)
@@ -66,13 +69,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CUDA_T = (4096, 16384, 65536, 131072)
 CPU_T = (512, 1024, 2048, 4096)
 QUICK_T = {"cuda": (4096, 16384), "cpu": (256, 512)}
+TOPK = {"cuda": 512, "cpu": 64}  # DeepSeek-V4-Flash's index_topk; on CPU one that binds from 512 tokens at S = 4
 INTERPRETER_MAX_T = 256  # the Triton interpreter runs the kernels on CPU only at toy sizes
+INTERPRETER_MAX_T_TOPK = 64  # and the top-k kernels (one program per position) at smaller ones still
+OUT_DIR = ROOT / "outputs" / "benchmarks"  # default JSON folder (git-ignored: a run never rewrites a tracked file)
 
 
-def joint_flops(T: int, heads: int, head_dim: int, stride: int, local_window) -> float:
-    """Forward matmul FLOPs of joint attention over a whole sequence: 4*D per visible (query, key) pair."""
+def joint_flops(T: int, heads: int, head_dim: int, stride: int, local_window, topk: Optional[int] = None) -> float:
+    """Forward matmul FLOPs of joint attention over a whole sequence: 4*D per visible (query, key) pair (with
+    ``topk``, at most ``topk`` entries per query)."""
     t = torch.arange(T, dtype=torch.float64)
-    entries = torch.clamp(torch.div(t + 1, stride, rounding_mode="floor"), max=num_entries(T, stride)).sum()
+    entries = torch.clamp(torch.div(t + 1, stride, rounding_mode="floor"), max=num_entries(T, stride))
+    entries = (entries if topk is None else entries.clamp(max=topk)).sum()
     local = (t - torch.clamp(local_start(t, local_window, stride), min=0) + 1).clamp(min=0).sum()
     return 4.0 * head_dim * heads * float(entries + local)
 
@@ -181,6 +189,17 @@ def leaf(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> to
     return torch.randn(*shape, device=device).to(dtype).requires_grad_()
 
 
+def spread_selection(B: int, T: int, E: int, K: int, stride: int, device: torch.device) -> torch.Tensor:
+    """(B, T, K) int64 top-k selection without scoring (T, E): a position seeing ``n > K`` entries takes one at
+    random from each of K consecutive, disjoint runs of ``n // K`` or more entries (all distinct, spread over its
+    whole past, the scattered reads an indexer causes); one seeing ``n <= K`` takes all of them, -1 after."""
+    n = torch.clamp((torch.arange(T, device=device) + 1) // stride, max=E)[None, :, None]  # (1, T, 1)
+    j = torch.arange(K, device=device)[None, None, :]  # (1, 1, K)
+    lo, hi = j * n // K, (j + 1) * n // K  # runs of width >= 1 where n >= K
+    spread = lo + (torch.rand(B, T, K, device=device) * (hi - lo)).long()
+    return torch.where(n > K, spread, torch.where(j < n, j, -1)).expand(B, T, K).contiguous()
+
+
 def run_case(
     T: int,
     layout: str,
@@ -190,8 +209,10 @@ def run_case(
     dtype: torch.dtype,
     kernels: bool,
     full: Optional[dict],
+    topk: Optional[int] = None,
 ) -> list[dict]:
-    """Rows for one (T, layout, W/S): triton, pool, triton+pool, reference; ratios against ``full``."""
+    """Rows for one (T, layout, W/S): triton, pool, triton+pool, reference; with ``topk``, triton and reference
+    under top-k selection (``spread_selection``). Ratios against ``full`` and the case's reference."""
     H, KV, D = LAYOUTS[layout]
     W, S = GEOMETRIES[geometry]
     B, E = args.batch, num_entries(T, S)
@@ -199,8 +220,19 @@ def run_case(
     k, v = leaf((B, T, KV, D), device, dtype), leaf((B, T, KV, D), device, dtype)
     kc, vc = leaf((B, E, KV, D), device, dtype), leaf((B, E, KV, D), device, dtype)
     ins = [q, kc, vc, k, v]
-    flops = joint_flops(T, H, D, S, LOCAL_WINDOW) * B
-    base = {"T": T, "layout": layout, "H": H, "KV": KV, "D": D, "window": W, "stride": S, "local_window": LOCAL_WINDOW}
+    selected = None if topk is None else spread_selection(B, T, E, topk, S, device)
+    flops = joint_flops(T, H, D, S, LOCAL_WINDOW, topk) * B
+    base = {
+        "T": T,
+        "layout": layout,
+        "H": H,
+        "KV": KV,
+        "D": D,
+        "window": W,
+        "stride": S,
+        "local_window": LOCAL_WINDOW,
+        "topk": topk,
+    }
     rows = []
 
     def add(impl: str, m: dict, f: Optional[float]) -> None:
@@ -213,13 +245,14 @@ def run_case(
     if kernels:
         span = local_span(LOCAL_WINDOW, S)
         attn = measure(
-            lambda: ckv_kernels.joint_attention(*ins, stride=S, local_span=span)[0],
+            lambda: ckv_kernels.joint_attention(*ins, stride=S, local_span=span, selected=selected)[0],
             ins,
             device,
             args.repeats,
             args.warmup,
         )
         add("triton", attn, flops)
+    if kernels and topk is None:  # the compressor's cost does not depend on the selection
         _, present = window_positions(0, E, W, S, device=device)
         payloads = [leaf((B, E, W, KV, D), device, dtype) for _ in range(2)]
         logits = [leaf((B, E, W, KV, 1), device, dtype) for _ in range(2)]
@@ -245,7 +278,7 @@ def run_case(
             add(
                 "reference",
                 measure(
-                    lambda: joint_attention_reference(*ins, stride=S, local_window=LOCAL_WINDOW)[0],
+                    lambda: joint_attention_reference(*ins, stride=S, local_window=LOCAL_WINDOW, selected=selected)[0],
                     ins,
                     device,
                     args.repeats,
@@ -288,31 +321,33 @@ def run_full(T: int, layout: str, args, device: torch.device, dtype: torch.dtype
     }
 
 
-def check(device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """Kernel vs reference at a small size before timing: relative RMS error of the output and each gradient."""
+def check(device: torch.device, dtype: torch.dtype, topk: Optional[int] = None) -> list[dict]:
+    """Kernel vs reference at a small size before timing: relative RMS error of the output and each gradient, per
+    layout and geometry; with ``topk``, also under top-k selection (W8/S4, a shorter length on CPU: the interpreter
+    runs one program per position there)."""
+    cases = [(layout, geometry, None) for layout in LAYOUTS for geometry in GEOMETRIES]
+    if topk:
+        cases += [(layout, "w8s4", topk) for layout in LAYOUTS]
     out = []
-    for layout, (H, KV, D) in LAYOUTS.items():
-        for geometry, (_, S) in GEOMETRIES.items():
-            T = 1000 if device.type == "cuda" else 100
-            ins = [
-                leaf(s, device, dtype)
-                for s in ((1, T, H, D), (1, T // S, KV, D), (1, T // S, KV, D), (1, T, KV, D), (1, T, KV, D))
-            ]
-            o = ckv_kernels.joint_attention(*ins, stride=S, local_span=local_span(LOCAL_WINDOW, S))[0]
-            g = torch.randn_like(o)
-            got = [o, *torch.autograd.grad(o, ins, g)]
-            ref_ins = [x.detach().float().requires_grad_() for x in ins]
-            r = joint_attention_reference(*ref_ins, stride=S, local_window=LOCAL_WINDOW)[0]
-            want = [r, *torch.autograd.grad(r, ref_ins, g.float())]
-            errs = [((a.float() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item() for a, b in zip(got, want)]
-            out.append(
-                {
-                    "layout": layout,
-                    "geometry": geometry,
-                    "T": T,
-                    **dict(zip(("out", "dq", "dkc", "dvc", "dk", "dv"), errs)),
-                }
-            )
+    for layout, geometry, k_sel in cases:
+        H, KV, D = LAYOUTS[layout]
+        S = GEOMETRIES[geometry][1]
+        T = 1000 if device.type == "cuda" else (100 if k_sel is None else 32)
+        K = None if k_sel is None else min(k_sel, max(1, T // S // 4))  # binding: a quarter of the entries at most
+        ins = [
+            leaf(s, device, dtype)
+            for s in ((1, T, H, D), (1, T // S, KV, D), (1, T // S, KV, D), (1, T, KV, D), (1, T, KV, D))
+        ]
+        selected = None if K is None else spread_selection(1, T, T // S, K, S, device)
+        o = ckv_kernels.joint_attention(*ins, stride=S, local_span=local_span(LOCAL_WINDOW, S), selected=selected)[0]
+        g = torch.randn_like(o)
+        got = [o, *torch.autograd.grad(o, ins, g)]
+        ref_ins = [x.detach().float().requires_grad_() for x in ins]
+        r = joint_attention_reference(*ref_ins, stride=S, local_window=LOCAL_WINDOW, selected=selected)[0]
+        want = [r, *torch.autograd.grad(r, ref_ins, g.float())]
+        errs = [((a.float() - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item() for a, b in zip(got, want)]
+        row = {"layout": layout, "geometry": geometry, "T": T, "topk": K}
+        out.append({**row, **dict(zip(("out", "dq", "dkc", "dvc", "dk", "dv"), errs))})
     return out
 
 
@@ -325,6 +360,7 @@ def table(rows: list[dict]) -> str:
         "T",
         "layout",
         "W/S",
+        "top-k",
         "impl",
         "fwd ms",
         "f+b ms",
@@ -337,13 +373,15 @@ def table(rows: list[dict]) -> str:
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
         ws = f"W{r['window']}/S{r['stride']}" if "stride" in r else "-"
+        topk = "-" if r.get("topk") is None else str(r["topk"])
         if "skipped" in r:
-            cells = [str(r["T"]), r["layout"], ws, r["impl"], f"skipped: {r['skipped']}"] + [""] * 6
+            cells = [str(r["T"]), r["layout"], ws, topk, r["impl"], f"skipped: {r['skipped']}"] + [""] * 6
         else:
             cells = [
                 str(r["T"]),
                 r["layout"],
                 ws,
+                topk,
                 r["impl"],
                 fmt(r["fwd_ms"], ".3g"),
                 fmt(r["fwd_bwd_ms"], ".3g"),
@@ -367,14 +405,25 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, help="timed calls per measurement (median); default 10 CUDA, 5 CPU")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--topk",
+        type=int,
+        help="top-k selection rows with K entries per position (0: none); default "
+        f"{TOPK['cuda']} on CUDA, {TOPK['cpu']} on CPU",
+    )
     p.add_argument("--no-check", action="store_true", help="skip the kernel-vs-reference check before timing")
-    p.add_argument("--json", type=Path, help="output file (default benchmarks/results/attention_<device>.json)")
+    p.add_argument(
+        "--json", type=Path, help=f"output file (default {OUT_DIR.relative_to(ROOT)}/attention_<device>.json)"
+    )
     args = p.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not ckv_kernels.INTERPRET else "cpu")
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     args.repeats = args.repeats or (10 if device.type == "cuda" else 5)
     lengths = args.T or (QUICK_T[device.type] if args.quick else (CUDA_T if device.type == "cuda" else CPU_T))
+    topk = TOPK[device.type] if args.topk is None else args.topk
+    if topk < 0:
+        p.error(f"--topk={topk} must be >= 0 (0: no top-k rows)")
     meta = {
         "command": "python " + " ".join([str(Path(sys.argv[0]))] + (argv if argv is not None else sys.argv[1:])),
         "device": torch.cuda.get_device_name()
@@ -387,12 +436,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "triton": _version("triton"),
         "full_backend": full_backend(device, dtype),
         "repeats": args.repeats,
-        "flops": "4*D per visible (query, key) pair and head; fwd+bwd = 3.5x fwd",
+        "topk": topk or None,
+        "flops": "4*D per visible (query, key) pair and head (selected entries only under top-k); fwd+bwd = 3.5x fwd",
     }
     print(json.dumps(meta))
     result = {"meta": meta, "check": [], "rows": []}
     if not args.no_check and (device.type == "cuda" or ckv_kernels.INTERPRET):
-        result["check"] = check(device, dtype)
+        result["check"] = check(device, dtype, topk or None)
         print("kernel vs reference (rel RMS):", json.dumps(result["check"]))
     for T in lengths:
         kernels = device.type == "cuda" or (ckv_kernels.INTERPRET and T <= INTERPRETER_MAX_T)
@@ -402,8 +452,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
             for geometry in args.geometries:
                 result["rows"].extend(run_case(T, layout, geometry, args, device, dtype, kernels, full))
                 print(f"done: T={T} {layout} {geometry}", flush=True)
+                if topk:
+                    kernels_topk = device.type == "cuda" or (ckv_kernels.INTERPRET and T <= INTERPRETER_MAX_T_TOPK)
+                    result["rows"].extend(run_case(T, layout, geometry, args, device, dtype, kernels_topk, full, topk))
+                    print(f"done: T={T} {layout} {geometry} top-{topk}", flush=True)
     print(table(result["rows"]))
-    out = args.json or ROOT / "benchmarks" / "results" / f"attention_{device.type}.json"
+    out = args.json or OUT_DIR / f"attention_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")

@@ -8,10 +8,11 @@ shortens the ones after it). A section stops before an item that its budget woul
 items before it) and records the skipped items and why; an item that fails is recorded the same way:
 1. ``kernels`` (150 s): ``pytest tests/kernels`` on CUDA (``TRITON_INTERPRET=0``, ``TRITON_F32_DEFAULT=ieee``),
    the summary line and any failures captured;
-2. ``attention`` (170 s): ``benchmarks/attention.py``'s kernel-vs-reference check, then its rows at 8K-128K
-   tokens for both head layouts (Qwen3 16/8/128, paper 16/1/128) and W8/S8: the Triton joint attention + pooling
-   against full causal attention (flash-attn when installed, else SDPA), forward and forward+backward, with the
-   ratios side by side;
+2. ``attention`` (170 s): ``benchmarks/attention.py``'s kernel-vs-reference check (top-k selection included),
+   then its rows at 8K-128K tokens for both head layouts (Qwen3 16/8/128, paper 16/1/128) and W8/S8: the Triton
+   joint attention + pooling against full causal attention (flash-attn when installed, else SDPA), forward and
+   forward+backward, with the ratios side by side; after each length's dense rows, DeepSeek-V4's sparse case
+   (paper layout, W8/S4, top-512 selection: ``joint_attention(..., selected=...)`` and its reference);
 3. ``training`` (90 s): one Qwen3-0.6B forward+backward at 4,096 tokens (bf16 weights, batch 1; the optimizer
    step is not included) for full attention (8 KV heads) and the paper's compressed model (W8/S8, 1 KV head), each
    today's way (logits + fp32 cross-entropy) and with full activation checkpointing + the chunked loss: time,
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -47,6 +49,7 @@ BUDGETS = {"kernels": 150, "attention": 170, "training": 90, "decode": 60}
 ATTENTION_T = (8192, 16384, 32768, 65536, 131072)
 ATTENTION_LAYOUTS = ("qwen3", "paper")
 ATTENTION_GEOMETRY = "w8s8"
+ATTENTION_TOPK = (512, "w8s4", ("paper",))  # V4-Flash's index_topk at V4's CSA stride, MQA-like layout
 TRAIN_T = 4096
 DECODE_CONTEXT, DECODE_TOKENS = 32768, 64
 MODELS = {  # Qwen3-0.6B with ckv's full-attention control (Qwen3's 8 KV heads) and the paper's compressed default
@@ -182,19 +185,28 @@ def attention_args() -> SimpleNamespace:
 
 def attention_benchmark(section: Section, device: torch.device) -> None:
     dtype = torch.bfloat16
-    check = section.run("kernel vs reference check", lambda: bench.check(device, dtype), first_estimate_s=5)
+    topk, topk_geometry, topk_layouts = ATTENTION_TOPK
+    check = section.run("kernel vs reference check", lambda: bench.check(device, dtype, topk), first_estimate_s=5)
     if check is not None:
         section.items.append({"check": check})
     args = attention_args()
     for T in ATTENTION_T:
+        fulls: dict[str, dict] = {}  # per layout: the ratios' denominator for the top-k rows
         for layout in ATTENTION_LAYOUTS:
 
             def case(T: int = T, layout: str = layout) -> list[dict]:
                 full = bench.run_full(T, layout, args, device, dtype)
-                rows = bench.run_case(T, layout, ATTENTION_GEOMETRY, args, device, dtype, True, full)
-                return [full] + rows
+                return [full] + bench.run_case(T, layout, ATTENTION_GEOMETRY, args, device, dtype, True, full)
 
             rows = section.run(f"T={T} {layout}", case, growth=4.0, first_estimate_s=2)  # full attention ~ T^2
+            if rows is not None:
+                section.items.extend(rows)
+                fulls[layout] = rows[0]
+        for layout in topk_layouts:
+            sparse = partial(
+                bench.run_case, T, layout, topk_geometry, args, device, dtype, True, fulls.get(layout), topk
+            )
+            rows = section.run(f"T={T} {layout} {topk_geometry} top-{topk}", sparse)  # ~ the dense case before
             if rows is not None:
                 section.items.extend(rows)
 
@@ -335,26 +347,31 @@ def plan() -> dict[str, Any]:
             "train_logits": list(logits_shape),
             "decode": {"context": DECODE_CONTEXT, "new_tokens": DECODE_TOKENS},
         }
-    W, S = bench.GEOMETRIES[ATTENTION_GEOMETRY]
+    topk, topk_geometry, topk_layouts = ATTENTION_TOPK
     attention = []
     for T in ATTENTION_T:
-        for layout in ATTENTION_LAYOUTS:
+        cases = [(layout, ATTENTION_GEOMETRY, None) for layout in ATTENTION_LAYOUTS]
+        for layout, geometry, k_sel in cases + [(layout, topk_geometry, topk) for layout in topk_layouts]:
             H, KV, D = bench.LAYOUTS[layout]
+            W, S = bench.GEOMETRIES[geometry]
             E = T // S
-            attention.append(
-                {
-                    "T": T,
-                    "layout": layout,
-                    "q": [1, T, H, D],
-                    "k_v": [1, T, KV, D],
-                    "kc_vc": [1, E, KV, D],
-                    "pool_payload": [1, E, W, KV, D],
-                    "window": W,
-                    "stride": S,
-                    "local_window": bench.LOCAL_WINDOW,
-                    "reference_gib": bench.reference_bytes(1, T, H, S) / 2**30,
-                }
-            )
+            row = {
+                "T": T,
+                "layout": layout,
+                "q": [1, T, H, D],
+                "k_v": [1, T, KV, D],
+                "kc_vc": [1, E, KV, D],
+                "window": W,
+                "stride": S,
+                "local_window": bench.LOCAL_WINDOW,
+                "topk": k_sel,
+                "reference_gib": bench.reference_bytes(1, T, H, S) / 2**30,
+            }
+            if k_sel is None:
+                row["pool_payload"] = [1, E, W, KV, D]
+            else:
+                row["selected"] = [1, T, k_sel]
+            attention.append(row)
     return {
         "budgets_s": BUDGETS,
         "total_budget_s": TOTAL_BUDGET_S,

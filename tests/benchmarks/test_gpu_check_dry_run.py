@@ -35,7 +35,13 @@ def test_dry_run_plans_every_section(gpu_check, tmp_path):
     Ts = sorted({row["T"] for row in p["attention"]})
     assert Ts[0] == 8192 and Ts[-1] == 131072
     for row in p["attention"]:
-        assert row["kc_vc"][1] == row["T"] // row["stride"] and row["pool_payload"][2] == row["window"]
+        assert row["kc_vc"][1] == row["T"] // row["stride"]
+        if row["topk"] is None:
+            assert row["pool_payload"][2] == row["window"]
+        else:
+            assert row["selected"] == [1, row["T"], row["topk"]]
+    sparse = [row for row in p["attention"] if row["topk"] is not None]
+    assert {row["T"] for row in sparse} == set(Ts) and {(r["stride"], r["topk"]) for r in sparse} == {(4, 512)}
     assert "test_attention.py" in p["kernels"]["test_files"]
 
 
