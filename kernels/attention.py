@@ -850,7 +850,8 @@ def _prepare_selection(
         raise ValueError(f"selected is on {selected.device}, the other inputs on {device}")
     if selected.shape[2] == 0:
         selected = selected.new_full((B, Tq, 1), -1)
-    sel = torch.where(selected < 0, E, selected).to(torch.int32).sort(dim=-1).values  # (B, Tq, K)
+    sel = selected.to(torch.int32, copy=True)  # out-of-range values (int32 may wrap them) are reported below
+    sel = sel.masked_fill_(sel < 0, E).sort(dim=-1).values  # (B, Tq, K)
     if sel.numel():
         lo, hi = selected.min(), selected.max()
         repeated = ((sel[..., 1:] == sel[..., :-1]) & (sel[..., 1:] < E)).any()
@@ -873,8 +874,8 @@ def _selection_csr(sel: torch.Tensor, count: torch.Tensor, E: int) -> tuple[torc
     B, Tq, K = sel.shape
     used = torch.arange(K, device=sel.device) < count[..., None]  # (B, Tq, K)
     batch = torch.arange(B, device=sel.device, dtype=torch.int32)[:, None, None] * E
-    keys, order = torch.where(used, sel + batch, B * E).flatten().sort(stable=True)  # int32 keys
-    tokens = (order.div_(K, rounding_mode="floor") % Tq).to(torch.int32)
+    keys, order = (sel + batch).masked_fill_(~used, B * E).flatten().sort(stable=True)  # int32 keys, int64 order
+    tokens = order.div_(K, rounding_mode="floor").remainder_(Tq).to(torch.int32)  # in place: one int64 buffer
     offsets = torch.searchsorted(keys, torch.arange(B * E + 1, device=sel.device, dtype=keys.dtype))
     return offsets, tokens
 
