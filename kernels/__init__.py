@@ -2,7 +2,7 @@
 
 - ``pool``: the chunked compressor's pooling (learned scalar/vector gate or uniform mean), forward and backward;
 - ``joint_attention``: one online softmax over visible compressed entries and the exact local window, with
-  grouped-query attention, forward (with log-sum-exp) and backward.
+  grouped-query attention, attention sinks and optional top-k selection, forward (with log-sum-exp) and backward.
 
 Both match ``ckv.attention.reference`` and run on CUDA, or on CPU under ``TRITON_INTERPRET=1`` (set before
 this package is imported).

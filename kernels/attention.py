@@ -17,6 +17,11 @@ Tiling (docs/kernels.md has the full picture):
   and dP transposed and accumulates dk, dv in fp32. When there are few key tiles the compressed pass splits
   the queries into chunks whose fp32 partial sums are added afterwards in a fixed order. Every output element
   is written by exactly one program: no atomics, deterministic, no uninitialised memory.
+- Top-k selection (``selected``): ``_select_query_kernel`` (forward / dq) runs one program per query position and
+  (batch, KV head), its G heads as rows, gathering the position's selected entries (rows sorted ascending,
+  ``_prepare_selection``) before the same local band; ``_select_entry_kernel`` computes dkc/dvc per entry over the
+  positions that selected it (the inverse map, ``_selection_csr``), in a fixed order: no atomics either. The exact
+  keys' dk/dv is the dense ``_key_kernel``'s local pass.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ _QUERY_CONFIGS = [_cfg(128, 64, 8, 3), _cfg(128, 64, 8, 2), _cfg(64, 64, 8, 2), 
 _KEY_CONFIGS = [_cfg(64, 32, 8, 2), _cfg(32, 64, 8, 2), _cfg(32, 32, 8, 2), _cfg(16, 64, 8, 2), _cfg(32, 32, 4, 3)]
 _INTERPRETER_CONFIG = _cfg(64, 32, 4, 1)
 # Top-k selection: one position per program (``_select_query_kernel``: gathered entries, BLOCK_N per step) and one
-# entry per program (``_select_entry_kernel``: BLOCK_M (position, head) rows per step). Not compiled or timed yet.
+# entry per program (``_select_entry_kernel``: BLOCK_M (position, head) rows per step). All compile for sm_90
+# without spills (benchmarks/kernel_resources.py); untimed on a GPU.
 _SELECT_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=2) for n, w in ((64, 4), (32, 4), (64, 8))]
 _SELECT_INTERPRETER_CONFIG = triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)
 _ENTRY_CONFIGS = [
