@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ckv import ModelConfig, Transformer
-from ckv.apps.smoke import load_variant
+from ckv.apps.smoke import load_variant, option_names
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "conf" / "attention"
-VARIANTS = sorted(p.stem for p in ATTENTION_DIR.glob("*.yaml"))
+VARIANTS = option_names(ATTENTION_DIR)  # every conf/attention/*.yaml, and each group option on the group bases
+
+
+@functools.cache
+def _composed(name: str) -> dict:
+    return load_variant(ATTENTION_DIR, name)
 
 
 def variant(name: str) -> dict:
-    return load_variant(ATTENTION_DIR, name)
+    """The composed attention option ``name`` (a fresh copy: callers may change it)."""
+    return copy.deepcopy(_composed(name))
 
 
 def small_config(attention: dict, **overrides) -> ModelConfig:

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from ckv import Transformer
 from ckv.checkpointing import apply_activation_checkpointing
 from ckv.config import ConfigError
-
 from tests.helpers import small_config, variant
 
 

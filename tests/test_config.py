@@ -1,7 +1,10 @@
+import dataclasses
+
 import pytest
 import torch
 
 from ckv import AttentionConfig, ConfigError, ModelConfig, Transformer
+from ckv.config import upgrade_attention
 
 
 @pytest.mark.parametrize(
@@ -9,12 +12,13 @@ from ckv import AttentionConfig, ConfigError, ModelConfig, Transformer
     [
         (dict(kind="compressed", stride=0), "stride"),
         (dict(kind="compressed", window=4, stride=8), "window"),
-        (dict(pooling="max"), "pooling"),
-        (dict(gate="matrix"), "gate"),
+        (dict(gate=dict(kind="matrix")), r"attention.gate.kind='matrix' is not allowed"),
+        (dict(gate="max"), r"attention.gate='max' must be a mapping"),
         (dict(local_window=-1), "local_window"),
         (dict(local_window="head"), "local_window"),
-        (dict(rope="partial"), "rope_dims"),
-        (dict(rope="full", rope_dims=8), "rope_dims"),
+        (dict(rope=dict(mode="partial")), r"attention.rope.mode='partial' needs attention.rope.dims"),
+        (dict(rope=dict(mode="full", dims=8)), r"attention.rope.dims=8 is only used"),
+        (dict(rope=None), r"attention.rope=None must be a mapping"),
         (dict(kv="shared"), "kv"),
         (dict(qk_norm="yes"), "qk_norm"),
         (dict(kind=""), "kind"),
@@ -32,8 +36,8 @@ def test_bad_attention_config_names_the_field(kwargs, field):
         (dict(n_heads=6, n_kv_heads=4), "n_heads"),
         (dict(attention=dict(kv_heads=3)), "n_heads"),
         (dict(head_dim=15), "head_dim"),
-        (dict(attention=dict(rope="partial", rope_dims=7)), "rope_dims"),
-        (dict(attention=dict(rope="partial", rope_dims=32)), "rope_dims"),
+        (dict(attention=dict(rope=dict(mode="partial", dims=7))), r"attention.rope.dims=7"),
+        (dict(attention=dict(rope=dict(mode="partial", dims=32))), r"attention.rope.dims=32"),
         (dict(vocab_size=0), "vocab_size"),
         (dict(rope_theta=float("inf")), "rope_theta"),
         (dict(norm_eps=0.0), "norm_eps"),
@@ -57,6 +61,72 @@ def test_unknown_preset_and_field():
 def test_dict_roundtrip():
     c = ModelConfig.from_preset("tiny", attention=dict(kind="compressed", window=8, stride=4, local_window="tail"))
     assert ModelConfig.from_dict(c.to_dict()) == c
+    grouped = dict(kind="compressed", window=8, stride=4, gate=None, mixing=dict(kernel=3), grid=dict(offsets=[0, 1]))
+    c = ModelConfig.from_preset("tiny", attention=grouped)
+    assert ModelConfig.from_dict(c.to_dict()) == c
+
+
+# A weights config.json / run config.yaml written before the option groups (flat keys), and what it means now.
+LEGACY = {
+    "kind": "compressed",
+    "window": 4,
+    "stride": 4,
+    "rope": "partial",
+    "rope_dims": 8,
+    "rope_side": "trailing",
+    "rope_pairing": "interleaved",
+    "rope_theta": 160000.0,
+    "pooling": "gate",
+    "gate": "vector",
+    "gate_bias": False,
+    "mixing": "conv",
+    "mixing_kernel": 3,
+    "grid_offsets": "stagger",
+    "gate_entropy_floor": 0.5,
+    "gate_entropy_weight": 0.1,
+}
+
+
+def test_a_config_from_before_the_option_groups_is_upgraded():
+    attention, training = upgrade_attention(LEGACY)
+    assert attention == {
+        "kind": "compressed",
+        "window": 4,
+        "stride": 4,
+        "rope": {"mode": "partial", "dims": 8, "side": "trailing", "pairing": "interleaved", "theta": 160000.0},
+        "gate": {"kind": "vector", "bias": False},
+        "mixing": {"kernel": 3},
+        "grid": {"offsets": "stagger"},
+    }
+    assert training == {"gate_entropy": {"floor": 0.5, "weight": 0.1}}
+    assert upgrade_attention(dict(LEGACY, pooling="mean"))[0]["gate"] is None
+    assert upgrade_attention({"kind": "full", "rope": "none", "rope_dims": None})[0] == {
+        "kind": "full",
+        "rope": {"mode": "none", "dims": None},
+        "gate": {"kind": "scalar", "bias": True},
+        "mixing": None,
+        "grid": None,
+    }
+    today = AttentionConfig.from_dict(attention).to_dict()
+    assert upgrade_attention(today) == (today, {})  # today's shape passes through
+    assert ModelConfig.from_preset("tiny", attention=LEGACY).attention == AttentionConfig.from_dict(attention)
+
+
+@pytest.mark.parametrize("group", sorted(AttentionConfig.GROUPS))
+def test_every_option_group_field_rejects_wrong_values_with_one_line_naming_it(group):
+    """Generated from the group dataclasses, so a new field cannot escape: each field, given values of the wrong
+    type or range, fails with one ConfigError line naming ``attention.<group>.<field>`` (never another error)."""
+    cls = AttentionConfig.GROUPS[group]
+    wrong = ["not-a-choice", -7, 2.5, True, [1.5], {"x": 1}]
+    for f in dataclasses.fields(cls):
+        rejected = 0
+        for value in wrong:
+            try:
+                cls(**{f.name: value})
+            except ConfigError as err:
+                assert f"attention.{group}.{f.name}" in str(err) and "\n" not in str(err), (f.name, value, err)
+                rejected += 1
+        assert rejected >= len(wrong) - 1, f"attention.{group}.{f.name} accepts most wrong values"
 
 
 def test_qwen3_06b_parameter_count():

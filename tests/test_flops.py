@@ -1,53 +1,17 @@
-"""ckv.flops: parameter counts from shapes, visible pairs by brute force over ckv.geometry's masks, FLOPs derived
-from first principles on tiny configs, the peak table and MFU."""
+"""ckv.flops: FLOPs derived from first principles on tiny configs, the compressed/full cost ratio, the peak table
+and MFU. (Parameter counts, visible pairs and KV-cache bytes of every attention option are checked against the
+modules in tests/attention/test_properties.py.)"""
 
 import pytest
-import torch
 
-from ckv import Transformer
 from ckv.config import ConfigError, ModelConfig
-from ckv.flops import PEAK_BF16_FLOPS, flops_per_token, mfu, parameter_count, peak_flops, visible_pairs
-from ckv.geometry import compressed_mask, grid_origin, local_mask, num_entries
-
-from tests.helpers import VARIANTS, small_config, variant
-
-
-@pytest.mark.parametrize("name", VARIANTS)
-def test_parameter_count_matches_the_model(name):
-    for tie in (True, False):
-        cfg = small_config(variant(name), tie_embeddings=tie)
-        with torch.device("meta"):
-            model = Transformer(cfg)
-        assert parameter_count(cfg) == sum(p.numel() for p in model.parameters())
-
-
-def _brute_force_pairs(T: int, cfg: ModelConfig, layer: int = 0) -> int:
-    a, t = cfg.attention, torch.arange(T)
-    if not a.compressed:
-        return int((t[None, :] <= t[:, None]).sum())
-    P = grid_origin(cfg.grid_offset(layer), a.stride)  # a shifted layer's grid coordinates, present from P
-    g = t + P
-    return int(
-        compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum()
-        + local_mask(g, g, a.local_window, a.stride, origin=P).sum()
-    )
-
-
-@pytest.mark.parametrize(
-    "name", ["full", "w8s8", "w8s4", "w12s12", "w8s8_tail", "w8s6", "w4s4_stagger", "w8s8_stagger"]
-)
-@pytest.mark.parametrize("T", [1, 7, 8, 37, 96])
-def test_visible_pairs_by_brute_force(name, T):
-    cfg = small_config(variant(name))
-    pairs = [visible_pairs(T, cfg, layer) for layer in range(cfg.n_layers)]
-    assert pairs == [_brute_force_pairs(T, cfg, layer) for layer in range(cfg.n_layers)]
-    attention = 4 * cfg.head_dim * cfg.n_heads * sum(pairs) / T  # summed over layers, each with its own grid
-    assert flops_per_token(cfg, T).attention == pytest.approx(attention)
+from ckv.flops import PEAK_BF16_FLOPS, flops_per_token, mfu, peak_flops
+from tests.helpers import variant
 
 
 def test_flops_from_first_principles():
     """One layer, d=8, 2 heads of dim 4 sharing 1 KV head, MLP 16, vocab 10, W4/S2, local window 3, T=6."""
-    att = dict(kind="compressed", window=4, stride=2, local_window=3, kv_heads=1, gate="scalar", pooling="gate")
+    att = dict(kind="compressed", window=4, stride=2, local_window=3, kv_heads=1, gate=dict(kind="scalar"))
     cfg = ModelConfig(
         vocab_size=10, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, mlp_dim=16, attention=att
     )

@@ -1,8 +1,8 @@
 """The import layers of ckv (docs/architecture.md): every import in ``src/ckv`` and ``kernels/`` — top-level,
 inside functions, under ``TYPE_CHECKING`` or through ``importlib.import_module("...")`` — points down or sideways.
 
-    L0  model    ckv (package), ckv.config, ckv.device, ckv.geometry, ckv.norm, ckv.model, ckv.cache, ckv.flops,
-                 ckv.loss, ckv.checkpointing, ckv.attention.*
+    L0  model    ckv (package), ckv.checks, ckv.config, ckv.options.*, ckv.device, ckv.geometry, ckv.norm,
+                 ckv.model, ckv.cache, ckv.flops, ckv.loss, ckv.checkpointing, ckv.attention.*
     L0k kernels  ckv_kernels.*: imports nothing from ckv; only ckv.attention.* imports it
     L1  ckv.io.*      L2 ckv.data.*      L3 ckv.train.* | ckv.eval.* (neither imports the other)
     L4  ckv.analysis.*                   L5 ckv.apps.*, ckv.plan
@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"ckv": REPO / "src" / "ckv", "ckv_kernels": REPO / "kernels"}
 MODEL_LAYER = {
     "ckv",
+    "ckv.checks",
     "ckv.config",
     "ckv.device",
     "ckv.geometry",
@@ -31,6 +32,7 @@ MODEL_LAYER = {
 }
 APPS = {"ckv.plan"}  # python -m ckv.plan composes Hydra configs like train.py
 PACKAGE_LAYERS = {
+    "ckv.options": 0,
     "ckv.attention": 0,
     "ckv.io": 1,
     "ckv.data": 2,

@@ -3,158 +3,86 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
-import numpy as np
-
+from ckv.checks import (  # noqa: F401  (re-exported: the config API)
+    ConfigError,
+    check_bool,
+    check_choice,
+    check_float,
+    check_int,
+    field_names,
+    reject_unknown,
+)
 from ckv.geometry import ENTRY_ROPE_POSITIONS
+from ckv.options import GateConfig, GridConfig, MixingConfig, OptionGroup, RopeConfig
 
 # ``kind`` and ``impl`` are not here: the attention registry (ckv.attention) owns them, since the backends
-# registered there decide which kinds exist and which implementations each one runs.
+# registered there decide which kinds exist, which implementations each one runs and which option groups it takes.
 _CHOICES: dict[str, tuple[Any, ...]] = {
-    "pooling": ("gate", "mean"),
-    "gate": ("scalar", "vector"),
     "offset_maps": ("specific", "shared", "series"),
     "kv": ("separate", "tied"),
     "compressed_norm": ("pre", "post"),
-    "rope": ("full", "partial", "none"),
     "entry_rope_position": ENTRY_ROPE_POSITIONS,
-}
-# DeepSeek-V4's options (docs/attention.md, "DeepSeek-V4"): where RoPE sits in a head and how it pairs dims, and
-# whether the output's RoPE is undone (tied values carry the keys' rotation)
-_V4_CHOICES: dict[str, tuple[Any, ...]] = {
-    "rope_side": ("leading", "trailing"),
-    "rope_pairing": ("half", "interleaved"),
     "output_rope": ("keep", "inverse"),
 }
 
 
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and what is allowed."""
-
-
-def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
-    """Raise ConfigError naming ``field`` unless ``value`` is one of ``allowed``."""
-    if value not in allowed:
-        raise ConfigError(f"{field}={value!r} is not allowed; choose one of {list(allowed)}")
-
-
-def check_bool(field: str, value: Any) -> None:
-    """Raise ConfigError naming ``field`` unless ``value`` is a bool (YAML ``true``/``false``, not 0/1 or a string)."""
-    if not isinstance(value, bool):
-        raise ConfigError(f"{field}={value!r} must be true or false")
-
-
-def check_int(field: str, value: Any, minimum: int = 1) -> None:
-    """Raise ConfigError naming ``field`` unless ``value`` is an integer (not a bool) >= ``minimum``."""
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{field}={value!r} must be an integer >= {minimum}")
-
-
-def check_float(
-    field: str,
-    value: Any,
-    low: Optional[float] = None,
-    high: Optional[float] = None,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> None:
-    """Raise ConfigError naming ``field`` unless ``value`` is a finite real number (an int or float, not a bool or
-    a string) within the bounds: ``low``/``high`` are inclusive unless ``low_open``/``high_open``."""
-    bounds = []
-    if low is not None:
-        bounds.append(f"{'>' if low_open else '>='} {low}")
-    if high is not None:
-        bounds.append(f"{'<' if high_open else '<='} {high}")
-    wanted = "a finite number" + (f" {' and '.join(bounds)}" if bounds else "")
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float, np.integer, np.floating))
-        or not math.isfinite(value)
-    ):
-        raise ConfigError(f"{field}={value!r} must be {wanted}")
-    below = low is not None and (value <= low if low_open else value < low)
-    above = high is not None and (value >= high if high_open else value > high)
-    if below or above:
-        raise ConfigError(f"{field}={value!r} must be {wanted}")
-
-
-def reject_unknown(d: Mapping[str, Any], allowed: Iterable[str], owner: str) -> None:
-    """Raise ConfigError listing the keys of ``d`` that are not in ``allowed`` (``owner`` names the section)."""
-    allowed = set(allowed)
-    unknown = set(d) - allowed
-    if unknown:
-        raise ConfigError(f"unknown {owner} field(s) {sorted(unknown)}; valid fields: {sorted(allowed)}")
-
-
-def field_names(cls: type) -> list[str]:
-    """The field names of dataclass ``cls``."""
-    return [f.name for f in dataclasses.fields(cls)]
-
-
 @dataclass
 class AttentionConfig:
-    """Which attention backend a model uses and every knob of the chunked compressor.
+    """Which attention backend a model uses, its core compressor fields and its option groups.
 
     ``window`` and ``stride`` follow docs/attention.md: entry ``j`` pools positions
     ``[(j+1)*stride - window, (j+1)*stride - 1]``. ``local_window`` is the number of exact recent tokens a query
     keeps (including itself) or ``"tail"`` (the tokens of the current unfinished stride block).
     ``kv_heads=None`` takes the model's ``n_kv_heads``. ``kind`` names a backend registered in ``ckv.attention``
-    and ``impl`` one of that backend's implementations; the registry checks both when the model is built (see
-    ``ckv.attention.check_attention``), so a newly registered backend needs no change here.
+    and ``impl`` one of that backend's implementations; the registry checks both, and which option groups the
+    backend takes, when the model is built (``ckv.attention.check_attention``).
+
+    Option groups (``GROUPS``; ``ckv.options``), each a nested mapping in YAML and null when off: ``rope``
+    (always set), ``gate`` (null: uniform averaging), ``mixing`` (token mixing before pooling), ``grid``
+    (phase-staggered grids). DeepSeek-V4's flags: ``sink`` (one learned attention-sink logit per query head) and
+    ``output_rope='inverse'`` (the output rotated back by the query's position; needs tied K/V).
     """
+
+    GROUPS: ClassVar[dict[str, type[OptionGroup]]] = {
+        "rope": RopeConfig,
+        "gate": GateConfig,
+        "mixing": MixingConfig,
+        "grid": GridConfig,
+    }
 
     kind: str = "full"
     impl: str = "auto"
-    # RoPE and Q/K norm apply to both backends
-    rope: str = "full"
-    rope_dims: Optional[int] = None  # for rope="partial": how many leading dims of each head rotate
     qk_norm: bool = True
     kv_heads: Optional[int] = None
-    # compressed backend
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    # the compressor
     window: int = 8
     stride: int = 8
-    pooling: str = "gate"
-    gate: str = "scalar"
-    gate_bias: bool = True
+    local_window: Union[int, str] = 16
+    gate: Optional[GateConfig] = field(default_factory=GateConfig)
     offset_maps: str = "specific"  # offset-specific maps, shared maps + offset bias, or per-series maps (V4)
     kv: str = "separate"  # separate K and V branches, or V reuses the normalised, rotated keys
     compressed_norm: str = "pre"  # RMSNorm of compressed keys before pooling (per token) or after (post-norm)
     entry_rope_position: str = "block_start"
-    local_window: Union[int, str] = 16
-    # DeepSeek-V4 (all off by default): RoPE layout and this layer's own theta (None = model.rope_theta), one
-    # learned attention-sink logit per query head, and the output rotated back by the query's position
-    rope_side: str = "leading"
-    rope_pairing: str = "half"
-    rope_theta: Optional[float] = None
     sink: bool = False
     output_rope: str = "keep"
-    # token mixing before pooling (docs/robustness.md): "conv" adds a causal depthwise convolution over each
-    # compressor branch's input, mixing_kernel (2..stride) taps over the current and previous tokens
-    mixing: str = "none"
-    mixing_kernel: Optional[int] = None
-    # phase-staggered grids (docs/robustness.md, docs/attention.md "Staggered grids"): None (no shift), one offset
-    # per layer (0..stride-1; entry j then covers [(j+1)S - W + o, (j+1)S - 1 + o]), or "stagger": layer l gets
-    # (l * stride) // n_layers; the length of a list is checked against model.n_layers by ModelConfig
-    grid_offsets: Optional[Union[list[int], str]] = None
-    # gate-entropy floor (docs/training.md; training only, the model ignores both): the trainer adds
-    # gate_entropy_weight * mean relu(gate_entropy_floor * log(n) - H(alpha)) over every learned gate, n the
-    # window's present offsets; the floor is a fraction of the largest entropy log(n), 0 turns it off
-    gate_entropy_floor: float = 0.0
-    gate_entropy_weight: float = 0.0
+    mixing: Optional[MixingConfig] = None
+    grid: Optional[GridConfig] = None
 
     def __post_init__(self) -> None:
         o = "attention"
         for name in ("kind", "impl"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ConfigError(f"{o}.{name}={getattr(self, name)!r} must be a non-empty string")
-        for name in ("rope", "pooling", "gate", "offset_maps", "kv", "compressed_norm", "entry_rope_position"):
-            check_choice(f"{o}.{name}", getattr(self, name), _CHOICES[name])
-        for name in ("qk_norm", "gate_bias"):
+        for name, cls in self.GROUPS.items():
+            setattr(self, name, _group(cls, getattr(self, name), required=name == "rope"))
+        for name, allowed in _CHOICES.items():
+            check_choice(f"{o}.{name}", getattr(self, name), allowed)
+        for name in ("qk_norm", "sink"):
             check_bool(f"{o}.{name}", getattr(self, name))
         check_int(f"{o}.stride", self.stride)
         check_int(f"{o}.window", self.window)
@@ -162,97 +90,38 @@ class AttentionConfig:
             raise ConfigError(f"{o}.window={self.window} must be >= attention.stride={self.stride}")
         if self.kv_heads is not None:
             check_int(f"{o}.kv_heads", self.kv_heads)
-        if isinstance(self.local_window, str):
-            if self.local_window != "tail":
-                raise ConfigError(f"{o}.local_window={self.local_window!r} must be an integer >= 0 or 'tail'")
-        elif not isinstance(self.local_window, int) or isinstance(self.local_window, bool) or self.local_window < 0:
-            raise ConfigError(f"{o}.local_window={self.local_window!r} must be an integer >= 0 or 'tail'")
-        if self.rope == "partial":
-            if self.rope_dims is None:
-                raise ConfigError(f"{o}.rope='partial' needs attention.rope_dims (an even number of dims per head)")
-        elif self.rope_dims is not None:
-            raise ConfigError(
-                f"{o}.rope_dims={self.rope_dims} is only used with attention.rope='partial' (got rope={self.rope!r})"
-            )
-        self._check_v4_options()
-        self._check_mixing()
-        self._check_gate_entropy()
-        self._check_grid_offsets()
-
-    def _check_gate_entropy(self) -> None:
-        o = "attention"
-        floor, weight = self.gate_entropy_floor, self.gate_entropy_weight
-        check_float(f"{o}.gate_entropy_floor", floor, 0, 1, high_open=True)
-        check_float(f"{o}.gate_entropy_weight", weight, 0)
-        if floor > 0 and (self.kind != "compressed" or self.pooling != "gate"):
-            raise ConfigError(
-                f"{o}.gate_entropy_floor={floor} keeps a learned gate spread: it needs kind='compressed' "
-                f"and pooling='gate' (got kind={self.kind!r}, pooling={self.pooling!r})"
-            )
-        if floor > 0 and self.window < 2:
-            raise ConfigError(
-                f"{o}.gate_entropy_floor={floor} needs attention.window >= 2 (a 1-token window's gate "
-                "has nothing to spread over)"
-            )
-        if weight > 0 and floor == 0:
-            raise ConfigError(
-                f"{o}.gate_entropy_weight={weight} weighs the gate-entropy penalty, which is off: set "
-                "attention.gate_entropy_floor in (0, 1)"
-            )
-
-    def _check_grid_offsets(self) -> None:
-        o, offsets = "attention", self.grid_offsets
-        if offsets is None:
-            return
-        if self.kind != "compressed":
-            raise ConfigError(f"{o}.grid_offsets is an option of kind='compressed' (got kind={self.kind!r})")
-        if isinstance(offsets, str):
-            check_choice(f"{o}.grid_offsets", offsets, ("stagger",))
-            return
-        if not isinstance(offsets, (list, tuple)):
-            raise ConfigError(f"{o}.grid_offsets={offsets!r} must be null, 'stagger' or a list of ints (one per layer)")
-        self.grid_offsets = list(offsets)
-        for i, value in enumerate(self.grid_offsets):
-            check_int(f"{o}.grid_offsets[{i}]", value, minimum=0)
-            if value >= self.stride:
-                raise ConfigError(f"{o}.grid_offsets[{i}]={value} must be < attention.stride={self.stride}")
-
-    def _check_mixing(self) -> None:
-        o = "attention"
-        check_choice(f"{o}.mixing", self.mixing, ("none", "conv"))
-        if self.mixing == "none":
-            if self.mixing_kernel is not None:
-                raise ConfigError(f"{o}.mixing_kernel={self.mixing_kernel} is only used with attention.mixing='conv'")
-            return
-        if self.kind != "compressed":
-            raise ConfigError(f"{o}.mixing='conv' is an option of kind='compressed' (got kind={self.kind!r})")
-        if self.mixing_kernel is None:
-            raise ConfigError(f"{o}.mixing='conv' needs attention.mixing_kernel (2..stride={self.stride})")
-        check_int(f"{o}.mixing_kernel", self.mixing_kernel, minimum=2)
-        if self.mixing_kernel > self.stride:
-            raise ConfigError(f"{o}.mixing_kernel={self.mixing_kernel} must be <= attention.stride={self.stride}")
-
-    def _check_v4_options(self) -> None:
-        o = "attention"
-        for name, allowed in _V4_CHOICES.items():
-            check_choice(f"{o}.{name}", getattr(self, name), allowed)
-        check_bool(f"{o}.sink", self.sink)
-        if self.rope_theta is not None and (
-            isinstance(self.rope_theta, bool) or not isinstance(self.rope_theta, (int, float)) or self.rope_theta <= 0
+        lw = self.local_window
+        if (
+            isinstance(lw, str)
+            and lw != "tail"
+            or not isinstance(lw, (int, str))
+            or isinstance(lw, bool)
+            or (isinstance(lw, int) and lw < 0)
         ):
-            raise ConfigError(f"{o}.rope_theta={self.rope_theta!r} must be a number > 0 (or null: model.rope_theta)")
+            raise ConfigError(f"{o}.local_window={lw!r} must be an integer >= 0 or 'tail'")
         if self.offset_maps == "series" and self.window % self.stride:
             raise ConfigError(
                 f"{o}.offset_maps='series' shares maps within each stride block of the window, so "
                 f"attention.window={self.window} must be a multiple of attention.stride={self.stride}"
             )
-        if self.kind != "compressed" and (self.sink or self.output_rope != "keep"):
-            raise ConfigError(f"{o}.sink and {o}.output_rope are options of kind='compressed' (got kind={self.kind!r})")
         if self.output_rope == "inverse" and self.kv != "tied":
             raise ConfigError(
                 f"{o}.output_rope='inverse' undoes the RoPE that tied values carry; it needs "
                 f"attention.kv='tied' (got {self.kv!r})"
             )
+        for group in self.groups():
+            group.check_with(self)
+
+    def groups(self) -> list[OptionGroup]:
+        """The option groups that are set (``rope`` always), in ``GROUPS`` order."""
+        return [g for g in (getattr(self, name) for name in self.GROUPS) if g is not None]
+
+    def set_options(self) -> list[str]:
+        """Names of the options in use that not every backend takes: the optional groups (off by default:
+        ``mixing``, ``grid``) that are set, and the DeepSeek-V4 flags that are on (``sink``, ``output_rope``).
+        ``rope`` is every attention's; ``gate`` is a core compressor field like ``window``, unused without one."""
+        groups = [name for name in _OPTIONAL_GROUPS if getattr(self, name) is not None]
+        return groups + ["sink"] * self.sink + ["output_rope"] * (self.output_rope != "keep")
 
     @property
     def compressed(self) -> bool:
@@ -261,6 +130,76 @@ class AttentionConfig:
     @property
     def tied_kv(self) -> bool:
         return self.kind == "compressed" and self.kv == "tied"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AttentionConfig:
+        """From a mapping (a run's ``attention`` section or a weights ``config.json``'s); configs written before
+        the option groups existed (flat ``rope_dims``, ``pooling``, ``mixing_kernel``, ...) are upgraded."""
+        d = upgrade_attention(d)[0]
+        reject_unknown(d, field_names(cls), "attention")
+        return cls(**d)
+
+
+_OPTIONAL_GROUPS = [
+    f.name for f in dataclasses.fields(AttentionConfig) if f.name in AttentionConfig.GROUPS and f.default is None
+]
+
+
+def _group(cls: type[OptionGroup], value: Any, required: bool) -> Optional[OptionGroup]:
+    """An option group from its config value: a mapping of its fields, the dataclass itself, or None (off)."""
+    if value is None and not required:
+        return None
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        off = "" if required else " or null (off)"
+        raise ConfigError(f"attention.{cls.name}={value!r} must be a mapping of {field_names(cls)}{off}")
+    reject_unknown(value, field_names(cls), f"attention.{cls.name}")
+    return cls(**value)
+
+
+# The flat attention keys that configs written before the option groups carried, and where each went.
+_LEGACY_ROPE = {
+    "rope": "mode",
+    "rope_dims": "dims",
+    "rope_side": "side",
+    "rope_pairing": "pairing",
+    "rope_theta": "theta",
+}
+_LEGACY_KEYS = set(_LEGACY_ROPE) | {
+    "pooling",
+    "gate_bias",
+    "mixing_kernel",
+    "grid_offsets",
+    "gate_entropy_floor",
+    "gate_entropy_weight",
+}
+
+
+def upgrade_attention(d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A flat attention mapping from before the option groups, rewritten into groups; returns ``(attention,
+    training)`` where ``training`` holds the training-only keys that moved to the trainer (the gate-entropy
+    floor: ``{"gate_entropy": {"floor": ..., "weight": ...}}``, empty when the config had none). A mapping in
+    today's shape is returned unchanged."""
+    d = dict(d)
+    legacy = isinstance(d.get("rope"), str) or isinstance(d.get("gate"), str) or isinstance(d.get("mixing"), str)
+    if not legacy and not (_LEGACY_KEYS - {"rope"}) & set(d):
+        return d, {}
+    rope = {new: d.pop(old) for old, new in _LEGACY_ROPE.items() if old in d}
+    if rope:
+        d["rope"] = rope
+    pooling, kind, bias = d.pop("pooling", "gate"), d.pop("gate", "scalar"), d.pop("gate_bias", True)
+    d["gate"] = None if pooling == "mean" else {"kind": kind, "bias": bias}
+    mixing, kernel = d.pop("mixing", "none"), d.pop("mixing_kernel", None)
+    d["mixing"] = None if mixing in (None, "none") else {"kernel": kernel}
+    offsets = d.pop("grid_offsets", None)
+    d["grid"] = None if offsets is None else {"offsets": offsets}
+    floor, weight = d.pop("gate_entropy_floor", 0.0), d.pop("gate_entropy_weight", 0.0)
+    training = {"gate_entropy": {"floor": floor, "weight": weight}} if floor or weight else {}
+    return d, training
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -321,8 +260,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.attention, Mapping):
-            reject_unknown(self.attention, field_names(AttentionConfig), "AttentionConfig")
-            self.attention = AttentionConfig(**self.attention)
+            self.attention = AttentionConfig.from_dict(self.attention)
         o = "model"
         for name in (
             "vocab_size",
@@ -346,17 +284,8 @@ class ModelConfig:
         check_float(f"{o}.norm_eps", self.norm_eps, 0, low_open=True)
         check_float(f"{o}.init_std", self.init_std, 0, low_open=True)
         check_bool(f"{o}.tie_embeddings", self.tie_embeddings)
-        a = self.attention
-        if isinstance(a.grid_offsets, list) and len(a.grid_offsets) != self.n_layers:
-            raise ConfigError(
-                f"attention.grid_offsets has {len(a.grid_offsets)} entries; it needs one per layer "
-                f"(model.n_layers={self.n_layers})"
-            )
-        if a.rope == "partial":
-            if not isinstance(a.rope_dims, int) or a.rope_dims < 2 or a.rope_dims % 2 or a.rope_dims > self.head_dim:
-                raise ConfigError(
-                    f"attention.rope_dims={a.rope_dims!r} must be an even integer in [2, head_dim={self.head_dim}]"
-                )
+        for group in self.attention.groups():
+            group.check_model(self)
 
     @property
     def kv_heads(self) -> int:
@@ -364,18 +293,14 @@ class ModelConfig:
         return self.attention.kv_heads if self.attention.kv_heads is not None else self.n_kv_heads
 
     def grid_offset(self, layer_idx: int) -> int:
-        """The grid offset of layer ``layer_idx`` (0..stride-1; 0 without ``attention.grid_offsets``)."""
-        offsets = self.attention.grid_offsets
-        if offsets is None:
-            return 0
-        if offsets == "stagger":
-            return (layer_idx * self.attention.stride) // self.n_layers
-        return int(offsets[layer_idx])
+        """The grid offset of layer ``layer_idx`` (0..stride-1; 0 without ``attention.grid``)."""
+        grid = self.attention.grid
+        return 0 if grid is None else grid.offset(layer_idx, self.n_layers, self.attention.stride)
 
     @property
     def rope_dims(self) -> int:
-        a = self.attention
-        return {"full": self.head_dim, "partial": a.rope_dims or 0, "none": 0}[a.rope]
+        """How many dims of each head rotate."""
+        return self.attention.rope.rotated_dims(self.head_dim)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
@@ -392,9 +317,8 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
         d = dict(d)
         reject_unknown(d, field_names(cls), "ModelConfig")
-        att = d.pop("attention", {}) or {}
-        reject_unknown(att, field_names(AttentionConfig), "AttentionConfig")
-        return cls(**d, attention=AttentionConfig(**att))
+        attention = AttentionConfig.from_dict(d.pop("attention", {}) or {})
+        return cls(**d, attention=attention)
 
 
 @dataclass

@@ -11,7 +11,7 @@ Conventions (DeepSeek-V4's, see docs/attention.md):
   mode, the tokens no visible entry covers yet: ``[((t+1) // stride) * stride, t]`` (empty when ``t`` closes a
   stride block).
 
-Staggered grids (``attention.grid_offsets``): a layer whose grid is shifted by ``o`` (``0 <= o < stride``) has
+Staggered grids (``attention.grid``): a layer whose grid is shifted by ``o`` (``0 <= o < stride``) has
 entries covering ``[(j+1)S - W + o, (j+1)S - 1 + o]``, visible at ``t`` iff ``(j+1)S - 1 + o <= t``. It computes
 in grid coordinates ``g = p + P``, ``P = grid_origin(o, stride) = (stride - o) % stride``: every rule above holds
 unchanged in ``g``, with "present" meaning ``g >= P`` (real position >= 0) instead of ``g >= 0``; the functions

@@ -6,7 +6,6 @@ Module names follow transformers' Qwen3 so that weights convert by renaming (see
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -14,8 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckv.attention import build_attention
+from ckv.attention.base import residual_std
 from ckv.cache import KVCache
 from ckv.config import ModelConfig
+from ckv.flops import flops_per_token
 from ckv.norm import RMSNorm
 
 
@@ -27,6 +28,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.d_model, config.mlp_dim, bias=False)
         self.up_proj = nn.Linear(config.d_model, config.mlp_dim, bias=False)
         self.down_proj = nn.Linear(config.mlp_dim, config.d_model, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.gate_proj.weight.normal_(0.0, std)
+        self.up_proj.weight.normal_(0.0, std)
+        self.down_proj.weight.normal_(0.0, out_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -69,21 +76,29 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for every matrix (residual outputs scaled by 1/sqrt(2 * n_layers)), gate biases and
-        attention-sink logits 0 (DeepSeek-V4's initialisation of its sinks), norm gains 1."""
+        """Normal(0, init_std) for the embedding and the MLP; each attention backend initialises its own
+        parameters (``AttentionBackend.init_weights``); maps into the residual stream (attention output, MLP down)
+        get ``init_std / sqrt(2 * n_layers)``; norm gains 1. Modules draw in the order of ``named_parameters``, so
+        a seed gives the same weights as drawing parameter by parameter."""
         std = self.config.init_std
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(("gate_bias", "sinks")):
-                p.zero_()
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layers))
-            else:
-                p.normal_(0.0, std)
+        out_std = residual_std(std, self.config.n_layers)
+        self.embed_tokens.weight.normal_(0.0, std)
+        for block in self.layers:
+            block.input_layernorm.reset_parameters()
+            block.self_attn.init_weights(std, out_std)
+            block.post_attention_layernorm.reset_parameters()
+            block.mlp.init_weights(std, out_std)
+        self.norm.reset_parameters()
+        if not self.config.tie_embeddings:
+            self.lm_head.weight.normal_(0.0, std)
 
     def num_parameters(self) -> int:
+        """Parameters actually held (tied embeddings once); ``ckv.flops.parameter_count`` predicts it."""
         return sum(p.numel() for p in self.parameters())
+
+    def num_flops_per_token(self, seq_len: int) -> float:
+        """Forward model FLOPs per token over ``seq_len``-token sequences (``ckv.flops.flops_per_token``)."""
+        return flops_per_token(self.config, seq_len).forward
 
     def new_cache(self, batch_size: int = 1) -> KVCache:
         """An empty decoding cache, one layer cache per layer, matching each layer's backend."""

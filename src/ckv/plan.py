@@ -10,9 +10,10 @@ Memory model (an estimate; bytes per parameter from the ZeRO paper, Rajbhandari 
   fp32: 4, 4, 8. ZeRO stage >= 1 partitions the optimizer states over the GPUs, >= 2 also the gradients, 3 also
   the weights;
 - activations per token and layer, in the compute dtype (what autograd saves with the fused attention kernels:
-  impl=triton or flash-attn): both pre-norms' inputs and outputs (4 d), Q/K/V before and after their norms and
-  the attention output (4 H D + 4 KV D), the SwiGLU's gate, up, silu and product (4 mlp_dim), and for compressed
-  attention each token's share of the pooled windows (window/stride x (d + branches x 2 KV D)); for full
+  impl=triton or flash-attn): both pre-norms' inputs and outputs (4 d), the SwiGLU's gate, up, silu and product
+  (4 mlp_dim), and the attention's share as its backend declares it (Q/K/V before and after their norms and the
+  output, 4 H D + 4 KV D, plus for compressed attention each token's share of the pooled windows,
+  window/stride x (d + branches x 2 KV D)); for full
   attention this lies within 25% of what autograd saves on CPU (tests/test_plan.py). Full activation
   checkpointing keeps each block's input (d per token and layer) plus one block's activations twice over
   (its recompute and its gradients);
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig
 from ckv.flops import PEAK_BF16_FLOPS, flops_per_token, parameter_count, peak_flops
 from ckv.loss import DEFAULT_CHUNK_TOKENS, logits_bytes
@@ -67,14 +69,12 @@ def model_config(train_cfg: Any, vocab_size: Optional[int] = None) -> ModelConfi
 
 
 def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, checkpointing: bool) -> float:
-    """Activation bytes per token of a training micro-batch (see the module docstring)."""
-    a, d, hd = cfg.attention, cfg.d_model, cfg.head_dim
-    per_layer = 4 * d + 4 * cfg.n_heads * hd + 4 * cfg.kv_heads * hd + 4 * cfg.mlp_dim
-    if a.compressed:
-        branches = 1 if a.tied_kv else 2
-        per_layer += a.window / a.stride * (d + branches * 2 * cfg.kv_heads * hd)
+    """Activation bytes per token of a training micro-batch (see the module docstring); the attention's share
+    comes from its backend (``AttentionBackend.activation_elements_per_token``)."""
+    attention = check_attention(cfg).activation_elements_per_token(cfg)
+    per_layer = 4 * cfg.d_model + attention + 4 * cfg.mlp_dim
     if checkpointing:
-        return compute_bytes * (cfg.n_layers * d + 2 * per_layer)
+        return compute_bytes * (cfg.n_layers * cfg.d_model + 2 * per_layer)
     return compute_bytes * cfg.n_layers * per_layer
 
 

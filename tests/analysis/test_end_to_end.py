@@ -112,6 +112,6 @@ def test_eval_cli_runs_an_analysis(trained_run: Path, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_eval_cli_says_when_an_analysis_does_not_apply(tmp_path: Path) -> None:
-    run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4, pooling="mean"))
+    run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4, gate=None))
     p = _eval(f"model.path={run}", "analysis=gate_cycling")
-    assert p.returncode != 0 and "attention.pooling=mean" in p.stderr
+    assert p.returncode != 0 and "attention.gate=null" in p.stderr

@@ -72,10 +72,10 @@ def test_shared_maps_shift_only_the_offset_bias(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "attention, message",
     [
-        (dict(GATED, pooling="mean"), "uniform averaging"),
-        (dict(kind="full"), "uses full attention"),
+        (dict(GATED, gate=None), "uniform averaging"),
+        (dict(kind="full"), "has no compressor"),
         (dict(GATED, window=8), "needs W == S"),
-        (dict(GATED, offset_maps="shared", gate_bias=False), "no gate parameter is offset-specific"),
+        (dict(GATED, offset_maps="shared", gate=dict(bias=False)), "no gate parameter is offset-specific"),
     ],
 )
 def test_gate_cycling_does_not_apply(tmp_path: Path, attention: dict, message: str) -> None:

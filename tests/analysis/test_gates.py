@@ -84,8 +84,8 @@ def test_peak_shift_is_value_peak_minus_key_peak_mod_window() -> None:
 @pytest.mark.parametrize(
     "attention, message",
     [
-        (dict(kind="full"), "uses full attention"),
-        (dict(GATED, pooling="mean"), "uniform averaging"),
+        (dict(kind="full"), "has no compressor"),
+        (dict(GATED, gate=None), "uniform averaging"),
     ],
 )
 def test_gates_do_not_apply_without_learned_gates(tmp_path: Path, attention: dict, message: str) -> None:

@@ -1,5 +1,6 @@
 """The attention registry: ``kind`` and ``impl`` are validated by the registered backends (not by AttentionConfig),
-``impl`` is resolved once per module and (device, dtype), and flash-attn runs only when it is chosen."""
+``impl`` is resolved once per module and (device, dtype), flash-attn runs only when it is chosen, and a third kind
+gets its own accounting (parameters, FLOPs, cache, plan) or a clear error, never full attention's."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import torch
 
 from ckv import AttentionConfig, ConfigError, ModelConfig, Transformer
 from ckv.attention import REGISTRY, CompressedAttention, FullAttention, check_attention, full, register
+from ckv.attention.base import AttentionBackend, LayerFlops
+from ckv.flops import flops_per_token, kv_bytes_per_token, parameter_count
+from ckv.plan import plan
 from ckv.train import TrainConfig
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
@@ -126,3 +130,66 @@ def test_impl_is_resolved_once_per_module_and_device(monkeypatch, backend, atten
         for t in range(6, 10):
             model(ids[:, t : t + 1], cache)
     assert resolved == [("auto", "cpu", torch.float32)] * model.config.n_layers
+
+
+class ToyAttention(AttentionBackend):
+    """A third kind that is nobody's subclass: each token attends to itself only (output = o(v_t)), plus one
+    learned scale per head. It declares no FLOPs or cache: asking for them must fail, never fall back."""
+
+    kind = "toy"
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.scale = torch.nn.Parameter(torch.ones(config.n_heads))
+
+    def forward(self, x, cache=None):
+        B, T, _ = x.shape
+        _, _, v = self.project(x, torch.arange(T))
+        v = v.repeat_interleave(self.n_heads // self.kv_heads, dim=2) * self.scale[:, None]  # (B, T, H, D)
+        return self.o_proj(v.reshape(B, T, -1))
+
+    def new_cache(self, batch_size):
+        return None
+
+
+class DeclaredToy(ToyAttention):
+    """The same toy with its accounting declared: its own FLOPs and a cache that holds nothing."""
+
+    kind = "toy_declared"
+
+    @classmethod
+    def flops_per_token(cls, config, seq_len, layer_idx=0):
+        return LayerFlops(projections=cls.projection_flops(config), attention=2.0 * config.n_heads)
+
+    @classmethod
+    def kv_bytes_per_token(cls, config, seq_len=None, layer_idx=0, bytes_per_element=2):
+        return 0.0
+
+
+@pytest.fixture
+def toys(monkeypatch):
+    monkeypatch.setitem(REGISTRY, "toy", ToyAttention)
+    monkeypatch.setitem(REGISTRY, "toy_declared", DeclaredToy)
+
+
+def test_a_third_kind_gets_its_own_accounting_or_a_clear_error_never_full_attentions(toys):
+    toy = ModelConfig.from_preset("tiny", attention=dict(kind="toy"))
+    full_cfg = ModelConfig.from_preset("tiny", attention=dict(kind="full"))
+    model = Transformer(toy)
+    assert parameter_count(toy) == model.num_parameters() == parameter_count(full_cfg) + toy.n_layers * toy.n_heads
+    for ask in (lambda: flops_per_token(toy, 64), lambda: kv_bytes_per_token(toy, 64), lambda: plan(_plan_cfg("toy"))):
+        with pytest.raises(ConfigError, match=r"attention.kind='toy' \(ToyAttention\) does not declare"):
+            ask()
+    declared = ModelConfig.from_preset("tiny", attention=dict(kind="toy_declared"))
+    f = flops_per_token(declared, 64)
+    assert f.attention == declared.n_layers * 2.0 * declared.n_heads != flops_per_token(full_cfg, 64).attention
+    assert kv_bytes_per_token(declared, 64) == kv_bytes_per_token(declared) == 0.0
+    assert plan(_plan_cfg("toy_declared"))["flops_per_token"]["forward"] == f.forward
+    with pytest.raises(ConfigError, match=r"attention.mixing is not an option of attention.kind='toy'"):
+        Transformer(ModelConfig.from_preset("tiny", attention=dict(kind="toy", mixing=dict(kernel=2))))
+
+
+def _plan_cfg(kind: str) -> TrainConfig:
+    return TrainConfig.from_dict(
+        {"run_dir": "unused", "attention": {"kind": kind}, "model": {"preset": "tiny", "vocab_size": 256}}
+    )

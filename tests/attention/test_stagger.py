@@ -1,18 +1,19 @@
-"""Phase-staggered grids (attention.grid_offsets, docs/attention.md "Staggered grids") against the rule: entry j of
-a grid shifted by o covers [(j+1)S - W + o, (j+1)S - 1 + o] and is visible at t iff (j+1)S - 1 + o <= t, positions
-below 0 absent. Visibility by gradients and by geometry.influence_mask, decode == prefill for every offset,
-torch == triton under the interpreter, gradients, equality with the unshifted model at offset 0, FLOPs, config
-errors. (conf/attention/w4s4_stagger.yaml and w8s8_stagger.yaml also run through the variant-parametrised tests.)"""
+"""Phase-staggered grids (attention.grid, ckv.options.grid, docs/attention.md "Staggered grids") against the rule:
+entry j of a grid shifted by o covers [(j+1)S - W + o, (j+1)S - 1 + o] and is visible at t iff (j+1)S - 1 + o <= t,
+positions below 0 absent. What is unique to grids: geometry.influence_mask and the gradients against the rule
+written out, at EVERY offset (the property matrix, tests/attention/test_properties.py, runs base + grid=stagger),
+decode == prefill at every offset, equality with the unshifted model at offset 0, the compressor's FLOPs per
+shifted layer, cached decoding through the kernels, config errors."""
 
 import pytest
 import torch
 
 from ckv import ModelConfig, Transformer
+from ckv.attention import CompressedAttention, check_attention
 from ckv.config import ConfigError
-from ckv.flops import flops_per_token, visible_pairs
+from ckv.flops import flops_per_token
 from ckv.geometry import influence_mask
 from tests.helpers import small_config, variant
-from tests.kernels.test_model import assert_impls_match
 
 
 def rule_entries(t: int, window: int, stride: int, offset: int) -> list[int]:
@@ -74,7 +75,9 @@ def test_a_token_reaches_a_query_only_through_a_visible_shifted_entry_or_the_loc
     """Every layer of a model with one offset per layer (0..S-1): the gradient pattern is the rule's, and it is
     influence_mask's with that layer's offset."""
     T = 22
-    att = dict(variant("w8s8"), window=window, stride=stride, local_window=local, grid_offsets=list(range(stride)))
+    att = dict(
+        variant("w8s8"), window=window, stride=stride, local_window=local, grid=dict(offsets=list(range(stride)))
+    )
     model = Transformer(small_config(att, n_layers=stride))
     for layer_idx, block in enumerate(model.layers):
         layer = block.self_attn
@@ -93,7 +96,7 @@ def test_stagger_gives_layer_l_the_offset_l_times_stride_over_layers():
         (2, 4, [0, 0, 1, 1]),
     ]:
         cfg = small_config(
-            dict(variant("w8s8"), window=stride, stride=stride, grid_offsets="stagger"), n_layers=n_layers
+            dict(variant("w8s8"), window=stride, stride=stride, grid=dict(offsets="stagger")), n_layers=n_layers
         )
         assert [cfg.grid_offset(layer) for layer in range(n_layers)] == expected
         assert [b.self_attn.grid_offset for b in Transformer(cfg).layers] == expected
@@ -113,7 +116,10 @@ def _perturbed(model: Transformer) -> Transformer:
         ("w4s4", dict(local_window=0)),
         ("w8s4", dict(local_window="tail")),
         ("w8s8", dict(window=8, stride=6, local_window=5)),
-        ("w4s4_conv", dict(local_window=3)),  # token mixing: the pending states keep K - 1 predecessors
+        (
+            "w4s4",
+            dict(local_window=3, mixing=dict(kernel=4)),
+        ),  # token mixing: the pending states keep K - 1 predecessors
         ("deepseek_v4_csa", dict(local_window=5)),  # sinks, per-series maps, trailing interleaved RoPE, inverse output
     ],
 )
@@ -121,7 +127,7 @@ def test_decode_matches_prefill_token_by_token_and_in_uneven_chunks_for_every_of
     att = dict(variant(name), **changes)
     S = att["stride"]
     for offset in range(1, S):
-        model = _perturbed(Transformer(small_config(dict(att, grid_offsets=[offset, (offset + 1) % S]))))
+        model = _perturbed(Transformer(small_config(dict(att, grid=dict(offsets=[offset, (offset + 1) % S])))))
         ids = torch.randint(0, 64, (2, 29))
         with torch.no_grad():
             full = model(ids)
@@ -134,37 +140,14 @@ def test_decode_matches_prefill_token_by_token_and_in_uneven_chunks_for_every_of
                 assert err < 1e-5, (offset, chunks, err)
 
 
-@pytest.mark.parametrize(
-    "attention",
-    [
-        dict(window=8, stride=8, grid_offsets="stagger"),  # offsets 0, 4
-        dict(window=8, stride=4, gate="vector", kv="tied", local_window="tail", grid_offsets=[3, 1]),
-        dict(window=4, stride=4, mixing="conv", mixing_kernel=3, local_window=0, grid_offsets=[1, 2]),
-    ],
-)
-def test_model_loss_and_gradients_match_between_impls_with_staggered_grids(attention):
-    assert_impls_match(attention, 30)
-
-
-def test_every_compressor_parameter_of_a_shifted_layer_gets_a_gradient():
-    cfg = small_config(variant("w4s4_stagger"))
-    model = Transformer(cfg)
-    assert [b.self_attn.grid_offset for b in model.layers] == [0, 2]
-    model(torch.randint(0, 64, (2, 21))).logsumexp(-1).mean().backward()
-    for block in model.layers:
-        for comp in (block.self_attn.k_compressor, block.self_attn.v_compressor):
-            for name, p in comp.named_parameters():
-                assert p.grad is not None and p.grad.abs().sum() > 0, name
-
-
-@pytest.mark.parametrize("name", ["w4s4", "w8s4", "w4s4_conv", "deepseek_v4_csa"])
+@pytest.mark.parametrize("name", ["w4s4", "w8s4", "deepseek_v4_csa"])
 def test_offsets_of_zero_are_the_unshifted_model_exactly(name):
     base = Transformer(small_config(variant(name)))
-    zero = Transformer(small_config(dict(variant(name), grid_offsets=[0, 0])))
+    zero = Transformer(small_config(dict(variant(name), grid=dict(offsets=[0, 0]))))
     zero.load_state_dict(base.state_dict())
     ids = torch.randint(0, 64, (2, 23))
     assert torch.equal(zero(ids), base(ids))
-    shifted = Transformer(small_config(dict(variant(name), grid_offsets=[0, 1])))
+    shifted = Transformer(small_config(dict(variant(name), grid=dict(offsets=[0, 1]))))
     shifted.load_state_dict(base.state_dict())
     assert not torch.equal(shifted(ids), base(ids))  # and a shift does change the model
 
@@ -181,9 +164,10 @@ def _brute_pairs(T: int, window: int, stride: int, offset: int, local) -> int:
 def test_flops_count_the_visible_pairs_of_each_shifted_layer(window, stride, local, T):
     offsets = list(range(stride))
     cfg = small_config(
-        dict(variant("w8s8"), window=window, stride=stride, local_window=local, grid_offsets=offsets), n_layers=stride
+        dict(variant("w8s8"), window=window, stride=stride, local_window=local, grid=dict(offsets=offsets)),
+        n_layers=stride,
     )
-    pairs = [visible_pairs(T, cfg, layer) for layer in range(stride)]
+    pairs = [CompressedAttention.visible_pairs(cfg, T, layer) for layer in range(stride)]
     assert pairs == [_brute_pairs(T, window, stride, o, local) for o in offsets]
     f = flops_per_token(cfg, T)
     assert f.attention == pytest.approx(4 * cfg.head_dim * cfg.n_heads * sum(pairs) / T)
@@ -197,32 +181,39 @@ def test_flops_count_the_visible_pairs_of_each_shifted_layer(window, stride, loc
     "attention, overrides, match",
     [
         (
-            dict(grid_offsets=[0]),
+            dict(grid=dict(offsets=[0])),
             {},
-            r"attention.grid_offsets has 1 entries; it needs one per layer \(model.n_layers=2\)",
+            r"attention.grid.offsets has 1 entries; it needs one per layer \(model.n_layers=2\)",
         ),
-        (dict(grid_offsets=[0, 4]), {}, r"attention.grid_offsets\[1\]=4 must be < attention.stride=4"),
-        (dict(grid_offsets=[0, -1]), {}, r"attention.grid_offsets\[1\]=-1 must be an integer >= 0"),
-        (dict(grid_offsets=[0, 1.5]), {}, r"attention.grid_offsets\[1\]=1.5 must be an integer >= 0"),
-        (dict(grid_offsets="shuffle"), {}, "attention.grid_offsets='shuffle' is not allowed"),
-        (dict(grid_offsets=2), {}, "must be null, 'stagger' or a list of ints"),
-        (dict(kind="full", grid_offsets="stagger"), {}, "grid_offsets is an option of kind='compressed'"),
-        (dict(kind="full", grid_offsets=[0, 0]), {}, "grid_offsets is an option of kind='compressed'"),
+        (dict(grid=dict(offsets=[0, 4])), {}, r"attention.grid.offsets\[1\]=4 must be < attention.stride=4"),
+        (dict(grid=dict(offsets=[0, -1])), {}, r"attention.grid.offsets\[1\]=-1 must be an integer >= 0"),
+        (dict(grid=dict(offsets=[0, 1.5])), {}, r"attention.grid.offsets\[1\]=1.5 must be an integer >= 0"),
+        (dict(grid=dict(offsets="shuffle")), {}, "attention.grid.offsets='shuffle' is not allowed"),
+        (dict(grid=dict(offsets=2)), {}, "must be 'stagger' or a list of ints"),
+        (dict(grid="stagger"), {}, "attention.grid='stagger' must be a mapping"),
+        (
+            dict(kind="full", grid=dict(offsets="stagger")),
+            {},
+            "attention.grid is not an option of attention.kind='full'",
+        ),
+        (dict(kind="full", grid=dict(offsets=[0, 0])), {}, "attention.grid is not an option of"),
     ],
 )
 def test_bad_grid_offsets_raise_one_clear_error(attention, overrides, match):
     att = {**dict(kind="compressed", window=4, stride=4), **attention}
     with pytest.raises(ConfigError, match=match) as err:
-        ModelConfig(
-            vocab_size=64,
-            d_model=32,
-            n_layers=2,
-            n_heads=4,
-            n_kv_heads=1,
-            head_dim=16,
-            mlp_dim=64,
-            attention=att,
-            **overrides,
+        check_attention(
+            ModelConfig(
+                vocab_size=64,
+                d_model=32,
+                n_layers=2,
+                n_heads=4,
+                n_kv_heads=1,
+                head_dim=16,
+                mlp_dim=64,
+                attention=att,
+                **overrides,
+            )
         )
     assert "\n" not in str(err.value)
 
@@ -232,7 +223,9 @@ def test_decoding_a_staggered_model_with_kernels_matches_the_full_forward():
     from tests.kernels.helpers import DEVICE, rel_rms
     from tests.kernels.test_model import model_config
 
-    model = Transformer(model_config("triton", window=8, stride=4, local_window=3, grid_offsets=[1, 3])).to(DEVICE)
+    model = Transformer(model_config("triton", window=8, stride=4, local_window=3, grid=dict(offsets=[1, 3]))).to(
+        DEVICE
+    )
     ids = torch.randint(0, 64, (1, 30), device=DEVICE)
     with torch.no_grad():
         full = model.eval()(ids)

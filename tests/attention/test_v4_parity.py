@@ -30,7 +30,6 @@ from ckv.attention import build_attention  # noqa: E402
 from ckv.attention.compressed import CompressedAttention  # noqa: E402
 from ckv.attention.reference import joint_attention_reference  # noqa: E402
 from ckv.cache import CompressedLayerCache  # noqa: E402
-
 from tests.helpers import variant  # noqa: E402
 
 D_MODEL, HEADS, HEAD_DIM, ROPE_DIMS, SLIDING = 32, 4, 16, 8, 5
@@ -58,14 +57,16 @@ def v4_config(layer_type: str) -> DeepseekV4Config:
         partial_rotary_factor=ROPE_DIMS / HEAD_DIM,
         layer_types=[layer_type],
         compress_rates={CSA: variant(VARIANT[CSA])["stride"], HCA: variant(VARIANT[HCA])["stride"]},
-        compress_rope_theta=att["rope_theta"],
+        compress_rope_theta=att["rope"]["theta"],
         hc_mult=1,
         attn_implementation="eager",
     )
 
 
 def ckv_layer(layer_type: str) -> CompressedAttention:
-    att = dict(variant(VARIANT[layer_type]), impl="torch", rope_dims=ROPE_DIMS, local_window=SLIDING)
+    att = variant(VARIANT[layer_type])
+    att.update(impl="torch", local_window=SLIDING)
+    att["rope"]["dims"] = ROPE_DIMS
     cfg = ModelConfig(
         vocab_size=64,
         d_model=D_MODEL,

@@ -1,17 +1,16 @@
-"""ckv's DeepSeek-V4 options on their own: config checks, the RoPE layouts, per-series maps and the visibility
-rule of the two V4 variants (test_v4_parity.py checks them against transformers)."""
+"""ckv's DeepSeek-V4 options on their own: config checks, the RoPE layouts and per-series maps (test_v4_parity.py
+checks them against transformers; the property matrix, test_properties.py, runs both V4 options)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ckv import AttentionConfig, ConfigError, Transformer
+from ckv import AttentionConfig, ConfigError, ModelConfig, Transformer
+from ckv.attention import check_attention
 from ckv.attention.rope import Rotary
 from ckv.geometry import offset_series
-
-from tests.helpers import assert_influence, small_config, variant
-from tests.test_geometry import brute_influence
+from tests.helpers import small_config, variant
 
 
 @pytest.mark.parametrize(
@@ -19,16 +18,21 @@ from tests.test_geometry import brute_influence
     [
         (dict(offset_maps="series", window=8, stride=6), "offset_maps"),
         (dict(output_rope="inverse", kv="separate"), "output_rope"),
-        (dict(kind="full", sink=True), "sink"),
-        (dict(rope_side="middle"), "rope_side"),
-        (dict(rope_pairing="pairs"), "rope_pairing"),
-        (dict(rope_theta=0.0), "rope_theta"),
+        (dict(rope=dict(mode="partial", dims=16, side="middle")), "attention.rope.side"),
+        (dict(rope=dict(mode="partial", dims=16, pairing="pairs")), "attention.rope.pairing"),
+        (dict(rope=dict(mode="partial", dims=16, theta=0.0)), "attention.rope.theta"),
         (dict(sink=1), "sink"),
     ],
 )
 def test_bad_v4_options_raise_a_config_error_naming_the_field(change, field):
     with pytest.raises(ConfigError, match=field):
-        AttentionConfig(**{**variant("deepseek_v4_csa"), **change})
+        AttentionConfig.from_dict({**variant("deepseek_v4_csa"), **change})
+
+
+def test_full_attention_refuses_the_v4_flags():
+    for flag in (dict(sink=True), dict(output_rope="inverse", kv="tied")):
+        with pytest.raises(ConfigError, match="is not an option of attention.kind='full'"):
+            check_attention(ModelConfig.from_preset("tiny", attention=dict(kind="full", **flag)))
 
 
 def test_offset_series_groups_the_window_by_stride_block():
@@ -69,12 +73,3 @@ def test_per_series_maps_use_one_map_per_stride_block():
     mapped = comp._map(hw, comp.payload)  # (B, E, W, D)
     for i in range(8):
         assert torch.allclose(mapped[:, :, i], hw[:, :, i] @ comp.payload[i // 4], atol=1e-6)
-
-
-@pytest.mark.parametrize(
-    "name, window, stride, local",
-    [("deepseek_v4_csa", 8, 4, 3), ("deepseek_v4_csa", 8, 4, "tail"), ("deepseek_v4_hca", 4, 4, 2)],
-)
-def test_a_token_influences_a_query_only_through_visible_entries_or_the_local_window(name, window, stride, local):
-    att = dict(variant(name), impl="torch", window=window, stride=stride, local_window=local)
-    assert_influence(att, 18, lambda t, p: brute_influence(t, p, window, stride, local))

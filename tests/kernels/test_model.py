@@ -57,21 +57,17 @@ def assert_impls_match(attention: dict, seq_len: int) -> None:
     "attention",
     [
         dict(),  # paper default: W8/S8, 1 KV head (GQA 4), scalar gate, separate K/V, 16-token local window
-        dict(window=8, stride=4, gate="vector", kv="tied", kv_heads=2, local_window="tail"),
-        dict(window=12, stride=8, pooling="mean", kv_heads=4, local_window=0),  # W not a multiple of S, no GQA
+        dict(window=8, stride=4, gate=dict(kind="vector"), kv="tied", kv_heads=2, local_window="tail"),
+        dict(window=12, stride=8, gate=None, kv_heads=4, local_window=0),  # W not a multiple of S, no GQA
         # DeepSeek-V4 CSA (conf/attention/deepseek_v4_csa.yaml at this size): per-series maps, sinks, trailing RoPE
         dict(
             window=8,
             stride=4,
-            gate="vector",
+            gate=dict(kind="vector"),
             offset_maps="series",
             kv="tied",
             compressed_norm="post",
-            rope="partial",
-            rope_dims=8,
-            rope_side="trailing",
-            rope_pairing="interleaved",
-            rope_theta=160000.0,
+            rope=dict(mode="partial", dims=8, side="trailing", pairing="interleaved", theta=160000.0),
             sink=True,
             output_rope="inverse",
             local_window=5,

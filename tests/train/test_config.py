@@ -12,7 +12,7 @@ import torch
 from ckv.config import ConfigError, ModelConfig
 from ckv.model import Transformer
 from ckv.train import TrainConfig, resume_conflicts
-from ckv.train.config import OptimConfig
+from ckv.train.config import OptimConfig, upgrade_run_config
 from ckv.train.engine import accumulation_steps, deepspeed_config, param_groups
 from ckv.train.run import plain
 from ckv.train.schedule import LRSchedule, build_scheduler
@@ -157,15 +157,45 @@ def test_resume_conflicts(make_config):
 def test_an_option_added_after_a_run_was_saved_resumes_at_its_default_only(make_config):
     """A run folder written before an option existed lacks its key: resuming is fine while the option keeps its
     default (the behaviour the run trained with), refused once it is set to anything else."""
-    att = {"kind": "compressed", "window": 4, "stride": 4, "pooling": "gate"}
-    current = plain(make_config(attention={**att, "grid_offsets": None, "gate_entropy_floor": 0.0}).to_dict())
+    att = {"kind": "compressed", "window": 4, "stride": 4}
+    current = plain(make_config(attention=att).to_dict())
     saved = plain(make_config(attention=att).to_dict())
-    for key in ("grid_offsets", "gate_entropy_floor", "gate_entropy_weight", "mixing"):
-        saved["attention"].pop(key, None)
+    for key in ("grid", "mixing"):
+        saved["attention"].pop(key)
+    saved["trainer"].pop("gate_entropy")
     saved["trainer"].pop("stop_check_every")
     assert resume_conflicts(saved, current) == []
-    changed = plain(make_config(attention={**att, "grid_offsets": "stagger", "gate_entropy_floor": 0.5}).to_dict())
-    assert resume_conflicts(saved, changed) == [
-        "attention.gate_entropy_floor: (unset) -> 0.5",
-        "attention.grid_offsets: (unset) -> 'stagger'",
+    changed = make_config(attention={**att, "grid": {"offsets": "stagger"}}, trainer={"gate_entropy": {"floor": 0.5}})
+    assert resume_conflicts(saved, plain(changed.to_dict())) == [
+        "attention.grid.offsets: (unset) -> 'stagger'",
+        "trainer.gate_entropy.floor: (unset) -> 0.5",
     ]
+
+
+def test_a_run_folder_from_before_the_option_groups_resumes(make_config):
+    """A run config.yaml written with the flat attention keys (before ``ckv.options``) is upgraded on resume: no
+    conflict with today's equivalent config; its gate-entropy floor moved to the trainer section."""
+    current = plain(
+        make_config(attention={"kind": "compressed", "window": 4, "stride": 4, "mixing": {"kernel": 2}}).to_dict()
+    )
+    saved = plain(make_config(attention={"kind": "compressed", "window": 4, "stride": 4}).to_dict())
+    saved["trainer"].pop("gate_entropy")
+    saved["attention"] = {
+        **{k: v for k, v in saved["attention"].items() if k not in ("rope", "gate", "mixing", "grid")},
+        "rope": "full",
+        "rope_dims": None,
+        "rope_side": "leading",
+        "rope_pairing": "half",
+        "rope_theta": None,
+        "pooling": "gate",
+        "gate": "scalar",
+        "gate_bias": True,
+        "mixing": "conv",
+        "mixing_kernel": 2,
+        "grid_offsets": None,
+        "gate_entropy_floor": 0.0,
+        "gate_entropy_weight": 0.0,
+    }
+    assert resume_conflicts(upgrade_run_config(saved), current) == []
+    saved["attention"]["gate_entropy_floor"] = 0.5
+    assert upgrade_run_config(saved)["trainer"]["gate_entropy"] == {"floor": 0.5, "weight": 0.0}

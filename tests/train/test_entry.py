@@ -4,6 +4,7 @@ well-formed, job folders are named by overrides and seed, and train.py runs end 
 from __future__ import annotations
 
 import dataclasses
+import json
 import runpy
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from ckv.config import ModelSpec
 from ckv.train import TrainConfig, read_metrics
 from ckv.train.config import RESUMABLE_CHANGES, TrainerConfig, trajectory_neutral
 
+from .golden_attention import GOLDEN, composed_options
 from .helpers import REPO, child_env
 
 ENTRY = runpy.run_path(str(REPO / "train.py"), run_name="ckv_train_entry")  # registers the ckv_job_dir resolver
@@ -82,448 +84,37 @@ def test_group_options_state_only_their_difference(group):
     assert _compose([]).get(group) == _compose([f"{group}={base}"]).get(group)  # config.yaml's default option
     for path in sorted((REPO / "conf" / group).glob("*.yaml")):
         raw = yaml.safe_load(path.read_text())
+        defaults = raw.pop("defaults", [])
+        # nested option groups (attention/mixing, trainer/gate_entropy, ...) are listed by the base only
+        nested = [d for d in defaults if isinstance(d, dict)]
+        assert all((REPO / "conf" / group / next(iter(d))).is_dir() for d in nested), path.name
         if path.stem == base:
-            assert "defaults" not in raw
             continue
-        parents = [d for d in raw.pop("defaults") if d != "_self_"]
+        assert not nested, path.name
+        parents = [d for d in defaults if d != "_self_"]
         assert len(parents) == 1 and (REPO / "conf" / group / f"{parents[0]}.yaml").is_file(), path.name
-        inherited = OmegaConf.to_container(_compose([f"{group}={parents[0]}"])[group])
-        same = {k: v for k, v in raw.items() if k in inherited and inherited[k] == v}
+        inherited = _leaves(OmegaConf.to_container(_compose([f"{group}={parents[0]}"])[group]))
+        same = {k: v for k, v in _leaves(raw).items() if k in inherited and inherited[k] == v}
         assert raw and not same, f"{path.name} restates {same}"
 
 
-ATTENTION_FIELDS = (
-    "kind",
-    "impl",
-    "rope",
-    "rope_dims",
-    "qk_norm",
-    "kv_heads",
-    "window",
-    "stride",
-    "pooling",
-    "gate",
-    "gate_bias",
-    "offset_maps",
-    "kv",
-    "compressed_norm",
-    "entry_rope_position",
-    "local_window",
-)
-# The composed attention group of each option before its file was reduced to its difference (computed from the
-# full files of commit 7524006 with compose(overrides=["attention=NAME"]); full options state the first six).
-ATTENTION_RESOLVED = {
-    "deepseek_w8s4": (
-        "compressed",
-        "auto",
-        "partial",
-        16,
-        True,
-        1,
-        8,
-        4,
-        "gate",
-        "vector",
-        True,
-        "shared",
-        "tied",
-        "post",
-        "block_start",
-        16,
-    ),
-    "deepseek_w8s4_scalar": (
-        "compressed",
-        "auto",
-        "partial",
-        16,
-        True,
-        1,
-        8,
-        4,
-        "gate",
-        "scalar",
-        True,
-        "shared",
-        "tied",
-        "post",
-        "block_start",
-        16,
-    ),
-    "full": ("full", "auto", "full", None, True, None),
-    "full_kv1": ("full", "auto", "full", None, True, 1),
-    "full_kv4": ("full", "auto", "full", None, True, 4),
-    "full_kv8": ("full", "auto", "full", None, True, 8),
-    "w12s12": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        12,
-        12,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w4s4": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        4,
-        4,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s4": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        4,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s6": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        6,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_kv2": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        2,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_kv4": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        4,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_kv8": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        8,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_mean": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        8,
-        "mean",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_mean_tied_postnorm": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        8,
-        "mean",
-        "scalar",
-        True,
-        "specific",
-        "tied",
-        "post",
-        "block_start",
-        16,
-    ),
-    "w8s8_no_gate_bias": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        8,
-        "gate",
-        "scalar",
-        False,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_no_qk_norm": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        False,
-        1,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_no_rope": (
-        "compressed",
-        "auto",
-        "none",
-        None,
-        True,
-        1,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_rope16": (
-        "compressed",
-        "auto",
-        "partial",
-        16,
-        True,
-        1,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_tail": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        "tail",
-    ),
-    "w8s8_tail_kv8": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        8,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        "tail",
-    ),
-    "w8s8_tied_kv": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        8,
-        "gate",
-        "scalar",
-        True,
-        "specific",
-        "tied",
-        "pre",
-        "block_start",
-        16,
-    ),
-    "w8s8_vector_gate": (
-        "compressed",
-        "auto",
-        "full",
-        None,
-        True,
-        1,
-        8,
-        8,
-        "gate",
-        "vector",
-        True,
-        "specific",
-        "separate",
-        "pre",
-        "block_start",
-        16,
-    ),
-}
-
-
-# Options added after 7524006, each starting from an older option and changing the fields listed (their composed
-# group as first written out in full: the V4 options in commit b845f52, token mixing / shared maps in fdbbdca;
-# the gate-entropy floor options state their two fields).
-ADDED = {
-    "deepseek_v4_csa": (
-        "deepseek_w8s4",
-        {
-            "offset_maps": "series",
-            "local_window": 128,
-            "rope_side": "trailing",
-            "rope_pairing": "interleaved",
-            "rope_theta": 160000.0,
-            "sink": True,
-            "output_rope": "inverse",
-        },
-    ),
-    "deepseek_v4_hca": ("deepseek_v4_csa", {"window": 128, "stride": 128, "offset_maps": "shared"}),
-    "w4s4_conv": ("w4s4", {"mixing": "conv", "mixing_kernel": 4}),
-    "w8s8_conv": ("w8s8", {"mixing": "conv", "mixing_kernel": 4}),
-    "w8s4_shared": ("w8s4", {"offset_maps": "shared"}),
-    "w8s4_entropy": ("w8s4", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
-    "w8s8_entropy": ("w8s8", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
-    "w4s4_entropy": ("w4s4", {"gate_entropy_floor": 0.5, "gate_entropy_weight": 0.1}),
-    "w4s4_stagger": ("w4s4", {"grid_offsets": "stagger"}),
-    "deepseek_v4_csa_conv": ("deepseek_v4_csa", {"mixing": "conv", "mixing_kernel": 4}),
-    "w8s8_stagger": ("w8s8", {"grid_offsets": "stagger"}),
-}
-
-
-def test_every_attention_option_resolves_as_before():
-    assert set(ATTENTION_RESOLVED) | set(ADDED) == {p.stem for p in (REPO / "conf" / "attention").glob("*.yaml")}
-    expected = {name: dict(zip(ATTENTION_FIELDS, values)) for name, values in ATTENTION_RESOLVED.items()}
-    for name, (base, changes) in ADDED.items():  # in dependency order
-        expected[name] = {**expected[base], **changes}
-    for name, values in expected.items():
-        composed = OmegaConf.to_container(_compose([f"attention={name}"]).attention)
-        assert composed == values, name
+def test_every_attention_option_composes_as_the_golden_file():
+    """Each option (each YAML, and each group option on the group bases) composes to the values recorded in
+    tests/train/golden/attention_options.json; after an intended change, regenerate it with
+    ``python -m tests.train.golden_attention`` and review the diff."""
+    golden = json.loads(GOLDEN.read_text())
+    composed = composed_options()
+    assert sorted(composed) == sorted(golden), "options added or removed: regenerate the golden file"
+    for name, values in composed.items():
+        assert values == golden[name], name
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment):
     paper = experiment.startswith("paper")
     cfg = _train_config([f"experiment={experiment}"] + (USER_DATA if paper else []))
-    assert cfg.name == {"paper_robust_fixes": "paper_robust"}.get(experiment, "paper" if paper else experiment)
+    robust = experiment.startswith("paper_robust")
+    assert cfg.name == ("paper_robust" if robust else "paper" if paper else experiment)
 
 
 def test_demo_models_differ_only_in_attention():
@@ -538,9 +129,9 @@ def test_demo_models_differ_only_in_attention():
         )
     g4, g2, f = (c.model.build(c.attention, data_vocab_size=164) for c in (gate4, gate2, full))
     assert (g4.kv_heads, g4.d_model, g4.init_std) == (1, 128, 0.05)
-    for m, geometry in ((g4, ("compressed", 4, 4, 4, "gate")), (g2, ("compressed", 2, 2, 4, "gate"))):
+    for m, geometry in ((g4, ("compressed", 4, 4, 4, "scalar")), (g2, ("compressed", 2, 2, 4, "scalar"))):
         a = m.attention
-        assert (a.kind, a.window, a.stride, a.local_window, a.pooling) == geometry
+        assert (a.kind, a.window, a.stride, a.local_window, a.gate.kind) == geometry
     assert (f.attention.kind, f.kv_heads) == ("full", 1)
 
 
@@ -549,12 +140,11 @@ def test_paper_setup():
     model = cfg.model.build(cfg.attention, data_vocab_size=151_669)
     assert (model.n_layers, model.d_model, model.n_heads, model.head_dim) == (28, 1024, 16, 128)
     a = model.attention
-    assert (a.kind, a.window, a.stride, a.kv_heads, a.pooling, a.gate, a.kv, a.rope, a.local_window) == (
+    assert (a.kind, a.window, a.stride, a.kv_heads, a.gate.kind, a.kv, a.rope.mode, a.local_window) == (
         "compressed",
         8,
         8,
         1,
-        "gate",
         "scalar",
         "separate",
         "full",
@@ -637,7 +227,9 @@ def test_run_folder_name_leaves_out_exactly_the_resumable_keys():
     kept = [
         f"trainer.{f.name}={4 if f.name != 'device' else 'cpu'}"
         for f in dataclasses.fields(TrainerConfig)
-        if not trajectory_neutral(f"trainer.{f.name}") and f.name != "precision"
+        if not trajectory_neutral(f"trainer.{f.name}")
+        and f.name != "precision"
+        and f.default_factory is dataclasses.MISSING  # nested sections (trainer.gate_entropy) have their own keys
     ]
     assert len(kept) >= 4 and "trainer.max_steps=4" in kept
     placement = ["experiment=cpu_smoke", "out_dir=/runs", "seed=3"]

@@ -1,30 +1,31 @@
-"""The gate-entropy floor (attention.gate_entropy_floor / gate_entropy_weight, ckv.train.gate_entropy,
+"""The gate-entropy floor (trainer.gate_entropy.floor / .weight, ckv.train.gate_entropy,
 docs/training.md): the penalty against a hand computation, where its gradient goes, that evaluation is untouched,
 torch == triton, training with it (logged, exact resume, no host sync, weight 0 == off, activation checkpointing
-unchanged), config errors and the smoke app."""
+unchanged), config errors and the trainer/gate_entropy=floor option."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from ckv import Transformer
-from ckv.apps import smoke
 from ckv.attention.compressed import Compressor, Pooling
-from ckv.config import AttentionConfig, ConfigError
+from ckv.config import ConfigError
 from ckv.geometry import window_positions
 from ckv.train import TrainConfig, read_metrics, train
 from ckv.train.gate_entropy import GateEntropyFloor, gate_entropy_deficit
-from tests.helpers import ATTENTION_DIR, small_config, variant
+from tests.helpers import small_config
 from tests.train.helpers import base_config, losses
+from tests.train.test_entry import _train_config
 from tests.train.test_hot_path import _syncs_per_step
 
 W8S4 = dict(kind="compressed", window=8, stride=4, local_window=4, kv_heads=1)
-FLOOR = dict(gate_entropy_floor=0.5, gate_entropy_weight=0.1)
+FLOOR = dict(floor=0.5, weight=0.1)
 
 
 def _model(attention: dict, **overrides) -> Transformer:
@@ -88,7 +89,7 @@ def test_penalty_is_zero_for_uniform_gates_and_equals_a_hand_computation_for_pea
 
 
 def test_gradient_reaches_the_gates_only_and_eval_is_not_hooked():
-    model = _model(dict(W8S4, gate="vector"))
+    model = _model(dict(W8S4, gate=dict(kind="vector")))
     with torch.no_grad():
         for comp in _compressors(model):
             comp.gate_bias.normal_(0, 2.0)  # peaked gates, so the floor binds
@@ -145,10 +146,12 @@ def test_penalty_and_its_gradient_match_between_torch_and_triton():
 
 @pytest.fixture
 def make_config(tmp_path: Path):
-    def make(name: str, attention: dict, **trainer) -> TrainConfig:
+    def make(name: str, attention: dict, gate_entropy: Optional[dict] = None, **trainer) -> TrainConfig:
         d = base_config(tmp_path / name, tmp_path / "cache")
         d["attention"] = attention
         d["trainer"] = {**d["trainer"], "max_steps": 4, "save_every": 0, **trainer}
+        if gate_entropy is not None:
+            d["trainer"]["gate_entropy"] = gate_entropy
         return TrainConfig.from_dict(d)
 
     return make
@@ -161,12 +164,12 @@ def _metric(run_dir, key: str = "gate_entropy_deficit") -> list[float]:
 def test_training_logs_the_penalty_and_weight_zero_gives_the_plain_losses(make_config):
     plain = losses(train(make_config("plain", W8S4)))
     assert all("gate_entropy_penalty" not in r for r in read_metrics(make_config("plain", W8S4).run_dir))
-    logged = make_config("logged", dict(W8S4, gate_entropy_floor=0.999))  # weight 0: measured, not trained on
+    logged = make_config("logged", W8S4, dict(floor=0.999))  # weight 0: measured, not trained on
     assert losses(train(logged)) == plain
     deficit = _metric(logged.run_dir)
     assert len(deficit) == 4 and all(d > 0 for d in deficit)  # near-uniform gates at init: a small deficit
     assert _metric(logged.run_dir, "gate_entropy_penalty") == [0.0] * 4
-    trained = make_config("trained", dict(W8S4, gate_entropy_floor=0.999, gate_entropy_weight=10.0))
+    trained = make_config("trained", W8S4, dict(floor=0.999, weight=10.0))
     got = losses(train(trained))
     assert got[0] == plain[0] and got[1:] != plain[1:]  # "loss" is the LM loss; the penalty changed the updates
     assert _metric(trained.run_dir)[-1] < deficit[-1]  # and it spreads the gates
@@ -174,12 +177,12 @@ def test_training_logs_the_penalty_and_weight_zero_gives_the_plain_losses(make_c
 
 
 def test_resume_with_the_floor_is_exact(make_config):
-    att = dict(W8S4, gate_entropy_floor=0.999, gate_entropy_weight=1.0)
-    straight = make_config("straight", att)
+    floor = dict(floor=0.999, weight=1.0)
+    straight = make_config("straight", W8S4, floor)
     train(straight)
-    split = make_config("split", att, stop_at_step=2)
+    split = make_config("split", W8S4, floor, stop_at_step=2)
     train(split)
-    resumed = make_config("split", att)
+    resumed = make_config("split", W8S4, floor)
     train(resumed)
     a, b = read_metrics(straight.run_dir), read_metrics(resumed.run_dir)
     key = ("step", "loss", "lr", "gate_entropy_deficit", "gate_entropy_penalty")
@@ -191,56 +194,48 @@ def test_resume_with_the_floor_is_exact(make_config):
 
 def test_activation_checkpointing_gives_the_same_losses_with_the_floor(make_config):
     """The forward that checkpointing replays in backward runs the hooks again: the same ops, terms dropped."""
-    att = dict(W8S4, gate_entropy_floor=0.999, gate_entropy_weight=10.0)
-    base = losses(train(make_config("none", att)))
+    floor = dict(floor=0.999, weight=10.0)
+    base = losses(train(make_config("none", W8S4, floor)))
     for mode in ("full", "selective"):
-        cfg = make_config(mode, att, activation_checkpointing=mode)
+        cfg = make_config(mode, W8S4, floor, activation_checkpointing=mode)
         assert losses(train(cfg)) == pytest.approx(base, abs=1e-5), mode
 
 
 def test_no_host_sync_between_log_steps_with_the_floor(make_config, monkeypatch):
     """As tests/train/test_hot_path.py, plus one read at the log step: the penalty (item)."""
-    cfg = make_config("sync", dict(W8S4, **FLOOR), max_steps=8, log_every=4, stop_check_every=4)
+    cfg = make_config("sync", W8S4, FLOOR, max_steps=8, log_every=4, stop_check_every=4)
     steps = _syncs_per_step(monkeypatch, cfg)
     assert [sum(c.values()) for i, c in enumerate(steps, 1) if i != 4] == [0] * 6, steps
     assert steps[3] == {"item": 2, "tolist": 3, "__int__": 1}, steps[3]
 
 
 @pytest.mark.parametrize(
-    "fields, needle",
+    "fields, attention, needle",
     [
-        (dict(gate_entropy_floor=1.0), r"gate_entropy_floor=1.0 must be a finite number >= 0 and < 1"),
-        (dict(gate_entropy_floor=-0.1), r"gate_entropy_floor=-0.1 must be"),
-        (dict(gate_entropy_floor="0.5"), r"gate_entropy_floor='0.5' must be"),
-        (
-            dict(gate_entropy_floor=0.5, gate_entropy_weight=-1.0),
-            r"gate_entropy_weight=-1.0 must be a finite number >= 0",
-        ),
-        (dict(gate_entropy_floor=0.5, gate_entropy_weight=math.inf), r"gate_entropy_weight=inf must be"),
-        (dict(gate_entropy_weight=0.1), r"gate_entropy_weight=0.1 .* set attention.gate_entropy_floor in \(0, 1\)"),
-        (dict(gate_entropy_floor=0.5, pooling="mean"), r"needs kind='compressed' and pooling='gate'"),
-        (dict(gate_entropy_floor=0.5, kind="full"), r"needs kind='compressed' and pooling='gate'"),
-        (dict(gate_entropy_floor=0.5, window=1, stride=1), r"needs attention.window >= 2"),
+        (dict(floor=1.0), {}, r"trainer.gate_entropy.floor=1.0 must be a finite number >= 0 and < 1"),
+        (dict(floor=-0.1), {}, r"trainer.gate_entropy.floor=-0.1 must be"),
+        (dict(floor="0.5"), {}, r"trainer.gate_entropy.floor='0.5' must be"),
+        (dict(floor=0.5, weight=-1.0), {}, r"trainer.gate_entropy.weight=-1.0 must be a finite number >= 0"),
+        (dict(floor=0.5, weight=math.inf), {}, r"trainer.gate_entropy.weight=inf must be"),
+        (dict(weight=0.1), {}, r"weight=0.1 .* set trainer.gate_entropy.floor in \(0, 1\)"),
+        (dict(floor=0.5, ceiling=1), {}, r"unknown trainer.gate_entropy field\(s\) \['ceiling'\]"),
+        (FLOOR, dict(gate=None), r"keeps a learned gate spread: the model needs one"),
+        (FLOOR, dict(kind="full"), r"keeps a learned gate spread: the model needs one"),
+        (FLOOR, dict(window=1, stride=1), r"needs attention.window >= 2"),
     ],
 )
-def test_bad_configs_fail_with_one_line(fields, needle):
-    attention = {**W8S4, **fields}
+def test_bad_configs_fail_with_one_line(make_config, fields, attention, needle):
     with pytest.raises(ConfigError, match=needle) as err:
-        AttentionConfig(**attention)
+        make_config("bad", {**W8S4, **attention}, fields)
     assert "\n" not in str(err.value)
 
 
-def test_the_entropy_options_build_the_plain_model():
-    for name, base in (("w8s4_entropy", "w8s4"), ("w8s8_entropy", "w8s8"), ("w4s4_entropy", "w4s4")):
-        att = variant(name)
-        assert (att["gate_entropy_floor"], att["gate_entropy_weight"]) == (0.5, 0.1)
-        torch.manual_seed(0)
-        a = Transformer(small_config(att)).state_dict()
-        torch.manual_seed(0)
-        b = Transformer(small_config(variant(base))).state_dict()
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
-
-
-def test_smoke_app_passes(capsys):
-    assert smoke.main([str(ATTENTION_DIR), "--only", "w8s4_entropy"]) == 0
-    assert "w8s4_entropy" in capsys.readouterr().out
+def test_the_floor_option_composes_and_leaves_the_model_as_it_is():
+    """``trainer/gate_entropy=floor`` (conf/trainer/gate_entropy/floor.yaml) on any attention option: the trainer
+    gets floor 0.5 and weight 0.1, the model is exactly the plain option's."""
+    for base in ("w8s4", "w8s8", "w4s4"):
+        plain = _train_config([f"attention={base}"])
+        floored = _train_config([f"attention={base}", "trainer/gate_entropy=floor"])
+        assert (floored.trainer.gate_entropy.floor, floored.trainer.gate_entropy.weight) == (0.5, 0.1)
+        assert (plain.trainer.gate_entropy.floor, plain.trainer.gate_entropy.weight) == (0.0, 0.0)
+        assert floored.attention == plain.attention and floored.model == plain.model

@@ -49,11 +49,11 @@ def cycling_parameters(
         )
     if a.offset_maps == "specific":
         params = [p for b in branches for p in (b.compressor.gate_weight, b.compressor.gate_bias) if p is not None]
-        return params, "gate_weight" + (" and gate_bias" if a.gate_bias else "") + " (offset-specific gate maps)"
-    if not a.gate_bias:
+        return params, "gate_weight" + (" and gate_bias" if a.gate.bias else "") + " (offset-specific gate maps)"
+    if not a.gate.bias:
         raise AnalysisNotApplicable(
             f"analysis=gate_cycling: {model_name} shares its gate map across offsets (attention.offset_maps=shared) "
-            "and has no gate bias (attention.gate_bias=false): no gate parameter is offset-specific"
+            "and has no gate bias (attention.gate.bias=false): no gate parameter is offset-specific"
         )
     return (
         [b.compressor.gate_bias for b in branches],

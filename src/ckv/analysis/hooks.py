@@ -160,15 +160,15 @@ def gated_branches(
             f"{type(module).__name__} (gate parameters are unknown)"
         )
     a = module.config.attention
-    if not a.compressed:
+    if not any(isinstance(m, Compressor) for m in module.modules()):
         raise AnalysisNotApplicable(
-            f"analysis={analysis} needs a compressed model, but {model_name} uses full "
-            "attention (attention.kind=full): there are no gates"
+            f"analysis={analysis} needs a compressed model, but {model_name} has no compressor "
+            f"(attention.kind={a.kind}): there are no gates"
         )
-    if a.pooling != "gate":
+    if a.gate is None:
         raise AnalysisNotApplicable(
             f"analysis={analysis} needs learned gates, but {model_name} pools by uniform averaging "
-            f"(attention.pooling=mean): every present offset weighs 1/W and there are no gate parameters"
+            f"(attention.gate=null): every present offset weighs 1/W and there are no gate parameters"
         )
     n = len(module.layers)
     chosen = range(n) if layers is None else layers

@@ -74,7 +74,7 @@ GRID = tuple(
         "demo_gate_s4",
         0,
         "grid",
-        (f"attention.window={w}", f"attention.stride={s}", f"attention.pooling={p}"),
+        (f"attention.window={w}", f"attention.stride={s}") + (("attention.gate=null",) if p == "mean" else ()),
         name=f"grid_{p}_w{w}s{s}",
     )
     for p in ("gate", "mean")

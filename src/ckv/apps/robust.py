@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ckv import flops
 from ckv.apps.demo import QUICK_EVAL, TASK, Check, DemoRun, Timer, demo_arguments, job_env, run_command, run_plan
 from ckv.config import ModelConfig
 from ckv.eval.stats import gap_is_real
@@ -45,12 +46,13 @@ SEEDS = (0, 1)
 
 @dataclass(frozen=True)
 class Model:
-    """One model of a task: its attention option, its role, the equal-memory baseline a fix is compared with,
+    """One model of a task: its ``train.py`` overrides (an attention option plus option groups, e.g.
+    ``attention=w4s4 attention/mixing=conv``), its role, the equal-memory baseline a fix is compared with,
     and whether ``make robust`` trains it (``core``) or only ``--all`` does (the 30-minute budget of 2 cores holds
     nine models per seed at make demo's budget)."""
 
     name: str
-    option: str
+    option: str  # space-separated train.py overrides
     role: str  # "baseline", "fix" or "control"
     baseline: Optional[str] = None  # a fix's equal-memory baseline (same entries per token, heads, local window)
     core: bool = True
@@ -61,27 +63,38 @@ class Model:
 MODELS: dict[str, tuple[Model, ...]] = {
     # straddling: every compressed model stores one entry per 4 tokens (S = 4)
     "split": (
-        Model("gate_w4s4", "w4s4", "baseline"),
-        Model("conv_w4s4", "w4s4_conv", "fix", "gate_w4s4"),  # fix 2: causal mixing before pooling
-        Model("stagger_w4s4", "w4s4_stagger", "fix", "gate_w4s4"),  # fix 3: layer grids shifted by 0, 2
-        Model("overlap_w8s4", "w8s4", "fix", "gate_w4s4"),  # fix 1: W = 2S, offset-specific maps
-        Model("overlap_shared_w8s4", "w8s4_shared", "fix", "gate_w4s4", core=False),  # fix 1: shared maps
-        Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w4s4", core=False),  # fix 1: V4's two series
-        Model("v4_csa_conv_w8s4", "deepseek_v4_csa_conv", "fix", "gate_w4s4", core=False),  # fixes 1 + 2
-        Model("entropy_w4s4", "w4s4_entropy", "fix", "gate_w4s4", core=False),  # fix 4 (a crowding fix)
-        Model("full", "full", "control"),
+        Model("gate_w4s4", "attention=w4s4", "baseline"),
+        # fix 2: causal mixing before pooling
+        Model("conv_w4s4", "attention=w4s4 attention/mixing=conv", "fix", "gate_w4s4"),
+        # fix 3: layer grids shifted by 0, 2
+        Model("stagger_w4s4", "attention=w4s4 attention/grid=stagger", "fix", "gate_w4s4"),
+        # fix 1: W = 2S, offset-specific maps; shared maps; V4's two series; V4's with mixing (fixes 1 + 2)
+        Model("overlap_w8s4", "attention=w8s4", "fix", "gate_w4s4"),
+        Model("overlap_shared_w8s4", "attention=w8s4_shared", "fix", "gate_w4s4", core=False),
+        Model("v4_csa_w8s4", "attention=deepseek_v4_csa", "fix", "gate_w4s4", core=False),
+        Model("v4_csa_conv_w8s4", "attention=deepseek_v4_csa attention/mixing=conv", "fix", "gate_w4s4", core=False),
+        # fix 4 (a crowding fix)
+        Model("entropy_w4s4", "attention=w4s4 trainer/gate_entropy=floor", "fix", "gate_w4s4", core=False),
+        Model("full", "attention=full", "control"),
     ),
     # crowding: the paper's W = 8 / S = 4 (every 2-token record fits one window) and W = S = 8 (one entry per 8)
     "dense": (
-        Model("gate_w8s4", "w8s4", "baseline"),
-        Model("entropy_w8s4", "w8s4_entropy", "fix", "gate_w8s4"),  # fix 4: gate-entropy floor
-        Model("overlap_shared_w8s4", "w8s4_shared", "fix", "gate_w8s4", core=False),
-        Model("v4_csa_w8s4", "deepseek_v4_csa", "fix", "gate_w8s4", core=False),
-        Model("v4_csa_conv_w8s4", "deepseek_v4_csa_conv", "fix", "gate_w8s4", core=False),
-        Model("gate_w8s8", "w8s8", "baseline"),
-        Model("conv_w8s8", "w8s8_conv", "fix", "gate_w8s8", core=False),
-        Model("stagger_w8s8", "w8s8_stagger", "fix", "gate_w8s8", core=False),
-        Model("full", "full", "control"),
+        Model("gate_w8s4", "attention=w8s4", "baseline"),
+        # fix 4: gate-entropy floor
+        Model("entropy_w8s4", "attention=w8s4 trainer/gate_entropy=floor", "fix", "gate_w8s4"),
+        Model("overlap_shared_w8s4", "attention=w8s4_shared", "fix", "gate_w8s4", core=False),
+        Model("v4_csa_w8s4", "attention=deepseek_v4_csa", "fix", "gate_w8s4", core=False),
+        Model("v4_csa_conv_w8s4", "attention=deepseek_v4_csa attention/mixing=conv", "fix", "gate_w8s4", core=False),
+        Model("gate_w8s8", "attention=w8s8", "baseline"),
+        Model(
+            "conv_w8s8",
+            "attention=w8s8 attention/mixing=conv attention.mixing.kernel=4",
+            "fix",
+            "gate_w8s8",
+            core=False,
+        ),
+        Model("stagger_w8s8", "attention=w8s8 attention/grid=stagger", "fix", "gate_w8s8", core=False),
+        Model("full", "attention=full", "control"),
     ),
 }
 CONTROL_STRIDE = {"split": 4, "dense": 8}  # full attention has no stride: its phases are taken mod this
@@ -110,7 +123,7 @@ def plan(
             f"robust_{task}",
             seed,
             m.role,
-            (f"attention={m.option}",),
+            tuple(m.option.split()),
             (f"task.stride={CONTROL_STRIDE[task]}",) if m.role == "control" else (),
             name=f"{task}_{m.name}",
         )
@@ -124,10 +137,8 @@ def plan(
 def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = BYTES_PER_ELEMENT) -> float:
     """KV-cache bytes a model adds per token over all layers, in the long-sequence limit: full attention keeps
     every key and value; compressed attention one entry (key, and value unless tied) per ``stride`` tokens. The
-    local window and the pending hidden states are a constant, not a per-token cost."""
-    a = config.attention
-    per_entry = config.kv_heads * config.head_dim * (1 if a.tied_kv else 2) * bytes_per_element
-    return config.n_layers * per_entry / (a.stride if a.compressed else 1)
+    local window and the pending hidden states are a constant, not a per-token cost (``ckv.flops``)."""
+    return flops.kv_bytes_per_token(config, None, bytes_per_element)
 
 
 def row(d: dict) -> dict:

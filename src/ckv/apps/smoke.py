@@ -1,4 +1,5 @@
-"""End-to-end check of the foundation on a CPU: every attention variant under conf/attention builds a tiny model,
+"""End-to-end check of the foundation on a CPU: every attention option (each conf/attention/*.yaml, and each
+option of each group folder conf/attention/<group>/ composed onto ``GROUP_BASES``) builds a tiny model,
 runs forward and backward, decodes incrementally (compared with a full forward) and reports its cache memory.
 With ``--triton`` every compressed variant runs a second time with ``impl=triton`` (on a CPU under the Triton
 interpreter, which this sets up: slow, minutes per variant) and is compared with ``impl=torch``.
@@ -19,12 +20,27 @@ from omegaconf import OmegaConf
 
 from ckv import ModelConfig, Transformer
 
+# every option of a group folder (conf/attention/mixing/conv.yaml, ...) is composed onto these bases: W = S, an
+# overlapping window with offset-specific maps, and DeepSeek-V4's CSA
+GROUP_BASES = ("w4s4", "w8s4", "deepseek_v4_csa")
+
 
 def load_variant(conf_dir: str | Path, name: str) -> dict:
     """Attention option ``name`` of ``conf_dir`` composed by Hydra: the option it starts from (its ``defaults``,
-    e.g. ``w8s8``) with its own fields merged over it."""
+    e.g. ``w8s8``) with its own fields merged over it. ``base+group=option`` composes a group folder's option onto
+    a base (``w4s4+mixing=conv``: ``python train.py attention=w4s4 attention/mixing=conv``)."""
+    base, *groups = name.split("+")
     with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
-        return OmegaConf.to_container(compose(config_name=name))
+        return OmegaConf.to_container(compose(config_name=base, overrides=groups))
+
+
+def option_names(conf_dir: str | Path) -> list[str]:
+    """Every attention option to check: each YAML of ``conf_dir``, then each option of each group folder composed
+    onto ``GROUP_BASES`` (``w4s4+mixing=conv``, ...)."""
+    root = Path(conf_dir)
+    names = sorted(p.stem for p in root.glob("*.yaml"))
+    groups = sorted((g.name, p.stem) for g in root.iterdir() if g.is_dir() for p in g.glob("*.yaml"))
+    return names + [f"{base}+{group}={option}" for group, option in groups for base in GROUP_BASES]
 
 
 def check_variant(attention: dict, seq_len: int = 61, seed: int = 0) -> dict:
@@ -67,12 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckv.apps.smoke", description=__doc__.split("\n\n")[0])
     parser.add_argument("conf_dir", nargs="?", default="conf/attention")
     parser.add_argument("--triton", action="store_true", help="also run compressed variants with impl=triton")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="only these variants (file stems)")
+    parser.add_argument(
+        "--only", nargs="+", metavar="NAME", help="only these options (file stems, or base+group=option)"
+    )
     args = parser.parse_args(argv)
     if args.triton and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when ckv_kernels is first imported (not yet)
-    files = sorted(f for f in Path(args.conf_dir).glob("*.yaml") if not args.only or f.stem in args.only)
-    if not files:
+    names = [n for n in option_names(args.conf_dir) if not args.only or n in args.only]
+    if not names:
         print(
             f"no attention configs in {args.conf_dir}" + (f" named {args.only}" if args.only else ""), file=sys.stderr
         )
@@ -82,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'time s':>7s}"
     )
     worst, runs = 0.0, 0
-    for f in files:
-        attention = load_variant(args.conf_dir, f.stem)
+    for stem in names:
+        attention = load_variant(args.conf_dir, stem)
         impls = ["triton"] if args.triton and attention.get("kind") == "compressed" else []
         reference = None
         for impl in [None, *impls]:
@@ -93,14 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             vs = "" if reference is None else f"{vs_torch:9.2e}"
             worst = max(worst, r["decode_err"], vs_torch)
             reference, runs = reference or r, runs + 1
-            name = f.stem if impl is None else f"{f.stem} [{impl}]"
+            name = stem if impl is None else f"{stem} [{impl}]"
             print(
                 f"{name:34s} {r['loss']:7.3f} {r['grad_norm']:8.3f} {r['decode_err']:11.2e} {vs:>9s} "
                 f"{r['cache_bytes'] / 1024:10.1f} {time.perf_counter() - t0:7.2f}"
             )
     ok = worst < 1e-4
     print(
-        f"{len(files)} variants, {runs} runs: forward+backward ran; incremental decoding matches the full forward"
+        f"{len(names)} options, {runs} runs: forward+backward ran; incremental decoding matches the full forward"
         f"{' and triton matches torch' if args.triton else ''} (max |diff| {worst:.1e}) -> "
         f"{'OK' if ok else 'MISMATCH'}"
     )

@@ -1,7 +1,10 @@
-"""What every attention backend shares: Q/K/V/O projections, per-head Q/K RMSNorm and RoPE."""
+"""What every attention backend shares: Q/K/V/O projections, per-head Q/K RMSNorm and RoPE, and the accounting
+interface (parameters, FLOPs, KV-cache bytes, initialisation) that everything above ``ckv.attention`` asks."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 import torch
@@ -12,13 +15,35 @@ from ckv.config import ConfigError, ModelConfig
 from ckv.norm import RMSNorm
 
 
+@dataclass(frozen=True)
+class LayerFlops:
+    """Forward FLOPs per token of one attention layer, by part, averaged over a ``seq_len``-token sequence:
+    ``projections`` (Q/K/V/O), ``attention`` (scores and weighted values over the visible (query, key) pairs:
+    ``4 * head_dim`` per query head and pair) and ``compressor`` (everything that makes compressed entries)."""
+
+    projections: float
+    attention: float
+    compressor: float = 0.0
+
+
 class AttentionBackend(nn.Module):
-    """Base class of the attention backends. Subclasses declare ``kind`` and the ``impls`` they run, may extend
-    ``check`` to refuse configurations they cannot run, override ``resolve_impl`` when ``impl="auto"`` has a
-    choice to make, and implement ``forward(x, cache)`` and ``new_cache(batch_size)``."""
+    """Base class of the attention backends.
+
+    A subclass declares ``kind``, the ``impls`` it runs and the options it takes (``options``: keys of
+    ``AttentionConfig.GROUPS`` and the flags of ``AttentionConfig.set_options``; ``rope`` is every backend's),
+    may extend ``check`` to refuse configurations it cannot run, overrides ``resolve_impl`` when ``impl="auto"``
+    has a choice to make, and implements ``forward(x, cache)`` and ``new_cache(batch_size)``.
+
+    Accounting (OLMo-core's ``SequenceMixer``, torchtitan's model ``Config``): the backend answers, from the
+    config alone, ``num_params`` (default: counted on a module built on the meta device), ``flops_per_token`` and
+    ``kv_bytes_per_token`` (no default: a backend that does not declare them fails with a ConfigError naming its
+    kind, never with another backend's figures), ``activation_elements_per_token`` (for ``ckv.plan``) and
+    ``phase_stride`` (the period of a phase effect it may cause; None for none); a built module initialises its
+    own parameters in ``init_weights``."""
 
     kind: ClassVar[str]
     impls: ClassVar[tuple[str, ...]] = ("auto", "torch")
+    options: ClassVar[tuple[str, ...]] = ("rope",)
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -34,8 +59,8 @@ class AttentionBackend(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, config.norm_eps) if a.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if a.qk_norm else nn.Identity()
-        theta = config.rope_theta if a.rope_theta is None else a.rope_theta
-        self.rotary = Rotary(config.rope_dims, theta, side=a.rope_side, pairing=a.rope_pairing)
+        theta = config.rope_theta if a.rope.theta is None else a.rope.theta
+        self.rotary = Rotary(config.rope_dims, theta, side=a.rope.side, pairing=a.rope.pairing)
         self.impl = a.impl
         self._resolved_impls: dict[tuple[torch.device, torch.dtype], str] = {}
 
@@ -47,12 +72,76 @@ class AttentionBackend(nn.Module):
             raise ConfigError(
                 f"attention.kind={cls.kind!r} does not support attention.impl={a.impl!r}; it supports {list(cls.impls)}"
             )
+        for name in a.set_options():
+            if name not in cls.options:
+                raise ConfigError(
+                    f"attention.{name} is not an option of attention.kind={cls.kind!r}; it takes {list(cls.options)}"
+                )
 
     @classmethod
     def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:
         """The implementation ``impl`` runs as on ``device`` for activations of ``dtype`` (``auto`` -> ``torch``)."""
         return "torch" if impl == "auto" else impl
 
+    # ---- accounting ---------------------------------------------------------------------------------------------
+    @classmethod
+    def num_params(cls, config: ModelConfig) -> int:
+        """Parameters of one layer's attention module (default: counted on a module built on the meta device)."""
+        with torch.device("meta"):
+            return sum(p.numel() for p in cls(config, 0).parameters())
+
+    @classmethod
+    def projection_params(cls, config: ModelConfig) -> int:
+        """Parameters of the shared Q/K/V/O projections and Q/K norms."""
+        d, h, kv, hd, a = config.d_model, config.n_heads, config.kv_heads, config.head_dim, config.attention
+        return d * h * hd * 2 + d * kv * hd * (1 if a.tied_kv else 2) + (2 * hd if a.qk_norm else 0)
+
+    @classmethod
+    def projection_flops(cls, config: ModelConfig) -> float:
+        """Forward FLOPs per token of the Q/K/V/O projections."""
+        d, h, kv, hd = config.d_model, config.n_heads, config.kv_heads, config.head_dim
+        return 2.0 * (d * h * hd * 2 + d * kv * hd * (1 if config.attention.tied_kv else 2))
+
+    @classmethod
+    def flops_per_token(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> LayerFlops:
+        """Forward FLOPs per token of layer ``layer_idx`` over sequences of ``seq_len`` tokens."""
+        raise ConfigError(
+            f"attention.kind={cls.kind!r} ({cls.__name__}) does not declare flops_per_token: its FLOPs are unknown"
+        )
+
+    @classmethod
+    def kv_bytes_per_token(
+        cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0, bytes_per_element: int = 2
+    ) -> float:
+        """Bytes layer ``layer_idx``'s decode cache holds per token: everything it holds after ``seq_len`` tokens
+        divided by ``seq_len``, or (``seq_len=None``) the long-sequence figure, the growth per token."""
+        raise ConfigError(
+            f"attention.kind={cls.kind!r} ({cls.__name__}) does not declare kv_bytes_per_token: its cache is unknown"
+        )
+
+    @classmethod
+    def activation_elements_per_token(cls, config: ModelConfig) -> float:
+        """Activation elements autograd saves per token in this layer's attention (Q/K/V before and after their
+        norms and the output: ``4 H D + 4 KV D``), for ``ckv.plan``."""
+        return 4 * config.n_heads * config.head_dim + 4 * config.kv_heads * config.head_dim
+
+    @classmethod
+    def phase_stride(cls, config: ModelConfig) -> Optional[int]:
+        """The period of the phase effects this attention can cause (None: positions have no phase)."""
+        return None
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Normal(0, std) for the Q/K/V maps, Normal(0, out_std) for the output map, norm gains 1."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            if proj is not None:
+                proj.weight.normal_(0.0, std)
+        self.o_proj.weight.normal_(0.0, out_std)
+        for norm in (self.q_norm, self.k_norm):
+            if isinstance(norm, RMSNorm):
+                norm.reset_parameters()
+
+    # ---- running ------------------------------------------------------------------------------------------------
     def impl_for(self, x: torch.Tensor) -> str:
         """This module's ``impl`` resolved for ``x``'s device and dtype, once per (device, dtype)."""
         key = (x.device, x.dtype)
@@ -73,3 +162,8 @@ class AttentionBackend(nn.Module):
 
     def new_cache(self, batch_size: int) -> object:  # pragma: no cover
         raise NotImplementedError
+
+
+def residual_std(std: float, n_layers: int) -> float:
+    """The init std of maps that write into the residual stream (output projections): ``std / sqrt(2 n_layers)``."""
+    return std / math.sqrt(2 * n_layers)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ckv.attention.base import AttentionBackend
+from ckv.attention.base import AttentionBackend, LayerFlops
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError, ModelConfig
@@ -25,12 +25,15 @@ from ckv.geometry import (
     grid_origin,
     local_keep,
     local_span,
+    local_start,
     num_entries,
     offset_series,
     pending_keep,
+    visible_entries,
     window_positions,
 )
 from ckv.norm import RMSNorm
+from ckv.options import Dims
 
 
 def resolve_impl(impl: str, device: torch.device) -> str:
@@ -103,9 +106,11 @@ def joint_attention(
     impl: str = "torch",
     sinks: Optional[torch.Tensor] = None,
     origin: int = 0,
+    selected: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Dispatch of ``reference.joint_attention_reference`` (see there for shapes and ``origin``); returns the
-    output only. A layer with a shifted grid passes ``q_start`` in grid coordinates and its ``origin``."""
+    """Dispatch of ``reference.joint_attention_reference`` (see there for shapes, ``origin`` and the top-k
+    ``selected`` entries per query); returns the output only. A layer with a shifted grid passes ``q_start`` in
+    grid coordinates and its ``origin``."""
     if resolve_impl(impl, q.device) == "triton":
         from ckv_kernels import joint_attention as joint_attention_triton
 
@@ -121,9 +126,20 @@ def joint_attention(
             q_start=q_start,
             sinks=sinks,
             origin=origin,
+            selected=selected,
         )[0]
     return joint_attention_reference(
-        q, kc, vc, k, v, stride=stride, local_window=local_window, q_start=q_start, sinks=sinks, origin=origin
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        stride=stride,
+        local_window=local_window,
+        q_start=q_start,
+        sinks=sinks,
+        origin=origin,
+        selected=selected,
     )[0]
 
 
@@ -138,8 +154,8 @@ class Pooling(nn.Module):
 
 
 class CausalMixing(nn.Module):
-    """Token mixing before pooling (``attention.mixing='conv'``): a causal depthwise convolution over the
-    compressor's input, ``m_t = h_t + sum_{k=0}^{K-1} w_k * h_{t-k}`` per channel (``K = mixing_kernel``), with zero
+    """Token mixing before pooling (``attention.mixing``): a causal depthwise convolution over the
+    compressor's input, ``m_t = h_t + sum_{k=0}^{K-1} w_k * h_{t-k}`` per channel (``K = attention.mixing.kernel``), with zero
     history before the first hidden state given. The residual ``h_t`` keeps the map near the identity at the
     model's small normal init, so a mixed compressor starts close to its unmixed twin. ``weight`` is (K, d), tap ``k``
     multiplying the token ``k`` steps back."""
@@ -168,7 +184,7 @@ class Compressor(nn.Module):
     all offsets and an offset-specific bias ``b_i`` only; per-series maps (DeepSeek-V4's CSA): one ``Z_s``,
     ``C_s`` per series ``s = i // stride`` (``geometry.offset_series``) and the offset-specific bias. Parameters
     are stacked offset-first (series-first for per-series maps) so that gate cycling is ``torch.roll(..., dims=0)``.
-    With ``attention.mixing='conv'`` the branch owns a ``CausalMixing`` (``mixing``) that the layer applies to the
+    With ``attention.mixing`` set the branch owns a ``CausalMixing`` (``mixing``) that the layer applies to the
     hidden-state sequence before windows are gathered (a window's first token then carries its predecessors).
     """
 
@@ -178,7 +194,6 @@ class Compressor(nn.Module):
         d, W = config.d_model, a.window
         self.kv_heads, self.head_dim, self.window = config.kv_heads, config.head_dim, W
         out = self.kv_heads * self.head_dim
-        self.gate_dim = self.kv_heads if a.gate == "scalar" else out
         self.specific = a.offset_maps == "specific"
         # per-series maps: the series of each offset, (W,); None for offset-specific or shared maps
         self.register_buffer(
@@ -186,10 +201,21 @@ class Compressor(nn.Module):
         )
         lead = (W,) if self.specific else (W // a.stride,) if self.series is not None else ()
         self.payload = nn.Parameter(torch.empty(*lead, d, out))  # C_i: (W, d, KV*D) or C: (d, KV*D)
-        self.gate_weight = nn.Parameter(torch.empty(*lead, d, self.gate_dim)) if a.pooling == "gate" else None
-        self.gate_bias = nn.Parameter(torch.zeros(W, self.gate_dim)) if a.pooling == "gate" and a.gate_bias else None
+        gate = a.gate  # None: uniform averaging
+        self.gate_dim = 0 if gate is None else gate.gate_dim(self.kv_heads, self.head_dim)
+        self.gate_weight = None if gate is None else nn.Parameter(torch.empty(*lead, d, self.gate_dim))
+        self.gate_bias = nn.Parameter(torch.zeros(W, self.gate_dim)) if gate is not None and gate.bias else None
         self.pooling = Pooling()  # analyses hook it to read the gate weights alpha
-        self.mixing = CausalMixing(d, a.mixing_kernel) if a.mixing == "conv" else None
+        self.mixing = None if a.mixing is None else CausalMixing(d, a.mixing.taps(a.stride))
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """Normal(0, std) for the payload and gate maps and the mixing taps; gate biases 0 (a uniform gate)."""
+        for p in (self.payload, self.gate_weight, None if self.mixing is None else self.mixing.weight):
+            if p is not None:
+                p.normal_(0.0, std)
+        if self.gate_bias is not None:
+            self.gate_bias.zero_()
 
     def _map(self, hw: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.specific:
@@ -221,12 +247,13 @@ class Compressor(nn.Module):
 class CompressedAttention(AttentionBackend):
     """Joint attention over chunk-compressed entries and an exact local window.
 
-    With ``attention.grid_offsets`` the layer's grid is shifted by ``grid_offset`` (``config.grid_offset(layer_idx)``):
+    With ``attention.grid`` the layer's grid is shifted by ``grid_offset`` (``config.grid_offset(layer_idx)``):
     entries, visibility, the local window and the decode cache's keeps are computed in grid coordinates
     ``g = p + origin`` (``geometry.grid_origin``), positions below ``origin`` absent; RoPE stays at real positions."""
 
     kind = "compressed"
     impls = ("auto", "torch", "triton")
+    options = ("rope", "gate", "mixing", "grid", "sink", "output_rope")
 
     @classmethod
     def check(cls, config: ModelConfig) -> None:
@@ -250,13 +277,115 @@ class CompressedAttention(AttentionBackend):
         self.v_compressor = None if a.tied_kv else Compressor(config)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if a.sink else None  # one logit per query head
         self.inverse_output_rope = a.output_rope == "inverse"
-        self.history = a.mixing_kernel - 1 if a.mixing == "conv" else 0  # states before a window that mixing reads
+        self.history = sum(g.cache_history(self.dims(config)) for g in a.groups())  # states before a window
         self.grid_offset = config.grid_offset(layer_idx)
         self.origin = grid_origin(self.grid_offset, self.stride)  # grid coordinate of real position 0
 
+    # ---- accounting (per layer; the option groups declare their own shares) -------------------------------------
+    @staticmethod
+    def dims(config: ModelConfig) -> Dims:
+        """The sizes the option groups' accounting reads."""
+        a = config.attention
+        maps = {"specific": a.window, "series": a.window // a.stride}.get(a.offset_maps, 1)
+        return Dims(
+            d_model=config.d_model,
+            n_heads=config.n_heads,
+            kv_heads=config.kv_heads,
+            head_dim=config.head_dim,
+            window=a.window,
+            stride=a.stride,
+            maps=maps,
+            branches=1 if a.tied_kv else 2,
+        )
+
+    @classmethod
+    def num_params(cls, config: ModelConfig) -> int:
+        a, dims = config.attention, cls.dims(config)
+        payload = dims.branches * dims.maps * dims.d_model * dims.kv_heads * dims.head_dim
+        norm = config.head_dim if a.qk_norm else 0  # the compressed-key RMSNorm
+        sinks = config.n_heads if a.sink else 0  # one attention-sink logit per query head
+        groups = sum(g.num_params(dims) for g in a.groups())
+        return cls.projection_params(config) + payload + norm + sinks + groups
+
+    @classmethod
+    def visible_pairs(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> int:
+        """(query, key) pairs one query head scores over ``seq_len`` tokens in layer ``layer_idx``: each query's
+        visible entries plus its local window's exact keys, in the layer's grid coordinates."""
+        a = config.attention
+        P = grid_origin(config.grid_offset(layer_idx), a.stride)  # grid coordinates g = t + P, present from P
+        n_entries = num_entries(seq_len + P, a.stride)
+        pairs = 0
+        for t in range(P, seq_len + P):
+            local = t - max(local_start(t, a.local_window, a.stride), P) + 1
+            pairs += min(visible_entries(t, a.stride), n_entries) + max(local, 0)
+        return pairs
+
+    @classmethod
+    def flops_per_token(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> LayerFlops:
+        """Visible pairs: each query's visible entries plus its local window's exact keys, counted in the layer's
+        grid coordinates (``ckv.geometry``). The compressor maps every entry's ``window`` hidden states (absent
+        ones too: they are computed as zeros) through the payload maps and sums them, plus the groups' shares."""
+        if seq_len < 1:
+            raise ConfigError(f"seq_len={seq_len} must be >= 1")
+        a, dims = config.attention, cls.dims(config)
+        n_entries = num_entries(seq_len + grid_origin(config.grid_offset(layer_idx), a.stride), a.stride)
+        attention = 4.0 * config.head_dim * config.n_heads * cls.visible_pairs(config, seq_len, layer_idx) / seq_len
+        out = dims.kv_heads * dims.head_dim
+        per_entry = dims.branches * (dims.window * 2.0 * dims.d_model * out + 2.0 * dims.window * out)
+        per_entry += sum(g.flops_per_entry(dims) for g in a.groups())
+        per_token = sum(g.flops_per_token(dims) for g in a.groups())
+        compressor = per_entry * n_entries / seq_len + per_token
+        return LayerFlops(projections=cls.projection_flops(config), attention=attention, compressor=compressor)
+
+    @classmethod
+    def kv_bytes_per_token(
+        cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0, bytes_per_element: int = 2
+    ) -> float:
+        """At ``seq_len``: the finished entries (a key, and a value unless tied), the exact keys (and values) the
+        next query's local window needs, and the hidden states of the unfinished window plus the groups' history
+        (``CompressedLayerCache``), divided by ``seq_len``. Long-sequence figure: one entry per ``stride`` tokens."""
+        a, dims = config.attention, cls.dims(config)
+        per_entry = dims.kv_heads * dims.head_dim * (1 if a.tied_kv else 2)
+        if seq_len is None:
+            return per_entry * bytes_per_element / a.stride
+        if seq_len < 1:
+            raise ConfigError(f"seq_len={seq_len} must be >= 1")
+        P = grid_origin(config.grid_offset(layer_idx), a.stride)
+        n = seq_len + P
+        history = sum(g.cache_history(dims) for g in a.groups())
+        local = local_keep(n, a.local_window, a.stride, origin=P)
+        pending = min(pending_keep(n, a.window, a.stride, origin=P) + history, seq_len)
+        elements = num_entries(n, a.stride) * per_entry + local * per_entry + pending * dims.d_model
+        return elements * bytes_per_element / seq_len
+
+    @classmethod
+    def activation_elements_per_token(cls, config: ModelConfig) -> float:
+        """Projections as every backend, plus each token's share of the pooled windows: ``window / stride``
+        copies of the hidden state and, per branch, a payload and its normalised copy (``2 KV D``)."""
+        a, dims = config.attention, cls.dims(config)
+        pooled = a.window / a.stride * (dims.d_model + dims.branches * 2 * dims.kv_heads * dims.head_dim)
+        return super().activation_elements_per_token(config) + pooled
+
+    @classmethod
+    def phase_stride(cls, config: ModelConfig) -> Optional[int]:
+        return config.attention.stride
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        """The projections as every backend; compressor maps Normal(0, std), gate biases and the attention-sink
+        logits 0 (DeepSeek-V4's initialisation of its sinks), the compressed-key norm's gain 1."""
+        super().init_weights(std, out_std)
+        if self.ck_norm is not None:
+            self.ck_norm.reset_parameters()
+        for compressor in (self.k_compressor, self.v_compressor):
+            if compressor is not None:
+                compressor.init_weights(std)
+        if self.sinks is not None:
+            self.sinks.zero_()
+
     def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool entries ``first .. first+n-1`` (of this layer's grid) from hidden states h (B, Th, d) at real
-        positions ``h_start..``. With token mixing, h must also hold the ``mixing_kernel - 1`` states before each
+        positions ``h_start..``. With token mixing, h must also hold the ``kernel - 1`` states before each
         window (unless it starts at position 0). Returns kc, vc (B, n, KV, D): keys normalised and rotated at real
         positions; vc is kc with tied K/V."""
         P = self.origin

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ckv.attention.base import AttentionBackend
+from ckv.attention.base import AttentionBackend, LayerFlops
 from ckv.cache import FullLayerCache
 from ckv.config import ConfigError, ModelConfig
 
@@ -78,6 +78,22 @@ class FullAttention(AttentionBackend):
                 "use impl='auto' or 'torch' (SDPA)"
             )
         return impl
+
+    @classmethod
+    def num_params(cls, config: ModelConfig) -> int:
+        return cls.projection_params(config)
+
+    @classmethod
+    def flops_per_token(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> LayerFlops:
+        pairs = seq_len * (seq_len + 1) // 2  # position t sees t + 1 keys
+        attention = 4.0 * config.head_dim * config.n_heads * pairs / seq_len
+        return LayerFlops(projections=cls.projection_flops(config), attention=attention)
+
+    @classmethod
+    def kv_bytes_per_token(
+        cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0, bytes_per_element: int = 2
+    ) -> float:
+        return 2.0 * config.kv_heads * config.head_dim * bytes_per_element  # every key and value, at any length
 
     def forward(self, x: torch.Tensor, cache: Optional[FullLayerCache] = None) -> torch.Tensor:
         B, T, _ = x.shape

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-ROPE_SIDES = ("leading", "trailing")
-ROPE_PAIRINGS = ("half", "interleaved")
+from ckv.options.rope import PAIRINGS as ROPE_PAIRINGS
+from ckv.options.rope import SIDES as ROPE_SIDES
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer
 
+from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig, ModelSpec
 from ckv.data import lookup_format_for
 from ckv.data.config import DataConfig, LookupConfig
@@ -174,6 +175,7 @@ def load_ckv_model(
     raw_tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
     lookup, fmt = _run_lookup(run_cfg, raw_tok, weights)
     a = config.attention
+    stride = check_attention(config).phase_stride(config)  # None: no phase (full attention)
     info = {
         "kind": "ckv",
         "path": str(Path(path).resolve()),
@@ -185,9 +187,9 @@ def load_ckv_model(
         "config": config.to_dict(),
         "attention": {
             "kind": a.kind,
-            "window": a.window if a.compressed else None,
-            "stride": a.stride if a.compressed else None,
-            "pooling": a.pooling if a.compressed else None,
+            "window": None if stride is None else a.window,
+            "stride": stride,
+            "pooling": None if stride is None else ("mean" if a.gate is None else "gate"),
         },
     }
     trainer_state = weights.parent / STATE_FILE
@@ -200,7 +202,7 @@ def load_ckv_model(
         device=dev,
         vocab_size=config.vocab_size,
         max_len=config.max_seq_len,
-        stride=a.stride if a.compressed else None,
+        stride=stride,
         tokenizer=TokenizersTokenizer(raw_tok) if raw_tok else None,
         lookup=lookup,
         lookup_format=fmt,

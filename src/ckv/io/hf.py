@@ -14,14 +14,15 @@ import torch
 
 from ckv.config import AttentionConfig, ConfigError, ModelConfig
 from ckv.model import Transformer
+from ckv.options import RopeConfig
 
 
 def _require_convertible(config: ModelConfig) -> None:
     a = config.attention
-    if a.kind != "full" or a.rope != "full" or not a.qk_norm:
+    if a.kind != "full" or a.rope != RopeConfig() or not a.qk_norm:
         raise ConfigError(
-            "only full attention with full RoPE and Q/K norm maps onto Qwen3ForCausalLM; got "
-            f"attention.kind={a.kind!r}, rope={a.rope!r}, qk_norm={a.qk_norm}"
+            "only full attention with Qwen3's RoPE (every dim, half pairing, model.rope_theta) and Q/K norm maps onto "
+            f"Qwen3ForCausalLM; got attention.kind={a.kind!r}, rope={a.rope}, qk_norm={a.qk_norm}"
         )
 
 

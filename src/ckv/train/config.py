@@ -24,8 +24,10 @@ from ckv.config import (
     check_int,
     field_names,
     reject_unknown,
+    upgrade_attention,
 )
 from ckv.data import DataConfig
+from ckv.train.gate_entropy import GateEntropyConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -153,8 +155,10 @@ class TrainerConfig:
     stop_check_every: int = 10
     peak_flops: Optional[float] = None
     debug_checks: bool = False
+    gate_entropy: GateEntropyConfig = field(default_factory=GateEntropyConfig)
 
     def __post_init__(self) -> None:
+        self.gate_entropy = _from_dict(GateEntropyConfig, self.gate_entropy, "trainer.gate_entropy")
         for name in (
             "max_steps",
             "global_batch_size",
@@ -231,12 +235,25 @@ class TrainConfig:
         self.wandb = _from_dict(WandbConfig, self.wandb, "wandb")
         _check(isinstance(self.deepspeed, dict), "deepspeed must be a mapping (a DeepSpeed config fragment)")
         _check(isinstance(self.attention, Mapping), "attention must be a mapping of AttentionConfig fields")
-        self.attention = dataclasses.asdict(_from_dict(AttentionConfig, self.attention, "attention"))
+        self.attention = AttentionConfig.from_dict(self.attention).to_dict()
         check_int("seed", self.seed, 0)
         _check(bool(self.run_dir), "run_dir must be a folder path")
         # the model's values and the backend's checks; vocab_size=1 stands in for the data's vocabulary, whose
         # bound on a fixed model.vocab_size is checked once the data is prepared
-        check_attention(self.model.build(self.attention, data_vocab_size=1))
+        model = self.model.build(self.attention, data_vocab_size=1)
+        backend = check_attention(model)
+        if self.trainer.gate_entropy.enabled:
+            a = model.attention
+            _check(
+                "gate" in backend.options and a.gate is not None,
+                f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} keeps a learned gate spread: the model "
+                f"needs one (attention.kind={a.kind!r} with attention.gate set; got gate={a.gate})",
+            )
+            _check(
+                a.window >= 2,
+                f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} needs attention.window >= 2 (a "
+                "1-token window's gate has nothing to spread over)",
+            )
         stage = (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
         _check(
             not (self.trainer.loss_chunk_tokens and stage == 3),
@@ -249,6 +266,7 @@ class TrainConfig:
         """Build from a plain nested dict (the resolved Hydra config). Keys the entry point uses for folder
         naming only (``out_dir``, ``experiment``) are ignored."""
         d = {k: v for k, v in d.items() if k not in ("out_dir", "experiment")}
+        d = upgrade_run_config(d)
         if run_dir is not None:
             d["run_dir"] = run_dir
         return _from_dict(cls, d, "config")
@@ -269,6 +287,18 @@ class TrainConfig:
         }
 
 
+def upgrade_run_config(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config written before the attention option groups, in today's shape: the attention section goes
+    through ``upgrade_attention``, and the training-only keys it carried move to the trainer section (a run
+    folder of an earlier ckv resumes and evaluates). Today's configs are returned unchanged."""
+    d = dict(d)
+    if isinstance(d.get("attention"), Mapping):
+        d["attention"], training = upgrade_attention(d["attention"])
+        if training:
+            d["trainer"] = {**(d.get("trainer") or {}), **training}
+    return d
+
+
 def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix: list(d) if isinstance(d, tuple) else d}
@@ -283,7 +313,7 @@ def field_defaults() -> dict[str, Any]:
     return _flatten(
         {
             "model": ModelSpec().to_dict(),
-            "attention": dataclasses.asdict(AttentionConfig()),
+            "attention": AttentionConfig().to_dict(),
             "data": DataConfig().to_dict(),
             "optim": dataclasses.asdict(OptimConfig()),
             "trainer": dataclasses.asdict(TrainerConfig()),

@@ -99,7 +99,7 @@ class Engine:
     token-id check off (unless ``trainer.debug_checks``) and, with ``trainer.compile``, compiles the model in place
     (``nn.Module.compile``: parameter names and checkpoints stay those of the plain model). The loss is the LM
     head's full logits through ``lm_loss`` or, with ``trainer.loss_chunk_tokens`` > 0, the fused chunked
-    cross-entropy of ``ckv.loss`` on the final hidden states. With ``attention.gate_entropy_floor`` > 0 it hooks
+    cross-entropy of ``ckv.loss`` on the final hidden states. With ``trainer.gate_entropy.floor`` > 0 it hooks
     the compressors' pooling steps (``ckv.train.gate_entropy``) and backpropagates the loss plus the gate-entropy
     penalty; ``micro_step`` still returns the LM loss and ``step_deficit`` the gate-entropy deficit of the last step.
     """
@@ -111,12 +111,8 @@ class Engine:
         self.loss_chunk_tokens = t.loss_chunk_tokens
         model.check_token_ids = t.debug_checks
         apply_activation_checkpointing(model, t.activation_checkpointing)
-        a = cfg.attention
-        self.gate_entropy = (
-            GateEntropyFloor(model, a["gate_entropy_floor"], a["gate_entropy_weight"])
-            if a["gate_entropy_floor"] > 0
-            else None
-        )
+        g = t.gate_entropy
+        self.gate_entropy = GateEntropyFloor(model, g.floor, g.weight) if g.enabled else None
         self._deficits: list[torch.Tensor] = []  # this optimizer step's gate-entropy deficit per micro-batch
         if t.compile:
             model.compile()
@@ -188,7 +184,7 @@ class Engine:
         return loss.detach()
 
     def step_deficit(self) -> Optional[torch.Tensor]:
-        """The mean gate-entropy deficit (the penalty before ``gate_entropy_weight``) of the micro-steps since the
+        """The mean gate-entropy deficit (the penalty before ``trainer.gate_entropy.weight``) of the micro-steps since the
         last call (0-d, on the device, no host sync), or ``None`` when the floor is off or no micro-step ran."""
         if not self._deficits:
             return None

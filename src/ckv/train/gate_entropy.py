@@ -1,4 +1,4 @@
-"""The gate-entropy floor (``attention.gate_entropy_floor`` / ``gate_entropy_weight``, docs/training.md): a
+"""The gate-entropy floor (``trainer.gate_entropy.floor`` / ``.weight``, docs/training.md): a
 training-only regulariser that keeps each learned pooling gate spread over its window.
 
 A query-independent softmax gate can put a channel's weight on a few offsets of the window, so the tokens at the
@@ -22,14 +22,38 @@ the same operations and its terms are dropped.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ckv.attention.compressed import Pooling
+from ckv.config import ConfigError, check_float
 
 _INPUTS = ("payload", "logits", "present")  # Pooling.forward's leading parameters
+
+
+@dataclass
+class GateEntropyConfig:
+    """``trainer.gate_entropy``: the penalty ``weight * mean relu(floor * log(n) - H(alpha))`` over every learned
+    gate; ``floor`` is a fraction of the largest entropy (in [0, 1); 0 turns it off). The model is unchanged."""
+
+    floor: float = 0.0
+    weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_float("trainer.gate_entropy.floor", self.floor, 0, 1, high_open=True)
+        check_float("trainer.gate_entropy.weight", self.weight, 0)
+        if self.weight > 0 and self.floor == 0:
+            raise ConfigError(
+                f"trainer.gate_entropy.weight={self.weight} weighs the gate-entropy penalty, which is off: set "
+                "trainer.gate_entropy.floor in (0, 1)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.floor > 0
 
 
 def gate_entropy_deficit(logits: torch.Tensor, present: torch.Tensor, floor: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ import yaml
 
 from ckv.io.atomic import write_text_atomic
 from ckv.io.layout import CONFIG_FILE, RUN_INFO_FILE, list_checkpoints, read_run_config
-from ckv.train.config import TrainConfig, resume_conflicts
+from ckv.train.config import TrainConfig, resume_conflicts, upgrade_run_config
 
 PACKAGES = (
     "ckv",
@@ -91,7 +91,7 @@ def check_resumable(cfg: TrainConfig) -> None:
     run_dir = Path(cfg.run_dir)
     if not (run_dir / CONFIG_FILE).is_file() or not list_checkpoints(run_dir):
         return
-    conflicts = resume_conflicts(read_run_config(run_dir), plain(cfg.to_dict()))
+    conflicts = resume_conflicts(upgrade_run_config(read_run_config(run_dir)), plain(cfg.to_dict()))
     if conflicts:
         raise ResumeError(
             f"cannot resume {run_dir}: its checkpoints were trained with a different config "

@@ -1,0 +1,14 @@
+"""Attention option groups: nested, optional sub-configs of ``AttentionConfig``, one module each.
+
+Each group validates itself and declares its parameter, FLOP and decode-cache contributions beside its definition
+(``ckv.options.base.OptionGroup``); ``AttentionConfig.GROUPS`` lists them by key; the attention backends say which
+groups they support and sum their contributions. docs/extending.md has the checklist for a new group or option.
+"""
+
+from ckv.options.base import Dims, OptionGroup
+from ckv.options.gate import GateConfig
+from ckv.options.grid import GridConfig
+from ckv.options.mixing import MixingConfig
+from ckv.options.rope import RopeConfig
+
+__all__ = ["Dims", "GateConfig", "GridConfig", "MixingConfig", "OptionGroup", "RopeConfig"]

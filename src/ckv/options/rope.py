@@ -1,0 +1,56 @@
+"""RoPE of queries and keys (``attention.rope``): which dims rotate, where they sit, how they pair, the theta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Optional
+
+from ckv.checks import ConfigError, check_choice, check_float
+from ckv.options.base import OptionGroup
+
+if TYPE_CHECKING:
+    from ckv.config import ModelConfig
+
+MODES = ("full", "partial", "none")
+SIDES = ("leading", "trailing")
+PAIRINGS = ("half", "interleaved")
+
+
+@dataclass
+class RopeConfig(OptionGroup):
+    """Rotary position embedding. ``mode``: every dim of a head rotates (``full``), ``dims`` of them
+    (``partial``), or none. ``side``: the rotated dims lead or trail the head (DeepSeek-V4: trailing);
+    ``pairing``: ``half`` rotates dim i with i + n/2 (Qwen3), ``interleaved`` rotates pairs (2i, 2i+1) (DeepSeek-V4).
+    ``theta``: this attention's own base (DeepSeek-V4's compress_rope_theta); null takes ``model.rope_theta``.
+    Compressed keys rotate at their entry's position (``attention.entry_rope_position``). No parameters."""
+
+    name: ClassVar[str] = "rope"
+    mode: str = "full"
+    dims: Optional[int] = None
+    side: str = "leading"
+    pairing: str = "half"
+    theta: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        o = "attention.rope"
+        check_choice(f"{o}.mode", self.mode, MODES)
+        check_choice(f"{o}.side", self.side, SIDES)
+        check_choice(f"{o}.pairing", self.pairing, PAIRINGS)
+        if self.mode == "partial":
+            if self.dims is None:
+                raise ConfigError(f"{o}.mode='partial' needs {o}.dims (an even number of dims per head)")
+        elif self.dims is not None:
+            raise ConfigError(f"{o}.dims={self.dims} is only used with {o}.mode='partial' (got mode={self.mode!r})")
+        if self.theta is not None:
+            check_float(f"{o}.theta", self.theta, 0, low_open=True)
+
+    def check_model(self, config: ModelConfig) -> None:
+        d = self.dims
+        if self.mode == "partial" and (
+            not isinstance(d, int) or isinstance(d, bool) or d < 2 or d % 2 or d > config.head_dim
+        ):
+            raise ConfigError(f"attention.rope.dims={d!r} must be an even integer in [2, head_dim={config.head_dim}]")
+
+    def rotated_dims(self, head_dim: int) -> int:
+        """How many dims of a ``head_dim`` head rotate."""
+        return {"full": head_dim, "partial": self.dims or 0, "none": 0}[self.mode]

@@ -1,0 +1,181 @@
+"""The property matrix: the standing properties of attention, run over every option of conf/attention (each YAML,
+and each group option composed onto the group bases: ``tests.helpers.VARIANTS``).
+
+- visibility by gradients: in every layer, input token p acts on query t exactly when the compression geometry
+  says so (a visible entry covering p, widened by token mixing, or t's local window; full attention: p <= t);
+- decode == prefill: token by token and in uneven chunks, with a cache;
+- torch == triton under the Triton interpreter, loss and every gradient (backends that run triton);
+- every parameter receives a gradient;
+- the accounting is the module's: parameter count (tied and untied embeddings), KV-cache bytes after T tokens and
+  per token in the long run, visible (query, key) pairs behind the FLOPs.
+A feature's own test file keeps only what is unique to it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckv import AttentionConfig, ModelConfig, Transformer
+from ckv.attention import check_attention
+from ckv.flops import flops_per_token, kv_bytes_per_token, parameter_count
+from ckv.geometry import compressed_mask, grid_origin, influence_mask, local_mask, num_entries
+from tests.helpers import VARIANTS, small_config, variant
+from tests.kernels.test_model import assert_impls_match
+
+LONGEST_WINDOW = 16
+
+
+def _config(name: str, **overrides) -> ModelConfig:
+    """The option on a tiny model. An option with a window over ``LONGEST_WINDOW`` tokens (HCA's 128) runs with
+    window and stride scaled down by the same factor, and a local window over it (V4's 128) at that length: the
+    same code paths at a fraction of the cost, and local windows that the short test sequences fill."""
+    att = AttentionConfig.from_dict(variant(name)).to_dict()
+    if att["window"] > LONGEST_WINDOW:
+        factor = att["window"] // LONGEST_WINDOW
+        att.update(window=LONGEST_WINDOW, stride=max(1, att["stride"] // factor))
+    if att["local_window"] != "tail" and att["local_window"] > LONGEST_WINDOW:
+        att["local_window"] = LONGEST_WINDOW
+    return small_config(att, **overrides)
+
+
+def _length(cfg: ModelConfig, short: int = 22) -> int:
+    """A length that closes entries with every offset present and is not a multiple of the stride."""
+    a = cfg.attention
+    T = max(short, a.window + a.stride + 3)
+    return T + 1 if T % a.stride == 0 else T
+
+
+def expected_influence(cfg: ModelConfig, layer_idx: int, T: int) -> torch.Tensor:
+    """(T, T) bool: token p can act on query t in layer ``layer_idx`` (the geometry's rule, written here from
+    ``ckv.geometry``'s masks): full attention p <= t; compressed attention a visible entry covering any of p's
+    mixing successors ``p .. p + taps - 1``, or t's local window, in the layer's grid coordinates."""
+    if check_attention(cfg).phase_stride(cfg) is None:
+        return torch.ones(T, T, dtype=torch.bool).tril()
+    a, o = cfg.attention, cfg.grid_offset(layer_idx)
+    via = influence_mask(T, a.window, a.stride, 0, grid_offset=o)  # local window 0: entries only
+    taps = 1 if a.mixing is None else a.mixing.taps(a.stride)
+    widened = via.clone()
+    for k in range(1, taps):  # mixing: p also reaches every entry that pools p + k
+        widened[:, : T - k] |= via[:, k:]
+    g = torch.arange(T) + grid_origin(o, a.stride)
+    return widened | local_mask(g, g, a.local_window, a.stride, origin=grid_origin(o, a.stride))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_a_token_acts_on_a_query_exactly_where_the_geometry_says(name):
+    cfg = _config(name)
+    T = _length(cfg)
+    model = Transformer(cfg)
+    for layer_idx, block in enumerate(model.layers):
+        x = torch.randn(1, T, cfg.d_model)
+        # (T, 1, T, d): d(sum_c y[t, c]) / dx[p], one vectorised backward per query
+        layer = block.self_attn
+        jac = torch.autograd.functional.jacobian(lambda h, f=layer: f(h)[0].sum(-1), x, vectorize=True)
+        touched = jac[:, 0].abs().sum(-1) > 0  # (T, T)
+        rule = expected_influence(cfg, layer_idx, T)
+        expected = rule | (torch.eye(T, dtype=torch.bool) & rule.any(-1, keepdim=True))  # own token, through q
+        assert torch.equal(touched, expected), f"layer {layer_idx}: {(touched != expected).nonzero().tolist()[:5]}"
+
+
+def _perturbed(model: Transformer) -> Transformer:
+    with torch.no_grad():  # weights far from init, so a wrongly kept or missing state shows in the logits
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_decoding_equals_the_full_forward_token_by_token_and_in_uneven_chunks(name):
+    cfg = _config(name)
+    S, T = cfg.attention.stride, _length(cfg, short=29)
+    model = _perturbed(Transformer(cfg))
+    ids = torch.randint(0, cfg.vocab_size, (2, T))
+    uneven, pattern = [], [5, 3, 1, S + 1, 2, 1, 1, 9]
+    while sum(uneven) < T:
+        uneven.append(min(pattern[len(uneven) % len(pattern)], T - sum(uneven)))
+    with torch.no_grad():
+        full = model(ids)
+        for chunks in ([1] * T, uneven):
+            cache, parts, s = model.new_cache(2), [], 0
+            for n in chunks:
+                parts.append(model(ids[:, s : s + n], cache))
+                s += n
+            err = (torch.cat(parts, 1) - full).abs().max().item()
+            assert err < 1e-5, (chunks, err)
+
+
+TRITON = [n for n in VARIANTS if "triton" in check_attention(_config(n)).impls]
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_triton_equals_the_reference_in_loss_and_every_gradient(name):
+    att = _config(name).attention.to_dict()
+    del att["impl"]  # assert_impls_match sets it
+    # the kernels' model (tests.kernels.test_model): 4 query heads, so KV heads above 4 are capped there
+    att["kv_heads"] = min(att["kv_heads"] or 1, 4)
+    assert_impls_match(att, max(30, att["window"] + att["stride"] + 3))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_every_parameter_receives_a_gradient(name):
+    cfg = _config(name)
+    model = Transformer(cfg)
+    model(torch.randint(0, cfg.vocab_size, (2, _length(cfg)))).logsumexp(-1).mean().backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, pname
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_parameter_count_is_the_accounting(name):
+    for tie in (True, False):
+        cfg = _config(name, tie_embeddings=tie)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        assert parameter_count(cfg) == model.num_parameters()
+        layer = model.layers[0].self_attn
+        assert check_attention(cfg).num_params(cfg) == sum(p.numel() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_kv_cache_bytes_are_the_accounting(name):
+    """What the decode cache holds after t tokens (fp32: 4 bytes) is kv_bytes_per_token(t) * t, prefilled or
+    decoded; once the local window is full, every 2 strides add 2 strides' worth of the long-sequence figure."""
+    cfg = _config(name)
+    a = cfg.attention
+    local = a.stride if a.local_window == "tail" else a.local_window
+    T = _length(cfg, short=local + a.window + a.stride + 1)  # past the local window and a whole window
+    model = Transformer(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, T + 2 * a.stride))
+    acct = lambda t: kv_bytes_per_token(cfg, t, bytes_per_element=4) * t  # noqa: E731
+    with torch.no_grad():
+        for t in (1, 5, T):
+            cache = model.new_cache(1)
+            model(ids[:, :t], cache)
+            assert cache.nbytes()["total"] == pytest.approx(acct(t)), t
+        held = {T: cache.nbytes()["total"]}
+        for t in range(T, T + 2 * a.stride):  # decoding, token by token
+            model(ids[:, t : t + 1], cache)
+            held[t + 1] = cache.nbytes()["total"]
+            assert held[t + 1] == pytest.approx(acct(t + 1)), t + 1
+    growth = (held[T + 2 * a.stride] - held[T]) / (2 * a.stride)
+    assert growth == pytest.approx(kv_bytes_per_token(cfg, None, bytes_per_element=4))
+
+
+def _brute_force_pairs(cfg: ModelConfig, T: int, layer_idx: int) -> int:
+    """Visible (query, key) pairs of one head from ckv.geometry's masks: entries plus the local window's keys."""
+    a, t = cfg.attention, torch.arange(T)
+    if check_attention(cfg).phase_stride(cfg) is None:
+        return int((t[None, :] <= t[:, None]).sum())
+    P = grid_origin(cfg.grid_offset(layer_idx), a.stride)
+    g = t + P
+    entries = compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum()
+    return int(entries + local_mask(g, g, a.local_window, a.stride, origin=P).sum())
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_attention_flops_count_the_visible_pairs(name):
+    cfg = _config(name)
+    for T in (1, 7, 37):
+        pairs = sum(_brute_force_pairs(cfg, T, layer) for layer in range(cfg.n_layers))
+        want = 4 * cfg.head_dim * cfg.n_heads * pairs / T
+        assert flops_per_token(cfg, T).attention == pytest.approx(want), T

@@ -1,0 +1,38 @@
+"""The golden file of every attention option's composed config (tests/train/golden/attention_options.json).
+
+``test_entry.py`` checks that each option (each conf/attention/*.yaml and each group option on the group bases,
+``ckv.apps.smoke.option_names``) still composes to the values recorded here, so a change to a YAML, a group or a
+default shows up as a diff. After an intended change, regenerate and review the diff:
+
+    .venv/bin/python -m tests.train.golden_attention
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ckv.apps.smoke import load_variant, option_names
+from ckv.config import AttentionConfig
+
+REPO = Path(__file__).resolve().parents[2]
+ATTENTION_DIR = REPO / "conf" / "attention"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "attention_options.json"
+
+
+def composed_options() -> dict[str, dict]:
+    """Every attention option's composed and validated config, as ``AttentionConfig.to_dict``."""
+    return {
+        name: AttentionConfig.from_dict(load_variant(ATTENTION_DIR, name)).to_dict()
+        for name in option_names(ATTENTION_DIR)
+    }
+
+
+def main() -> None:
+    GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+    GOLDEN.write_text(json.dumps(composed_options(), indent=1, sort_keys=True) + "\n")
+    print(f"wrote {GOLDEN.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
