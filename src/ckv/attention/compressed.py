@@ -155,7 +155,7 @@ class Pooling(nn.Module):
 
 class CausalMixing(nn.Module):
     """Token mixing before pooling (``attention.mixing``): a causal depthwise convolution over the
-    compressor's input, ``m_t = h_t + sum_{k=0}^{K-1} w_k * h_{t-k}`` per channel (``K = attention.mixing.kernel``), with zero
+    compressor's input, ``m_t = h_t + sum_{k=0}^{K-1} w_k * h_{t-k}`` per channel (``K`` taps), with zero
     history before the first hidden state given. The residual ``h_t`` keeps the map near the identity at the
     model's small normal init, so a mixed compressor starts close to its unmixed twin. ``weight`` is (K, d), tap ``k``
     multiplying the token ``k`` steps back."""

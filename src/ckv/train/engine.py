@@ -184,8 +184,9 @@ class Engine:
         return loss.detach()
 
     def step_deficit(self) -> Optional[torch.Tensor]:
-        """The mean gate-entropy deficit (the penalty before ``trainer.gate_entropy.weight``) of the micro-steps since the
-        last call (0-d, on the device, no host sync), or ``None`` when the floor is off or no micro-step ran."""
+        """The mean gate-entropy deficit (the penalty before ``trainer.gate_entropy.weight``) of the micro-steps
+        since the last call (0-d, on the device, no host sync), or ``None`` when the floor is off or no micro-step
+        ran."""
         if not self._deficits:
             return None
         deficit, self._deficits = torch.stack(self._deficits).mean(), []
