@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ckv import ModelConfig, Transformer
-from ckv.attention.compressed import CausalMixing
 from ckv.config import ConfigError
+from ckv.options.mixing import CausalMixing
 from tests.helpers import small_config, variant
 from tests.kernels.test_model import assert_impls_match
 

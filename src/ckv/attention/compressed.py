@@ -153,29 +153,6 @@ class Pooling(nn.Module):
         return pool(payload, logits, present, impl=impl)
 
 
-class CausalMixing(nn.Module):
-    """Token mixing before pooling (``attention.mixing``): a causal depthwise convolution over the
-    compressor's input, ``m_t = h_t + sum_{k=0}^{K-1} w_k * h_{t-k}`` per channel (``K`` taps), with zero
-    history before the first hidden state given. The residual ``h_t`` keeps the map near the identity at the
-    model's small normal init, so a mixed compressor starts close to its unmixed twin. ``weight`` is (K, d), tap ``k``
-    multiplying the token ``k`` steps back."""
-
-    def __init__(self, d_model: int, kernel: int) -> None:
-        super().__init__()
-        self.kernel = kernel
-        self.weight = nn.Parameter(torch.empty(kernel, d_model))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h: (B, T, d) consecutive hidden states; returns (B, T, d). Rows ``0..K-2`` see zeros before row 0:
-        they are exact only when row 0 is position 0 (callers keep ``K - 1`` extra states otherwise)."""
-        T = h.shape[1]
-        padded = nn.functional.pad(h, (0, 0, self.kernel - 1, 0))  # (B, T + K - 1, d), zeros before row 0
-        out = h
-        for k in range(self.kernel):  # tap k reads the token k steps back
-            out = out + self.weight[k] * padded[:, self.kernel - 1 - k : self.kernel - 1 - k + T]
-        return out
-
-
 class Compressor(nn.Module):
     """One branch (keys or values) of the chunked compressor.
 
@@ -184,8 +161,9 @@ class Compressor(nn.Module):
     all offsets and an offset-specific bias ``b_i`` only; per-series maps (DeepSeek-V4's CSA): one ``Z_s``,
     ``C_s`` per series ``s = i // stride`` (``geometry.offset_series``) and the offset-specific bias. Parameters
     are stacked offset-first (series-first for per-series maps) so that gate cycling is ``torch.roll(..., dims=0)``.
-    With ``attention.mixing`` set the branch owns a ``CausalMixing`` (``mixing``) that the layer applies to the
-    hidden-state sequence before windows are gathered (a window's first token then carries its predecessors).
+    With ``attention.mixing`` set the branch owns the module that group builds (``mixing``,
+    ``ckv.options.mixing.CausalMixing``), which the layer applies to the hidden-state sequence before windows are
+    gathered (a window's first token then carries its predecessors).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -206,16 +184,19 @@ class Compressor(nn.Module):
         self.gate_weight = None if gate is None else nn.Parameter(torch.empty(*lead, d, self.gate_dim))
         self.gate_bias = nn.Parameter(torch.zeros(W, self.gate_dim)) if gate is not None and gate.bias else None
         self.pooling = Pooling()  # analyses hook it to read the gate weights alpha
-        self.mixing = None if a.mixing is None else CausalMixing(d, a.mixing.taps(a.stride))
+        self.mixing = None if a.mixing is None else a.mixing.build(d, a.stride)
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
-        """Normal(0, std) for the payload and gate maps and the mixing taps; gate biases 0 (a uniform gate)."""
-        for p in (self.payload, self.gate_weight, None if self.mixing is None else self.mixing.weight):
+        """Normal(0, std) for the payload and gate maps; gate biases 0 (a uniform gate); the mixing initialises its
+        own taps (``attention.mixing.init``)."""
+        for p in (self.payload, self.gate_weight):
             if p is not None:
                 p.normal_(0.0, std)
         if self.gate_bias is not None:
             self.gate_bias.zero_()
+        if self.mixing is not None:
+            self.mixing.init_weights(std)
 
     def _map(self, hw: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.specific:
