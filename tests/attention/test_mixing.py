@@ -76,3 +76,16 @@ def test_bad_mixing_settings_raise_one_clear_error(attention, match):
             )
         )
     assert "\n" not in str(err.value)
+
+
+def test_zero_init_taps_start_as_the_unmixed_model_exactly():
+    """``attention/mixing=conv_zero``: the taps start at 0, every other weight is drawn as without mixing (the
+    mixing draws nothing), so at step 0 the logits equal the unmixed base's bit for bit."""
+    for base in ("w4s4", "deepseek_v4_csa"):
+        torch.manual_seed(0)
+        plain = Transformer(small_config(variant(base))).eval()
+        torch.manual_seed(0)
+        mixed = Transformer(small_config(variant(f"{base}+mixing=conv_zero"))).eval()
+        ids = torch.randint(0, 64, (2, 23))
+        with torch.no_grad():
+            assert torch.equal(mixed(ids), plain(ids)), base

@@ -8,27 +8,32 @@ from typing import TYPE_CHECKING, ClassVar, Optional
 import torch
 from torch import nn
 
-from ckv.checks import ConfigError, check_int
+from ckv.checks import ConfigError, check_choice, check_int
 from ckv.options.base import Dims, OptionGroup
 
 if TYPE_CHECKING:
     from ckv.config import AttentionConfig
+
+INITS = ("normal", "zero")
 
 
 @dataclass
 class MixingConfig(OptionGroup):
     """A causal depthwise convolution over each compressor branch's input, ``m_t = h_t + sum_k w_k h_{t-k}``
     with ``kernel`` taps (2..stride; null: the stride), so a window's first token carries its predecessors.
-    Per branch: ``kernel * d_model`` parameters and
+    ``init``: the taps start from Normal(0, init_std) like every map (``normal``) or at 0 (``zero``: the mixed
+    model starts as its unmixed twin exactly). Per branch: ``kernel * d_model`` parameters and
     ``2 * kernel * d_model`` FLOPs per token; the decode cache keeps ``kernel - 1`` hidden states before the next
     window."""
 
     name: ClassVar[str] = "mixing"
     kernel: Optional[int] = None
+    init: str = "normal"
 
     def __post_init__(self) -> None:
         if self.kernel is not None:
             check_int("attention.mixing.kernel", self.kernel, minimum=2)
+        check_choice("attention.mixing.init", self.init, INITS)
 
     def check_with(self, attention: AttentionConfig) -> None:
         if self.kernel is not None and self.kernel > attention.stride:
@@ -42,7 +47,7 @@ class MixingConfig(OptionGroup):
 
     def build(self, d_model: int, stride: int) -> CausalMixing:
         """The module one compressor branch applies to its input."""
-        return CausalMixing(d_model, self.taps(stride))
+        return CausalMixing(d_model, self.taps(stride), init=self.init)
 
     def num_params(self, dims: Dims) -> int:
         return dims.branches * self.taps(dims.stride) * dims.d_model
@@ -57,17 +62,20 @@ class MixingConfig(OptionGroup):
 class CausalMixing(nn.Module):
     """``m_t = h_t + sum_{k=0}^{K-1} w_k * h_{t-k}`` per channel (``K = kernel`` taps), with zero history before
     the first hidden state given. The residual ``h_t`` keeps the map near the identity at the model's small normal
-    init, so a mixed compressor starts close to its unmixed twin.
+    init (exactly the identity with ``init="zero"``), so a mixed compressor starts close to its unmixed twin.
     ``weight`` is (K, d), tap ``k`` multiplying the token ``k`` steps back."""
 
-    def __init__(self, d_model: int, kernel: int) -> None:
+    def __init__(self, d_model: int, kernel: int, init: str = "normal") -> None:
         super().__init__()
-        self.kernel = kernel
+        self.kernel, self.init = kernel, init
         self.weight = nn.Parameter(torch.empty(kernel, d_model))
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
-        self.weight.normal_(0.0, std)
+        if self.init == "zero":
+            self.weight.zero_()
+        else:
+            self.weight.normal_(0.0, std)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """h: (B, T, d) consecutive hidden states; returns (B, T, d). Rows ``0..K-2`` see zeros before row 0:
