@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from ckv import ModelConfig, Transformer
+from ckv.attention import REGISTRY
 
 # every option of a group folder (conf/attention/mixing/conv.yaml, ...) is composed onto these bases: W = S, an
 # overlapping window with offset-specific maps, and DeepSeek-V4's CSA
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     worst, runs = 0.0, 0
     for stem in names:
         attention = load_variant(args.conf_dir, stem)
-        impls = ["triton"] if args.triton and attention.get("kind") == "compressed" else []
+        backend = REGISTRY.get(attention.get("kind", "full"))
+        impls = ["triton"] if args.triton and backend is not None and "triton" in backend.impls else []
         reference = None
         for impl in [None, *impls]:
             t0 = time.perf_counter()
