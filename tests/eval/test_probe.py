@@ -84,7 +84,12 @@ def test_shipped_fp8_reconstruction_has_exact_filler_lengths() -> None:
     task = ProbeTask(spec, text_prompt(spec, TOK), max_len=2048, tokenizer=TOK)
     assert list(task.filler_tokens) == list(range(24, 40)) and np.all(np.diff([len(p) for p in task.prompts]) == 1)
     assert task.prompt.candidates == [[ord("8")], [ord("3"), ord("2")]]
-    assert TOK.decode(task.prompts[0][-5:].tolist()) == "float" and '"""' in TOK.decode(task.prompt.before)
+    # the paper's prompt: the outer code has already cast to float32 (so "32" after "FP" repeats that cast), the
+    # cast being completed is ".to(FP", and the docstring around the filler names neither answer
+    before, after = TOK.decode(task.prompt.before), TOK.decode(task.prompt.after)
+    assert after.endswith("q = (x / scale).to(FP") and ".to(FP32)" in before.split("def quantize")[0]
+    docstring = before.split('"""')[-1] + after.split('"""')[0]
+    assert '"""' in before and not any(s in docstring for s in ("8", "32", "FP", "e4m3"))
 
 
 def test_no_flip_is_counted_while_the_top1_is_neither_candidate() -> None:
