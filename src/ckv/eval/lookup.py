@@ -106,14 +106,15 @@ def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulu
     stride = requested or model_stride
     if stride is None:
         return None
+    which = f"the stride {stride}" + (" (task.stride)" if requested else "")
     if modulus < stride:
         raise ConfigError(
-            f"task.modulus={modulus} is smaller than the stride {stride}: residues mod {modulus} cannot "
+            f"task.modulus={modulus} is smaller than {which}: residues mod {modulus} cannot "
             f"separate the {stride} phases; use a multiple of {stride} (the paper uses 24)"
         )
     if modulus % stride:
         raise ConfigError(
-            f"task.modulus={modulus} is not a multiple of the stride {stride}: phase groups would "
+            f"task.modulus={modulus} is not a multiple of {which}: phase groups would "
             f"not be balanced; use a common multiple (the paper uses 24)"
         )
     return stride

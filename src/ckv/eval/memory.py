@@ -13,12 +13,13 @@ The peak of scoring a batch of ``B`` prompts of ``T`` tokens, ``c`` tokens per f
 - **Transient** (one layer at a time; freed before the next): attention implementations that materialise
   ``(B, H, c, keys)`` scores hold several copies at their worst moment: transformers' eager attention 8 bytes
   per score element (the scores in the compute dtype, their fp32 softmax and its cast back; fp32: two fp32
-  copies), DeepSeek-V4's eager attention two copies in the compute dtype (it adds the sink logit and softmaxes in
-  that dtype), ckv's torch reference of compressed attention four fp32 copies (scores, their concatenation with
-  the local window's, the masked copy, ``exp``). DeepSeek-V4's lightning indexer computes
-  ``(B, c, index heads, entries)`` fp32 scores and holds three copies (scores, ``relu``, scaled) before it sums
-  the heads. Kernels that never materialise scores (SDPA, flash attention, ckv's Triton kernels) hold the keys
-  and values expanded to every query head (grouped-query attention without native support) and the mask.
+  copies), DeepSeek-V4's eager attention three copies in the compute dtype (it appends the sink logit,
+  subtracts the maximum and softmaxes in that dtype while the masked scores stay referenced), ckv's torch
+  reference of compressed attention four fp32 copies (scores, their concatenation with the local window's, the
+  masked copy, ``exp``). DeepSeek-V4's lightning indexer computes ``(B, c, index heads, entries)`` fp32 scores
+  and holds three copies (scores, ``relu``, scaled) before it sums the heads. Kernels that never materialise
+  scores (SDPA, flash attention, ckv's Triton kernels) hold the keys and values expanded to every query head
+  (grouped-query attention without native support) and the mask.
 - **Activations** of the chunk: hidden states, projections and the MLP's intermediates (a rough count).
 
 ``ckv_model_memory`` (ckv models, from ``ModelConfig``) and ``hf_model_memory`` (transformers models, from their
@@ -296,8 +297,9 @@ def _deepseek_v4_memory(config: Any, b: int, L: int, H: int, D: int, d: int, wei
 
         def scores(c: int, T: int, entries: Callable[[int], int] = entries) -> float:
             keys = min(T, w - 1 + c) + entries(T)  # the sliding window's keys plus every compressed entry
-            # 2 copies of (H, c, keys + sink) in the compute dtype, K/V repeated to all H heads, mask + block bias
-            return 2 * b * H * c * (keys + 1) + 2 * H * keys * D * b + 2 * c * keys * b
+            # 3 copies of (H, c, keys + sink) in the compute dtype (the masked scores stay referenced while the
+            # sink is appended, the max subtracted and the softmax taken), K/V repeated to all H heads, the mask
+            return 3 * b * H * c * (keys + 1) + 2 * H * keys * D * b + 2 * c * keys * b
 
         def indexer(c: int, T: int, entries: Callable[[int], int] = entries, indexed: bool = indexed) -> float:
             return 3 * FP32 * c * Hi * entries(T) if indexed else 0.0  # fp32 (c, index heads, entries), 3 copies
@@ -307,7 +309,7 @@ def _deepseek_v4_memory(config: Any, b: int, L: int, H: int, D: int, d: int, wei
     ffn = int(config.moe_intermediate_size) * (int(config.num_experts_per_tok) + int(config.n_shared_experts))
     activation = FP32 * hc * d * 4 + b * (2 * H * D + 3 * ffn)
     notes = (
-        "DeepSeek-V4 eager attention: 2 copies of (B, H, c, window + c + T/rate) scores in the compute dtype",
+        "DeepSeek-V4 eager attention: 3 copies of (B, H, c, window + c + T/rate) scores in the compute dtype",
         "lightning indexer: 3 fp32 copies of (B, c, index heads, T/4) scores",
     )
     return ModelMemory("DeepseekV4", weights, tuple(groups), activation, notes)

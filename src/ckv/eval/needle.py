@@ -108,6 +108,11 @@ class NeedleSpec:
             raise ConfigError(f"task.prefill_chunk={chunk!r} must be an integer >= 1 or 'auto'")
         if self.memory_budget_gb is not None:
             check_float("task.memory_budget_gb", self.memory_budget_gb, 0, low_open=True)
+        if self.records < 2 or self.records * self.record_len >= self.context_tokens:
+            raise ConfigError(
+                f"task.n_records={self.records} records of task.record_len={self.record_len} tokens do not fit a "
+                f"haystack of task.context_tokens={self.context_tokens} (at least 2 records, and room for filler)"
+            )
 
     @property
     def records(self) -> int:

@@ -124,17 +124,20 @@ class ProbePrompt:
     filler_texts: dict[int, str] = field(default_factory=dict)
     canonical: dict[int, Optional[bool]] = field(default_factory=dict)
     candidates_canonical: dict[int, list[bool]] = field(default_factory=dict)
+    codec: dict = field(default_factory=dict)  # a lookup prompt's vocabulary (``RecordCodec.describe()``)
 
     def __post_init__(self) -> None:
         bad = {n: len(f) for n, f in self.fillers.items() if len(f) != n}
         if bad:
             raise ConfigError(f"fillers of the wrong length (asked: got) {bad}")
         if any(not c for c in self.candidates):
-            raise ConfigError(f"a candidate of {self.labels} is empty after tokenization")
+            raise ConfigError(f"task.candidates: a candidate of {self.labels} is empty after tokenization")
         firsts = [c[0] for c in self.candidates]
         dup = sorted({i for i in firsts if firsts.count(i) > 1})
         if dup:
-            raise ConfigError(f"candidates {self.labels} share first tokens {dup}; the top-1 cannot tell them apart")
+            raise ConfigError(
+                f"task.candidates={self.labels} share first tokens {dup}; the top-1 cannot tell them apart"
+            )
 
     def ids(self, n: int) -> np.ndarray:
         """The prompt with the filler of ``n`` tokens. (T,)"""
@@ -228,7 +231,8 @@ def lookup_prompt(spec: ProbeSpec, codec: RecordCodec, n_records: int) -> ProbeP
     k = len(codec.prefix)
     tokens = ex.prompt.tolist()
     lo, hi = spec.lengths
-    return ProbePrompt(tokens[:k], {n: [codec.pad_id] * n for n in range(lo, hi + 1)}, tokens[k:], cands, labels)
+    fillers = {n: [codec.pad_id] * n for n in range(lo, hi + 1)}
+    return ProbePrompt(tokens[:k], fillers, tokens[k:], cands, labels, codec=codec.describe())
 
 
 def _log(p: np.ndarray) -> np.ndarray:
@@ -392,6 +396,7 @@ class ProbeTask:
             "phases": per_phase,
             "flips": flips,
             "periodicity": periodicity,
+            **({"codec": self.prompt.codec} if self.prompt.codec else {}),
         }
 
 
@@ -408,10 +413,10 @@ def probe_summary(report: dict) -> list[str]:
     ]
     per_ = report["periodicity"]
     if per_ is not None:
-        dom = per_["dominant_period"]
+        dom, score = per_["dominant_period"], per_["score"]
         lines.append(
-            f"periodicity of {per_['of']} at period {per_['period']}: {per_['score']:.2f} (chance "
-            f"{per_['chance']:.2f}); dominant period: {'none' if dom is None else dom}"
+            f"periodicity of {per_['of']} at period {per_['period']}: {'n/a' if score is None else f'{score:.2f}'}"
+            f" (chance {per_['chance']:.2f}); dominant period: {'none' if dom is None else dom}"
         )
     if h["non_canonical_lengths"]:
         lines.append(
@@ -431,6 +436,11 @@ class ProbeKind(EvalTask):
     spec = ProbeSpec
 
     def build(self, spec: ProbeSpec, model: ModelFacts, limit: Optional[int] = None) -> ProbeTask:
+        if spec.lengths[1] >= model.max_len:
+            raise ConfigError(
+                f"task.lengths={list(spec.lengths)}: fillers must be shorter than the model's context of "
+                f"{model.max_len} tokens"
+            )
         if spec.source == "text":
             if isinstance(spec.bos, int) and not 0 <= spec.bos < model.vocab_size:
                 raise ConfigError(f"task.bos={spec.bos} is outside the model's vocabulary of {model.vocab_size} ids")

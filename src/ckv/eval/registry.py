@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Optional, get_type_hints
 
 from ckv.config import ConfigError, check_bool, check_int, field_names, reject_unknown
 from ckv.eval.models import LoadedModel, ModelFacts
@@ -41,19 +41,27 @@ class RunOptions:
     def __post_init__(self) -> None:
         if isinstance(self.stats, dict):
             reject_unknown(self.stats, field_names(StatsOptions), "stats")
+            for name, hint in get_type_hints(StatsOptions).items():  # types here, ranges in StatsOptions
+                value = self.stats.get(name, 0)
+                if hint is int:
+                    check_int(f"stats.{name}", value, 0)
+                elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ConfigError(f"stats.{name}={value!r} must be a number")
             try:
                 object.__setattr__(self, "stats", StatsOptions(**self.stats))
-            except (TypeError, ValueError) as e:  # StatsOptions checks with ValueError: make it a user error
+            except ValueError as e:  # StatsOptions checks its ranges with ValueError: make it a user error
                 raise ConfigError(f"{e}") from e
+        if not isinstance(self.stats, StatsOptions):
+            raise ConfigError(f"stats={self.stats!r} must be a mapping of {field_names(StatsOptions)}")
         check_int("batch_size", self.batch_size)
         if self.limit is not None:
             check_int("limit", self.limit)
         check_bool("progress", self.progress)
         check_bool("plots", self.plots)
-        for name in ("device", "out_dir"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"{name}={value!r} must be a non-empty string")
+        if not isinstance(self.device, str) or not self.device:
+            raise ConfigError(f"device={self.device!r} must be auto, cpu, cuda or cuda:<index>")
+        if self.out_dir is not None and (not isinstance(self.out_dir, str) or not self.out_dir):
+            raise ConfigError(f"out_dir={self.out_dir!r} must be null or a folder")
 
 
 def check_name(spec: Any) -> None:

@@ -140,11 +140,12 @@ class VocabSpec:
             if self.source not in ("format", AUTO):
                 raise ConfigError(f"{v}.format is for source 'format' or 'auto', not {self.source!r}")
         if self.source in ("format", AUTO, "tokenizer"):
-            if self.keys is not None or self.values is not None:
-                raise ConfigError(
-                    f"{v}.keys/values are for source 'words' or 'ids'; source {self.source!r} takes keys and "
-                    "values from the lookup layout or the tokenizer"
-                )
+            for name in ("keys", "values"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"{v}.{name} is for source 'words' or 'ids'; source {self.source!r} takes keys and values "
+                        "from the lookup layout or the tokenizer"
+                    )
         else:
             for name in ("keys", "values"):
                 if getattr(self, name) is None:
@@ -170,9 +171,14 @@ class VocabSpec:
                 f"task.vocab.values={self.values}); a lookup needs disjoint sets"
             )
         sep = self.separator if isinstance(self.separator, list) else [self.separator]
-        clash = sorted({i for i in [self.pad, self.bos, *sep] if _is_id(i) and (i in keys or i in values)})
+        taken = {
+            name: [i for i in ids if _is_id(i) and (i in keys or i in values)]
+            for name, ids in (("pad", [self.pad]), ("separator", sep), ("bos", [self.bos]))
+        }
+        clash = sorted({i for ids in taken.values() for i in ids})
         if clash:
-            raise ConfigError(f"task.vocab: the pad/separator/bos ids {clash} are also keys or values")
+            names = "/".join(f"task.vocab.{name}" for name, ids in taken.items() if ids)
+            raise ConfigError(f"{names}: the pad/separator/bos ids {clash} are also keys or values")
 
 
 def vocab_spec(value: Any) -> VocabSpec:
