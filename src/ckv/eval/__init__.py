@@ -6,9 +6,12 @@ plots, sweep summaries and audit mode for transformers models (see docs/evaluati
     from ckv.eval import LookupSpec, RunOptions, evaluate, load_ckv_model
     results, out_dir = evaluate(load_ckv_model("runs/my_run"), LookupSpec(modulus=8), RunOptions(limit=64))
 
-Task kinds register in ``ckv.eval.registry`` when their modules are imported here (lookup, needle, probe); a new
-kind is one module imported below (docs/evaluation.md, "Adding a task").
+Task kinds register in ``ckv.eval.registry`` when their modules are imported; every module of this package is
+imported here, so a new kind is one module of ``ckv.eval`` (docs/evaluation.md, "Adding a task").
 """
+
+import importlib
+import pkgutil
 
 from ckv.eval.hf_models import inspect_hf_model, load_hf_model
 from ckv.eval.lookup import LookupOutcome, LookupSpec, LookupTask
@@ -20,6 +23,9 @@ from ckv.eval.runner import ModelSource, build_task, dry_run, evaluate, summariz
 from ckv.eval.stats import StatsOptions
 from ckv.eval.summary import find_runs, summarize
 from ckv.eval.vocab import VocabSpec
+
+for _module in pkgutil.iter_modules(__path__):  # task kinds register wherever they are defined
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
     "TASKS",

@@ -49,6 +49,12 @@ MEMORY_FRACTION = 0.9  # of the device's free memory that ``device_budget`` offe
 FP32 = 4
 
 
+def gb(n_bytes: float) -> str:
+    """Bytes as GB for a reader: three significant digits, whole GB from 1,000 on (``12.3``, ``1,410``)."""
+    x = n_bytes / GB
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.3g}"
+
+
 def _zero(c: int, T: int) -> float:
     return 0.0
 
@@ -107,9 +113,9 @@ class ChunkEstimate:
     def line(self) -> str:
         """``peak 12.3 GB = weights ... + KV cache ... + attention scores ... (indexer ...) + activations ...``."""
         return (
-            f"chunk {self.chunk}, batch {self.batch}: peak {self.peak / GB:.3g} GB = weights {self.weights / GB:.3g}"
-            f" + KV cache {self.cache / GB:.3g} + largest layer's attention scores {self.scores / GB:.3g}"
-            f" (indexer scores {self.indexer / GB:.3g}) + activations {self.activations / GB:.3g} GB"
+            f"chunk {self.chunk}, batch {self.batch}: peak {gb(self.peak)} GB = weights {gb(self.weights)}"
+            f" + KV cache {gb(self.cache)} + largest layer's attention scores {gb(self.scores)}"
+            f" (indexer scores {gb(self.indexer)}) + activations {gb(self.activations)} GB"
         )
 
 

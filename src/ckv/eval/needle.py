@@ -47,6 +47,7 @@ from ckv.eval.memory import (
     ckv_model_memory,
     device_budget,
     estimate,
+    gb,
     needed,
     pick_chunk,
 )
@@ -353,14 +354,14 @@ def needle_memory(model: ModelFacts, device: torch.device, module: Optional[Any]
 def _no_fit(memory: ModelMemory, spec: NeedleSpec, batch: int, budget: float, loaded: bool) -> str:
     """The one line that says no chunk fits, and what would."""
     smallest = estimate(memory, batch, spec.context_tokens, MIN_CHUNK)
-    what = f"a device with {needed(smallest, loaded) / GB:.3g} GB free"
+    what = f"a device with {gb(needed(smallest, loaded))} GB free"
     if batch > 1:
         one, _ = pick_chunk(memory, 1, spec.context_tokens, budget, weights_loaded=loaded)
         if one is not None:
             what = f"batch_size=1 (fits with chunk {one.chunk})"
     return (
         f"task.prefill_chunk=auto: no prefill chunk fits: chunk {MIN_CHUNK} at batch_size={batch} needs "
-        f"~{needed(smallest, loaded) / GB:.3g} GB, the device offers {budget / GB:.3g} GB "
+        f"~{gb(needed(smallest, loaded))} GB, the device offers {gb(budget)} GB "
         f"(task.memory_budget_gb, default 90% of its free memory); use {what}, or lower task.context_tokens"
     )
 
@@ -379,11 +380,11 @@ def choose_chunk(
         est = estimate(memory, batch, T, int(spec.prefill_chunk))
         if budget is not None and needed(est, loaded) > budget:
             log.warning(
-                "task.prefill_chunk=%d needs ~%.3g GB but the device offers %.3g GB; task.prefill_chunk=auto picks "
+                "task.prefill_chunk=%d needs ~%s GB but the device offers %s GB; task.prefill_chunk=auto picks "
                 "a chunk that fits",
                 est.chunk,
-                needed(est, loaded) / GB,
-                budget / GB,
+                gb(needed(est, loaded)),
+                gb(budget),
             )
         return est, budget
     if budget is None:
@@ -432,7 +433,7 @@ class NeedleKind(LookupKind):
             est.chunk,
             "picked: the largest that fits" if spec.prefill_chunk == AUTO else "task.prefill_chunk",
             est.line(),
-            "an unknown budget" if budget is None else f"{budget / GB:.3g} GB available",
+            "an unknown budget" if budget is None else f"{gb(budget)} GB available",
         )
         if isinstance(model.module, Transformer):
             return CkvChunkedLastLogits(model.module, est.chunk)
@@ -450,19 +451,25 @@ class NeedleKind(LookupKind):
         memory = needle_memory(model, device)
         lines = [
             f"{spec.name}: {len(built.prompts)} prompts of {spec.context_tokens} tokens, batch_size={batch}, "
-            f"model {model.name} ({memory.name}), weights {memory.weights / GB:.3g} GB",
+            f"model {model.name} ({memory.name}), weights {gb(memory.weights)} GB",
             *(f"  {note}" for note in memory.notes),
             "estimated peak memory of the last prefill chunk (weights included):",
         ]
         lines += [
             f"  {estimate(memory, batch, spec.context_tokens, c).line()}" for c in chunk_candidates(spec.context_tokens)
         ]
+        if spec.memory_budget_gb is None and device_budget(device) is None:
+            return [
+                *lines,
+                f"the free memory of {device} cannot be read here: the run reads it on its machine (or "
+                "set task.memory_budget_gb to see the chunk it would use)",
+            ]
         try:
             est, budget = choose_chunk(spec, model, batch, device)
         except ConfigError as e:
             return [*lines, str(e)]
-        where = "unknown (set task.memory_budget_gb)" if budget is None else f"{budget / GB:.3g} GB"
         return [
             *lines,
-            f"budget on {device}: {where}; the run would use prefill chunk {est.chunk}: peak ~{est.peak / GB:.3g} GB",
+            f"budget on {device}: {gb(budget)} GB; the run would use prefill chunk {est.chunk}: "
+            f"peak ~{gb(est.peak)} GB",
         ]

@@ -6,9 +6,9 @@ values are one-line ``ConfigError``s), how the spec's prompts are built for a mo
 ``ModelFacts`` only, so every vocabulary and length check runs before the weights load), which logits callable it
 scores with (``logits``, e.g. the needle's chunked prefill), how it scores, summarises and writes its rows (``run``),
 what a dry run prints (``dry_run``), its plot (``plot``) and its lines of the summary printed at the end (``summary``).
-``ckv.eval.runner`` only calls these; it never switches on the task type. The shipped kinds (``lookup``,
-``needle``, ``probe``) register when ``ckv.eval`` is imported (its ``__init__`` imports their modules), so
-``TASKS`` is complete whichever module a caller imports first. Checklist for a new kind: docs/evaluation.md,
+``ckv.eval.runner`` only calls these; it never switches on the task type. The kinds register when ``ckv.eval`` is
+imported (its ``__init__`` imports every module of the package: ``lookup``, ``needle``, ``probe`` and any new one),
+so ``TASKS`` is complete whichever module a caller imports first. Checklist for a new kind: docs/evaluation.md,
 "Adding a task".
 """
 
@@ -41,16 +41,16 @@ class RunOptions:
     def __post_init__(self) -> None:
         if isinstance(self.stats, dict):
             reject_unknown(self.stats, field_names(StatsOptions), "stats")
-            for name, hint in get_type_hints(StatsOptions).items():  # types here, ranges in StatsOptions
-                value = self.stats.get(name, 0)
+            for name, value in self.stats.items():  # numbers' types here, their ranges in StatsOptions
+                hint = get_type_hints(StatsOptions)[name]
                 if hint is int:
                     check_int(f"stats.{name}", value, 0)
-                elif isinstance(value, bool) or not isinstance(value, (int, float)):
+                elif hint is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
                     raise ConfigError(f"stats.{name}={value!r} must be a number")
             try:
                 object.__setattr__(self, "stats", StatsOptions(**self.stats))
-            except ValueError as e:  # StatsOptions checks its ranges with ValueError: make it a user error
-                raise ConfigError(f"{e}") from e
+            except (TypeError, ValueError) as e:  # StatsOptions checks with ValueError: make it a user error
+                raise ConfigError(f"stats: {e}") from e
         if not isinstance(self.stats, StatsOptions):
             raise ConfigError(f"stats={self.stats!r} must be a mapping of {field_names(StatsOptions)}")
         check_int("batch_size", self.batch_size)
