@@ -242,6 +242,7 @@ def _attention_scores(attn: str, H: int, KV: int, D: int, b: int) -> Callable[[i
     def flash(c: int, keys: int) -> float:
         return 0.0
 
+    # any other implementation (sdpa, flex_attention, ...) is counted as a kernel without a score matrix
     return {"eager": eager, "flash_attention_2": flash, "flash_attention_3": flash}.get(attn, kernel)
 
 

@@ -229,6 +229,7 @@ class NeedleTask(LookupTask):
         self._check_context(max_len)
         self.design = make_design(spec.modulus, 1, 1, 0)  # n_coarse = 1: base offsets (M - 1) + v - u
         self.prompts, self.table = self._build_haystacks()
+        self.memory: Optional[dict] = None  # the prefill chunk and its memory estimate, once scored
 
     def _check_context(self, max_len: int) -> None:
         s, c, n = self.spec, self.codec, self.n_records
@@ -441,7 +442,7 @@ class NeedleKind(LookupKind):
 
     def run(self, built: NeedleTask, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
         result = super().run(built, logits, options, device)
-        result.report["memory"] = getattr(built, "memory", None)
+        result.report["memory"] = built.memory
         return result
 
     def dry_run(self, spec: NeedleSpec, built: NeedleTask, model: ModelFacts, options: RunOptions) -> list[str]:

@@ -50,7 +50,7 @@ class RunOptions:
             try:
                 object.__setattr__(self, "stats", StatsOptions(**self.stats))
             except (TypeError, ValueError) as e:  # StatsOptions checks with ValueError: make it a user error
-                raise ConfigError(f"stats: {e}") from e
+                raise ConfigError(str(e) if "stats." in str(e) else f"stats: {e}") from e
         if not isinstance(self.stats, StatsOptions):
             raise ConfigError(f"stats={self.stats!r} must be a mapping of {field_names(StatsOptions)}")
         check_int("batch_size", self.batch_size)

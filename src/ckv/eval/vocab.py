@@ -151,7 +151,7 @@ class VocabSpec:
                 if getattr(self, name) is None:
                     raise ConfigError(f"{v}.{name} is required for source {self.source!r}")
                 (_check_words if self.source == "words" else _check_range)(f"{v}.{name}", getattr(self, name))
-        check_token(f"{v}.pad", self.pad, none=False)
+        check_token(f"{v}.pad", self.pad)  # null only for source format (checked where the source is resolved)
         check_token(f"{v}.bos", self.bos)
         sep = self.separator
         if isinstance(sep, list):
@@ -325,7 +325,9 @@ def _quoted(words: list[str]) -> str:
     return "[" + ",".join(f"'{w}'" for w in words) + "]"
 
 
-def _repeat(source: str, spec: VocabSpec, labels: dict, pad: int, separator: list[int], bos: Optional[int]) -> list:
+def _repeat(
+    source: str, spec: VocabSpec, labels: dict, pad: int, separator: list[int], bos: Optional[int]
+) -> list[str]:
     """Hydra overrides of eval.py that give the same vocabulary without any ``auto`` setting."""
     out = [f"task.vocab.source={source}"]
     if source == "words":  # the words without the one leading space a decoded token may carry
@@ -356,6 +358,8 @@ def build_codec(
         source = "format" if spec.format is not None or run_format is not None else "tokenizer"
     if source == "format":
         return resolve_format(spec, run_format, vocab_size)
+    if spec.pad is None:
+        raise ConfigError(f"task.vocab.pad is required for source {source!r}: give an id, a one-token string or auto")
     picked: dict[str, Any] = {}
     if source == "tokenizer":
         if tokenizer is None:
