@@ -5,10 +5,14 @@
     python eval.py model.path=<run dir> task=probe_synthetic limit=8
     python eval.py summary=<sweep dir>                       # every run of a multirun sweep + grid summary
     python eval.py model.path=<run dir> analysis=<name>      # a registered analysis (conf/eval/analysis/)
+    python eval.py model=hf model.path=<dir> task=needle dry_run=true   # check settings, print the memory plan
 
 See docs/evaluation.md. This file only turns the Hydra config into ckv.eval / ckv.analysis calls. Path values
 (``PATH_KEYS``) are taken verbatim, so a sweep job folder such as ``.../attention.stride=4,seed=0`` can be pasted
-unquoted. Configuration and data errors end the program with one ``ckv: error: ...`` line and exit code 2.
+unquoted. Every task and model setting is checked before the weights load (the task is built from the model's
+configs and tokenizer); configuration and data errors end the program with one ``ckv: error: ...`` line and exit
+code 2. A finished evaluation prints a one-screen summary (``ckv.eval.summary_lines``) and the headline as one
+JSON line.
 """
 
 from __future__ import annotations
@@ -25,9 +29,18 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ckv.analysis import run_analysis
-from ckv.config import ConfigError
+from ckv.config import ConfigError, check_bool, field_names, reject_unknown
 from ckv.data import DataError
-from ckv.eval import ModelSource, RunOptions, evaluate, summarize_runs, task_from_dict
+from ckv.eval import (
+    ModelSource,
+    RunOptions,
+    build_task,
+    dry_run,
+    evaluate,
+    summarize_runs,
+    summary_lines,
+    task_from_dict,
+)
 from ckv.io.layout import CheckpointError
 
 PATH_KEYS = ("model.path", "model.tokenizer", "summary", "summary_out", "out_dir")
@@ -94,33 +107,38 @@ def _options(c: dict) -> RunOptions:
     )
 
 
-def _summary(c: dict) -> None:
+def _source(c: dict) -> ModelSource:
+    if not isinstance(c["model"], dict):
+        raise ConfigError(f"model={c['model']!r} must be a mapping (model=ckv or model=hf and their settings)")
+    reject_unknown(c["model"], field_names(ModelSource), "model")
+    return ModelSource(**c["model"])
+
+
+def _summary(c: dict, spec: object, source: ModelSource, options: RunOptions) -> None:
     roots = c["summary"] if isinstance(c["summary"], list) else [c["summary"]]
-    result, out = summarize_runs(
-        roots,
-        task_from_dict(c["task"]),
-        ModelSource(**c["model"]),
-        _options(c),
-        out_dir=c["summary_out"],
-        rerun=c["summary_rerun"],
-    )
+    result, out = summarize_runs(roots, spec, source, options, out_dir=c["summary_out"], rerun=c["summary_rerun"])
     print(f"summary of {len(result['runs'])} runs -> {out}")
 
 
 def _run(c: dict) -> None:
+    check_bool("dry_run", c.get("dry_run", False))
+    if c.get("dry_run") and (c.get("summary") or c.get("analysis")):
+        raise ConfigError("dry_run=true checks one model and task; it does not apply to summary= or analysis=")
+    source, spec, options = _source(c), task_from_dict(c["task"]), _options(c)  # every setting checked here
     if c.get("summary"):
-        _summary(c)
+        _summary(c, spec, source, options)
         return
-    model = ModelSource(**c["model"]).load(c["device"])
-    spec, options = task_from_dict(c["task"]), _options(c)
     if c.get("analysis"):
-        envelope = run_analysis(c["analysis"], model, spec, options)
+        envelope = run_analysis(c["analysis"], source.load(c["device"]), spec, options)
         print(json.dumps(envelope["analysis"]["results"], indent=2, default=str)[:2000])
         return
-    results, out = evaluate(model, spec, options)
-    r = results["results"]
-    print(json.dumps(r["headline"], indent=2))
-    print(f"results -> {out}")
+    if c.get("dry_run"):
+        print("\n".join(dry_run(source, spec, options)))
+        return
+    built = build_task(spec, source.inspect(), options.limit)  # vocabulary, lengths, context: before the weights
+    results, out = evaluate(source.load(c["device"]), spec, options, built)
+    print("\n".join(summary_lines(spec, results, out)))
+    print("headline: " + json.dumps(results["results"]["headline"], default=str))
 
 
 @hydra.main(version_base="1.3", config_path="conf/eval", config_name="config")

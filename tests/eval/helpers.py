@@ -15,6 +15,7 @@ from ckv.data.config import DataConfig
 from ckv.io.weights import save_weights
 from ckv.train.config import ModelSpec, TrainConfig
 
+ROOT = Path(__file__).resolve().parents[2]
 SPLIT_LOOKUP = dict(
     record="split", n_keys=16, n_values=16, n_filler=1, n_records=16, n_queries=8, filler=[0, 1], prefix_pad=[0, 7]
 )
@@ -85,3 +86,32 @@ def bernoulli_paired(curve: np.ndarray, n_clusters: int, seed: int) -> tuple[np.
     clusters = np.repeat(np.arange(n_clusters), g)
     correct = (rng.random(len(groups)) < np.asarray(curve)[groups]).astype(np.int64)
     return correct, groups, clusters
+
+
+def eval_cli():  # -> the eval.py module (its functions: quote_path_values, user_errors, _run)
+    """``eval.py`` imported as a module (it is a script, not a package module)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ckv_eval_cli", ROOT / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_eval(args: list[str], capsys) -> tuple[int, str, str]:
+    """``python eval.py <args>`` in this process: Hydra's compose over conf/eval (the overrides quoted as eval.py
+    quotes them), then eval.py's own run with its error handling. Returns ``(exit code, stdout, stderr)``."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    cli = eval_cli()
+    code = 0
+    try:
+        with cli.user_errors():
+            with initialize_config_dir(config_dir=str(ROOT / "conf" / "eval"), version_base="1.3"):
+                cfg = compose("config", overrides=cli.quote_path_values(args))
+            cli._run(OmegaConf.to_container(cfg, resolve=True))
+    except SystemExit as e:
+        code = int(e.code)
+    out = capsys.readouterr()
+    return code, out.out, out.err

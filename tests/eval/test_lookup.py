@@ -11,7 +11,7 @@ from ckv.config import ConfigError
 from ckv.data.lookup import LookupFormat, assemble_lookup, make_lookup_example
 from ckv.eval.codec import TokenCodec
 from ckv.eval.design import base_offsets, choose_targets, make_design, slot_pads
-from ckv.eval.lookup import LookupSpec, LookupTask
+from ckv.eval.lookup import LookupSpec, LookupTask, lookup_summary
 from ckv.eval.stats import StatsOptions
 from ckv.eval.vocab import VocabSpec, build_codec
 
@@ -282,3 +282,19 @@ def test_tokenizer_vocabulary_draws_single_token_words_and_auto_prefers_the_run_
     assert drawn.labels["drawn_from"] == "the model's tokenizer"
     fmt = LookupFormat(n_keys=4, n_values=4)
     assert build_codec(auto, vocab_size=100, tokenizer=tok, run_format=fmt) is fmt
+
+
+def test_the_summary_reads_the_phase_gap_against_its_noise_floor_and_prints_further_gap_fields() -> None:
+    codec = LookupFormat(record="kv", n_keys=64, n_values=64)
+    task = LookupTask(LookupSpec(n_records=16, n_demos=2, n_base=16, modulus=8, stride=4), codec, max_len=512)
+    outcome = task.evaluate(ReadingOracle(codec.vocab_size, wrong=lambda pos: pos % 4 == 1), progress=False)
+    report = task.report(outcome, StatsOptions(n_bootstrap=100, n_permutations=100))
+    report["phase"]["gap"]["equivalence"] = "not flat: the interval's upper end 100.0 pp exceeds the 5 pp margin"
+    lines = lookup_summary(report)
+    assert lines[0].startswith("mean accuracy 75.0% [") and lines[1].endswith("0: 100.0  1: 0.0  2: 100.0  3: 100.0")
+    assert lines[2].startswith("phase gap 100.0 pp [100.0, 100.0], noise floor ") and lines[2].endswith(
+        ": above the noise floor"
+    )
+    assert lines[3].startswith("worst phase 1: 0.0% [0.0, 0.0]")
+    assert lines[4] == "phase gap equivalence: not flat: the interval's upper end 100.0 pp exceeds the 5 pp margin"
+    assert lines[5].startswith("residue (mod 8) gap 100.0 pp")

@@ -3,6 +3,7 @@ log-probabilities, filler lengths that are exact token counts of the model's own
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +13,7 @@ import torch
 import yaml
 
 from ckv.config import ConfigError
-from ckv.eval.probe import ProbeSpec, ProbeTask, exact_fillers, text_prompt
+from ckv.eval.probe import ProbeSpec, ProbeTask, exact_fillers, probe_summary, text_prompt
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 400
@@ -84,7 +85,12 @@ def test_shipped_fp8_reconstruction_has_exact_filler_lengths() -> None:
     task = ProbeTask(spec, text_prompt(spec, TOK), max_len=2048, tokenizer=TOK)
     assert list(task.filler_tokens) == list(range(24, 40)) and np.all(np.diff([len(p) for p in task.prompts]) == 1)
     assert task.prompt.candidates == [[ord("8")], [ord("3"), ord("2")]]
-    assert TOK.decode(task.prompts[0][-5:].tolist()) == "float" and '"""' in TOK.decode(task.prompt.before)
+    # the paper's prompt: the outer code has already cast to float32 (so "32" after "FP" repeats that cast), the
+    # cast being completed is ".to(FP", and the docstring around the filler names neither answer
+    before, after = TOK.decode(task.prompt.before), TOK.decode(task.prompt.after)
+    assert after.endswith("q = (x / scale).to(FP") and ".to(FP32)" in before.split("def quantize")[0]
+    docstring = before.split('"""')[-1] + after.split('"""')[0]
+    assert '"""' in before and not any(s in docstring for s in ("8", "32", "FP", "e4m3"))
 
 
 def test_no_flip_is_counted_while_the_top1_is_neither_candidate() -> None:
@@ -118,3 +124,24 @@ def test_a_flip_of_the_top1_is_counted() -> None:
     top = [r["top1_is"] for r in rep["lengths"]]
     assert set(top) == {"8", "32"} and rep["flips"] == sum(a != b for a, b in zip(top, top[1:])) >= 3
     assert rep["periodicity"]["dominant_period"] == 4
+
+
+def test_tokenisations_that_are_not_the_tokenizers_own_are_flagged_and_left_out() -> None:
+    """A candidate that merges with the prompt's end ("=" + "==" is one run of 3) is not the tokenizer's own
+    tokenisation; lengths with such prompts or candidates are listed and left out of the statistics."""
+    spec = dataclasses.replace(SPEC, template="f({filler}) =", candidates=("8", "=="), lengths=(4, 11))
+    prompt = text_prompt(spec, TOK)
+    assert all(prompt.canonical.values()) and set(map(tuple, prompt.candidates_canonical.values())) == {(True, False)}
+    rep = ProbeTask(spec, prompt, max_len=256, tokenizer=TOK).evaluate(_fixed_top1, progress=False)
+    assert rep["lengths"][0]["canonical[==]"] is False and rep["headline"]["non_canonical_lengths"] == list(
+        range(4, 12)
+    )
+    assert rep["headline"]["non_canonical_left_out"] is False  # every length is: none is left out, and it says so
+    # some lengths not canonical: they leave the per-phase table, the flips and the periodicity
+    odd = {n: n % 2 == 0 for n in range(4, 12)}
+    task = ProbeTask(SPEC, dataclasses.replace(text_prompt(SPEC, TOK), canonical=odd), max_len=256, tokenizer=TOK)
+    rep = task.evaluate(_fixed_top1, progress=False)
+    assert rep["headline"]["non_canonical_lengths"] == [5, 7, 9, 11] and rep["headline"]["non_canonical_left_out"]
+    assert [p["phase"] for p in rep["phases"]] == [0, 2] and [p["n_lengths"] for p in rep["phases"]] == [2, 2]
+    assert rep["headline"]["candidate_flips"] == 0  # even lengths only: the candidates' order never changes
+    assert len(rep["lengths"]) == 8 and "left out of the statistics" in probe_summary(rep)[-1]

@@ -8,6 +8,7 @@ accelerate installed, ``device_map="auto"`` spreads a large model over all of th
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 from pathlib import Path
@@ -17,7 +18,8 @@ import torch
 
 from ckv.config import ConfigError
 from ckv.device import resolve_device
-from ckv.eval.models import LoadedModel
+from ckv.eval.memory import ModelMemory, hf_model_memory
+from ckv.eval.models import LoadedModel, ModelFacts, facts_fields
 from ckv.eval.scoring import check_chunk
 from ckv.eval.vocab import HFTokenizer
 from ckv.io.weights import check_finite
@@ -71,6 +73,70 @@ def _max_len(config: Any) -> int:
     raise ConfigError(f"cannot tell the context length of {type(config).__name__}: it has no max_position_embeddings")
 
 
+def _tokenizer_dir(path: Path, tokenizer: Optional[Union[str, Path]]) -> Optional[Path]:
+    """The folder whose tokenizer files to load: ``tokenizer`` (which must hold them) or the model folder if it
+    has them; ``None`` when the model folder has none."""
+    tok_dir = Path(tokenizer) if tokenizer is not None else path
+    has_tok = any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    if tokenizer is not None and not has_tok:
+        raise FileNotFoundError(f"model.tokenizer={str(tok_dir)!r} holds no tokenizer files")
+    return tok_dir if has_tok else None
+
+
+def inspect_hf_model(
+    path: Union[str, Path],
+    dtype: str = "float32",
+    tokenizer: Optional[Union[str, Path]] = None,
+    stride: Optional[int] = None,
+    trust_remote_code: bool = False,
+) -> ModelFacts:
+    """The ``ModelFacts`` of a local transformers causal LM from its ``config.json`` and tokenizer (the weights
+    are not read). ``stride``: the model's compression stride when it has one (transformers configs do not say)."""
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+    except ImportError as e:  # pragma: no cover - transformers is in the dev extra
+        raise ImportError("audit mode needs transformers: pip install 'ckv[dev]' or pip install transformers") from e
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={str(p)!r} is not a transformers model folder (no config.json)")
+    if dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={dtype!r} is not allowed; choose one of {list(DTYPES)}")
+    cfg = AutoConfig.from_pretrained(str(p), local_files_only=True, trust_remote_code=trust_remote_code)
+    tok_dir = _tokenizer_dir(p, tokenizer)
+    tok = (
+        AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True, trust_remote_code=trust_remote_code)
+        if tok_dir is not None
+        else None
+    )
+    info = {
+        "kind": "hf",
+        "path": str(p.resolve()),
+        "architecture": (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0],
+        "dtype": dtype,
+        "device_map": None,
+        "config": cfg.to_dict(),
+        "attention": {
+            "kind": "unknown" if stride is None else "compressed",
+            "stride": stride,
+            "window": None,
+            "pooling": None,
+        },
+    }
+    return ModelFacts(
+        name=p.name,
+        vocab_size=int(cfg.vocab_size),
+        max_len=_max_len(cfg),
+        stride=stride,
+        tokenizer=HFTokenizer(tok) if tok is not None else None,
+        out_dir=p / "eval",
+        info=info,
+        kind="hf",
+        config=cfg,
+        dtype=DTYPES[dtype],
+        trust_remote_code=trust_remote_code,
+    )
+
+
 def load_hf_model(
     path: Union[str, Path],
     device: str = "auto",
@@ -82,19 +148,14 @@ def load_hf_model(
     """Load a local transformers causal LM (and its tokenizer, from ``tokenizer`` or the model folder if
     present), refusing weights with NaN/inf values. ``stride``: the model's compression stride when it has one
     (transformers configs do not say). On several GPUs the model is spread over all of them (``device_map_for``)."""
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:  # pragma: no cover - transformers is in the dev extra
-        raise ImportError("audit mode needs transformers: pip install 'ckv[dev]' or pip install transformers") from e
+    from transformers import AutoModelForCausalLM
+
+    facts = inspect_hf_model(path, dtype, tokenizer, stride, trust_remote_code)
     p = Path(path)
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={str(p)!r} is not a transformers model folder (no config.json)")
-    if dtype not in DTYPES:
-        raise ConfigError(f"model.dtype={dtype!r} is not allowed; choose one of {list(DTYPES)}")
     dev = resolve_device(device, "device")
     device_map = device_map_for(dev)
     model = AutoModelForCausalLM.from_pretrained(
-        str(p), dtype=DTYPES[dtype], local_files_only=True, trust_remote_code=trust_remote_code, device_map=device_map
+        str(p), dtype=facts.dtype, local_files_only=True, trust_remote_code=trust_remote_code, device_map=device_map
     )
     if device_map is None:
         model = model.to(dev)
@@ -102,39 +163,26 @@ def load_hf_model(
         dev = next(model.parameters()).device
     model.eval()
     check_finite(dict(model.named_parameters()), p)
-    tok_dir = Path(tokenizer) if tokenizer is not None else p
-    has_tok = any((tok_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    if tokenizer is not None and not has_tok:
-        raise FileNotFoundError(f"model.tokenizer={str(tok_dir)!r} holds no tokenizer files")
-    tok = (
-        AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True, trust_remote_code=trust_remote_code)
-        if has_tok
-        else None
+    facts.config = model.config  # as loaded: it names the attention implementation transformers picked
+    facts.info.update(
+        architecture=type(model).__name__,
+        device_map=getattr(model, "hf_device_map", None) if device_map else None,
+        config=model.config.to_dict(),
     )
-    cfg = model.config
-    info = {
-        "kind": "hf",
-        "path": str(p.resolve()),
-        "architecture": type(model).__name__,
-        "dtype": dtype,
-        "device_map": getattr(model, "hf_device_map", None) if device_map else None,
-        "config": cfg.to_dict(),
-        "attention": {
-            "kind": "unknown" if stride is None else "compressed",
-            "stride": stride,
-            "window": None,
-            "pooling": None,
-        },
-    }
-    return LoadedModel(
-        name=p.name,
-        logits=HFLastLogits(model),
-        module=model,
-        device=dev,
-        vocab_size=int(cfg.vocab_size),
-        max_len=_max_len(cfg),
-        stride=stride,
-        tokenizer=HFTokenizer(tok) if tok is not None else None,
-        out_dir=p / "eval",
-        info=info,
-    )
+    return LoadedModel(**facts_fields(facts), logits=HFLastLogits(model), module=model, device=dev)
+
+
+def hf_memory(model: ModelFacts, module: Optional[Any] = None) -> ModelMemory:
+    """The needle's memory description of a transformers model (``ckv.eval.memory.hf_model_memory``): its
+    parameters and attention implementation come from ``module`` when loaded, else from an empty copy built on
+    the ``meta`` device (no memory, no weights read)."""
+    if module is None:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            module = AutoModelForCausalLM.from_config(
+                copy.deepcopy(model.config), trust_remote_code=model.trust_remote_code
+            )
+    n_params = sum(p.numel() for p in module.parameters())
+    attn = getattr(module.config, "_attn_implementation", None) or "eager"
+    return hf_model_memory(module.config, model.dtype, attn, n_params)

@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from ckv.config import ConfigError, check_int
+from ckv.config import ConfigError, check_bool, check_choice, check_int
 from ckv.data.config import LookupConfig
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.design import PADDINGS, base_offsets, choose_targets, make_design, slot_pads
+from ckv.eval.models import ModelFacts
+from ckv.eval.plots import plot_lookup
+from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
 from ckv.eval.scoring import LogitsFn, score_next_token
-from ckv.eval.stats import StatsOptions, summarize_groups
-from ckv.eval.vocab import VocabSpec
+from ckv.eval.stats import StatsOptions, gap_is_real, summarize_groups
+from ckv.eval.vocab import VocabSpec, build_codec, vocab_spec
 from ckv.geometry import phase
 
 log = logging.getLogger(__name__)
@@ -68,24 +72,31 @@ class LookupSpec:
             self,
             required=(("n_base", 1), ("modulus", 1), ("seed", 0)),
             optional=(("n_records", 2), ("n_demos", 0), ("stride", 1)),
+            flags=("fixed_query", "distinct_values"),
         )
 
 
 def check_task_fields(
-    spec: Any, required: tuple[tuple[str, int], ...], optional: tuple[tuple[str, int], ...] = ()
+    spec: Any,
+    required: tuple[tuple[str, int], ...],
+    optional: tuple[tuple[str, int], ...] = (),
+    flags: tuple[str, ...] = (),
 ) -> None:
-    """The checks every lookup-style task spec shares: ``vocab`` given as a dict becomes a ``VocabSpec``,
-    ``padding`` is one of PADDINGS, the ``required`` fields are integers >= their minimum and the ``optional``
-    ones null or such integers (all through ``ckv.config.check_int``, so errors read ``task.<field>=...``)."""
-    if isinstance(spec.vocab, dict):
-        object.__setattr__(spec, "vocab", VocabSpec(**spec.vocab))
-    if spec.padding not in PADDINGS:
-        raise ConfigError(f"task.padding={spec.padding!r} is not allowed; choose one of {list(PADDINGS)}")
+    """The checks every lookup-style task spec shares: ``name``; ``vocab`` given as a dict becomes a ``VocabSpec``;
+    ``padding`` is one of PADDINGS; the ``required`` fields are integers >= their minimum, the ``optional`` ones
+    null or such integers, the ``flags`` booleans (errors read ``task.<field>=...``); a given ``stride`` divides
+    ``modulus``."""
+    check_name(spec)
+    object.__setattr__(spec, "vocab", vocab_spec(spec.vocab))
+    check_choice("task.padding", spec.padding, PADDINGS)
     for name, low in required:
         check_int(f"task.{name}", getattr(spec, name), low)
     for name, low in optional:
         if getattr(spec, name) is not None:
             check_int(f"task.{name}", getattr(spec, name), low)
+    for name in flags:
+        check_bool(f"task.{name}", getattr(spec, name))
+    resolve_stride(spec.stride, None, spec.modulus)
 
 
 def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulus: int) -> Optional[int]:
@@ -95,14 +106,15 @@ def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulu
     stride = requested or model_stride
     if stride is None:
         return None
+    which = f"the stride {stride}" + (" (task.stride)" if requested else "")
     if modulus < stride:
         raise ConfigError(
-            f"task.modulus={modulus} is smaller than the stride {stride}: residues mod {modulus} cannot "
+            f"task.modulus={modulus} is smaller than {which}: residues mod {modulus} cannot "
             f"separate the {stride} phases; use a multiple of {stride} (the paper uses 24)"
         )
     if modulus % stride:
         raise ConfigError(
-            f"task.modulus={modulus} is not a multiple of the stride {stride}: phase groups would "
+            f"task.modulus={modulus} is not a multiple of {which}: phase groups would "
             f"not be balanced; use a common multiple (the paper uses 24)"
         )
     return stride
@@ -353,3 +365,101 @@ class LookupTask:
             "phase": phases,
             **self.describe(),
         }
+
+
+def codec_for(vocab: VocabSpec, model: ModelFacts) -> RecordCodec:
+    """The record codec of ``vocab`` for ``model`` (its vocabulary size, tokenizer and run layout)."""
+    return build_codec(vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format)
+
+
+# the gap report's fields the summary prints in its own words; any other field (e.g. a verdict) is printed as is
+SUMMARY_GAP_KEYS = {
+    "value",
+    "lower",
+    "upper",
+    "interval",
+    "best_group",
+    "worst_group",
+    "best_accuracy",
+    "worst_accuracy",
+    "worst_lower",
+    "worst_upper",
+    "p_value",
+    "noise_floor",
+    "n_permutations",
+    "n_bootstrap",
+    "level",
+}
+
+
+def _pct(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def _interval(lower: Optional[float], upper: Optional[float]) -> str:
+    return f"[{_pct(lower)}, {_pct(upper)}]"
+
+
+def gap_lines(grouping: dict, label: str, alpha: float = 0.05) -> list[str]:
+    """Summary lines of one grouping's gap (``summarize_groups``): the gap with its interval, noise floor, p-value
+    and what they say, the worst group, and every further field of the gap report."""
+    g = grouping["gap"]
+    real = gap_is_real(g["p_value"], g["lower"], g["noise_floor"], alpha)
+    verdict = "above the noise floor" if real else "not above the noise floor: no evidence of a phase effect"
+    p = "n/a" if g["p_value"] is None else f"{g['p_value']:.2g}"
+    lines = [
+        f"{label} gap {_pct(g['value'])} pp {_interval(g['lower'], g['upper'])}, noise floor "
+        f"{_pct(g['noise_floor'])}, p={p}: {verdict}",
+        f"worst {label} {g['worst_group']}: {_pct(g['worst_accuracy'])}% "
+        f"{_interval(g['worst_lower'], g['worst_upper'])}; best {g['best_group']}: {_pct(g['best_accuracy'])}%",
+    ]
+    lines += [f"{label} gap {k}: {v}" for k, v in g.items() if k not in SUMMARY_GAP_KEYS]
+    return lines
+
+
+def lookup_summary(report: dict) -> list[str]:
+    """The one-screen summary of a lookup-style report: mean, per-phase accuracy, worst phase and phase gap (with
+    interval and noise floor), then the residue gap."""
+    mean = report["residue"]["mean"]
+    lines = [
+        f"mean accuracy {_pct(mean['value'])}% {_interval(mean['lower'], mean['upper'])} "
+        f"over {report['n_prompts']} prompts"
+    ]
+    phases = report["phase"]
+    if phases is None:
+        lines.append(
+            "no phase groups: the model has no stride; give task.stride (model.stride for transformers models)"
+        )
+    else:
+        per = "  ".join(f"{g['group']}: {_pct(g['accuracy'])}" for g in phases["groups"])
+        lines += [f"accuracy per phase (mod {report['stride']}, %): {per}", *gap_lines(phases, "phase")]
+    lines += gap_lines(report["residue"], f"residue (mod {report['modulus']})")[:1]
+    return lines
+
+
+@register_task
+class LookupKind(EvalTask):
+    """``task.kind=lookup``: the position-matched lookup (``LookupTask``); plot ``plot_lookup``."""
+
+    kind = "lookup"
+    spec = LookupSpec
+
+    def build(self, spec: LookupSpec, model: ModelFacts, limit: Optional[int] = None) -> LookupTask:
+        return LookupTask(
+            spec,
+            codec_for(spec.vocab, model),
+            max_len=model.max_len,
+            model_stride=model.stride,
+            training=model.lookup,
+            limit=limit,
+        )
+
+    def run(self, built: LookupTask, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
+        outcome = built.evaluate(logits, batch_size=options.batch_size, device=device, progress=options.progress)
+        return TaskResult(built.report(outcome, options.stats), outcome.rows())
+
+    def plot(self, report: dict, path: Path, title: str) -> Optional[Path]:
+        return plot_lookup(report, path, title)
+
+    def summary(self, report: dict) -> list[str]:
+        return lookup_summary(report)

@@ -8,7 +8,7 @@ the run's ``config.yaml`` (the lookup layout it trained on, and a check that the
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -45,20 +45,19 @@ class CheckpointMismatchError(ConfigError):
     """Weights that do not match their config, their run, or the task's layout."""
 
 
-@dataclass
-class LoadedModel:
-    """A model ready for evaluation.
+@dataclass(kw_only=True)
+class ModelFacts:
+    """What tasks need to know about a model, read without its weights (a run's config, a transformers folder's
+    config.json and tokenizer), so that every task setting is checked before the weights load.
 
-    ``logits``: ``input_ids (B, T) -> (B, V)`` logits at the last position; ``module``: the underlying
-    ``nn.Module`` (analyses hook into it); ``max_len``: the longest prompt it accepts; ``stride``: its
-    compression stride (``None`` for full attention or an unknown HF model); ``lookup``: the lookup settings
-    its run trained on, if any; ``out_dir``: where results go by default; ``info``: a JSON description.
+    ``max_len``: the longest prompt it accepts; ``stride``: its compression stride (``None`` for full attention or
+    an HF model without ``model.stride``); ``lookup``/``lookup_format``: the lookup settings and id layout its run
+    trained on, if any; ``out_dir``: where results go by default; ``info``: a JSON description; ``kind``: ``ckv``
+    or ``hf``; ``config``: the model's config (``ckv.config.ModelConfig``, or the transformers config object);
+    ``dtype``: the compute dtype it runs in; ``trust_remote_code``: whether its transformers code may run.
     """
 
     name: str
-    logits: LogitsFn
-    module: torch.nn.Module
-    device: torch.device
     vocab_size: int
     max_len: int
     stride: Optional[int] = None
@@ -67,6 +66,20 @@ class LoadedModel:
     lookup_format: Optional[LookupFormat] = None
     out_dir: Optional[Path] = None
     info: dict = field(default_factory=dict)
+    kind: str = "ckv"
+    config: Any = None
+    dtype: torch.dtype = torch.float32
+    trust_remote_code: bool = False
+
+
+@dataclass(kw_only=True)
+class LoadedModel(ModelFacts):
+    """A model ready for evaluation: its ``ModelFacts`` plus ``logits`` (``input_ids (B, T) -> (B, V)`` logits at
+    the last position), ``module`` (the underlying ``nn.Module``: analyses hook into it) and ``device``."""
+
+    logits: LogitsFn
+    module: torch.nn.Module
+    device: torch.device
 
 
 class CkvLastLogits:
@@ -156,21 +169,16 @@ def _default_out_dir(weights: Path, run_dir: Optional[Path]) -> Path:
     return weights / EVAL_DIR
 
 
-def load_ckv_model(
-    path: PathLike, step: Union[int, str, None] = None, device: str = "auto", impl: Optional[str] = None
-) -> LoadedModel:
-    """Load ckv weights from a run folder or weights folder (see ``find_weights``), in eval mode.
-    ``impl`` overrides ``attention.impl`` (e.g. ``torch`` for the reference)."""
+def inspect_ckv_model(
+    path: PathLike, step: Union[int, str, None] = None, impl: Optional[str] = None
+) -> tuple[ModelFacts, Path]:
+    """The ``ModelFacts`` of ckv weights in a run folder or weights folder (see ``find_weights``) and the weights
+    folder, read from the configs and the tokenizer only (the weights are not loaded). ``impl`` overrides
+    ``attention.impl``."""
     weights, run_dir = find_weights(path, step)
     config = load_config(weights)
     run_cfg = read_run_config(run_dir) if run_dir is not None else {}
     check_against_run(config, run_cfg, weights)
-    dev = resolve_device(device, "device")
-    try:
-        model = load_weights(weights, device=dev, **({"impl": impl} if impl else {}))
-    except (ValueError, RuntimeError, SafetensorError) as e:
-        raise CheckpointMismatchError(f"cannot load {weights}: {e}") from e
-    model.eval()
     tok_path = weights / TOKENIZER_FILE
     raw_tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
     lookup, fmt = _run_lookup(run_cfg, raw_tok, weights)
@@ -195,11 +203,13 @@ def load_ckv_model(
     trainer_state = weights.parent / STATE_FILE
     if trainer_state.is_file():
         info["trainer_state"] = json.loads(trainer_state.read_text())
-    return LoadedModel(
+    run_config = config  # the config it runs with: attention.impl as overridden
+    if impl:
+        run_config = ModelConfig.from_dict(
+            {**config.to_dict(), "attention": {**config.to_dict()["attention"], "impl": impl}}
+        )
+    facts = ModelFacts(
         name=run_cfg.get("name") or (run_dir.name if run_dir else weights.name),
-        logits=CkvLastLogits(model),
-        module=model,
-        device=dev,
         vocab_size=config.vocab_size,
         max_len=config.max_seq_len,
         stride=stride,
@@ -208,4 +218,27 @@ def load_ckv_model(
         lookup_format=fmt,
         out_dir=_default_out_dir(weights, run_dir),
         info=info,
+        kind="ckv",
+        config=run_config,
     )
+    return facts, weights
+
+
+def load_ckv_model(
+    path: PathLike, step: Union[int, str, None] = None, device: str = "auto", impl: Optional[str] = None
+) -> LoadedModel:
+    """Load ckv weights from a run folder or weights folder (see ``find_weights``), in eval mode.
+    ``impl`` overrides ``attention.impl`` (e.g. ``torch`` for the reference)."""
+    facts, weights = inspect_ckv_model(path, step, impl)
+    dev = resolve_device(device, "device")
+    try:
+        model = load_weights(weights, device=dev, **({"impl": impl} if impl else {}))
+    except (ValueError, RuntimeError, SafetensorError) as e:
+        raise CheckpointMismatchError(f"cannot load {weights}: {e}") from e
+    model.eval()
+    return LoadedModel(**facts_fields(facts), logits=CkvLastLogits(model), module=model, device=dev)
+
+
+def facts_fields(facts: ModelFacts) -> dict[str, Any]:
+    """The fields of ``facts`` as keyword arguments (to build a ``LoadedModel`` on them)."""
+    return {f.name: getattr(facts, f.name) for f in fields(ModelFacts)}

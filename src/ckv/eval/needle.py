@@ -23,21 +23,44 @@ the haystack matches its depth, so records and filler are spread evenly in front
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional, Union
 
 import numpy as np
+import torch
 
-from ckv.config import ConfigError
+from ckv.config import ConfigError, ModelConfig, check_float
 from ckv.data.lookup import RecordCodec, assemble_lookup
+from ckv.device import resolve_device
 from ckv.eval.codec import TokenCodec
 from ckv.eval.design import base_offsets, make_design, slot_pads
-from ckv.eval.lookup import LookupOutcome, LookupTask, check_task_fields, resolve_stride
-from ckv.eval.scoring import LazyPrompts
+from ckv.eval.hf_models import HFLastLogits, hf_memory
+from ckv.eval.lookup import LookupKind, LookupOutcome, LookupTask, check_task_fields, codec_for, resolve_stride
+from ckv.eval.memory import (
+    GB,
+    MIN_CHUNK,
+    ChunkEstimate,
+    ModelMemory,
+    chunk_candidates,
+    ckv_model_memory,
+    device_budget,
+    estimate,
+    gb,
+    needed,
+    pick_chunk,
+)
+from ckv.eval.models import LoadedModel, ModelFacts
+from ckv.eval.registry import RunOptions, TaskResult, register_task
+from ckv.eval.scoring import CkvChunkedLastLogits, LazyPrompts, LogitsFn
 from ckv.eval.stats import StatsOptions
-from ckv.eval.vocab import VocabSpec
+from ckv.eval.vocab import AUTO, VocabSpec
 from ckv.geometry import phase
+from ckv.model import Transformer
+
+log = logging.getLogger(__name__)
+DEFAULT_CHUNK = 4096  # prefill_chunk=auto where the device's free memory cannot be read
 
 
 @dataclass(frozen=True)
@@ -48,11 +71,12 @@ class NeedleSpec:
     ``context_tokens // (2 * record_len)``). ``record_len``: tokens per record (key ``record_len - 1`` tokens +
     value; a layout with records of its own keeps them). ``modulus``: residue groups ``t_K mod modulus``.
     ``stride``: phase period (``None``: the model's stride; none for a model without one, whose phase gap is then
-    not defined). ``prompts_per_residue``: base
-    examples, each scored at every residue (a multiple of ``modulus**2`` matches mean and variance of t_K
-    exactly). ``padding``: ``in_sequence`` (filler spread over the gaps between records, re-drawn per prompt)
-    or ``prefix`` (all filler before the first record and after the last). ``prefill_chunk``: tokens per
-    forward of the chunked prefill (bounds activation and attention memory).
+    not defined). ``prompts_per_residue``: base examples, each scored at every residue (a multiple of
+    ``modulus**2`` matches mean and variance of t_K exactly). ``padding``: ``in_sequence`` (filler spread over the
+    gaps between records, re-drawn per prompt) or ``prefix`` (all filler before the first record and after the
+    last). ``prefill_chunk``: tokens per forward of the chunked prefill (bounds activation and attention memory);
+    ``"auto"``: the largest chunk whose estimated peak memory (``ckv.eval.memory``) fits ``memory_budget_gb``
+    (``None``: 90% of the device's free memory).
     """
 
     name: str = "needle"
@@ -63,7 +87,8 @@ class NeedleSpec:
     stride: Optional[int] = None
     prompts_per_residue: int = 256
     padding: str = "in_sequence"
-    prefill_chunk: int = 4096
+    prefill_chunk: Union[int, str] = AUTO
+    memory_budget_gb: Optional[float] = None
     seed: int = 0
     vocab: VocabSpec = field(default_factory=VocabSpec)
 
@@ -75,11 +100,20 @@ class NeedleSpec:
                 ("record_len", 2),
                 ("modulus", 1),
                 ("prompts_per_residue", 1),
-                ("prefill_chunk", 1),
                 ("seed", 0),
             ),
             optional=(("n_records", 2), ("stride", 1)),
         )
+        chunk = self.prefill_chunk
+        if chunk != AUTO and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+            raise ConfigError(f"task.prefill_chunk={chunk!r} must be an integer >= 1 or 'auto'")
+        if self.memory_budget_gb is not None:
+            check_float("task.memory_budget_gb", self.memory_budget_gb, 0, low_open=True)
+        if self.records < 2 or self.records * self.record_len >= self.context_tokens:
+            raise ConfigError(
+                f"task.n_records={self.records} records of task.record_len={self.record_len} tokens do not fit a "
+                f"haystack of task.context_tokens={self.context_tokens} (at least 2 records, and room for filler)"
+            )
 
     @property
     def records(self) -> int:
@@ -195,6 +229,7 @@ class NeedleTask(LookupTask):
         self._check_context(max_len)
         self.design = make_design(spec.modulus, 1, 1, 0)  # n_coarse = 1: base offsets (M - 1) + v - u
         self.prompts, self.table = self._build_haystacks()
+        self.memory: Optional[dict] = None  # the prefill chunk and its memory estimate, once scored
 
     def _check_context(self, max_len: int) -> None:
         s, c, n = self.spec, self.codec, self.n_records
@@ -305,3 +340,137 @@ class NeedleTask(LookupTask):
     def report(self, outcome: LookupOutcome, options: StatsOptions = StatsOptions()) -> dict:
         """The lookup task's report (same keys, same statistics) marked as the needle task."""
         return {**super().report(outcome, options), "task": "needle"}
+
+
+def needle_memory(model: ModelFacts, device: torch.device, module: Optional[Any] = None) -> ModelMemory:
+    """The memory description of ``model`` for the chunk estimate: ckv models from their config
+    (``ckv_model_memory``), transformers models from theirs (``hf_memory``; ``module`` when loaded)."""
+    if model.kind == "ckv" and isinstance(model.config, ModelConfig):
+        return ckv_model_memory(model.config, device)
+    if model.kind == "hf":
+        return hf_memory(model, module)
+    raise ConfigError(f"the needle test estimates memory for ckv and transformers models, not {model.name}")
+
+
+def _no_fit(memory: ModelMemory, spec: NeedleSpec, batch: int, budget: float, loaded: bool) -> str:
+    """The one line that says no chunk fits, and what would."""
+    smallest = estimate(memory, batch, spec.context_tokens, MIN_CHUNK)
+    what = f"a device with {gb(needed(smallest, loaded))} GB free"
+    if batch > 1:
+        one, _ = pick_chunk(memory, 1, spec.context_tokens, budget, weights_loaded=loaded)
+        if one is not None:
+            what = f"batch_size=1 (fits with chunk {one.chunk})"
+    return (
+        f"task.prefill_chunk=auto: no prefill chunk fits: chunk {MIN_CHUNK} at batch_size={batch} needs "
+        f"~{gb(needed(smallest, loaded))} GB, the device offers {gb(budget)} GB "
+        f"(task.memory_budget_gb, default 90% of its free memory); use {what}, or lower task.context_tokens"
+    )
+
+
+def choose_chunk(
+    spec: NeedleSpec, model: ModelFacts, batch: int, device: torch.device, module: Optional[Any] = None
+) -> tuple[ChunkEstimate, Optional[float]]:
+    """The prefill chunk to score with and its estimate, and the memory budget (bytes; ``None``: unknown):
+    ``spec.prefill_chunk``, or for ``auto`` the largest chunk that fits (a ``ConfigError`` when none does). With
+    ``module`` (the loaded model) the budget is what is left after its weights."""
+    memory = needle_memory(model, device, module)
+    loaded = module is not None
+    budget = spec.memory_budget_gb * GB if spec.memory_budget_gb is not None else device_budget(device)
+    T = spec.context_tokens
+    if spec.prefill_chunk != AUTO:
+        est = estimate(memory, batch, T, int(spec.prefill_chunk))
+        if budget is not None and needed(est, loaded) > budget:
+            log.warning(
+                "task.prefill_chunk=%d needs ~%s GB but the device offers %s GB; task.prefill_chunk=auto picks "
+                "a chunk that fits",
+                est.chunk,
+                gb(needed(est, loaded)),
+                gb(budget),
+            )
+        return est, budget
+    if budget is None:
+        est = estimate(memory, batch, T, DEFAULT_CHUNK)
+        log.warning("cannot read the device's free memory: prefill chunk %d (set task.memory_budget_gb)", est.chunk)
+        return est, None
+    fit, _ = pick_chunk(memory, batch, T, budget, weights_loaded=loaded)
+    if fit is None:
+        raise ConfigError(_no_fit(memory, spec, batch, budget, loaded))
+    return fit, budget
+
+
+def dry_run_device(device: str) -> torch.device:
+    """The device a dry run estimates for: ``device`` resolved, or as named when this machine lacks it (a plan for
+    another machine: its free memory is then unknown unless ``task.memory_budget_gb`` says it)."""
+    try:
+        return resolve_device(device, "device")
+    except ConfigError:
+        return torch.device(device)
+
+
+@register_task
+class NeedleKind(LookupKind):
+    """``task.kind=needle``: the position-matched needle test (``NeedleTask``), scored by chunked prefill with a
+    chunk that fits the device; the lookup task's report, rows, plot and summary, plus the memory estimate."""
+
+    kind = "needle"
+    spec = NeedleSpec
+
+    def build(self, spec: NeedleSpec, model: ModelFacts, limit: Optional[int] = None) -> NeedleTask:
+        return NeedleTask(
+            spec, codec_for(spec.vocab, model), max_len=model.max_len, model_stride=model.stride, limit=limit
+        )
+
+    def logits(self, spec: NeedleSpec, model: LoadedModel, built: NeedleTask, options: RunOptions) -> LogitsFn:
+        """Chunked prefill through the model's own KV cache: ``CkvChunkedLastLogits`` or ``HFLastLogits``."""
+        if not (isinstance(model.module, Transformer) or isinstance(model.logits, HFLastLogits)):
+            raise ConfigError(
+                f"the needle test needs a ckv or transformers model for chunked prefill, not {model.name}"
+            )
+        batch = min(options.batch_size, len(built.prompts))
+        est, budget = choose_chunk(spec, model, batch, model.device, model.module)
+        built.memory = {**est.to_dict(), "budget": budget, "chosen": "auto" if spec.prefill_chunk == AUTO else "given"}
+        log.info(
+            "needle: prefill chunk %d tokens (%s); estimated %s of %s",
+            est.chunk,
+            "picked: the largest that fits" if spec.prefill_chunk == AUTO else "task.prefill_chunk",
+            est.line(),
+            "an unknown budget" if budget is None else f"{gb(budget)} GB available",
+        )
+        if isinstance(model.module, Transformer):
+            return CkvChunkedLastLogits(model.module, est.chunk)
+        return HFLastLogits(model.module, est.chunk)
+
+    def run(self, built: NeedleTask, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
+        result = super().run(built, logits, options, device)
+        result.report["memory"] = built.memory
+        return result
+
+    def dry_run(self, spec: NeedleSpec, built: NeedleTask, model: ModelFacts, options: RunOptions) -> list[str]:
+        """The memory estimate of the last prefill chunk for several chunk sizes, and the chunk the run would use."""
+        device = dry_run_device(options.device)
+        batch = min(options.batch_size, len(built.prompts))
+        memory = needle_memory(model, device)
+        lines = [
+            f"{spec.name}: {len(built.prompts)} prompts of {spec.context_tokens} tokens, batch_size={batch}, "
+            f"model {model.name} ({memory.name}), weights {gb(memory.weights)} GB",
+            *(f"  {note}" for note in memory.notes),
+            "estimated peak memory of the last prefill chunk (weights included):",
+        ]
+        lines += [
+            f"  {estimate(memory, batch, spec.context_tokens, c).line()}" for c in chunk_candidates(spec.context_tokens)
+        ]
+        if spec.memory_budget_gb is None and device_budget(device) is None:
+            return [
+                *lines,
+                f"the free memory of {device} cannot be read here: the run reads it on its machine (or "
+                "set task.memory_budget_gb to see the chunk it would use)",
+            ]
+        try:
+            est, budget = choose_chunk(spec, model, batch, device)
+        except ConfigError as e:
+            return [*lines, str(e)]
+        return [
+            *lines,
+            f"budget on {device}: {gb(budget)} GB; the run would use prefill chunk {est.chunk}: "
+            f"peak ~{gb(est.peak)} GB",
+        ]

@@ -18,16 +18,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from ckv.config import ConfigError
+from ckv.config import ConfigError, check_choice, check_int
 from ckv.data.lookup import RecordCodec, assemble_lookup
+from ckv.eval.lookup import PAPER_N_RECORDS, codec_for
+from ckv.eval.models import ModelFacts
+from ckv.eval.plots import plot_probe
+from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
 from ckv.eval.scoring import LogitsFn, score_next_token
 from ckv.eval.stats import dominant_period, periodicity_chance, periodicity_score
-from ckv.eval.vocab import TextTokenizer, TokenSpec, VocabSpec
+from ckv.eval.vocab import AUTO, TextTokenizer, TokenSpec, VocabSpec, check_token, single_token, vocab_spec
 
 SOURCES = ("text", "lookup")
 SLOT = "{filler}"
@@ -61,15 +66,37 @@ class ProbeSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.vocab, dict):
-            object.__setattr__(self, "vocab", VocabSpec(**self.vocab))
-        object.__setattr__(self, "lengths", tuple(self.lengths))
-        object.__setattr__(self, "candidates", tuple(self.candidates))
-        if self.source not in SOURCES:
-            raise ConfigError(f"task.source={self.source!r} is not allowed; choose one of {list(SOURCES)}")
-        lo, hi = self.lengths if len(self.lengths) == 2 else (-1, -2)
-        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi):
-            raise ConfigError(f"task.lengths={list(self.lengths)} must be [first, last] with 0 <= first <= last")
+        check_name(self)
+        object.__setattr__(self, "vocab", vocab_spec(self.vocab))
+        check_choice("task.source", self.source, SOURCES)
+        lengths = self.lengths
+        if not (
+            isinstance(lengths, (list, tuple))
+            and len(lengths) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in lengths)
+            and 0 <= lengths[0] <= lengths[1]
+        ):
+            raise ConfigError(f"task.lengths={lengths!r} must be [first, last] filler lengths with 0 <= first <= last")
+        object.__setattr__(self, "lengths", tuple(lengths))
+        cands = self.candidates
+        if not isinstance(cands, (list, tuple)) or not all(
+            isinstance(c, str) and c or isinstance(c, int) and not isinstance(c, bool) for c in cands
+        ):
+            raise ConfigError(f"task.candidates={cands!r} must be a list of answer strings, e.g. ['8', '32']")
+        object.__setattr__(self, "candidates", tuple(str(c) for c in cands))
+        if len(set(self.candidates)) < len(self.candidates):
+            raise ConfigError(f"task.candidates={list(self.candidates)} holds the same answer twice")
+        for name in ("template", "unit"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"task.{name}={value!r} must be null or a non-empty string")
+        if self.stride is not None:
+            check_int("task.stride", self.stride)
+        if self.n_records is not None:
+            check_int("task.n_records", self.n_records, 3)
+        check_int("task.n_distractors", self.n_distractors, 0)
+        check_int("task.seed", self.seed, 0)
+        check_token("task.bos", self.bos)
         if self.source == "text":
             if not self.template or self.template.count(SLOT) != 1:
                 raise ConfigError(f"task.template must contain {SLOT} exactly once")
@@ -84,7 +111,10 @@ class ProbePrompt:
     """The parts of a probe prompt as token ids: ``fillers[n]`` holds the filler of exactly ``n`` tokens (with its
     text in ``filler_texts`` for a text probe), ``candidates`` each answer's token sequence, ``labels`` their
     names; ``canonical[n]`` says whether the whole prompt's text tokenises to the same ids (the parts are
-    tokenised separately so that the filler never merges with its neighbours; ``None`` without a tokenizer)."""
+    tokenised separately so that the filler never merges with its neighbours; ``None`` without a tokenizer), and
+    ``candidates_canonical[n]`` for each candidate whether the prompt's text followed by the candidate's tokenises
+    to the prompt's ids followed by the candidate's (else the teacher-forced score is of a tokenisation the
+    tokenizer never produces)."""
 
     before: list[int]
     fillers: dict[int, list[int]]
@@ -93,17 +123,21 @@ class ProbePrompt:
     labels: list[str]
     filler_texts: dict[int, str] = field(default_factory=dict)
     canonical: dict[int, Optional[bool]] = field(default_factory=dict)
+    candidates_canonical: dict[int, list[bool]] = field(default_factory=dict)
+    codec: dict = field(default_factory=dict)  # a lookup prompt's vocabulary (``RecordCodec.describe()``)
 
     def __post_init__(self) -> None:
         bad = {n: len(f) for n, f in self.fillers.items() if len(f) != n}
         if bad:
             raise ConfigError(f"fillers of the wrong length (asked: got) {bad}")
         if any(not c for c in self.candidates):
-            raise ConfigError(f"a candidate of {self.labels} is empty after tokenization")
+            raise ConfigError(f"task.candidates: a candidate of {self.labels} is empty after tokenization")
         firsts = [c[0] for c in self.candidates]
         dup = sorted({i for i in firsts if firsts.count(i) > 1})
         if dup:
-            raise ConfigError(f"candidates {self.labels} share first tokens {dup}; the top-1 cannot tell them apart")
+            raise ConfigError(
+                f"task.candidates={self.labels} share first tokens {dup}; the top-1 cannot tell them apart"
+            )
 
     def ids(self, n: int) -> np.ndarray:
         """The prompt with the filler of ``n`` tokens. (T,)"""
@@ -143,22 +177,36 @@ def text_prompt(spec: ProbeSpec, tokenizer: Optional[TextTokenizer]) -> ProbePro
     if tokenizer is None:
         raise ConfigError("task.source='text' needs a tokenizer but the model has none; use source 'lookup'")
     before, after = spec.template.split(SLOT)  # type: ignore[union-attr]
-    bos = tokenizer.bos_id if spec.bos == "auto" else spec.bos
+    if spec.bos == AUTO:
+        bos = tokenizer.bos_id
+    else:
+        bos = (
+            spec.bos if spec.bos is None or isinstance(spec.bos, int) else single_token(tokenizer, spec.bos, "task.bos")
+        )
     lo, hi = spec.lengths
     fillers = exact_fillers(tokenizer, spec.unit, range(lo, hi + 1))  # type: ignore[arg-type]
     head = [] if bos is None else [int(bos)]
     before_ids, after_ids = tokenizer.encode(before), tokenizer.encode(after)
+    candidates = [tokenizer.encode(c) for c in spec.candidates]
     canonical = {
         n: tokenizer.encode(before + text + after) == before_ids + ids + after_ids for n, (text, ids) in fillers.items()
+    }
+    candidates_canonical = {
+        n: [
+            tokenizer.encode(before + text + after + c) == before_ids + ids + after_ids + c_ids
+            for c, c_ids in zip(spec.candidates, candidates)
+        ]
+        for n, (text, ids) in fillers.items()
     }
     return ProbePrompt(
         head + before_ids,
         {n: ids for n, (_, ids) in fillers.items()},
         after_ids,
-        [tokenizer.encode(c) for c in spec.candidates],
+        candidates,
         list(spec.candidates),
         filler_texts={n: text for n, (text, _) in fillers.items()},
         canonical=canonical,
+        candidates_canonical=candidates_canonical,
     )
 
 
@@ -183,7 +231,8 @@ def lookup_prompt(spec: ProbeSpec, codec: RecordCodec, n_records: int) -> ProbeP
     k = len(codec.prefix)
     tokens = ex.prompt.tolist()
     lo, hi = spec.lengths
-    return ProbePrompt(tokens[:k], {n: [codec.pad_id] * n for n in range(lo, hi + 1)}, tokens[k:], cands, labels)
+    fillers = {n: [codec.pad_id] * n for n in range(lo, hi + 1)}
+    return ProbePrompt(tokens[:k], fillers, tokens[k:], cands, labels, codec=codec.describe())
 
 
 def _log(p: np.ndarray) -> np.ndarray:
@@ -237,15 +286,33 @@ class ProbeTask:
             np.add.at(logp, (rows, cols), _log(rest.probs[:, 0]))
         return self.report(logp, scores.top1)
 
+    def _kept(self) -> tuple[np.ndarray, list[int]]:
+        """(L,) bool: the lengths the statistics use, and the lengths left out: those whose prompt or candidates
+        do not tokenise as the tokenizer itself would (all are kept when none or all are such)."""
+        prompt = self.prompt
+        ok = np.array(
+            [
+                prompt.canonical.get(int(f)) is not False and all(prompt.candidates_canonical.get(int(f), [True]))
+                for f in self.filler_tokens
+            ]
+        )
+        if ok.all() or not ok.any():
+            return np.ones(len(ok), dtype=bool), [int(f) for f in self.filler_tokens[~ok]]
+        return ok, [int(f) for f in self.filler_tokens[~ok]]
+
     def report(self, logp: np.ndarray, top1: np.ndarray) -> dict:
         """``logp`` (L, C) candidate sequence log-probabilities and ``top1`` (L,) full-vocabulary top-1 ids ->
-        the JSON-ready report: per length (top-1 token, which candidate it is, each candidate's log-probability),
-        per phase, flips of the top-1, and the periodicity of p(expected)."""
-        labels, S, n = self.prompt.labels, self.stride, len(self.filler_tokens)
+        the JSON-ready report: per length (top-1 token, which candidate it is, each candidate's log-probability,
+        whether prompt and candidates tokenise as the tokenizer's own), per phase, flips of the top-1, and the
+        periodicity of p(expected). Lengths whose prompt or candidates are not the tokenizer's own tokenisation are
+        left out of the per-phase table, the flips, the share and the periodicity (unless every length is; then all
+        are kept) and listed in ``headline.non_canonical_lengths``."""
+        labels, S = self.prompt.labels, self.stride
         firsts = [c[0] for c in self.prompt.candidates]
         phases = self.filler_tokens % S
         top1_is = [labels[firsts.index(int(t))] if int(t) in firsts else None for t in top1]  # a candidate or None
         best = logp.argmax(1)  # the more probable candidate, whatever the top-1
+        text = bool(self.prompt.filler_texts)
         rows = [
             {
                 "filler_tokens": int(f),
@@ -257,17 +324,26 @@ class ProbeTask:
                 "best_candidate": labels[int(b)],
                 **{f"logp[{lab}]": (float(v) if math.isfinite(v) else None) for lab, v in zip(labels, lp)},
                 **(
-                    {"filler_text": self.prompt.filler_texts[int(f)], "canonical": self.prompt.canonical[int(f)]}
-                    if self.prompt.filler_texts
+                    {
+                        "filler_text": self.prompt.filler_texts[int(f)],
+                        "canonical": self.prompt.canonical[int(f)],
+                        **{
+                            f"canonical[{lab}]": ok
+                            for lab, ok in zip(labels, self.prompt.candidates_canonical.get(int(f), []))
+                        },
+                    }
+                    if text
                     else {}
                 ),
             }
             for f, ph, t, ti, b, lp in zip(self.filler_tokens, phases, top1, top1_is, best, logp)
         ]
+        kept, left_out = self._kept()
+        n = int(kept.sum())
         expected_top = np.array([r["expected_is_top1"] for r in rows])
         per_phase = []
         for ph in range(S):
-            sel = phases == ph
+            sel = (phases == ph) & kept
             if not sel.any():
                 continue
             per_phase.append(
@@ -285,7 +361,7 @@ class ProbeTask:
                     },
                 }
             )
-        curve = np.exp(logp[:, 0])  # p(expected answer), a whole-sequence probability
+        curve = np.exp(logp[kept, 0])  # p(expected answer), a whole-sequence probability
         periodicity = None
         if n >= 2 and S <= n:
             dom = dominant_period(curve)
@@ -297,13 +373,16 @@ class ProbeTask:
                 "dominant_period": dom.period,
                 "dominant_p_value": dom.p_value,
             }
-        flips = int(np.sum(top1[1:] != top1[:-1]))
+        top, bst = top1[kept], best[kept]
+        flips = int(np.sum(top[1:] != top[:-1]))
         headline = {
             "flips": flips,
-            "candidate_flips": int(np.sum(best[1:] != best[:-1])),
-            "expected_top1_share": float(expected_top.mean()),
+            "candidate_flips": int(np.sum(bst[1:] != bst[:-1])),
+            "expected_top1_share": float(expected_top[kept].mean()),
             "top1_by_length": {r["filler_tokens"]: r["top1_token"] if self.tokenizer else r["top1_id"] for r in rows},
             "dominant_period": (periodicity or {}).get("dominant_period"),
+            "non_canonical_lengths": left_out,
+            "non_canonical_left_out": bool(left_out) and n < len(rows),
         }
         return {
             "task": "probe",
@@ -317,4 +396,68 @@ class ProbeTask:
             "phases": per_phase,
             "flips": flips,
             "periodicity": periodicity,
+            **({"codec": self.prompt.codec} if self.prompt.codec else {}),
         }
+
+
+def probe_summary(report: dict) -> list[str]:
+    """The one-screen summary of a probe report: flips, the expected answer's top-1 share per phase, the
+    periodicity of its probability, and the lengths left out as not the tokenizer's own tokenisation."""
+    h, labels = report["headline"], report["labels"]
+    per = "  ".join(f"{p['phase']}: {100 * p['expected_top1_share']:.0f}" for p in report["phases"])
+    lines = [
+        f"{report['flips']} flips of the full-vocabulary top-1 over {len(report['lengths'])} filler lengths "
+        f"({h['candidate_flips']} swaps of the candidates' order)",
+        f"'{labels[0]}' is the top-1 at {100 * h['expected_top1_share']:.0f}% of lengths; per phase "
+        f"(filler tokens mod {report['stride']}, %): {per}",
+    ]
+    per_ = report["periodicity"]
+    if per_ is not None:
+        dom, score = per_["dominant_period"], per_["score"]
+        lines.append(
+            f"periodicity of {per_['of']} at period {per_['period']}: {'n/a' if score is None else f'{score:.2f}'}"
+            f" (chance {per_['chance']:.2f}); dominant period: {'none' if dom is None else dom}"
+        )
+    if h["non_canonical_lengths"]:
+        lines.append(
+            f"{len(h['non_canonical_lengths'])} lengths are not the tokenizer's own tokenisation "
+            f"{h['non_canonical_lengths']}: "
+            + ("left out of the statistics" if h["non_canonical_left_out"] else "all lengths are, so none is left out")
+        )
+    return lines
+
+
+@register_task
+class ProbeKind(EvalTask):
+    """``task.kind=probe``: the filler-length probe (``ProbeTask``), a text template (``text_prompt``) or one
+    synthetic lookup prompt (``lookup_prompt``); plot ``plot_probe``."""
+
+    kind = "probe"
+    spec = ProbeSpec
+
+    def build(self, spec: ProbeSpec, model: ModelFacts, limit: Optional[int] = None) -> ProbeTask:
+        if spec.lengths[1] >= model.max_len:
+            raise ConfigError(
+                f"task.lengths={list(spec.lengths)}: fillers must be shorter than the model's context of "
+                f"{model.max_len} tokens"
+            )
+        if spec.source == "text":
+            if isinstance(spec.bos, int) and not 0 <= spec.bos < model.vocab_size:
+                raise ConfigError(f"task.bos={spec.bos} is outside the model's vocabulary of {model.vocab_size} ids")
+            prompt = text_prompt(spec, model.tokenizer)
+        else:
+            n = spec.n_records or (model.lookup.n_records if model.lookup else PAPER_N_RECORDS)
+            prompt = lookup_prompt(spec, codec_for(spec.vocab, model), n)
+        return ProbeTask(
+            spec, prompt, max_len=model.max_len, model_stride=model.stride, tokenizer=model.tokenizer, limit=limit
+        )
+
+    def run(self, built: ProbeTask, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
+        report = built.evaluate(logits, batch_size=options.batch_size, device=device, progress=options.progress)
+        return TaskResult(report, report["lengths"])
+
+    def plot(self, report: dict, path: Path, title: str) -> Optional[Path]:
+        return plot_probe(report, path, title)
+
+    def summary(self, report: dict) -> list[str]:
+        return probe_summary(report)

@@ -1,33 +1,28 @@
-"""Run a task on a model and write its folder: ``results.json``, per-sample ``results.csv`` and PNG plots."""
+"""Run a task on a model and write its folder: ``results.json``, per-sample ``results.csv`` and the task's plot.
+
+Every step asks the task's registered kind (``ckv.eval.registry``): ``build`` (from the model's facts, so a dry
+run and every check need no weights), ``logits``, ``run``, ``plot``, ``summary``; nothing here depends on which
+task it is."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from ckv import __version__
-from ckv.config import ConfigError, field_names, reject_unknown
-from ckv.eval.hf_models import HFLastLogits, load_hf_model
-from ckv.eval.lookup import LookupSpec, LookupTask
-from ckv.eval.models import LoadedModel, load_ckv_model
-from ckv.eval.needle import NeedleSpec, NeedleTask
-from ckv.eval.plots import plot_lookup, plot_probe
-from ckv.eval.probe import ProbeSpec, ProbeTask, lookup_prompt, text_prompt
-from ckv.eval.scoring import CkvChunkedLastLogits, LogitsFn
-from ckv.eval.stats import StatsOptions
+from ckv.config import ConfigError, check_bool, check_choice, check_int
+from ckv.eval.hf_models import DTYPES, inspect_hf_model, load_hf_model
+from ckv.eval.models import LoadedModel, ModelFacts, inspect_ckv_model, load_ckv_model
+from ckv.eval.registry import RunOptions, task_type
 from ckv.eval.summary import find_runs, results_file, summarize
-from ckv.eval.vocab import build_codec
 from ckv.io.results import RESULTS_CSV, RESULTS_JSON, write_csv, write_json
-from ckv.model import Transformer
 
 log = logging.getLogger(__name__)
 
-TaskSpec = Union[LookupSpec, NeedleSpec, ProbeSpec]
-TASK_KINDS = {"lookup": LookupSpec, "needle": NeedleSpec, "probe": ProbeSpec}
 MODEL_KINDS = ("ckv", "hf")
 
 
@@ -48,16 +43,34 @@ class ModelSource:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        if self.kind not in MODEL_KINDS:
-            raise ConfigError(f"model.kind={self.kind!r} is not allowed; choose one of {list(MODEL_KINDS)}")
+        check_choice("model.kind", self.kind, MODEL_KINDS)
+        for name in ("path", "impl", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"model.{name}={value!r} must be null or a non-empty string")
+        if self.step is not None and self.step != "latest":
+            check_int("model.step", self.step, 0)
+        if self.stride is not None:
+            check_int("model.stride", self.stride)
+        check_choice("model.dtype", self.dtype, tuple(DTYPES))
+        check_bool("model.trust_remote_code", self.trust_remote_code)
 
-    def load(self, device: str = "auto") -> LoadedModel:
+    def _path(self) -> str:
         if not self.path:
             raise ConfigError("model.path is not set: give a run folder, weights folder or transformers model folder")
+        return self.path
+
+    def inspect(self) -> ModelFacts:
+        """What the tasks need to know of the model, read from its configs and tokenizer (no weights)."""
         if self.kind == "ckv":
-            return load_ckv_model(self.path, step=self.step, device=device, impl=self.impl)
+            return inspect_ckv_model(self._path(), step=self.step, impl=self.impl)[0]
+        return inspect_hf_model(self._path(), self.dtype, self.tokenizer, self.stride, self.trust_remote_code)
+
+    def load(self, device: str = "auto") -> LoadedModel:
+        if self.kind == "ckv":
+            return load_ckv_model(self._path(), step=self.step, device=device, impl=self.impl)
         return load_hf_model(
-            self.path,
+            self._path(),
             device=device,
             dtype=self.dtype,
             tokenizer=self.tokenizer,
@@ -66,80 +79,13 @@ class ModelSource:
         )
 
 
-@dataclass(frozen=True)
-class RunOptions:
-    """How to run: ``limit`` caps base examples (lookup) or lengths (probe) for a quick look."""
-
-    batch_size: int = 64
-    limit: Optional[int] = None
-    progress: bool = True
-    device: str = "auto"
-    out_dir: Optional[str] = None
-    plots: bool = True
-    stats: StatsOptions = field(default_factory=StatsOptions)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stats, dict):
-            object.__setattr__(self, "stats", StatsOptions(**self.stats))
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigError(f"batch_size={self.batch_size!r} must be an integer >= 1")
-        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
-            raise ConfigError(f"limit={self.limit!r} must be null or an integer >= 1")
+def build_task(spec: Any, model: ModelFacts, limit: Optional[int] = None) -> Any:
+    """Build the prompts of ``spec`` for ``model`` (its registered task kind's ``build``: vocabulary, context and
+    stride checks happen here, from the model's facts; no weights needed)."""
+    return task_type(spec).build(spec, model, limit)
 
 
-def task_from_dict(d: dict[str, Any]) -> TaskSpec:
-    """A task spec from its config (``kind: lookup | probe`` plus the spec's fields)."""
-    d = dict(d)
-    kind = d.pop("kind", None)
-    if kind not in TASK_KINDS:
-        raise ConfigError(f"task.kind={kind!r} is not allowed; choose one of {sorted(TASK_KINDS)}")
-    cls = TASK_KINDS[kind]
-    reject_unknown(d, field_names(cls), f"task (kind {kind!r})")
-    return cls(**d)
-
-
-def build_task(spec: TaskSpec, model: LoadedModel, limit: Optional[int] = None) -> Union[LookupTask, ProbeTask]:
-    """Build the prompts of ``spec`` for ``model`` (vocabulary, context and stride checks happen here)."""
-    if isinstance(spec, LookupSpec):
-        codec = build_codec(
-            spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format
-        )
-        return LookupTask(
-            spec, codec, max_len=model.max_len, model_stride=model.stride, training=model.lookup, limit=limit
-        )
-    if isinstance(spec, NeedleSpec):
-        codec = build_codec(
-            spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format
-        )
-        return NeedleTask(spec, codec, max_len=model.max_len, model_stride=model.stride, limit=limit)
-    if spec.source == "text":
-        prompt = text_prompt(spec, model.tokenizer)
-    else:
-        codec = build_codec(
-            spec.vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format
-        )
-        n = spec.n_records or (model.lookup.n_records if model.lookup else None)
-        if n is None:
-            raise ConfigError("task.n_records is null and the model did not train on lookups; set task.n_records")
-        prompt = lookup_prompt(spec, codec, n)
-    return ProbeTask(
-        spec, prompt, max_len=model.max_len, model_stride=model.stride, tokenizer=model.tokenizer, limit=limit
-    )
-
-
-def task_logits(model: LoadedModel, spec: TaskSpec) -> LogitsFn:
-    """The logits callable a task scores with: chunked prefill (``spec.prefill_chunk``) for the needle test on
-    ckv and transformers models, the model's own last-position logits otherwise."""
-    if not isinstance(spec, NeedleSpec):
-        return model.logits
-    if isinstance(model.module, Transformer):
-        return CkvChunkedLastLogits(model.module, spec.prefill_chunk)
-    if isinstance(model.logits, HFLastLogits):
-        return HFLastLogits(model.module, spec.prefill_chunk)
-    raise ConfigError(f"the needle test needs a ckv or transformers model for chunked prefill, not {model.name}")
-
-
-def output_dir(model: LoadedModel, spec: TaskSpec, options: RunOptions) -> Path:
+def output_dir(model: ModelFacts, spec: Any, options: RunOptions) -> Path:
     """``options.out_dir`` or ``<model's eval folder>/<task name>``."""
     if options.out_dir:
         return Path(options.out_dir)
@@ -148,7 +94,7 @@ def output_dir(model: LoadedModel, spec: TaskSpec, options: RunOptions) -> Path:
     return model.out_dir / spec.name
 
 
-def results_envelope(model: LoadedModel, spec: TaskSpec, options: RunOptions, report: dict) -> dict:
+def results_envelope(model: ModelFacts, spec: Any, options: RunOptions, report: dict) -> dict:
     """What every results file holds around a task's ``report``: the model, the task and options, the version."""
     return {
         "model": {"name": model.name, **model.info},
@@ -162,32 +108,48 @@ def results_envelope(model: LoadedModel, spec: TaskSpec, options: RunOptions, re
     }
 
 
-def evaluate(model: LoadedModel, spec: TaskSpec, options: RunOptions = RunOptions()) -> tuple[dict, Path]:
-    """Run ``spec`` on ``model`` and write results.json, results.csv and the plot into the output folder.
-    Returns ``(results, out_dir)``."""
-    task = build_task(spec, model, options.limit)
+def evaluate(
+    model: LoadedModel, spec: Any, options: Optional[RunOptions] = None, built: Any = None
+) -> tuple[dict, Path]:
+    """Run ``spec`` on ``model`` with ``options`` (default ``RunOptions()``) and write results.json, results.csv
+    and the task's plot into the output folder (``built``: the task already built for this model by
+    ``build_task``). Returns ``(results, out_dir)``."""
+    options = options or RunOptions()
+    kind = task_type(spec)
+    built = kind.build(spec, model, options.limit) if built is None else built
     out = output_dir(model, spec, options)
-    run = dict(batch_size=options.batch_size, device=model.device, progress=options.progress)
-    if isinstance(task, LookupTask):  # the needle task too
-        outcome = task.evaluate(task_logits(model, spec), **run)
-        report, rows = task.report(outcome, options.stats), outcome.rows()
-    else:
-        report = task.evaluate(model.logits, **run)
-        rows = report["lengths"]
-    results = results_envelope(model, spec, options, report)
+    result = kind.run(built, kind.logits(spec, model, built, options), options, model.device)
+    results = results_envelope(model, spec, options, result.report)
     write_json(out / RESULTS_JSON, results)
-    write_csv(out / RESULTS_CSV, rows)
+    write_csv(out / RESULTS_CSV, result.rows)
     if options.plots:
-        plot = plot_lookup if isinstance(task, LookupTask) else plot_probe
-        plot(report, out / f"{spec.name}.png", model.name)
+        kind.plot(result.report, out / f"{spec.name}.png", model.name)
     return results, out
+
+
+def dry_run(source: ModelSource, spec: Any, options: Optional[RunOptions] = None) -> list[str]:
+    """Check ``spec`` against the model's configs and tokenizer and return what the task would do (for the needle
+    its memory estimate), without loading the weights."""
+    options = options or RunOptions()
+    facts = source.inspect()
+    kind = task_type(spec)
+    return kind.dry_run(spec, kind.build(spec, facts, options.limit), facts, options)
+
+
+def summary_lines(spec: Any, results: dict, out: Path) -> list[str]:
+    """The one-screen summary of an evaluation of ``spec``: model, task, the task's own lines (its kind's
+    ``summary``), where the files are."""
+    head = f"{task_type(spec).kind} '{spec.name}' on {results['model']['name']}"
+    files = [out / RESULTS_JSON, out / RESULTS_CSV, out / f"{spec.name}.png"]
+    lines = [f"  {line}" for line in task_type(spec).summary(results["results"])]
+    return [head, *lines, "results -> " + ", ".join(str(f) for f in files if f.is_file())]
 
 
 def summarize_runs(
     roots: list[Union[str, Path]],
-    spec: TaskSpec,
+    spec: Any,
     source: ModelSource,
-    options: RunOptions = RunOptions(),
+    options: Optional[RunOptions] = None,
     *,
     out_dir: Optional[Union[str, Path]] = None,
     rerun: bool = False,
@@ -195,6 +157,7 @@ def summarize_runs(
     """Summarise every run below ``roots`` (sweep folders or run folders): runs without results for ``spec`` are
     evaluated first, with ``source``'s settings (its ``path`` replaced by each run) and ``options``; results go to
     ``<run>/eval/<task name>/``. Writes the summary into ``out_dir`` (default ``<first root>/summary/<task>``)."""
+    options = options or RunOptions()
     paths = [Path(r) for r in roots]
     runs = sorted({run for root in paths for run in find_runs(root)})
 

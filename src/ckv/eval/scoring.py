@@ -98,8 +98,8 @@ def score_next_token(
     desc: str = "scoring",
 ) -> Scores:
     """Score the token after each prompt: its full-vocabulary top-1 and the probabilities of ``candidates``
-    (P, C) ids. Runs under ``torch.inference_mode``, in float32 softmax. ``LazyPrompts`` are built batch by
-    batch."""
+    (P, C) ids. Runs under ``torch.inference_mode``, in float32 softmax, with a progress bar over the prompts
+    (``progress``). ``LazyPrompts`` are built batch by batch."""
     cand = np.asarray(candidates, dtype=np.int64)
     if cand.ndim != 2 or cand.shape[0] != len(prompts):
         raise ValueError(f"candidates must be (n_prompts={len(prompts)}, C), got {cand.shape}")
@@ -109,8 +109,9 @@ def score_next_token(
     top1 = np.zeros(len(prompts), dtype=np.int64)
     probs = np.zeros(cand.shape, dtype=np.float64)
     batches = length_batches(lengths, batch_size)
-    with torch.inference_mode():
-        for idx in tqdm(batches, desc=desc, disable=not progress, unit="batch", leave=False):
+    bar = tqdm(total=len(prompts), desc=desc, disable=not progress, unit="prompt", leave=False)
+    with torch.inference_mode(), bar:
+        for idx in batches:
             ids = torch.as_tensor(np.stack([prompts[i] for i in idx]), device=device)  # (B, T)
             logits = model(ids)
             if logits.dim() == 3:
@@ -118,4 +119,5 @@ def score_next_token(
             logp = torch.log_softmax(logits.float(), dim=-1)
             top1[idx] = logp.argmax(-1).cpu().numpy()
             probs[idx] = logp.gather(1, torch.as_tensor(cand[idx], device=logp.device)).exp().cpu().numpy()
+            bar.update(len(idx))
     return Scores(top1=top1, probs=probs)
