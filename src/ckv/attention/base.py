@@ -120,6 +120,23 @@ class AttentionBackend(nn.Module):
         )
 
     @classmethod
+    def prefill_bytes(
+        cls, config: ModelConfig, chunk: int, seq_len: int, device: torch.device, bytes_per_element: int = 4
+    ) -> float:
+        """Transient bytes per sequence one layer holds at its worst moment while ``chunk`` queries ending at
+        ``seq_len`` attend (score matrices, gathered keys; freed before the next layer), on ``device``; for the
+        memory estimate of long prompts (``ckv.eval.memory``)."""
+        raise ConfigError(
+            f"attention.kind={cls.kind!r} ({cls.__name__}) does not declare prefill_bytes: its prefill memory is "
+            "unknown"
+        )
+
+    @classmethod
+    def prefill_note(cls, config: ModelConfig, device: torch.device) -> str:
+        """One line saying how ``prefill_bytes`` counts (which implementation runs on ``device``)."""
+        return f"attention.kind={cls.kind}"
+
+    @classmethod
     def activation_elements_per_token(cls, config: ModelConfig) -> float:
         """Activation elements autograd saves per token in this layer's attention (Q/K/V before and after their
         norms and the output: ``4 H D + 4 KV D``), for ``ckv.plan``."""

@@ -340,6 +340,35 @@ class CompressedAttention(AttentionBackend):
         return elements * bytes_per_element / seq_len
 
     @classmethod
+    def _materialises_scores(cls, config: ModelConfig, device: torch.device) -> bool:
+        """Whether the torch reference runs (it holds score matrices; the Triton kernels never do)."""
+        a = config.attention
+        return not (a.impl == "triton" or a.impl == "auto" and device.type == "cuda" and _triton_available())
+
+    @classmethod
+    def prefill_bytes(
+        cls, config: ModelConfig, chunk: int, seq_len: int, device: torch.device, bytes_per_element: int = 4
+    ) -> float:
+        """The chunk's gathered windows and local keys/values, plus with the torch reference four fp32 copies of
+        the ``(H, chunk, entries + local window [+ sink])`` scores (scores, their concatenation with the local
+        window's, the masked copy, ``exp``)."""
+        a, dims, b = config.attention, cls.dims(config), bytes_per_element
+        L = local_span(a.local_window, a.stride)
+        keys = num_entries(seq_len, a.stride) + L + (1 if a.sink else 0)
+        pooled = dims.branches * (chunk // a.stride + 1) * a.window * config.d_model  # the chunk's new windows
+        local = 2 * chunk * L * config.kv_heads * config.head_dim  # each query's local keys and values, gathered
+        scores = 4 * config.n_heads * chunk * keys if cls._materialises_scores(config, device) else 0
+        return b * (scores + pooled + local)
+
+    @classmethod
+    def prefill_note(cls, config: ModelConfig, device: torch.device) -> str:
+        return "ckv compressed attention, " + (
+            "torch reference: 4 fp32 copies of (B, H, c, entries + local window) scores"
+            if cls._materialises_scores(config, device)
+            else "Triton kernels: no score matrix"
+        )
+
+    @classmethod
     def activation_elements_per_token(cls, config: ModelConfig) -> float:
         """Projections as every backend, plus each token's share of the pooled windows: ``window / stride``
         copies of the hidden state and, per branch, a payload and its normalised copy (``2 KV D``)."""

@@ -95,6 +95,22 @@ class FullAttention(AttentionBackend):
     ) -> float:
         return 2.0 * config.kv_heads * config.head_dim * bytes_per_element  # every key and value, at any length
 
+    @classmethod
+    def prefill_bytes(
+        cls, config: ModelConfig, chunk: int, seq_len: int, device: torch.device, bytes_per_element: int = 4
+    ) -> float:
+        """SDPA holds the keys and values repeated to every query head (unless each head has its own), the bool
+        mask and the kernel's float copy of it; flash-attn needs neither."""
+        if cls.resolve_impl(config.attention.impl, device, torch.float32) == "flash":
+            return 0.0
+        H, KV, D, b = config.n_heads, config.kv_heads, config.head_dim, bytes_per_element
+        return 2 * H * seq_len * D * b * (H != KV) + chunk * seq_len * (1 + b)
+
+    @classmethod
+    def prefill_note(cls, config: ModelConfig, device: torch.device) -> str:
+        flash = cls.resolve_impl(config.attention.impl, device, torch.float32) == "flash"
+        return "ckv full attention, " + ("flash-attn" if flash else "SDPA: keys/values expanded to every head + mask")
+
     def forward(self, x: torch.Tensor, cache: Optional[FullLayerCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0

@@ -5,9 +5,10 @@ The peak of scoring a batch of ``B`` prompts of ``T`` tokens, ``c`` tokens per f
     peak = weights + KV cache after T tokens + the largest layer's transient tensors for c queries over T keys
            + the chunk's activations
 
-- **KV cache** per layer and sequence: full attention keeps ``2 x KV heads x head_dim`` per token; a sliding
-  window only its window; ckv's compressed attention its finished entries (``ckv.geometry.num_entries``), the
-  exact keys of the local window (``local_keep``) and the pending hidden states (``pending_keep``);
+- **KV cache** per layer and sequence: for ckv models what the attention backend declares
+  (``kv_bytes_per_token``: full attention ``2 x KV heads x head_dim`` per token; compressed attention its
+  finished entries, the exact keys of the local window and the pending hidden states); a sliding window only
+  its window;
   DeepSeek-V4's CSA/HCA layers their window, their compressed entries (``T / rate``) and, for CSA, the
   indexer's entries.
 - **Transient** (one layer at a time; freed before the next): attention implementations that materialise
@@ -33,15 +34,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
+from ckv.attention import check_attention
 from ckv.config import ModelConfig
 from ckv.flops import parameter_count
-from ckv.geometry import local_keep, local_span, num_entries, pending_keep
 
 GB = 1e9
 MIN_CHUNK = 64  # the smallest prefill chunk ``pick_chunk`` tries
@@ -174,48 +174,20 @@ def device_budget(device: torch.device) -> Optional[float]:
 # ---- ckv models ------------------------------------------------------------------------------------------------
 def ckv_model_memory(config: ModelConfig, device: torch.device) -> ModelMemory:
     """The memory description of a ckv ``Transformer`` (fp32 weights and activations, as ``load_ckv_model`` runs
-    it) on ``device``: the one place the needle's estimate reads a ckv config (to be re-pointed at the attention
-    backends' own accounting)."""
-    a, b = config.attention, FP32
+    it) on ``device``, from its attention backend's own accounting: the decode cache after ``T`` tokens
+    (``kv_bytes_per_token``, averaged over layers, which differ only by their grid offsets) and one layer's
+    prefill transients (``prefill_bytes``)."""
+    b, backend, n = FP32, check_attention(config), config.n_layers
     H, KV, D, d = config.n_heads, config.kv_heads, config.head_dim, config.d_model
-    if a.compressed:
-        triton = (
-            a.impl == "triton" or a.impl == "auto" and device.type == "cuda" and find_spec("ckv_kernels") is not None
-        )
-        materialises = not triton  # the torch reference; the Triton kernels never hold a score matrix
-        L, W, S = local_span(a.local_window, a.stride), a.window, a.stride
-        branches = 1 if a.tied_kv else 2
 
-        def cache(T: int) -> float:
-            exact = local_keep(T, a.local_window, S) * (1 if a.tied_kv else 2) * KV * D
-            return b * (branches * num_entries(T, S) * KV * D + exact + pending_keep(T, W, S) * d)
+    def cache(T: int) -> float:
+        return sum(backend.kv_bytes_per_token(config, T, layer, b) for layer in range(n)) * T / n
 
-        def scores(c: int, T: int) -> float:
-            keys = num_entries(T, S) + L + (1 if a.sink else 0)
-            pooled = branches * (c // S + 1) * W * d  # the windows gathered for the chunk's new entries
-            local = 2 * c * L * KV * D  # each query's local keys and values, gathered
-            return b * ((4 * H * c * keys if materialises else 0) + pooled + local)
+    def scores(c: int, T: int) -> float:
+        return backend.prefill_bytes(config, c, T, device, b)
 
-        note = "ckv compressed attention, " + (
-            "torch reference: 4 fp32 copies of (B, H, c, entries + local window) scores"
-            if materialises
-            else "Triton kernels: no score matrix"
-        )
-        group = LayerGroup("compressed", config.n_layers, cache, scores)
-    else:
-        from ckv.attention.full import FullAttention
-
-        flash = FullAttention.resolve_impl(a.impl, device, torch.float32) == "flash"
-
-        def cache(T: int) -> float:
-            return b * 2 * KV * D * T
-
-        def scores(c: int, T: int) -> float:
-            expanded = 0 if flash else 2 * H * T * D * b  # repeat_interleave of K and V to every query head
-            return expanded + c * T * (1 + b)  # the bool mask and the kernel's float copy of it
-
-        note = "ckv full attention, " + ("flash-attn" if flash else "SDPA: keys/values expanded to every head + mask")
-        group = LayerGroup("full", config.n_layers, cache, scores)
+    group = LayerGroup(config.attention.kind, n, cache, scores)
+    note = backend.prefill_note(config, device)
     activation = b * (4 * d + 2 * (H + 2 * KV) * D + 3 * config.mlp_dim)
     return ModelMemory("ckv", FP32 * parameter_count(config), (group,), activation, (note,))
 
