@@ -12,7 +12,7 @@ from tests.train.test_entry import USER_DATA, _sweep, _train_config
 def test_every_model_of_a_task_shares_the_demo_budget_and_local_window(task):
     budgets = set()
     for option in (m.option for m in MODELS[task]):
-        cfg = _train_config([f"experiment=robust_{task}", f"attention={option}"])
+        cfg = _train_config([f"experiment=robust_{task}", *option.split()])
         budgets.add((cfg.trainer.max_steps, cfg.trainer.global_batch_size, cfg.optim.lr, cfg.data.seq_len))
         if cfg.attention["kind"] == "compressed":
             assert cfg.attention["local_window"] == 4 and cfg.attention["kv_heads"] == 1
@@ -27,8 +27,18 @@ def test_dense_task_packs_four_whole_records_into_an_eight_token_window():
 
 
 def test_paper_robust_sweep_holds_the_fixes_make_robust_kept_at_the_paper_local_window():
-    options = _sweep("paper_robust_fixes")["attention"]
-    assert {"deepseek_v4_csa_conv", "deepseek_v4_csa", "w4s4_conv", "w8s4_entropy"} == set(options)
-    for name in options:
-        cfg = _train_config(["experiment=paper_robust_fixes", f"attention={name}"] + USER_DATA)
-        assert cfg.attention["local_window"] == 16  # TrainConfig has also validated the model it describes
+    """V4's maps and W4/S4, each with and without token mixing (W4/S4 plain is the equal-memory baseline), and
+    the gate-entropy floor on W8/S4 in its own experiment; all at the paper's 16-token local window."""
+    sweep = _sweep("paper_robust_fixes")
+    assert set(sweep["attention"]) == {"deepseek_v4_csa", "w4s4"}
+    assert set(sweep["attention.mixing"]) == {"null", "{kernel:null}"}
+    for name in sweep["attention"]:
+        for mixing in sweep["attention.mixing"]:
+            cfg = _train_config(
+                ["experiment=paper_robust_fixes", f"attention={name}", f"attention.mixing={mixing}"] + USER_DATA
+            )
+            assert cfg.attention["local_window"] == 16  # TrainConfig has also validated the model it describes
+            assert (cfg.attention["mixing"] is None) == (mixing == "null")
+    entropy = _train_config(["experiment=paper_robust_entropy"] + USER_DATA)
+    assert entropy.attention["local_window"] == 16 and entropy.attention["stride"] == 4
+    assert (entropy.trainer.gate_entropy.floor, entropy.trainer.gate_entropy.weight) == (0.5, 0.1)

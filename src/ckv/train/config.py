@@ -309,7 +309,8 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def field_defaults() -> dict[str, Any]:
-    """Every config key's default (flattened ``section.field``), from the config classes themselves."""
+    """Every config key's default (flattened ``section.field.``, as ``_flatten`` writes keys), from the config
+    classes themselves."""
     return _flatten(
         {
             "model": ModelSpec().to_dict(),
@@ -322,14 +323,28 @@ def field_defaults() -> dict[str, Any]:
     )
 
 
+def _group_field_defaults(saved_attention: Any) -> dict[str, Any]:
+    """The defaults of the fields of each attention option group that ``saved_attention`` sets (flattened like
+    ``field_defaults``): a group set in a run folder written before one of its fields existed lacks that key."""
+    if not isinstance(saved_attention, Mapping):
+        return {}
+    return {
+        f"attention.{name}.{f.name}.": f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        for name, cls in AttentionConfig.GROUPS.items()
+        if isinstance(saved_attention.get(name), Mapping)
+        for f in dataclasses.fields(cls)
+    }
+
+
 def resume_conflicts(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Differences between a run folder's saved config and the current one that make resuming unsound, as
     ``"key: saved -> current"`` lines (empty when the run may resume). See ``RESUMABLE_CHANGES``. A key the saved
     config lacks is no conflict when the current value is that key's default: the option came after the run was
-    saved, and its default is the behaviour the run trained with."""
+    saved, and its default is the behaviour the run trained with (a field of an option group counts so when the
+    saved config sets that group)."""
     a, b = _flatten(saved), _flatten(current)
     unset = object()
-    defaults = field_defaults()
+    defaults = {**field_defaults(), **_group_field_defaults(saved.get("attention"))}
 
     def show(value: Any) -> str:
         return "(unset)" if value is unset else repr(value)
