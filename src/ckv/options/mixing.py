@@ -20,6 +20,7 @@ class MixingConfig(OptionGroup):
     keeps ``kernel - 1`` hidden states before the next window."""
 
     name: ClassVar[str] = "mixing"
+    per_branch: ClassVar[bool] = True
     kernel: Optional[int] = None
 
     def __post_init__(self) -> None:
