@@ -271,7 +271,7 @@ class TrainConfig:
             _check(
                 ix.warmup_steps == 0,
                 f"trainer.indexer.warmup_steps={ix.warmup_steps} warms up a lightning indexer, which the model does "
-                "not have: set attention.selection (e.g. attention/selection=indexer) or trainer.indexer.warmup_steps=0",
+                "not have: set attention.selection (attention/selection=indexer) or trainer.indexer.warmup_steps=0",
             )
         stage = (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
         _check(
