@@ -141,3 +141,22 @@ def test_a_sliding_layer_has_no_compressed_counterpart():
     layer.layer_type = "sliding_attention"
     with pytest.raises(ConfigError, match="'sliding_attention' has no compressor"):
         attention_from_deepseek_v4(layer)
+
+
+def main() -> None:
+    """Print the parity figures of docs/attention.md: max |ckv - transformers| per case and path."""
+    heads = ("one forward", "chunked", "token by token")
+    print(f"{'case':8s} {'T':>3s} {'max|out|':>9s}  " + "  ".join(f"{h:>14s}" for h in heads))
+    for (layer_type, rope, T), name in zip(CASES, ("csa-topk", "hca", "csa-yarn")):
+        layer = v4_layer(layer_type, rope)
+        module = attention_from_deepseek_v4(layer).eval()
+        x = torch.randn(2, T, D_MODEL, generator=torch.Generator().manual_seed(0))
+        ref = v4_forward(layer, x)
+        with torch.no_grad():
+            paths = (module(x), in_chunks(module, x, [7, 1, 5, 13, 2, T - 28]), in_chunks(module, x, [1] * T))
+        errors = "  ".join(f"{(o - ref).abs().max().item():14.1e}" for o in paths)
+        print(f"{name:8s} {T:3d} {ref.abs().max().item():9.2f}  {errors}")
+
+
+if __name__ == "__main__":
+    main()

@@ -85,15 +85,15 @@ def param_groups(
     """Weight decay on matrices only; norm gains and gate biases (vectors) are not decayed. The parameters in
     ``apart`` (the lightning indexers', when their dense warm-up holds everything else still) get their own two
     groups after the others'."""
-    held = {id(p) for p in apart}
-    groups = []
-    for params in ([p for p in model.parameters() if id(p) not in held], list(apart)):
-        if not params and groups:
-            break
+
+    def split(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
         decay = [p for p in params if p.requires_grad and p.ndim >= 2]
         rest = [p for p in params if p.requires_grad and p.ndim < 2]
-        groups += [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return groups
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+    held = {id(p) for p in apart}
+    main = split([p for p in model.parameters() if id(p) not in held])
+    return main + split(list(apart)) if apart else main
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -156,11 +156,13 @@ class IndexerTraining:
         self, layer: CompressedAttention, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any
     ) -> None:
         record = self._pending.pop(id(layer), None)
-        if record is None or not self._open:  # not training, or a checkpointed layer's replay in backward
+        if record is None:  # not training
             return
         scores, selected = record
         q, kc = args[0], args[1]
-        self._terms.append(indexer_loss_and_recall(q, kc, output[1], scores, selected, layer.indexer.topk, self.dense))
+        term = indexer_loss_and_recall(q, kc, output[1], scores, selected, layer.indexer.topk, self.dense)
+        if self._open:  # a checkpointed layer's replay in backward computes the same ops, and is dropped here
+            self._terms.append(term)
 
     def start(self, dense: bool = False) -> None:
         self.dense = dense
@@ -185,11 +187,6 @@ class IndexerTraining:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    @property
-    def hooks(self) -> int:
-        """How many modules are hooked (2 per layer with an indexer)."""
-        return len(self._handles)
 
 
 def indexer_parameters(model: nn.Module) -> list[nn.Parameter]:
