@@ -191,11 +191,11 @@ class Engine:
             )
         return lm_loss(self.ds(input_ids), labels)
 
-    def micro_step(self, batch: dict[str, torch.Tensor], step: int = 0) -> torch.Tensor:
-        """Forward, backward and (at an accumulation boundary) the optimizer step of a micro-batch of 0-based
-        optimizer step ``step``; returns the detached LM loss."""
+    def micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward, backward and (at an accumulation boundary) the optimizer step; returns the detached LM loss."""
         input_ids, labels = self._to_device(batch)
-        warmup = self.indexer is not None and self.indexer.in_warmup(step)
+        # the optimizer steps taken so far (DeepSpeed's count, restored with a checkpoint): this micro-batch's step
+        warmup = self.indexer is not None and self.indexer.in_warmup(self.ds.global_steps)
         if self.gate_entropy is not None:
             self.gate_entropy.start()
         if self.indexer is not None:

@@ -224,7 +224,7 @@ class _Loop:
     def train_step(self) -> torch.Tensor:
         """One optimizer step over all accumulation micro-batches; returns this rank's mean loss (on the device,
         no host sync) after recording it in the divergence watch."""
-        losses = [self.engine.micro_step(batch, self.step) for batch in self._batches()]
+        losses = [self.engine.micro_step(batch) for batch in self._batches()]
         self.step += 1
         self.tokens += self.tokens_per_step
         loss = torch.stack(losses).mean()
