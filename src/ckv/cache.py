@@ -37,12 +37,15 @@ class FullLayerCache:
 
 @dataclass
 class CompressedLayerCache:
-    """kc, vc (B, E, KV, D): finished entries (vc is None with tied K/V); k, v (B, L, KV, D): exact keys of the
+    """kc, vc (B, E, KV, D): finished entries (vc is None with tied K/V); ki (B, E, Di): the lightning indexer's
+    key of each finished entry (``attention.selection``; None without); k, v (B, L, KV, D): exact keys of the
     last ``L`` tokens (``geometry.local_keep``); pending (B, P, d_model): hidden states of the last ``P`` tokens
-    (``geometry.pending_keep``); ``length``: tokens seen."""
+    (``geometry.pending_keep``), from which every branch pools the next entry (V4's overlap state: the previous
+    window's tokens are among them); ``length``: tokens seen."""
 
     kc: Optional[torch.Tensor] = None
     vc: Optional[torch.Tensor] = None
+    ki: Optional[torch.Tensor] = None
     k: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
     pending: Optional[torch.Tensor] = None
@@ -52,6 +55,7 @@ class CompressedLayerCache:
         tied = self.v is self.k
         return {
             "entries": _nbytes(self.kc, None if self.vc is self.kc else self.vc),
+            "index": _nbytes(self.ki),
             "local": _nbytes(self.k, None if tied else self.v),
             "pending": _nbytes(self.pending),
         }

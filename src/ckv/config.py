@@ -17,7 +17,7 @@ from ckv.checks import (  # noqa: F401  (re-exported: the config API)
     reject_unknown,
 )
 from ckv.geometry import ENTRY_ROPE_POSITIONS
-from ckv.options import GateConfig, GridConfig, MixingConfig, OptionGroup, RopeConfig
+from ckv.options import GateConfig, GridConfig, MixingConfig, OptionGroup, QueryConfig, RopeConfig, SelectionConfig
 
 # ``kind`` and ``impl`` are not here: the attention registry (ckv.attention) owns them, since the backends
 # registered there decide which kinds exist, which implementations each one runs and which option groups it takes.
@@ -43,8 +43,10 @@ class AttentionConfig:
 
     Option groups (``GROUPS``; ``ckv.options``), each a nested mapping in YAML and null when off: ``rope``
     (always set), ``gate`` (null: uniform averaging), ``mixing`` (token mixing before pooling), ``grid``
-    (phase-staggered grids). DeepSeek-V4's flags: ``sink`` (one learned attention-sink logit per query head) and
-    ``output_rope='inverse'`` (the output rotated back by the query's position; needs tied K/V).
+    (phase-staggered grids), ``query`` (DeepSeek-V4's low-rank query path), ``selection`` (top-k selection of
+    entries by DeepSeek-V4's lightning indexer; null: every visible entry). DeepSeek-V4's flags: ``sink`` (one
+    learned attention-sink logit per query head) and ``output_rope='inverse'`` (the output rotated back by the
+    query's position; needs tied K/V).
     """
 
     GROUPS: ClassVar[dict[str, type[OptionGroup]]] = {
@@ -52,6 +54,8 @@ class AttentionConfig:
         "gate": GateConfig,
         "mixing": MixingConfig,
         "grid": GridConfig,
+        "query": QueryConfig,
+        "selection": SelectionConfig,
     }
 
     kind: str = "full"
@@ -72,6 +76,8 @@ class AttentionConfig:
     output_rope: str = "keep"
     mixing: Optional[MixingConfig] = None
     grid: Optional[GridConfig] = None
+    query: Optional[QueryConfig] = None
+    selection: Optional[SelectionConfig] = None
 
     def __post_init__(self) -> None:
         o = "attention"
@@ -118,8 +124,9 @@ class AttentionConfig:
 
     def set_options(self) -> list[str]:
         """Names of the options in use that not every backend takes: the optional groups (off by default:
-        ``mixing``, ``grid``) that are set, and the DeepSeek-V4 flags that are on (``sink``, ``output_rope``).
-        ``rope`` is every attention's; ``gate`` is a core compressor field like ``window``, unused without one."""
+        ``mixing``, ``grid``, ``query``, ``selection``) that are set, and the DeepSeek-V4 flags that are on
+        (``sink``, ``output_rope``). ``rope`` is every attention's; ``gate`` is a core compressor field like
+        ``window``, unused without one."""
         groups = [name for name in _OPTIONAL_GROUPS if getattr(self, name) is not None]
         return groups + ["sink"] * self.sink + ["output_rope"] * (self.output_rope != "keep")
 

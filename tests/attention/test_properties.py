@@ -2,15 +2,18 @@
 and each group option composed onto the group bases: ``tests.helpers.VARIANTS``).
 
 - visibility by gradients: in every layer, input token p acts on query t exactly when the compression geometry
-  says so (a visible entry covering p, widened by token mixing, or t's local window; full attention: p <= t);
+  says so (a visible entry covering p, widened by token mixing, or t's local window; full attention: p <= t; with
+  top-k selection only the entries the layer's indexer selected for t, recorded from its forward);
 - decode == prefill: token by token and in uneven chunks, with a cache;
 - torch == triton under the Triton interpreter, loss and every gradient (backends that run triton);
-- every parameter receives a gradient;
+- every parameter receives a gradient (the lightning indexer's from its training loss, ``ckv.train.indexer``);
 - the accounting is the module's: parameter count (tied and untied embeddings), KV-cache bytes after T tokens and
-  per token in the long run, visible (query, key) pairs behind the FLOPs.
+  per token in the long run, attended (query, key) pairs behind the FLOPs.
 A feature's own test file keeps only what is unique to it."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ import torch
 from ckv import AttentionConfig, ModelConfig, Transformer
 from ckv.attention import check_attention
 from ckv.flops import flops_per_token, kv_bytes_per_token, parameter_count
-from ckv.geometry import compressed_mask, grid_origin, influence_mask, local_mask, num_entries
+from ckv.geometry import compressed_mask, grid_origin, influence_mask, local_mask, num_entries, window_positions
+from ckv.train.indexer import IndexerTraining, has_indexer
 from tests.helpers import VARIANTS, small_config, variant
 from tests.kernels.test_model import assert_impls_match
 
@@ -45,20 +49,35 @@ def _length(cfg: ModelConfig, short: int = 22) -> int:
     return T + 1 if T % a.stride == 0 else T
 
 
-def expected_influence(cfg: ModelConfig, layer_idx: int, T: int) -> torch.Tensor:
+def expected_influence(
+    cfg: ModelConfig, layer_idx: int, T: int, selected: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """(T, T) bool: token p can act on query t in layer ``layer_idx`` (the geometry's rule, written here from
     ``ckv.geometry``'s masks): full attention p <= t; compressed attention a visible entry covering any of p's
-    mixing successors ``p .. p + taps - 1``, or t's local window, in the layer's grid coordinates."""
+    mixing successors ``p .. p + taps - 1``, or t's local window, in the layer's grid coordinates. With top-k
+    selection, ``selected`` (T, K) holds the entries (grid indices, -1 empty) the layer selected for each query:
+    only those carry their tokens."""
     if check_attention(cfg).phase_stride(cfg) is None:
         return torch.ones(T, T, dtype=torch.bool).tril()
     a, o = cfg.attention, cfg.grid_offset(layer_idx)
-    via = influence_mask(T, a.window, a.stride, 0, grid_offset=o)  # local window 0: entries only
+    P = grid_origin(o, a.stride)
+    if selected is None:
+        via = influence_mask(T, a.window, a.stride, 0, grid_offset=o)  # local window 0: entries only
+    else:
+        e = num_entries(T + P, a.stride)
+        pos, present = window_positions(0, e, a.window, a.stride, origin=P)  # (E, W) grid positions
+        covers = torch.zeros(e, T + P, dtype=torch.bool)  # entry -> the grid positions it pools
+        covers[torch.arange(e)[:, None].expand_as(pos)[present], pos[present]] = True
+        chosen = torch.zeros(T, e + 1, dtype=torch.bool)  # column e: empty slots
+        chosen.scatter_(1, torch.where(selected < 0, e, selected), True)
+        chosen = chosen[:, :e] & compressed_mask(torch.arange(T) + P, e, a.stride)
+        via = (chosen.float() @ covers.float() > 0)[:, P:]  # (T, T) real positions
     taps = 1 if a.mixing is None else a.mixing.taps(a.stride)
     widened = via.clone()
     for k in range(1, taps):  # mixing: p also reaches every entry that pools p + k
         widened[:, : T - k] |= via[:, k:]
-    g = torch.arange(T) + grid_origin(o, a.stride)
-    return widened | local_mask(g, g, a.local_window, a.stride, origin=grid_origin(o, a.stride))
+    g = torch.arange(T) + P
+    return widened | local_mask(g, g, a.local_window, a.stride, origin=P)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -70,9 +89,20 @@ def test_a_token_acts_on_a_query_exactly_where_the_geometry_says(name):
         x = torch.randn(1, T, cfg.d_model)
         # (T, 1, T, d): d(sum_c y[t, c]) / dx[p], one vectorised backward per query
         layer = block.self_attn
+        recorded = []  # the selection of this forward (top-k depends on the input): the rule uses the layer's own
+        hook = None
+        if getattr(layer, "indexer", None) is not None:
+            hook = layer.attend.register_forward_hook(
+                lambda m, args, kwargs, out, seen=recorded: seen.append(kwargs["selected"][0]), with_kwargs=True
+            )
         jac = torch.autograd.functional.jacobian(lambda h, f=layer: f(h)[0].sum(-1), x, vectorize=True)
+        if hook is not None:
+            hook.remove()
+            S, P = cfg.attention.stride, layer.origin
+            visible = compressed_mask(torch.arange(T) + P, num_entries(T + P, S), S).sum(-1)  # (T,)
+            assert len(recorded) == 1 and ((recorded[0] >= 0).sum(-1) < visible).any(), "top-k does not bind"
         touched = jac[:, 0].abs().sum(-1) > 0  # (T, T)
-        rule = expected_influence(cfg, layer_idx, T)
+        rule = expected_influence(cfg, layer_idx, T, recorded[0] if recorded else None)
         expected = rule | (torch.eye(T, dtype=torch.bool) & rule.any(-1, keepdim=True))  # own token, through q
         assert torch.equal(touched, expected), f"layer {layer_idx}: {(touched != expected).nonzero().tolist()[:5]}"
 
@@ -113,14 +143,21 @@ def test_triton_equals_the_reference_in_loss_and_every_gradient(name):
     del att["impl"]  # assert_impls_match sets it
     # the kernels' model (tests.kernels.test_model): 4 query heads, so KV heads above 4 are capped there
     att["kv_heads"] = min(att["kv_heads"] or 1, 4)
-    assert_impls_match(att, max(30, att["window"] + att["stride"] + 3))
+    T = max(30, att["window"] + att["stride"] + 3)
+    if att["selection"] is not None:  # the top-k kernels run one program per position: as short as still binds
+        T = max(att["window"] + att["stride"] + 3, (att["selection"]["topk"] + 1) * att["stride"] + 2)
+    assert_impls_match(att, T)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_every_parameter_receives_a_gradient(name):
     cfg = _config(name)
     model = Transformer(cfg)
-    model(torch.randint(0, cfg.vocab_size, (2, _length(cfg)))).logsumexp(-1).mean().backward()
+    indexer = IndexerTraining(model, 1.0, 0) if has_indexer(model) else None  # the indexer learns from its own loss
+    if indexer is not None:
+        indexer.start()
+    loss = model(torch.randint(0, cfg.vocab_size, (2, _length(cfg)))).logsumexp(-1).mean()
+    (loss + (indexer.finish()[0] if indexer is not None else 0)).backward()
     for pname, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, pname
 
@@ -162,13 +199,15 @@ def test_kv_cache_bytes_are_the_accounting(name):
 
 
 def _brute_force_pairs(cfg: ModelConfig, T: int, layer_idx: int) -> int:
-    """Visible (query, key) pairs of one head from ckv.geometry's masks: entries plus the local window's keys."""
+    """Attended (query, key) pairs of one head from ckv.geometry's masks: the visible entries (at most top-k of
+    them with selection) plus the local window's keys."""
     a, t = cfg.attention, torch.arange(T)
     if check_attention(cfg).phase_stride(cfg) is None:
         return int((t[None, :] <= t[:, None]).sum())
     P = grid_origin(cfg.grid_offset(layer_idx), a.stride)
     g = t + P
-    entries = compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum()
+    visible = compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum(-1)  # (T,)
+    entries = (visible if a.selection is None else visible.clamp(max=a.selection.topk)).sum()
     return int(entries + local_mask(g, g, a.local_window, a.stride, origin=P).sum())
 
 

@@ -6,8 +6,8 @@
 - Joint attention: ckv's RoPE (trailing, interleaved, theta 160000), entries, joint softmax with sinks, sliding
   window and visibility, and the output's inverse rotation equal ``DeepseekV4Attention``'s output with its eager
   attention and block mask (``index_topk`` larger than the number of entries, so the indexer selects every
-  visible entry; only V4's query/key projections and output projection are reused, as its low-rank query path
-  has no ckv counterpart), in one forward and when ckv decodes token by token through its cache.
+  visible entry; the layer loaded by ``ckv.io.hf.attention_from_deepseek_v4``, whose top-k binding cases are in
+  tests/io/test_v4_loading.py), in one forward and when ckv decodes token by token through its cache.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ckv.attention import build_attention  # noqa: E402
 from ckv.attention.compressed import CompressedAttention  # noqa: E402
 from ckv.attention.reference import joint_attention_reference  # noqa: E402
 from ckv.cache import CompressedLayerCache  # noqa: E402
+from ckv.io.hf import attention_from_deepseek_v4  # noqa: E402
 from tests.helpers import variant  # noqa: E402
 
 D_MODEL, HEADS, HEAD_DIM, ROPE_DIMS, SLIDING = 32, 4, 16, 8, 5
@@ -159,30 +160,10 @@ def test_entries_equal_transformers_when_decoding_through_both_caches(layer_type
     assert ckv_cache.kc.shape[1] > 1
 
 
-def use_v4_projections(attn, layer: CompressedAttention, o_groups: int) -> None:
-    """Make ckv's layer read queries and keys through V4's (unrotated) projections, then ckv's own RoPE, and
-    write through V4's output projection: V4's low-rank query path and grouped output have no ckv counterpart."""
-
-    def project(x: torch.Tensor, positions: torch.Tensor):
-        B, T, _ = x.shape
-        q = attn.q_b_norm(attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))).view(B, T, HEADS, HEAD_DIM))
-        k = attn.kv_norm(attn.kv_proj(x)).view(B, T, 1, HEAD_DIM)
-        q, k = layer.rotary(q, positions), layer.rotary(k, positions)
-        return q, k, k
-
-    class V4Output(torch.nn.Module):
-        def forward(self, out: torch.Tensor) -> torch.Tensor:  # (B, T, H * D) -> (B, T, d)
-            return attn.o_b_proj(attn.o_a_proj(out.view(*out.shape[:2], o_groups, -1)).flatten(2))
-
-    layer.project = project
-    layer.o_proj = V4Output()
-    layer.sinks = attn.sinks
-
-
 @pytest.mark.parametrize("layer_type, T, prefill", CASES)
 def test_joint_attention_with_sinks_equals_transformers_eager_attention(layer_type, T, prefill):
-    attn, layer, cfg = pair(layer_type)
-    use_v4_projections(attn, layer, cfg.o_groups)
+    attn, _, cfg = pair(layer_type)
+    layer = attention_from_deepseek_v4(attn).eval()  # V4's projections, compressor and indexer, weights copied
     B = 2
     x = torch.randn(B, T, D_MODEL)
     with torch.no_grad():

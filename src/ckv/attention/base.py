@@ -53,14 +53,16 @@ class AttentionBackend(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
         d, hd = config.d_model, config.head_dim
-        self.q_proj = nn.Linear(d, self.n_heads * hd, bias=False)
+        # attention.query (DeepSeek-V4's low-rank query path): the latent RMSNorm(q_a x); q_proj then maps the latent
+        self.q_latent = None if a.query is None else QueryLatent(d, a.query.lora_rank, config.norm_eps)
+        self.q_proj = nn.Linear(d if a.query is None else a.query.lora_rank, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(d, self.kv_heads * hd, bias=False)
         self.v_proj = None if a.tied_kv else nn.Linear(d, self.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
         self.q_norm = RMSNorm(hd, config.norm_eps) if a.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(hd, config.norm_eps) if a.qk_norm else nn.Identity()
         theta = config.rope_theta if a.rope.theta is None else a.rope.theta
-        self.rotary = Rotary(config.rope_dims, theta, side=a.rope.side, pairing=a.rope.pairing)
+        self.rotary = Rotary(config.rope_dims, theta, side=a.rope.side, pairing=a.rope.pairing, yarn=a.rope.yarn)
         self.impl = a.impl
         self._resolved_impls: dict[tuple[torch.device, torch.dtype], str] = {}
 
@@ -149,7 +151,10 @@ class AttentionBackend(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
-        """Normal(0, std) for the Q/K/V maps, Normal(0, out_std) for the output map, norm gains 1."""
+        """Normal(0, std) for the Q/K/V maps (and the query latent's), Normal(0, out_std) for the output map, norm
+        gains 1."""
+        if self.q_latent is not None:
+            self.q_latent.init_weights(std)
         for proj in (self.q_proj, self.k_proj, self.v_proj):
             if proj is not None:
                 proj.weight.normal_(0.0, std)
@@ -166,10 +171,19 @@ class AttentionBackend(nn.Module):
             self._resolved_impls[key] = self.resolve_impl(self.impl, x.device, x.dtype)
         return self._resolved_impls[key]
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: (B, T, d) -> q (B, T, H, D), k and v (B, T, KV, D), normalised and rotated (v = k when tied)."""
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of the query map: x (B, T, d) itself, or the low-rank path's latent (B, T, lora_rank)."""
+        return x if self.q_latent is None else self.q_latent(x)
+
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, latent: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, T, d) -> q (B, T, H, D), k and v (B, T, KV, D), normalised and rotated (v = k when tied); the
+        queries are mapped from ``latent`` when given (``query_latent(x)``, computed once by a caller that also
+        needs it), else from ``query_latent(x)``."""
         B, T, _ = x.shape
-        q = self.rotary(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), positions)
+        latent = self.query_latent(x) if latent is None else latent
+        q = self.rotary(self.q_norm(self.q_proj(latent).view(B, T, self.n_heads, self.head_dim)), positions)
         k = self.rotary(self.k_norm(self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)), positions)
         v = k if self.v_proj is None else self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
         return q, k, v
@@ -179,6 +193,24 @@ class AttentionBackend(nn.Module):
 
     def new_cache(self, batch_size: int) -> object:  # pragma: no cover
         raise NotImplementedError
+
+
+class QueryLatent(nn.Module):
+    """DeepSeek-V4's query latent (``attention.query``): ``RMSNorm(proj x)``, a down-projection of the input to
+    ``rank`` dims and a weighted RMSNorm (V4's ``q_a_proj`` and ``q_a_norm``)."""
+
+    def __init__(self, d_model: int, rank: int, eps: float) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d_model, rank, bias=False)
+        self.norm = RMSNorm(rank, eps)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        self.proj.weight.normal_(0.0, std)
+        self.norm.reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))  # (B, T, rank)
 
 
 def residual_std(std: float, n_layers: int) -> float:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 from torch import nn
 
 from ckv.attention.base import AttentionBackend, LayerFlops
+from ckv.attention.indexer import LightningIndexer
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError, ModelConfig
@@ -107,10 +109,10 @@ def joint_attention(
     sinks: Optional[torch.Tensor] = None,
     origin: int = 0,
     selected: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch of ``reference.joint_attention_reference`` (see there for shapes, ``origin`` and the top-k
-    ``selected`` entries per query); returns the output only. A layer with a shifted grid passes ``q_start`` in
-    grid coordinates and its ``origin``."""
+    ``selected`` entries per query); returns the output (B, Tq, H, D) and the joint softmax's log-sum-exp
+    (B, Tq, H) fp32. A layer with a shifted grid passes ``q_start`` in grid coordinates and its ``origin``."""
     if resolve_impl(impl, q.device) == "triton":
         from ckv_kernels import joint_attention as joint_attention_triton
 
@@ -127,7 +129,7 @@ def joint_attention(
             sinks=sinks,
             origin=origin,
             selected=selected,
-        )[0]
+        )
     return joint_attention_reference(
         q,
         kc,
@@ -140,7 +142,44 @@ def joint_attention(
         sinks=sinks,
         origin=origin,
         selected=selected,
-    )[0]
+    )
+
+
+class JointAttention(nn.Module):
+    """The joint softmax of a compressed layer as a submodule without parameters or state, so that a forward hook
+    can read its inputs (queries, entries, the selection) and its log-sum-exp (the indexer's training target,
+    ``ckv.train.indexer``): ``forward`` takes ``joint_attention``'s arguments and returns ``(out, lse)``."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        stride: int,
+        local_window: LocalWindow,
+        q_start: int = 0,
+        impl: str = "torch",
+        sinks: Optional[torch.Tensor] = None,
+        origin: int = 0,
+        selected: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return joint_attention(
+            q,
+            kc,
+            vc,
+            k,
+            v,
+            stride=stride,
+            local_window=local_window,
+            q_start=q_start,
+            impl=impl,
+            sinks=sinks,
+            origin=origin,
+            selected=selected,
+        )
 
 
 class Pooling(nn.Module):
@@ -164,13 +203,17 @@ class Compressor(nn.Module):
     With ``attention.mixing`` set the branch owns the module that group builds (``mixing``,
     ``ckv.options.mixing.CausalMixing``), which the layer applies to the hidden-state sequence before windows are
     gathered (a window's first token then carries its predecessors).
+    ``kv_heads`` and ``head_dim`` (default: the model's) size the pooled output: the lightning indexer's branch
+    pools one key of its own ``head_dim`` (``attention.selection``).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_heads: Optional[int] = None, head_dim: Optional[int] = None) -> None:
         super().__init__()
         a = config.attention
         d, W = config.d_model, a.window
-        self.kv_heads, self.head_dim, self.window = config.kv_heads, config.head_dim, W
+        self.kv_heads = config.kv_heads if kv_heads is None else kv_heads
+        self.head_dim = config.head_dim if head_dim is None else head_dim
+        self.window = W
         out = self.kv_heads * self.head_dim
         self.specific = a.offset_maps == "specific"
         # per-series maps: the series of each offset, (W,); None for offset-specific or shared maps
@@ -230,11 +273,15 @@ class CompressedAttention(AttentionBackend):
 
     With ``attention.grid`` the layer's grid is shifted by ``grid_offset`` (``config.grid_offset(layer_idx)``):
     entries, visibility, the local window and the decode cache's keeps are computed in grid coordinates
-    ``g = p + origin`` (``geometry.grid_origin``), positions below ``origin`` absent; RoPE stays at real positions."""
+    ``g = p + origin`` (``geometry.grid_origin``), positions below ``origin`` absent; RoPE stays at real positions.
+    With ``attention.selection`` the lightning indexer (``indexer``, ``ckv.attention.indexer``) picks each query's
+    top-k entries from its own compressor branch's keys; with ``attention.query`` queries come from V4's low-rank
+    latent (``query_latent``), which the indexer reads too. The joint softmax runs in the parameter-free ``attend``
+    submodule (a hook reads its queries, entries, selection and log-sum-exp)."""
 
     kind = "compressed"
     impls = ("auto", "torch", "triton")
-    options = ("rope", "gate", "mixing", "grid", "sink", "output_rope")
+    options = ("rope", "gate", "mixing", "grid", "query", "selection", "sink", "output_rope")
 
     @classmethod
     def check(cls, config: ModelConfig) -> None:
@@ -256,11 +303,15 @@ class CompressedAttention(AttentionBackend):
         self.norm_before_pooling = a.compressed_norm == "pre"
         self.k_compressor = Compressor(config)
         self.v_compressor = None if a.tied_kv else Compressor(config)
+        self.indexer = None
+        if a.selection is not None:
+            self.indexer = LightningIndexer(config, Compressor(config, kv_heads=1, head_dim=a.selection.head_dim))
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if a.sink else None  # one logit per query head
         self.inverse_output_rope = a.output_rope == "inverse"
         self.history = sum(g.cache_history(self.dims(config)) for g in a.groups())  # states before a window
         self.grid_offset = config.grid_offset(layer_idx)
         self.origin = grid_origin(self.grid_offset, self.stride)  # grid coordinate of real position 0
+        self.attend = JointAttention()
 
     # ---- accounting (per layer; the option groups declare their own shares) -------------------------------------
     @staticmethod
@@ -277,56 +328,87 @@ class CompressedAttention(AttentionBackend):
             stride=a.stride,
             maps=maps,
             branches=1 if a.tied_kv else 2,
+            query_latent=config.d_model if a.query is None else a.query.lora_rank,
         )
 
     @classmethod
+    def extra_branches(cls, config: ModelConfig) -> list[Dims]:
+        """The compressor branches option groups add beside the layer's K/V branches (the indexer's), as ``Dims``."""
+        dims = cls.dims(config)
+        return [b for g in config.attention.groups() for b in g.compressor_branches(dims)]
+
+    @classmethod
     def num_params(cls, config: ModelConfig) -> int:
-        a, dims = config.attention, cls.dims(config)
-        payload = dims.branches * dims.maps * dims.d_model * dims.kv_heads * dims.head_dim
-        norm = config.head_dim if a.qk_norm else 0  # the compressed-key RMSNorm
+        """Projections, each compressor branch's payload maps and key norm (the layer's K/V and the groups' extra
+        branches), the sinks, and the groups' shares (per-branch groups once more for each extra branch)."""
+        a, dims, extra = config.attention, cls.dims(config), cls.extra_branches(config)
+        payload = sum(b.branches * b.maps * b.d_model * b.kv_heads * b.head_dim for b in (dims, *extra))
+        norm = sum(b.head_dim for b in (dims, *extra)) if a.qk_norm else 0  # each branch's compressed-key RMSNorm
         sinks = config.n_heads if a.sink else 0  # one attention-sink logit per query head
         groups = sum(g.num_params(dims) for g in a.groups())
+        groups += sum(g.num_params(b) for b in extra for g in a.groups() if g.per_branch)
         return cls.projection_params(config) + payload + norm + sinks + groups
+
+    @classmethod
+    def entry_pairs(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> tuple[int, int]:
+        """Over ``seq_len`` tokens of layer ``layer_idx``, per query head: the (query, key) pairs it scores (each
+        query's attended entries, ``min(visible, topk)`` with selection, plus its local window's exact keys) and
+        the (query, visible entry) pairs, in the layer's grid coordinates."""
+        a = config.attention
+        P = grid_origin(config.grid_offset(layer_idx), a.stride)  # grid coordinates g = t + P, present from P
+        n_entries = num_entries(seq_len + P, a.stride)
+        pairs, visible_pairs = 0, 0
+        for t in range(P, seq_len + P):
+            local = t - max(local_start(t, a.local_window, a.stride), P) + 1
+            visible = attended = min(visible_entries(t, a.stride), n_entries)
+            for group in a.groups():
+                attended = group.attended_entries(attended)
+            pairs += attended + max(local, 0)
+            visible_pairs += visible
+        return pairs, visible_pairs
 
     @classmethod
     def visible_pairs(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> int:
         """(query, key) pairs one query head scores over ``seq_len`` tokens in layer ``layer_idx``: each query's
-        visible entries plus its local window's exact keys, in the layer's grid coordinates."""
-        a = config.attention
-        P = grid_origin(config.grid_offset(layer_idx), a.stride)  # grid coordinates g = t + P, present from P
-        n_entries = num_entries(seq_len + P, a.stride)
-        pairs = 0
-        for t in range(P, seq_len + P):
-            local = t - max(local_start(t, a.local_window, a.stride), P) + 1
-            pairs += min(visible_entries(t, a.stride), n_entries) + max(local, 0)
-        return pairs
+        attended entries (every visible one, or its top-k with selection) plus its local window's exact keys."""
+        return cls.entry_pairs(config, seq_len, layer_idx)[0]
 
     @classmethod
     def flops_per_token(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> LayerFlops:
-        """Visible pairs: each query's visible entries plus its local window's exact keys, counted in the layer's
-        grid coordinates (``ckv.geometry``). The compressor maps every entry's ``window`` hidden states (absent
-        ones too: they are computed as zeros) through the payload maps and sums them, plus the groups' shares."""
+        """Attention over the scored pairs (``entry_pairs``), counted in the layer's grid coordinates
+        (``ckv.geometry``). The compressor maps every entry's ``window`` hidden states (absent ones too: they are
+        computed as zeros) through each branch's payload maps and sums them, plus the groups' shares (per-branch
+        groups once more for each extra branch) and the scoring of every visible entry for selection."""
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be >= 1")
-        a, dims = config.attention, cls.dims(config)
+        a, dims, extra = config.attention, cls.dims(config), cls.extra_branches(config)
         n_entries = num_entries(seq_len + grid_origin(config.grid_offset(layer_idx), a.stride), a.stride)
-        attention = 4.0 * config.head_dim * config.n_heads * cls.visible_pairs(config, seq_len, layer_idx) / seq_len
-        out = dims.kv_heads * dims.head_dim
-        per_entry = dims.branches * (dims.window * 2.0 * dims.d_model * out + 2.0 * dims.window * out)
+        pairs, visible = cls.entry_pairs(config, seq_len, layer_idx)
+        attention = 4.0 * config.head_dim * config.n_heads * pairs / seq_len
+        per_entry = sum(
+            b.branches
+            * (b.window * 2.0 * b.d_model * b.kv_heads * b.head_dim + 2.0 * b.window * b.kv_heads * b.head_dim)
+            for b in (dims, *extra)
+        )
         per_entry += sum(g.flops_per_entry(dims) for g in a.groups())
+        per_entry += sum(g.flops_per_entry(b) for b in extra for g in a.groups() if g.per_branch)
         per_token = sum(g.flops_per_token(dims) for g in a.groups())
-        compressor = per_entry * n_entries / seq_len + per_token
+        per_token += sum(g.flops_per_token(b) for b in extra for g in a.groups() if g.per_branch)
+        scoring = sum(g.flops_per_scored_entry(dims) for g in a.groups()) * visible / seq_len
+        compressor = per_entry * n_entries / seq_len + per_token + scoring
         return LayerFlops(projections=cls.projection_flops(config), attention=attention, compressor=compressor)
 
     @classmethod
     def kv_bytes_per_token(
         cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0, bytes_per_element: int = 2
     ) -> float:
-        """At ``seq_len``: the finished entries (a key, and a value unless tied), the exact keys (and values) the
-        next query's local window needs, and the hidden states of the unfinished window plus the groups' history
-        (``CompressedLayerCache``), divided by ``seq_len``. Long-sequence figure: one entry per ``stride`` tokens."""
+        """At ``seq_len``: the finished entries (a key, and a value unless tied, plus each extra branch's key: the
+        indexer's), the exact keys (and values) the next query's local window needs, and the hidden states of the
+        unfinished window plus the groups' history (``CompressedLayerCache``), divided by ``seq_len``.
+        Long-sequence figure: one entry per ``stride`` tokens."""
         a, dims = config.attention, cls.dims(config)
-        per_entry = dims.kv_heads * dims.head_dim * (1 if a.tied_kv else 2)
+        per_local = dims.kv_heads * dims.head_dim * (1 if a.tied_kv else 2)
+        per_entry = per_local + sum(b.kv_heads * b.head_dim for b in cls.extra_branches(config))
         if seq_len is None:
             return per_entry * bytes_per_element / a.stride
         if seq_len < 1:
@@ -336,7 +418,7 @@ class CompressedAttention(AttentionBackend):
         history = sum(g.cache_history(dims) for g in a.groups())
         local = local_keep(n, a.local_window, a.stride, origin=P)
         pending = min(pending_keep(n, a.window, a.stride, origin=P) + history, seq_len)
-        elements = num_entries(n, a.stride) * per_entry + local * per_entry + pending * dims.d_model
+        elements = num_entries(n, a.stride) * per_entry + local * per_local + pending * dims.d_model
         return elements * bytes_per_element / seq_len
 
     @classmethod
@@ -371,10 +453,12 @@ class CompressedAttention(AttentionBackend):
     @classmethod
     def activation_elements_per_token(cls, config: ModelConfig) -> float:
         """Projections as every backend, plus each token's share of the pooled windows: ``window / stride``
-        copies of the hidden state and, per branch, a payload and its normalised copy (``2 KV D``)."""
-        a, dims = config.attention, cls.dims(config)
-        pooled = a.window / a.stride * (dims.d_model + dims.branches * 2 * dims.kv_heads * dims.head_dim)
-        return super().activation_elements_per_token(config) + pooled
+        copies of the hidden state and, per branch, a payload and its normalised copy (``2 KV D``; extra branches
+        gather their own copy of the windows), plus the groups' own activations."""
+        a, dims, extra = config.attention, cls.dims(config), cls.extra_branches(config)
+        pooled = sum(b.d_model + b.branches * 2 * b.kv_heads * b.head_dim for b in (dims, *extra))
+        groups = sum(g.activation_elements_per_token(dims) for g in a.groups())
+        return super().activation_elements_per_token(config) + a.window / a.stride * pooled + groups
 
     @classmethod
     def phase_stride(cls, config: ModelConfig) -> Optional[int]:
@@ -383,21 +467,26 @@ class CompressedAttention(AttentionBackend):
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
         """The projections as every backend; compressor maps Normal(0, std), gate biases and the attention-sink
-        logits 0 (DeepSeek-V4's initialisation of its sinks), the compressed-key norm's gain 1."""
+        logits 0 (DeepSeek-V4's initialisation of its sinks), the compressed-key norm's gain 1; the indexer's
+        maps Normal(0, std) (``LightningIndexer.init_weights``)."""
         super().init_weights(std, out_std)
         if self.ck_norm is not None:
             self.ck_norm.reset_parameters()
         for compressor in (self.k_compressor, self.v_compressor):
             if compressor is not None:
                 compressor.init_weights(std)
+        if self.indexer is not None:
+            self.indexer.init_weights(std)
         if self.sinks is not None:
             self.sinks.zero_()
 
-    def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool entries ``first .. first+n-1`` (of this layer's grid) from hidden states h (B, Th, d) at real
-        positions ``h_start..``. With token mixing, h must also hold the ``kernel - 1`` states before each
-        window (unless it starts at position 0). Returns kc, vc (B, n, KV, D): keys normalised and rotated at real
-        positions; vc is kc with tied K/V."""
+    def _windows(
+        self, h: torch.Tensor, h_start: int, first: int, n: int
+    ) -> tuple[Callable[[Compressor], torch.Tensor], torch.Tensor, torch.Tensor]:
+        """For entries ``first .. first+n-1`` of this layer's grid from hidden states h (B, Th, d) at real positions
+        ``h_start..``: a function giving a compressor branch's windows (B, n, W, d) (its mixing applied, zeros where
+        absent), ``present`` (n, W) and the entries' real RoPE positions (n,). With token mixing, h must also hold
+        the ``kernel - 1`` states before each window (unless it starts at position 0)."""
         P = self.origin
         # the earliest present position pooled is max(entry_start(first), P) - P (real): ints only, no host sync
         need = self.history if h_start > 0 else 0
@@ -407,13 +496,21 @@ class CompressedAttention(AttentionBackend):
                 + (f" (and its {self.history} mixing predecessors)" if self.history else "")
             )
         pos, present = window_positions(first, n, self.window, self.stride, device=h.device, origin=P)  # (n, W) grid
-        idx = pos - P - h_start
+        idx = (pos - P - h_start).clamp(min=0)
         mask = present[None, :, :, None].to(h.dtype)  # (1, n, W, 1)
 
         def windows(compressor: Compressor) -> torch.Tensor:  # (B, n, W, d), zeros where absent
             hm = h if compressor.mixing is None else compressor.mixing(h)
-            return hm[:, idx.clamp(min=0)] * mask
+            return hm[:, idx] * mask
 
+        j = torch.arange(first, first + n, device=h.device)
+        return windows, present, entry_rope_position(j, self.window, self.stride, self.entry_rope, origin=P) - P
+
+    def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool entries ``first .. first+n-1`` (of this layer's grid) from hidden states h (B, Th, d) at real
+        positions ``h_start..`` (see ``_windows``). Returns kc, vc (B, n, KV, D): keys normalised and rotated at real
+        positions; vc is kc with tied K/V."""
+        windows, present, rope_positions = self._windows(h, h_start, first, n)
         # without mixing both branches pool the same windows: one gather, so one gradient sum into h
         shared = windows(self.k_compressor) if self.history == 0 else None
         impl = self.impl_for(h)
@@ -425,8 +522,7 @@ class CompressedAttention(AttentionBackend):
         )
         if self.ck_norm is not None and not self.norm_before_pooling:
             kc = self.ck_norm(kc)
-        j = torch.arange(first, first + n, device=h.device)
-        kc = self.rotary(kc, entry_rope_position(j, self.window, self.stride, self.entry_rope, origin=P) - P)
+        kc = self.rotary(kc, rope_positions)
         vc = (
             kc
             if self.v_compressor is None
@@ -434,16 +530,31 @@ class CompressedAttention(AttentionBackend):
         )
         return kc, vc
 
+    def index_keys(self, h: torch.Tensor, h_start: int, first: int, n: int) -> torch.Tensor:
+        """The indexer's keys (B, n, head_dim) of entries ``first .. first+n-1``, pooled like ``entries``' keys by
+        its own compressor branch from ``h`` detached (the indexer learns only from its own loss)."""
+        windows, present, rope_positions = self._windows(h.detach(), h_start, first, n)
+        ix = self.indexer
+        norm = ix.norm if self.norm_before_pooling else None
+        keys = ix.compressor(windows(ix.compressor), present, impl=self.impl_for(h), norm=norm)  # (B, n, 1, Di)
+        if ix.norm is not None and not self.norm_before_pooling:
+            keys = ix.norm(keys)
+        return ix.rotary(keys, rope_positions)[:, :, 0]
+
     def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)
-        q, k, v = self.project(x, positions)  # (B, T, H|KV, D)
+        latent = self.query_latent(x)  # (B, T, d) or V4's low-rank latent
+        q, k, v = self.project(x, positions, latent)  # (B, T, H|KV, D)
         tied = self.v_compressor is None
         P = self.origin  # grid coordinates g = p + P (P = 0 without a shift)
         first, end = num_entries(start + P, self.stride), num_entries(start + P + T, self.stride)
+        ki = None  # the indexer's keys (B, E, Di)
         if cache is None:
             kc, vc = self.entries(x, 0, 0, end)
+            if self.indexer is not None:
+                ki = self.index_keys(x, 0, 0, end)
             k_all, v_all = k, v
         else:
             h = x if cache.pending is None else torch.cat([cache.pending, x], dim=1)
@@ -451,6 +562,9 @@ class CompressedAttention(AttentionBackend):
             kc_new, vc_new = self.entries(h, h_start, first, end - first)
             kc = kc_new if cache.kc is None else torch.cat([cache.kc, kc_new], dim=1)
             vc = kc if tied else (vc_new if cache.vc is None else torch.cat([cache.vc, vc_new], dim=1))
+            if self.indexer is not None:
+                ki_new = self.index_keys(h, h_start, first, end - first)
+                ki = ki_new if cache.ki is None else torch.cat([cache.ki, ki_new], dim=1)
             k_all = k if cache.k is None else torch.cat([cache.k, k], dim=1)
             v_all = k_all if tied else (v if cache.v is None else torch.cat([cache.v, v], dim=1))
             n = start + T
@@ -458,12 +572,15 @@ class CompressedAttention(AttentionBackend):
             keep_l = local_keep(n + P, self.local_window, self.stride, origin=P)
             # the next window's hidden states, plus the mixing's history before it (none before position 0)
             keep_p = min(pending_keep(n + P, self.window, self.stride, origin=P) + self.history, h.shape[1])
-            cache.kc, cache.vc = kc, (None if tied else vc)
+            cache.kc, cache.vc, cache.ki = kc, (None if tied else vc), ki
             cache.k = k_all[:, k_all.shape[1] - keep_l :]
             cache.v = cache.k if tied else v_all[:, v_all.shape[1] - keep_l :]
             cache.pending = h[:, h.shape[1] - keep_p :]
             cache.length = n
-        out = joint_attention(
+        selected = None
+        if self.indexer is not None:  # detached inputs: the LM loss does not reach the indexer
+            _, selected = self.indexer(x.detach(), latent.detach(), ki, positions, start + P, self.stride)
+        out, _ = self.attend(
             q,
             kc,
             vc,
@@ -475,6 +592,7 @@ class CompressedAttention(AttentionBackend):
             impl=self.impl_for(x),
             sinks=self.sinks,
             origin=P,
+            selected=selected,
         )  # (B, T, H, D)
         if self.inverse_output_rope:  # tied values carry RoPE: rotate back by the query's position
             out = self.rotary(out, positions, inverse=True)

@@ -9,6 +9,18 @@ from ckv.options.base import Dims, OptionGroup
 from ckv.options.gate import GateConfig
 from ckv.options.grid import GridConfig
 from ckv.options.mixing import MixingConfig
-from ckv.options.rope import RopeConfig
+from ckv.options.query import QueryConfig
+from ckv.options.rope import RopeConfig, YarnConfig
+from ckv.options.selection import SelectionConfig
 
-__all__ = ["Dims", "GateConfig", "GridConfig", "MixingConfig", "OptionGroup", "RopeConfig"]
+__all__ = [
+    "Dims",
+    "GateConfig",
+    "GridConfig",
+    "MixingConfig",
+    "OptionGroup",
+    "QueryConfig",
+    "RopeConfig",
+    "SelectionConfig",
+    "YarnConfig",
+]

@@ -5,6 +5,10 @@ by ``AttentionConfig`` under its ``name``. It validates its own fields on constr
 the rest of the attention config in ``check_with`` and of the model's sizes in ``check_model``, and declares
 beside its definition what it adds to one layer: parameters, forward FLOPs (per pooled entry and per token) and
 decode-cache state. The attention backends sum these declarations; nothing else recomputes them.
+
+A group whose shares scale with the compressor's branches (``per_branch``: the gate, token mixing) is counted
+again for every extra branch another group adds (``compressor_branches``: the lightning indexer's own compressor,
+pooled over the same windows with the layer's maps, gate and mixing).
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ class Dims:
     """The sizes of one compressed-attention layer that an option's accounting reads.
 
     ``maps`` is the number of payload/gate maps per compressor branch (``window`` offset-specific maps, one per
-    stride block for per-series maps, or 1 shared); ``branches`` is 2 (separate K and V compressors) or 1 (tied)."""
+    stride block for per-series maps, or 1 shared); ``branches`` is 2 (separate K and V compressors) or 1 (tied);
+    ``query_latent`` is the width of the query latent (the low-rank query path's rank; ``d_model`` without one)."""
 
     d_model: int
     n_heads: int
@@ -31,6 +36,7 @@ class Dims:
     stride: int
     maps: int
     branches: int
+    query_latent: int = 0
 
 
 class OptionGroup:
@@ -39,6 +45,7 @@ class OptionGroup:
     ``name`` is the group's key in ``AttentionConfig`` (and its Hydra group under ``conf/attention/<name>/``)."""
 
     name: ClassVar[str]
+    per_branch: ClassVar[bool] = False  # its shares scale with ``dims.branches`` (counted for extra branches too)
 
     def check_with(self, attention: AttentionConfig) -> None:
         """Raise ConfigError naming the field if this group cannot work with the rest of ``attention``."""
@@ -61,3 +68,21 @@ class OptionGroup:
     def cache_history(self, dims: Dims) -> int:
         """Hidden states before a window that the decode cache keeps in addition to the window's own."""
         return 0
+
+    def compressor_branches(self, dims: Dims) -> list[Dims]:
+        """Extra compressor branches this group adds to the layer, as the ``Dims`` of each (``branches=1``): each
+        pools the same windows with the layer's maps and per-branch groups, and the decode cache keeps its
+        ``kv_heads * head_dim`` elements per finished entry."""
+        return []
+
+    def attended_entries(self, visible: int) -> int:
+        """Compressed entries a query attends when ``visible`` entries are visible to it (all of them)."""
+        return visible
+
+    def flops_per_scored_entry(self, dims: Dims) -> float:
+        """Forward FLOPs this group spends per (query, visible entry) pair, e.g. to score entries for selection."""
+        return 0.0
+
+    def activation_elements_per_token(self, dims: Dims) -> float:
+        """Activation elements autograd saves per token for this group's own maps (``ckv.plan``)."""
+        return 0.0

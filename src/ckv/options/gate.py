@@ -21,6 +21,7 @@ class GateConfig(OptionGroup):
     per pooled offset."""
 
     name: ClassVar[str] = "gate"
+    per_branch: ClassVar[bool] = True
     kind: str = "scalar"
     bias: bool = True
 

@@ -27,6 +27,7 @@ class MixingConfig(OptionGroup):
     window."""
 
     name: ClassVar[str] = "mixing"
+    per_branch: ClassVar[bool] = True
     kernel: Optional[int] = None
     init: str = "normal"
 

@@ -28,6 +28,7 @@ from ckv.config import (
 )
 from ckv.data import DataConfig
 from ckv.train.gate_entropy import GateEntropyConfig
+from ckv.train.indexer import IndexerTrainingConfig
 
 SCHEDULES = ("cosine", "wsd", "constant")
 DEVICES = ("auto", "cpu", "cuda")
@@ -132,6 +133,9 @@ class TrainerConfig:
     collective), token-id range checks run at the data boundary, and ``debug_checks`` turns the model's own
     value check back on (one sync per forward). ``peak_flops`` (FLOP/s per device) overrides the ``ckv.flops``
     table for MFU; without it MFU is left out where the device is not in the table (e.g. on CPU).
+
+    Training-only losses (the model is unchanged): ``gate_entropy`` (``ckv.train.gate_entropy``) and ``indexer``,
+    the lightning indexer's loss and dense warm-up wherever the model has one (``ckv.train.indexer``).
     """
 
     max_steps: int = 1000
@@ -156,9 +160,11 @@ class TrainerConfig:
     peak_flops: Optional[float] = None
     debug_checks: bool = False
     gate_entropy: GateEntropyConfig = field(default_factory=GateEntropyConfig)
+    indexer: IndexerTrainingConfig = field(default_factory=IndexerTrainingConfig)
 
     def __post_init__(self) -> None:
         self.gate_entropy = _from_dict(GateEntropyConfig, self.gate_entropy, "trainer.gate_entropy")
+        self.indexer = _from_dict(IndexerTrainingConfig, self.indexer, "trainer.indexer")
         for name in (
             "max_steps",
             "global_batch_size",
@@ -253,6 +259,19 @@ class TrainConfig:
                 a.window >= 2,
                 f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} needs attention.window >= 2 (a "
                 "1-token window's gate has nothing to spread over)",
+            )
+        ix = self.trainer.indexer
+        if model.attention.selection is not None:
+            _check(
+                ix.weight > 0,
+                f"trainer.indexer.weight={ix.weight} would leave the lightning indexer (attention.selection) "
+                "untrained: top-k selection gives it no gradient from the LM loss, only its own loss does; set it > 0",
+            )
+        else:
+            _check(
+                ix.warmup_steps == 0,
+                f"trainer.indexer.warmup_steps={ix.warmup_steps} warms up a lightning indexer, which the model does "
+                "not have: set attention.selection (attention/selection=indexer) or trainer.indexer.warmup_steps=0",
             )
         stage = (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
         _check(

@@ -6,7 +6,7 @@ imported lazily (``ckv.train.distributed.import_deepspeed``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -21,6 +21,7 @@ from ckv.model import Transformer
 from ckv.train.config import TrainConfig
 from ckv.train.distributed import DistEnv, import_deepspeed
 from ckv.train.gate_entropy import GateEntropyFloor
+from ckv.train.indexer import IndexerTraining, has_indexer, indexer_parameters
 from ckv.train.schedule import build_scheduler
 
 IGNORE_INDEX = -100
@@ -78,11 +79,21 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, precision: str) -> dict[
     }
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only; norm gains and gate biases (vectors) are not decayed."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+def param_groups(
+    model: torch.nn.Module, weight_decay: float, apart: Sequence[torch.nn.Parameter] = ()
+) -> list[dict[str, Any]]:
+    """Weight decay on matrices only; norm gains and gate biases (vectors) are not decayed. The parameters in
+    ``apart`` (the lightning indexers', when their dense warm-up holds everything else still) get their own two
+    groups after the others'."""
+
+    def split(params: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+        decay = [p for p in params if p.requires_grad and p.ndim >= 2]
+        rest = [p for p in params if p.requires_grad and p.ndim < 2]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+    held = {id(p) for p in apart}
+    main = split([p for p in model.parameters() if id(p) not in held])
+    return main + split(list(apart)) if apart else main
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -102,6 +113,10 @@ class Engine:
     cross-entropy of ``ckv.loss`` on the final hidden states. With ``trainer.gate_entropy.floor`` > 0 it hooks
     the compressors' pooling steps (``ckv.train.gate_entropy``) and backpropagates the loss plus the gate-entropy
     penalty; ``micro_step`` still returns the LM loss and ``step_deficit`` the gate-entropy deficit of the last step.
+    A model with a lightning indexer (``attention.selection``) gets ``trainer.indexer``'s hooks
+    (``ckv.train.indexer``): the objective adds ``weight`` times the indexer's KL, and during the dense warm-up it is
+    that term alone while every other parameter group's learning rate is 0; ``step_indexer`` returns the last
+    step's KL and recall.
     """
 
     def __init__(self, model: Transformer, cfg: TrainConfig, env: DistEnv) -> None:
@@ -114,11 +129,19 @@ class Engine:
         g = t.gate_entropy
         self.gate_entropy = GateEntropyFloor(model, g.floor, g.weight) if g.enabled else None
         self._deficits: list[torch.Tensor] = []  # this optimizer step's gate-entropy deficit per micro-batch
+        ix = t.indexer
+        self.indexer = IndexerTraining(model, ix.weight, ix.warmup_steps) if has_indexer(model) else None
+        self._indexer_terms: list[tuple[torch.Tensor, torch.Tensor]] = []  # (KL, recall) per micro-batch
+        # the dense warm-up trains the indexers alone: they get their own parameter groups, the others lr 0 meanwhile
+        apart = indexer_parameters(model) if self.indexer is not None and ix.warmup_steps else []
+        frozen = [ix.warmup_steps] * 2 + [0] * 2 if apart else None
         if t.compile:
             model.compile()
         self._deepspeed = import_deepspeed(env.device.type)
         o = cfg.optim
-        optimizer = torch.optim.AdamW(param_groups(model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        optimizer = torch.optim.AdamW(
+            param_groups(model, o.weight_decay, apart), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps
+        )
         config = deepspeed_config(cfg, env.world_size, self.precision)
         self.accumulation_steps = config["gradient_accumulation_steps"]
         self.ds, _, _, _ = self._deepspeed.initialize(
@@ -126,7 +149,7 @@ class Engine:
             optimizer=optimizer,
             config=config,
             dist_init_required=False,
-            lr_scheduler=lambda opt: build_scheduler(opt, o, cfg.trainer.max_steps),
+            lr_scheduler=lambda opt: build_scheduler(opt, o, cfg.trainer.max_steps, frozen),
         )
 
     @property
@@ -169,17 +192,26 @@ class Engine:
         return lm_loss(self.ds(input_ids), labels)
 
     def micro_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Forward, backward and (at an accumulation boundary) the optimizer step; returns the detached loss."""
+        """Forward, backward and (at an accumulation boundary) the optimizer step; returns the detached LM loss."""
         input_ids, labels = self._to_device(batch)
-        if self.gate_entropy is None:
-            loss = self._loss(input_ids, labels)
-            self.ds.backward(loss)
-        else:
+        # the optimizer steps taken so far (DeepSpeed's count, restored with a checkpoint): this micro-batch's step
+        warmup = self.indexer is not None and self.indexer.in_warmup(self.ds.global_steps)
+        if self.gate_entropy is not None:
             self.gate_entropy.start()
-            loss = self._loss(input_ids, labels)
+        if self.indexer is not None:
+            self.indexer.start(dense=warmup)
+        loss = self._loss(input_ids, labels)
+        objective = loss
+        if self.gate_entropy is not None:
             deficit = self.gate_entropy.finish()
-            self.ds.backward(loss + (self.gate_entropy.weight * deficit).to(loss.dtype))
+            objective = objective + (self.gate_entropy.weight * deficit).to(loss.dtype)
             self._deficits.append(deficit.detach())
+        if self.indexer is not None:
+            kl, recall = self.indexer.finish()
+            term = (self.indexer.weight * kl).to(loss.dtype)
+            objective = term if warmup else objective + term  # the warm-up trains the indexers alone
+            self._indexer_terms.append((kl.detach(), recall))
+        self.ds.backward(objective)
         self.ds.step()
         return loss.detach()
 
@@ -192,10 +224,21 @@ class Engine:
         deficit, self._deficits = torch.stack(self._deficits).mean(), []
         return deficit
 
+    def step_indexer(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The lightning indexers' mean KL (before ``trainer.indexer.weight``) and recall over the micro-steps since
+        the last call (0-d each, on the device, no host sync; recall NaN when no selection bound), or ``None``
+        without an indexer or when no micro-step ran."""
+        if not self._indexer_terms:
+            return None
+        kl, recall = (torch.stack(t) for t in zip(*self._indexer_terms))
+        self._indexer_terms = []
+        return kl.mean(), recall.nanmean()
+
     def close(self) -> None:
         """Take the training-only hooks off the model (evaluation of the same module object is then unaffected)."""
-        if self.gate_entropy is not None:
-            self.gate_entropy.remove()
+        for reg in (self.gate_entropy, self.indexer):
+            if reg is not None:
+                reg.remove()
 
     @torch.no_grad()
     def eval_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

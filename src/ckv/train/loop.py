@@ -141,6 +141,7 @@ class _Loop:
         self.ckpts = CheckpointManager(self.run_dir, env, t.keep_last, t.keep_every)
         self.step, self.tokens = 0, 0
         self.deficit: Optional[torch.Tensor] = None  # the last step's gate-entropy deficit (None: floor off)
+        self.indexer: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # its indexer KL and recall (None: none)
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
         if env.is_main:
             write_run_files(
@@ -228,6 +229,7 @@ class _Loop:
         self.tokens += self.tokens_per_step
         loss = torch.stack(losses).mean()
         self.deficit = self.engine.step_deficit()
+        self.indexer = self.engine.step_indexer()
         self.watch.update(self.step, loss, self.engine.grad_norm_tensor())
         return loss
 
@@ -239,15 +241,16 @@ class _Loop:
                 lr = self.engine.lr
                 step_loss = self.train_step()
                 if self.step % t.log_every == 0 or self.step == self.target:
-                    extra = {}
-                    if self.deficit is None:
-                        loss = all_reduce_mean([step_loss.item()], self.env.device)[0]  # the mean over ranks
-                    else:  # the LM loss ("loss" leaves the penalty out) and the gate-entropy deficit, over ranks
-                        loss, deficit = all_reduce_mean([step_loss.item(), self.deficit.item()], self.env.device)
-                        extra = {
-                            "gate_entropy_deficit": deficit,
-                            "gate_entropy_penalty": self.engine.gate_entropy.weight * deficit,
-                        }
+                    # the LM loss ("loss" leaves the training-only terms out) and those terms, means over ranks
+                    values = {"loss": step_loss}
+                    if self.deficit is not None:
+                        values["gate_entropy_deficit"] = self.deficit
+                    if self.indexer is not None:
+                        values["indexer_loss"], values["indexer_recall"] = self.indexer
+                    extra = dict(zip(values, all_reduce_mean([v.item() for v in values.values()], self.env.device)))
+                    loss = extra.pop("loss")
+                    if self.deficit is not None:
+                        extra["gate_entropy_penalty"] = self.engine.gate_entropy.weight * extra["gate_entropy_deficit"]
                     now = time.perf_counter()
                     tok_s = (self.step - last_step) * self.tokens_per_step / max(now - last_time, 1e-9)
                     last_time, last_step = now, self.step

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -16,8 +18,9 @@ class LRSchedule:
 
     Warmup rises linearly to 1 over ``warmup_steps`` (the first update already uses ``1 / warmup_steps``). Then
     ``cosine`` decays to ``min_ratio`` at the last step, ``wsd`` stays at 1 until the final ``decay_fraction`` of
-    the steps and decays linearly to ``min_ratio``, ``constant`` stays at 1. A plain dataclass so that
-    ``LambdaLR.state_dict`` saves it.
+    the steps and decays linearly to ``min_ratio``, ``constant`` stays at 1. The first ``frozen_steps`` steps
+    get 0 (a parameter group held still, e.g. everything but the lightning indexer during its dense warm-up). A
+    plain dataclass so that ``LambdaLR.state_dict`` saves it.
     """
 
     kind: str
@@ -25,8 +28,11 @@ class LRSchedule:
     warmup_steps: int = 0
     min_ratio: float = 0.0
     decay_fraction: float = 0.2
+    frozen_steps: int = 0
 
     def __call__(self, step: int) -> float:
+        if step < self.frozen_steps:
+            return 0.0
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.kind == "constant":
@@ -47,14 +53,24 @@ class LRSchedule:
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
+    optimizer: torch.optim.Optimizer,
+    optim: OptimConfig,
+    total_steps: int,
+    frozen_steps: Optional[Sequence[int]] = None,
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` over ``optimizer`` following ``optim.schedule`` for a run of ``total_steps`` updates."""
-    schedule = LRSchedule(
-        kind=optim.schedule,
-        total_steps=total_steps,
-        warmup_steps=optim.warmup_steps,
-        min_ratio=optim.min_lr_ratio,
-        decay_fraction=optim.decay_fraction,
-    )
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    """A ``LambdaLR`` over ``optimizer`` following ``optim.schedule`` for a run of ``total_steps`` updates;
+    ``frozen_steps`` (one per parameter group) holds groups at learning rate 0 for their first steps."""
+
+    def schedule(frozen: int = 0) -> LRSchedule:
+        return LRSchedule(
+            kind=optim.schedule,
+            total_steps=total_steps,
+            warmup_steps=optim.warmup_steps,
+            min_ratio=optim.min_lr_ratio,
+            decay_fraction=optim.decay_fraction,
+            frozen_steps=frozen,
+        )
+
+    if frozen_steps is None:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule())
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, [schedule(n) for n in frozen_steps])

@@ -1,0 +1,78 @@
+"""Top-k selection of compressed entries by DeepSeek-V4's lightning indexer (``attention.selection``; null: every
+visible entry is attended, dense selection)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from ckv.checks import ConfigError, check_int
+from ckv.options.base import Dims, OptionGroup
+
+if TYPE_CHECKING:
+    from ckv.config import ModelConfig
+
+
+@dataclass
+class SelectionConfig(OptionGroup):
+    """V4's lightning indexer (``ckv.attention.indexer``): each query attends to the ``topk`` visible entries it
+    scores highest, ``sum_h w_h * relu(q_h . k_s)`` over ``heads`` index heads of ``head_dim`` dims, next to its
+    local window and sinks. ``k_s`` comes from the indexer's own compressor branch at ``head_dim`` (one key per
+    entry, pooled over the layer's windows with the layer's maps, gate and mixing, then its norm and RoPE);
+    ``q_h`` from the query latent (``attention.query``; the layer's input without it); ``w_h`` from the input.
+    Defaults: V4-Flash's 512 entries, 64 heads of 128 dims.
+
+    Shares: the index-query map (``query_latent * heads * head_dim``) and the head-weight map (``d * heads``) here,
+    the compressor branch through the backend (``compressor_branches``); ``2 * heads * (head_dim + 1)`` FLOPs per
+    (query, visible entry) to score; attention over ``min(visible, topk)`` entries per query; the decode cache
+    keeps the indexer's ``head_dim`` key per finished entry."""
+
+    name: ClassVar[str] = "selection"
+    topk: int = 512
+    heads: int = 64
+    head_dim: int = 128
+
+    def __post_init__(self) -> None:
+        for field in ("topk", "heads", "head_dim"):
+            check_int(f"attention.selection.{field}", getattr(self, field), minimum=1)
+
+    def check_model(self, config: ModelConfig) -> None:
+        rope = config.attention.rope
+        rotated = self.rotated_dims(rope.mode, rope.dims)
+        if rotated > self.head_dim or rotated % 2:
+            raise ConfigError(
+                f"attention.selection.head_dim={self.head_dim} must hold the indexer's rotated dims ({rotated}: "
+                f"attention.rope mode={rope.mode!r}, dims={rope.dims}) and be even when every dim rotates"
+            )
+
+    def rotated_dims(self, mode: str, dims: int | None) -> int:
+        """How many of the indexer's ``head_dim`` dims rotate: all (``full``), the layer's ``dims`` (``partial``,
+        V4: its ``qk_rope_head_dim``), or none."""
+        return {"full": self.head_dim, "partial": dims or 0, "none": 0}[mode]
+
+    def branch(self, dims: Dims) -> Dims:
+        """The indexer's compressor branch: one key of ``head_dim`` per entry."""
+        return dataclasses.replace(dims, kv_heads=1, head_dim=self.head_dim, branches=1)
+
+    def latent(self, dims: Dims) -> int:
+        """Width of the query latent the index queries are mapped from."""
+        return dims.query_latent or dims.d_model
+
+    def num_params(self, dims: Dims) -> int:
+        return self.latent(dims) * self.heads * self.head_dim + dims.d_model * self.heads
+
+    def flops_per_token(self, dims: Dims) -> float:
+        return 2.0 * (self.latent(dims) * self.heads * self.head_dim + dims.d_model * self.heads)
+
+    def compressor_branches(self, dims: Dims) -> list[Dims]:
+        return [self.branch(dims)]
+
+    def attended_entries(self, visible: int) -> int:
+        return min(visible, self.topk)
+
+    def flops_per_scored_entry(self, dims: Dims) -> float:
+        return 2.0 * self.heads * (self.head_dim + 1)  # q_h . k_s per head, then the weighted sum over heads
+
+    def activation_elements_per_token(self, dims: Dims) -> float:
+        return 2.0 * self.heads * self.head_dim + self.heads  # index queries before and after RoPE, head weights

@@ -1,0 +1,182 @@
+"""What is unique to top-k selection by the lightning indexer (``attention.selection``), the low-rank query path
+(``attention.query``) and YaRN (``attention.rope.yarn``); the property matrix (test_properties.py) runs the
+standing properties over ``deepseek_v4_csa_sparse`` and ``<base>+selection=indexer``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV4Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ckv import ModelConfig, Transformer
+from ckv.attention import check_attention
+from ckv.attention.indexer import top_k
+from ckv.attention.rope import inverse_frequencies
+from ckv.config import ConfigError
+from ckv.options import YarnConfig
+from tests.attention.test_properties import expected_influence
+from tests.helpers import small_config, variant
+
+SPARSE = dict(
+    kind="compressed", window=8, stride=4, local_window=3, kv_heads=1, selection=dict(topk=2, heads=2, head_dim=16)
+)
+
+
+def test_top_k_breaks_ties_toward_the_lower_index_and_marks_missing_entries():
+    inf = float("-inf")
+    scores = torch.tensor([[[0.0, 2.0, 0.0, 2.0, 1.0], [0.0, 0.0, 0.0, inf, inf], [3.0, inf, inf, inf, inf]]])
+    assert top_k(scores, 3).tolist() == [[[1, 3, 4], [0, 1, 2], [0, -1, -1]]]
+    assert top_k(scores, 9).shape == (1, 3, 5) and top_k(scores[..., :0], 2).shape == (1, 3, 0)
+
+
+def test_tied_scores_select_the_earliest_entries_alike_in_prefill_and_decoding():
+    """Index queries of 0 give every visible entry the score 0: each query keeps its first two entries, whether the
+    layer runs one forward or decodes token by token."""
+    torch.manual_seed(0)
+    model = Transformer(small_config(SPARSE, n_layers=1)).eval()
+    layer = model.layers[0].self_attn
+    with torch.no_grad():
+        layer.indexer.q_proj.weight.zero_()
+    seen = []
+    layer.indexer.register_forward_hook(lambda m, args, out: seen.append(out[1]))
+    ids = torch.randint(0, 64, (1, 23))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(1)
+        steps = torch.cat([model(ids[:, t : t + 1], cache) for t in range(23)], dim=1)
+    assert (steps - full).abs().max() < 1e-5
+    first_two = [[j if j < (t + 1) // 4 else -1 for j in (0, 1)] for t in range(23)]
+    assert seen[0][0].tolist() == first_two  # the prefill's (T, 2) selection
+    decoded = [s[0, 0].tolist() for s in seen[1:]]  # one row per step, min(2, entries so far) wide
+    assert [row + [-1] * (2 - len(row)) for row in decoded] == first_two
+
+
+def test_selecting_every_entry_is_the_dense_layer():
+    """A top-k at least the number of entries attends to every visible entry: the output is the same layer's
+    without selection (its other weights loaded), and a binding top-k changes it."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 29))
+    dense = Transformer(small_config({k: v for k, v in SPARSE.items() if k != "selection"})).eval()
+    outs = []
+    for topk in (64, 2):
+        sparse = Transformer(small_config({**SPARSE, "selection": dict(topk=topk, heads=2, head_dim=16)})).eval()
+        missing, unexpected = sparse.load_state_dict(dense.state_dict(), strict=False)
+        assert not unexpected and all(".indexer." in k for k in missing)
+        with torch.no_grad():
+            outs.append(sparse(ids))
+    with torch.no_grad():
+        plain = dense(ids)
+    assert torch.equal(outs[0], plain)
+    assert (outs[1] - plain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("grid", [None, {"offsets": [1, 3]}])
+def test_selection_with_mixing_a_tail_window_and_shifted_grids(grid):
+    """Selection composes with token mixing, a tail window and staggered grids: decoding equals the full forward
+    and each token acts exactly through the entries the layer selected (or the tail)."""
+    att = {**SPARSE, "local_window": "tail", "mixing": {"kernel": 2}, "grid": grid}
+    cfg = small_config(att)
+    torch.manual_seed(1)
+    model = Transformer(cfg).eval()
+    ids = torch.randint(0, 64, (1, 26))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_cache(1)
+        parts = [model(ids[:, s : s + n], cache) for s, n in ((0, 5), (5, 1), (6, 9), (15, 11))]
+    assert (torch.cat(parts, 1) - full).abs().max() < 1e-5
+    for layer_idx, block in enumerate(model.layers):
+        layer, seen = block.self_attn, []
+        hook = layer.attend.register_forward_hook(
+            lambda m, a, kw, out, seen=seen: seen.append(kw["selected"][0]), with_kwargs=True
+        )
+        x = torch.randn(1, 26, cfg.d_model)
+        jac = torch.autograd.functional.jacobian(lambda h, f=layer: f(h)[0].sum(-1), x, vectorize=True)
+        hook.remove()
+        touched = jac[:, 0].abs().sum(-1) > 0
+        rule = expected_influence(cfg, layer_idx, 26, seen[0])
+        expected = rule | (torch.eye(26, dtype=torch.bool) & rule.any(-1, keepdim=True))
+        assert torch.equal(touched, expected), layer_idx
+
+
+def test_the_indexer_and_the_query_path_declare_their_parameters():
+    base = small_config(variant("deepseek_v4_csa"))
+    sparse = small_config(variant("deepseek_v4_csa_sparse"))
+    backend = check_attention(sparse)
+    layer = Transformer(sparse).layers[0].self_attn
+    indexer = sum(p.numel() for p in layer.indexer.parameters())
+    latent = sum(p.numel() for p in layer.q_latent.parameters()) + layer.q_proj.weight.numel()
+    full_rank_q = base.d_model * base.n_heads * base.head_dim
+    assert backend.num_params(sparse) - backend.num_params(base) == indexer + latent - full_rank_q
+
+
+def test_top_k_bounds_the_attended_entries_and_scoring_costs_every_visible_one():
+    """Attention FLOPs per token fall with top-k binding (each query attends to at most top-k entries), while the
+    compressor's share grows by the indexer's scoring of every visible entry."""
+    dense = small_config({k: v for k, v in SPARSE.items() if k != "selection"})
+    sparse = small_config(SPARSE)
+    backend = check_attention(sparse)
+    T = 64
+    visible = sum((t + 1) // 4 for t in range(T))
+    attended = sum(min((t + 1) // 4, 2) for t in range(T))
+    assert backend.entry_pairs(sparse, T) == (attended + sum(min(t + 1, 3) for t in range(T)), visible)
+    f_dense, f_sparse = backend.flops_per_token(dense, T), backend.flops_per_token(sparse, T)
+    per_pair = 4 * sparse.head_dim * sparse.n_heads
+    assert f_dense.attention - f_sparse.attention == pytest.approx(per_pair * (visible - attended) / T)
+    scoring = 2 * 2 * (16 + 1) * visible / T  # 2 heads x (16-dim dot + weight) per visible entry, per token
+    assert f_sparse.compressor - f_dense.compressor > scoring
+
+
+@pytest.mark.parametrize(
+    "factor, original, dims, theta", [(4.0, 16, 8, 160000.0), (16.0, 65536, 64, 160000.0), (2.0, 32, 16, 1e4)]
+)
+def test_yarn_frequencies_equal_transformers(factor, original, dims, theta):
+    """V4's YaRN (attention factor 1) against transformers' ``_compute_yarn_parameters`` for the compress rope."""
+    cfg = DeepseekV4Config(
+        head_dim=dims * 2,
+        partial_rotary_factor=0.5,
+        compress_rope_theta=theta,
+        max_position_embeddings=int(original * factor),
+        rope_parameters={"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original},
+    )
+    want, scaling = ROPE_INIT_FUNCTIONS["yarn"](cfg, None, layer_type="compress")
+    got = inverse_frequencies(dims, theta, YarnConfig(factor=factor, original_max_positions=original))
+    assert scaling == 1.0 and torch.allclose(got, want, rtol=1e-6, atol=0)
+    assert not torch.allclose(got, inverse_frequencies(dims, theta))  # the scaling changes some frequencies
+
+
+@pytest.mark.parametrize(
+    "attention, needle",
+    [
+        (dict(selection=dict(topk=0)), r"attention.selection.topk=0 must be an integer >= 1"),
+        (dict(selection=dict(heads="2")), r"attention.selection.heads='2' must be an integer >= 1"),
+        (dict(selection=dict(topk=2, depth=1)), r"unknown attention.selection field\(s\) \['depth'\]"),
+        (dict(selection=dict(head_dim=7)), r"attention.selection.head_dim=7 must hold the indexer's rotated dims"),
+        (dict(selection=dict(head_dim=8), rope=dict(mode="partial", dims=16)), r"head_dim=8 must hold .* \(16"),
+        (dict(kind="full", selection=dict()), r"attention.selection is not an option of attention.kind='full'"),
+        (dict(kind="full", query=dict()), r"attention.query is not an option of attention.kind='full'"),
+        (dict(query=dict(lora_rank=0)), r"attention.query.lora_rank=0 must be an integer >= 1"),
+        (dict(rope=dict(yarn=dict(factor=0.5))), r"attention.rope.yarn.factor=0.5 must be a finite number >= 1"),
+        (dict(rope=dict(yarn=dict(beta_fast=1, beta_slow=2))), r"beta_fast=1 must be >= attention.rope.yarn.beta"),
+        (dict(rope=dict(mode="none", yarn=dict())), r"attention.rope.yarn scales rotated dims"),
+        (dict(rope=dict(yarn=dict(scale=2))), r"unknown attention.rope.yarn field\(s\) \['scale'\]"),
+        (dict(rope=dict(yarn=4)), r"attention.rope.yarn=4 must be a mapping"),
+    ],
+)
+def test_bad_options_fail_with_one_line(attention, needle):
+    att = {"kind": "compressed", **attention}
+    with pytest.raises(ConfigError, match=needle) as err:
+        ModelConfig(attention=att)
+        Transformer(ModelConfig(attention=att))
+    assert "\n" not in str(err.value)
+
+
+def test_the_layer_reads_its_queries_through_the_low_rank_latent():
+    """With attention.query the query map and the indexer's query map read RMSNorm(q_a x) (rank 8 here)."""
+    torch.manual_seed(0)
+    att = {**variant("deepseek_v4_csa_sparse"), "query": {"lora_rank": 8}}
+    layer = Transformer(small_config(att, n_layers=1)).layers[0].self_attn
+    x = torch.randn(1, 9, 32)
+    latent = layer.query_latent(x)
+    assert latent.shape == (1, 9, 8) and torch.equal(latent, layer.q_latent.norm(layer.q_latent.proj(x)))
+    assert layer.q_proj.in_features == layer.indexer.q_proj.in_features == 8
