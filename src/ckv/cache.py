@@ -41,7 +41,8 @@ class CompressedLayerCache:
     key of each finished entry (``attention.selection``; None without); k, v (B, L, KV, D): exact keys of the
     last ``L`` tokens (``geometry.local_keep``); pending (B, P, d_model): hidden states of the last ``P`` tokens
     (``geometry.pending_keep``), from which every branch pools the next entry (V4's overlap state: the previous
-    window's tokens are among them); ``length``: tokens seen."""
+    window's tokens are among them); ``length``: tokens seen. With one grid per KV head (``attention.grid.per:
+    kv_head``) the tensors stay None and ``grids`` holds one such cache per grid, for its KV heads."""
 
     kc: Optional[torch.Tensor] = None
     vc: Optional[torch.Tensor] = None
@@ -50,8 +51,12 @@ class CompressedLayerCache:
     v: Optional[torch.Tensor] = None
     pending: Optional[torch.Tensor] = None
     length: int = 0
+    grids: list[CompressedLayerCache] = field(default_factory=list)
 
     def nbytes(self) -> dict[str, int]:
+        if self.grids:
+            parts = [g.nbytes() for g in self.grids]
+            return {name: sum(p[name] for p in parts) for name in parts[0]}
         tied = self.v is self.k
         return {
             "entries": _nbytes(self.kc, None if self.vc is self.kc else self.vc),

@@ -299,10 +299,20 @@ class ModelConfig:
         """Effective number of KV heads (the attention config may override the model's)."""
         return self.attention.kv_heads if self.attention.kv_heads is not None else self.n_kv_heads
 
-    def grid_offset(self, layer_idx: int) -> int:
-        """The grid offset of layer ``layer_idx`` (0..stride-1; 0 without ``attention.grid``)."""
+    def grid_offsets(self, layer_idx: int) -> list[int]:
+        """The grid offsets of layer ``layer_idx`` (0..stride-1): one for the whole layer (``[0]`` without
+        ``attention.grid``), or one per KV head (``attention.grid.per: kv_head``)."""
         grid = self.attention.grid
-        return 0 if grid is None else grid.offset(layer_idx, self.n_layers, self.attention.stride)
+        if grid is None:
+            return [0]
+        return grid.offsets_of(layer_idx, self.n_layers, self.kv_heads, self.attention.stride)
+
+    def grid_offset(self, layer_idx: int) -> int:
+        """The one grid offset of layer ``layer_idx``; ValueError when its KV heads have grids of their own."""
+        offsets = self.grid_offsets(layer_idx)
+        if len(offsets) != 1:
+            raise ValueError(f"layer {layer_idx} has one grid per KV head ({offsets}): use grid_offsets")
+        return offsets[0]
 
     @property
     def rope_dims(self) -> int:

@@ -54,12 +54,20 @@ def expected_influence(
 ) -> torch.Tensor:
     """(T, T) bool: token p can act on query t in layer ``layer_idx`` (the geometry's rule, written here from
     ``ckv.geometry``'s masks): full attention p <= t; compressed attention a visible entry covering any of p's
-    mixing successors ``p .. p + taps - 1``, or t's local window, in the layer's grid coordinates. With top-k
-    selection, ``selected`` (T, K) holds the entries (grid indices, -1 empty) the layer selected for each query:
-    only those carry their tokens."""
+    mixing successors ``p .. p + taps - 1``, or t's local window, in the grid coordinates of one of the layer's
+    grids (one per KV head with ``grid.per: kv_head``: their union). With top-k selection, ``selected`` (T, K)
+    holds the entries (grid indices, -1 empty) the layer selected for each query: only those carry their tokens."""
     if check_attention(cfg).phase_stride(cfg) is None:
         return torch.ones(T, T, dtype=torch.bool).tril()
-    a, o = cfg.attention, cfg.grid_offset(layer_idx)
+    rule = torch.zeros(T, T, dtype=torch.bool)
+    for o in cfg.grid_offsets(layer_idx):
+        rule |= _grid_influence(cfg, o, T, selected)
+    return rule
+
+
+def _grid_influence(cfg: ModelConfig, o: int, T: int, selected: Optional[torch.Tensor]) -> torch.Tensor:
+    """expected_influence for one grid, shifted by ``o``."""
+    a = cfg.attention
     P = grid_origin(o, a.stride)
     if selected is None:
         via = influence_mask(T, a.window, a.stride, 0, grid_offset=o)  # local window 0: entries only
@@ -199,16 +207,21 @@ def test_kv_cache_bytes_are_the_accounting(name):
 
 
 def _brute_force_pairs(cfg: ModelConfig, T: int, layer_idx: int) -> int:
-    """Attended (query, key) pairs of one head from ckv.geometry's masks: the visible entries (at most top-k of
-    them with selection) plus the local window's keys."""
+    """Attended (query, key) pairs summed over the query heads, from ckv.geometry's masks: per head the visible
+    entries of its KV head's grid (at most top-k of them with selection) plus the local window's keys."""
     a, t = cfg.attention, torch.arange(T)
     if check_attention(cfg).phase_stride(cfg) is None:
-        return int((t[None, :] <= t[:, None]).sum())
-    P = grid_origin(cfg.grid_offset(layer_idx), a.stride)
-    g = t + P
-    visible = compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum(-1)  # (T,)
-    entries = (visible if a.selection is None else visible.clamp(max=a.selection.topk)).sum()
-    return int(entries + local_mask(g, g, a.local_window, a.stride, origin=P).sum())
+        return cfg.n_heads * int((t[None, :] <= t[:, None]).sum())
+    offsets = cfg.grid_offsets(layer_idx)
+    heads_per_grid = cfg.n_heads // len(offsets)
+    pairs = 0
+    for o in offsets:
+        P = grid_origin(o, a.stride)
+        g = t + P
+        visible = compressed_mask(g, num_entries(T + P, a.stride), a.stride).sum(-1)  # (T,)
+        entries = (visible if a.selection is None else visible.clamp(max=a.selection.topk)).sum()
+        pairs += heads_per_grid * int(entries + local_mask(g, g, a.local_window, a.stride, origin=P).sum())
+    return pairs
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -216,5 +229,5 @@ def test_attention_flops_count_the_visible_pairs(name):
     cfg = _config(name)
     for T in (1, 7, 37):
         pairs = sum(_brute_force_pairs(cfg, T, layer) for layer in range(cfg.n_layers))
-        want = 4 * cfg.head_dim * cfg.n_heads * pairs / T
+        want = 4 * cfg.head_dim * pairs / T
         assert flops_per_token(cfg, T).attention == pytest.approx(want), T

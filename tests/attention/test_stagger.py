@@ -81,7 +81,7 @@ def test_a_token_reaches_a_query_only_through_a_visible_shifted_entry_or_the_loc
     model = Transformer(small_config(att, n_layers=stride))
     for layer_idx, block in enumerate(model.layers):
         layer = block.self_attn
-        assert layer.grid_offset == layer_idx
+        assert layer.grid_offsets == [layer_idx]
         mask = influence_mask(T, window, stride, local, grid_offset=layer_idx)
         assert_layer_influence(layer, T, lambda t, p, o=layer_idx: rule_influence(t, p, window, stride, o, local))
         assert_layer_influence(layer, T, lambda t, p, mask=mask: bool(mask[t, p]))
@@ -99,7 +99,7 @@ def test_stagger_gives_layer_l_the_offset_l_times_stride_over_layers():
             dict(variant("w8s8"), window=stride, stride=stride, grid=dict(offsets="stagger")), n_layers=n_layers
         )
         assert [cfg.grid_offset(layer) for layer in range(n_layers)] == expected
-        assert [b.self_attn.grid_offset for b in Transformer(cfg).layers] == expected
+        assert [b.self_attn.grid_offsets for b in Transformer(cfg).layers] == [[o] for o in expected]
 
 
 def _perturbed(model: Transformer) -> Transformer:
@@ -197,6 +197,13 @@ def test_flops_count_the_visible_pairs_of_each_shifted_layer(window, stride, loc
             "attention.grid is not an option of attention.kind='full'",
         ),
         (dict(kind="full", grid=dict(offsets=[0, 0])), {}, "attention.grid is not an option of"),
+        (dict(grid=dict(offsets=[0], per="kv_head"), kv_heads=2), {}, r"needs one per kv_head \(KV heads=2\)"),
+        (dict(grid=dict(per="layers")), {}, "attention.grid.per='layers' is not allowed"),
+        (
+            dict(grid=dict(per="kv_head"), kv_heads=2, selection=dict(topk=2)),
+            {},
+            "attention.grid.per='kv_head' gives each KV head its own entries",
+        ),
     ],
 )
 def test_bad_grid_offsets_raise_one_clear_error(attention, overrides, match):
@@ -216,6 +223,26 @@ def test_bad_grid_offsets_raise_one_clear_error(attention, overrides, match):
             )
         )
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("window, stride, local", [(8, 8, 0), (8, 4, 3)])
+def test_each_kv_head_reads_through_its_own_grid(window, stride, local):
+    """grid.per=kv_head: the query heads of KV head h see tokens exactly by the rule at h's offset (the output
+    projection restricted to their block), and stagger gives head h the offset (h * stride) // kv_heads."""
+    att = dict(variant("w8s8"), window=window, stride=stride, local_window=local, kv_heads=2)
+    cfg = small_config(dict(att, grid=dict(offsets="stagger", per="kv_head")), n_layers=1)
+    offsets = [0, stride // 2]
+    assert cfg.grid_offsets(0) == offsets
+    with pytest.raises(ValueError, match="one grid per KV head"):
+        cfg.grid_offset(0)
+    layer = Transformer(cfg).layers[0].self_attn
+    block = (cfg.n_heads // 2) * cfg.head_dim  # o_proj input columns of one KV head's query heads
+    weight = layer.o_proj.weight.detach().clone()
+    for h, o in enumerate(offsets):
+        with torch.no_grad():
+            layer.o_proj.weight.zero_()
+            layer.o_proj.weight[:, h * block : (h + 1) * block] = weight[:, h * block : (h + 1) * block]
+        assert_layer_influence(layer, 22, lambda t, p, o=o: rule_influence(t, p, window, stride, o, local))
 
 
 def test_decoding_a_staggered_model_with_kernels_matches_the_full_forward():

@@ -268,12 +268,24 @@ class Compressor(nn.Module):
         return pooled
 
 
+def layer_grids(config: ModelConfig, layer_idx: int) -> list[tuple[int, slice]]:
+    """The window grids of layer ``layer_idx``: ``(origin, KV heads)`` for each, its grid coordinate of real
+    position 0 (``geometry.grid_origin``) and the KV heads it serves. One grid for every KV head, or with
+    ``attention.grid.per: kv_head`` one per KV head."""
+    origins = [grid_origin(o, config.attention.stride) for o in config.grid_offsets(layer_idx)]
+    if len(origins) == 1:
+        return [(origins[0], slice(0, config.kv_heads))]
+    return [(P, slice(h, h + 1)) for h, P in enumerate(origins)]
+
+
 class CompressedAttention(AttentionBackend):
     """Joint attention over chunk-compressed entries and an exact local window.
 
     With ``attention.grid`` the layer's grid is shifted by ``grid_offset`` (``config.grid_offset(layer_idx)``):
     entries, visibility, the local window and the decode cache's keeps are computed in grid coordinates
     ``g = p + origin`` (``geometry.grid_origin``), positions below ``origin`` absent; RoPE stays at real positions.
+    With ``attention.grid.per: kv_head`` each KV head has its own grid (``grids``): the layer pools, keeps and
+    attends once per grid, its query heads' share each time, with one decode sub-cache per grid.
     With ``attention.selection`` the lightning indexer (``indexer``, ``ckv.attention.indexer``) picks each query's
     top-k entries from its own compressor branch's keys; with ``attention.query`` queries come from V4's low-rank
     latent (``query_latent``), which the indexer reads too. The joint softmax runs in the parameter-free ``attend``
@@ -289,6 +301,11 @@ class CompressedAttention(AttentionBackend):
         a = config.attention
         if a.impl == "triton" and not _triton_available():
             raise ConfigError("attention.impl='triton' needs the ckv_kernels package and triton (pip install '.[gpu]')")
+        if a.grid is not None and a.grid.per == "kv_head" and a.selection is not None:
+            raise ConfigError(
+                "attention.grid.per='kv_head' gives each KV head its own entries, but attention.selection picks "
+                "one set of entries per query for all heads: use one of the two"
+            )
 
     @classmethod
     def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -309,8 +326,9 @@ class CompressedAttention(AttentionBackend):
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if a.sink else None  # one logit per query head
         self.inverse_output_rope = a.output_rope == "inverse"
         self.history = sum(g.cache_history(self.dims(config)) for g in a.groups())  # states before a window
-        self.grid_offset = config.grid_offset(layer_idx)
-        self.origin = grid_origin(self.grid_offset, self.stride)  # grid coordinate of real position 0
+        self.grids = layer_grids(config, layer_idx)  # [(origin, KV heads)]: one, or one per KV head
+        self.grid_offsets = config.grid_offsets(layer_idx)
+        self.origin = self.grids[0][0]  # grid coordinate of real position 0 (the first grid's)
         self.attend = JointAttention()
 
     # ---- accounting (per layer; the option groups declare their own shares) -------------------------------------
@@ -351,27 +369,28 @@ class CompressedAttention(AttentionBackend):
 
     @classmethod
     def entry_pairs(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> tuple[int, int]:
-        """Over ``seq_len`` tokens of layer ``layer_idx``, per query head: the (query, key) pairs it scores (each
-        query's attended entries, ``min(visible, topk)`` with selection, plus its local window's exact keys) and
-        the (query, visible entry) pairs, in the layer's grid coordinates."""
-        a = config.attention
-        P = grid_origin(config.grid_offset(layer_idx), a.stride)  # grid coordinates g = t + P, present from P
-        n_entries = num_entries(seq_len + P, a.stride)
+        """Over ``seq_len`` tokens of layer ``layer_idx``, summed over its query heads: the (query, key) pairs
+        scored (each query's attended entries, ``min(visible, topk)`` with selection, plus its local window's
+        exact keys) and the (query, visible entry) pairs, each grid in its own coordinates."""
+        a, G = config.attention, config.n_heads // config.kv_heads
         pairs, visible_pairs = 0, 0
-        for t in range(P, seq_len + P):
-            local = t - max(local_start(t, a.local_window, a.stride), P) + 1
-            visible = attended = min(visible_entries(t, a.stride), n_entries)
-            for group in a.groups():
-                attended = group.attended_entries(attended)
-            pairs += attended + max(local, 0)
-            visible_pairs += visible
+        for P, heads in layer_grids(config, layer_idx):  # grid coordinates g = t + P, present from P
+            n_entries, q_heads = num_entries(seq_len + P, a.stride), G * (heads.stop - heads.start)
+            for t in range(P, seq_len + P):
+                local = t - max(local_start(t, a.local_window, a.stride), P) + 1
+                visible = attended = min(visible_entries(t, a.stride), n_entries)
+                for group in a.groups():
+                    attended = group.attended_entries(attended)
+                pairs += q_heads * (attended + max(local, 0))
+                visible_pairs += q_heads * visible
         return pairs, visible_pairs
 
     @classmethod
-    def visible_pairs(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> int:
-        """(query, key) pairs one query head scores over ``seq_len`` tokens in layer ``layer_idx``: each query's
-        attended entries (every visible one, or its top-k with selection) plus its local window's exact keys."""
-        return cls.entry_pairs(config, seq_len, layer_idx)[0]
+    def visible_pairs(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> float:
+        """(query, key) pairs a query head scores over ``seq_len`` tokens in layer ``layer_idx`` (the mean over
+        its query heads, which differ only when KV heads have grids of their own): each query's attended entries
+        (every visible one, or its top-k with selection) plus its local window's exact keys."""
+        return cls.entry_pairs(config, seq_len, layer_idx)[0] / config.n_heads
 
     @classmethod
     def flops_per_token(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> LayerFlops:
@@ -382,9 +401,14 @@ class CompressedAttention(AttentionBackend):
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be >= 1")
         a, dims, extra = config.attention, cls.dims(config), cls.extra_branches(config)
-        n_entries = num_entries(seq_len + grid_origin(config.grid_offset(layer_idx), a.stride), a.stride)
+        # entries pooled, weighted by the share of KV heads each grid serves (useful work only)
+        n_entries = sum(
+            num_entries(seq_len + P, a.stride) * (heads.stop - heads.start) / config.kv_heads
+            for P, heads in layer_grids(config, layer_idx)
+        )
         pairs, visible = cls.entry_pairs(config, seq_len, layer_idx)
-        attention = 4.0 * config.head_dim * config.n_heads * pairs / seq_len
+        attention = 4.0 * config.head_dim * pairs / seq_len
+        visible /= config.n_heads  # the indexer scores per query, not per query head
         per_entry = sum(
             b.branches
             * (b.window * 2.0 * b.d_model * b.kv_heads * b.head_dim + 2.0 * b.window * b.kv_heads * b.head_dim)
@@ -413,12 +437,13 @@ class CompressedAttention(AttentionBackend):
             return per_entry * bytes_per_element / a.stride
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be >= 1")
-        P = grid_origin(config.grid_offset(layer_idx), a.stride)
-        n = seq_len + P
         history = sum(g.cache_history(dims) for g in a.groups())
-        local = local_keep(n, a.local_window, a.stride, origin=P)
-        pending = min(pending_keep(n, a.window, a.stride, origin=P) + history, seq_len)
-        elements = num_entries(n, a.stride) * per_entry + local * per_local + pending * dims.d_model
+        elements = 0.0
+        for P, heads in layer_grids(config, layer_idx):  # one sub-cache per grid: its heads' share, its own pending
+            n, share = seq_len + P, (heads.stop - heads.start) / config.kv_heads
+            local = local_keep(n, a.local_window, a.stride, origin=P)
+            pending = min(pending_keep(n, a.window, a.stride, origin=P) + history, seq_len)
+            elements += share * (num_entries(n, a.stride) * per_entry + local * per_local) + pending * dims.d_model
         return elements * bytes_per_element / seq_len
 
     @classmethod
@@ -481,13 +506,14 @@ class CompressedAttention(AttentionBackend):
             self.sinks.zero_()
 
     def _windows(
-        self, h: torch.Tensor, h_start: int, first: int, n: int
+        self, h: torch.Tensor, h_start: int, first: int, n: int, origin: Optional[int] = None
     ) -> tuple[Callable[[Compressor], torch.Tensor], torch.Tensor, torch.Tensor]:
         """For entries ``first .. first+n-1`` of this layer's grid from hidden states h (B, Th, d) at real positions
         ``h_start..``: a function giving a compressor branch's windows (B, n, W, d) (its mixing applied, zeros where
         absent), ``present`` (n, W) and the entries' real RoPE positions (n,). With token mixing, h must also hold
-        the ``kernel - 1`` states before each window (unless it starts at position 0)."""
-        P = self.origin
+        the ``kernel - 1`` states before each window (unless it starts at position 0). ``origin``: the grid's
+        (default: the layer's first grid)."""
+        P = self.origin if origin is None else origin
         # the earliest present position pooled is max(entry_start(first), P) - P (real): ints only, no host sync
         need = self.history if h_start > 0 else 0
         if n > 0 and max(entry_start(first, self.window, self.stride), P) - P < h_start + need:
@@ -506,11 +532,13 @@ class CompressedAttention(AttentionBackend):
         j = torch.arange(first, first + n, device=h.device)
         return windows, present, entry_rope_position(j, self.window, self.stride, self.entry_rope, origin=P) - P
 
-    def entries(self, h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool entries ``first .. first+n-1`` (of this layer's grid) from hidden states h (B, Th, d) at real
-        positions ``h_start..`` (see ``_windows``). Returns kc, vc (B, n, KV, D): keys normalised and rotated at real
-        positions; vc is kc with tied K/V."""
-        windows, present, rope_positions = self._windows(h, h_start, first, n)
+    def entries(
+        self, h: torch.Tensor, h_start: int, first: int, n: int, origin: Optional[int] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool entries ``first .. first+n-1`` (of the grid at ``origin``, default the layer's first) from hidden
+        states h (B, Th, d) at real positions ``h_start..`` (see ``_windows``). Returns kc, vc (B, n, KV, D): keys
+        normalised and rotated at real positions; vc is kc with tied K/V."""
+        windows, present, rope_positions = self._windows(h, h_start, first, n, origin)
         # without mixing both branches pool the same windows: one gather, so one gradient sum into h
         shared = windows(self.k_compressor) if self.history == 0 else None
         impl = self.impl_for(h)
@@ -547,19 +575,70 @@ class CompressedAttention(AttentionBackend):
         positions = torch.arange(start, start + T, device=x.device)
         latent = self.query_latent(x)  # (B, T, d) or V4's low-rank latent
         q, k, v = self.project(x, positions, latent)  # (B, T, H|KV, D)
+        if len(self.grids) == 1:
+            out = self._attend_grid(x, latent, positions, q, k, v, self.sinks, self.origin, None, cache)
+        else:  # one grid per KV head: its query heads, its entries, its own sub-cache
+            G = self.n_heads // self.kv_heads
+            caches = [None] * len(self.grids) if cache is None else cache.grids
+            out = torch.cat(
+                [
+                    self._attend_grid(
+                        x,
+                        latent,
+                        positions,
+                        q[:, :, G * heads.start : G * heads.stop],
+                        k[:, :, heads],
+                        v[:, :, heads],
+                        None if self.sinks is None else self.sinks[G * heads.start : G * heads.stop],
+                        P,
+                        heads,
+                        sub,
+                    )
+                    for (P, heads), sub in zip(self.grids, caches)
+                ],
+                dim=2,
+            )  # (B, T, H, D)
+            if cache is not None:
+                cache.length = start + T
+        if self.inverse_output_rope:  # tied values carry RoPE: rotate back by the query's position
+            out = self.rotary(out, positions, inverse=True)
+        return self.o_proj(out.reshape(B, T, -1))
+
+    def _attend_grid(
+        self,
+        x: torch.Tensor,
+        latent: torch.Tensor,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: Optional[torch.Tensor],
+        P: int,
+        heads: Optional[slice],
+        cache: Optional[CompressedLayerCache],
+    ) -> torch.Tensor:
+        """Joint attention of queries q (B, T, Hg, D) over one grid (origin ``P``; grid coordinates g = p + P,
+        P = 0 without a shift) serving KV heads ``heads`` (None: all), whose exact keys k, v (B, T, KVg, D) and
+        decode state ``cache`` are its own. Returns (B, T, Hg, D)."""
+        T = x.shape[1]
+        start = cache.length if cache is not None else 0
         tied = self.v_compressor is None
-        P = self.origin  # grid coordinates g = p + P (P = 0 without a shift)
+
+        def pooled(h: torch.Tensor, h_start: int, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            kc, vc = self.entries(h, h_start, first, n, P)  # (B, n, KV, D)
+            return (kc, vc) if heads is None else (kc[:, :, heads], vc[:, :, heads])
+
         first, end = num_entries(start + P, self.stride), num_entries(start + P + T, self.stride)
         ki = None  # the indexer's keys (B, E, Di)
         if cache is None:
-            kc, vc = self.entries(x, 0, 0, end)
+            kc, vc = pooled(x, 0, 0, end)
             if self.indexer is not None:
                 ki = self.index_keys(x, 0, 0, end)
             k_all, v_all = k, v
         else:
             h = x if cache.pending is None else torch.cat([cache.pending, x], dim=1)
             h_start = start + T - h.shape[1]
-            kc_new, vc_new = self.entries(h, h_start, first, end - first)
+            kc_new, vc_new = pooled(h, h_start, first, end - first)
             kc = kc_new if cache.kc is None else torch.cat([cache.kc, kc_new], dim=1)
             vc = kc if tied else (vc_new if cache.vc is None else torch.cat([cache.vc, vc_new], dim=1))
             if self.indexer is not None:
@@ -590,13 +669,13 @@ class CompressedAttention(AttentionBackend):
             local_window=self.local_window,
             q_start=start + P,
             impl=self.impl_for(x),
-            sinks=self.sinks,
+            sinks=sinks,
             origin=P,
             selected=selected,
-        )  # (B, T, H, D)
-        if self.inverse_output_rope:  # tied values carry RoPE: rotate back by the query's position
-            out = self.rotary(out, positions, inverse=True)
-        return self.o_proj(out.reshape(B, T, -1))
+        )  # (B, T, Hg, D)
+        return out
 
     def new_cache(self, batch_size: int) -> CompressedLayerCache:
-        return CompressedLayerCache()
+        if len(self.grids) == 1:
+            return CompressedLayerCache()
+        return CompressedLayerCache(grids=[CompressedLayerCache() for _ in self.grids])
