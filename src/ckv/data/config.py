@@ -142,7 +142,7 @@ class LookupConfig:
     def pads_outside(self, pads: np.ndarray) -> Optional[str]:
         """Whether prompts laid out with ``pads`` (P, n_records + 1) tokens per slot (``assemble_lookup``'s: slot 0
         after the prefix, slot ``i + 1`` after record ``i``) are layouts these settings draw. ``None`` when every
-        prompt's are, else one line naming the first slot range a prompt leaves and how many prompts do."""
+        prompt's are, else one line naming each slot range prompts leave and how many prompts do."""
         p = np.asarray(pads, dtype=np.int64)
         if p.ndim != 2 or p.shape[1] != self.n_records + 1:
             return (
@@ -159,15 +159,16 @@ class LookupConfig:
                 p[:, -1:],
             ),
         )
+        found = []
         for what, name, (lo, hi), counts in slots:
             outside = (counts < lo) | (counts > hi)
             if outside.any():
                 seen = counts[outside]
-                return (
+                found.append(
                     f"{int(outside.any(axis=1).sum())} of {len(p)} prompts carry {what} outside what training drew "
                     f"(data.lookup.{name}=[{lo}, {hi}]; these prompts have {int(seen.min())}..{int(seen.max())})"
                 )
-        return None
+        return "; ".join(found) or None
 
     def format(self, offset: int) -> LookupFormat:
         """The id layout placed at ``offset``."""
