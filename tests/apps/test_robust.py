@@ -102,7 +102,7 @@ def test_criteria_need_every_seed():
     }
     # a fix whose baseline did not run is not judged
     assert not criteria([r for r in rows if r["model"] != "gate_w4s4"])
-    # nor is the goal against a control that has not learned the task (dense at make robust's budget: 13-14%)
+    # nor is the goal against a control that has not learned the task (the earlier kv dense task's control: 13-14%)
     weak = [dict(r, mean=0.13, worst_phase_accuracy=0.12) if r["role"] == "control" else r for r in rows]
     goal = [c for c in criteria(weak) if "goal" in c.claim]
     assert len(goal) == 4 and not any(c.passed for c in goal) and "not learned" in goal[0].claim

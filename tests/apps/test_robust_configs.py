@@ -24,6 +24,7 @@ def test_dense_task_packs_four_whole_records_into_an_eight_token_window():
     lookup = cfg.data.lookup
     # 2-token records K(k) V(k, v) back to back: 8 / 2 = 4 per window; filler only after the last record
     assert lookup.record == "keyed" and tuple(lookup.filler) == (0, 0) and tuple(lookup.tail_filler) == (0, 8)
+    assert (lookup.n_keys, lookup.n_values, lookup.n_records) == (16, 8, 16)
 
 
 def test_paper_robust_sweep_holds_the_fixes_make_robust_kept_at_the_paper_local_window():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ckv.eval.stats import (
+    VERDICTS,
     StatsOptions,
     best_minus_worst,
     bootstrap_group_accuracy,
@@ -157,6 +158,10 @@ def test_the_gap_report_says_gap_flat_or_undecided() -> None:
         assert gap["upper_one_sided"] >= gap["value"] - 1e-12  # the bound is never under the observed gap
         assert gap["real"] == (verdict == "gap") and gap["flat"] == (verdict == "flat")
     assert gap_verdict(real=True, flat=True) == "flat"  # a real gap under the margin is flat at that margin
+    assert set(cases) == set(VERDICTS)
+    # every mapping answered alike at every shift (here: all right): no null spread, so no MDE, but flat
+    perfect = summarize_groups(np.ones(256, dtype=np.int64), np.arange(256) % 4, 4, np.arange(256) // 8, fast)["gap"]
+    assert perfect["mde"] is None and perfect["verdict"] == "flat" and perfect["upper_one_sided"] == 0.0
     wide = StatsOptions(n_bootstrap=300, n_permutations=300, equivalence_margin=0.3)
     correct, groups, clusters = phase_data([0.8] * 4, 32, seed=1)
     assert summarize_groups(correct, groups, 4, clusters, wide)["gap"]["verdict"] == "flat"

@@ -303,8 +303,9 @@ def minimum_detectable_gap(
     thinning's effect on the mean within-mapping variance (the permutation null's spread is proportional to
     it; a lower group has a larger binomial variance, so the floor rises with ``delta``). For a run that
     already has a phase effect the shuffled replicates also carry that effect's spread, so its value is an
-    upper bound. Searched to ``tolerance``; ``None`` with fewer than two groups or when no gap up to the mean
-    accuracy is detected.
+    upper bound. Searched to ``tolerance``; ``None`` with fewer than two groups, without within-mapping
+    variation (every mapping answered alike at every shift: the null has no spread), or when no gap up to the
+    mean accuracy is detected.
     """
     c, g = _check_inputs(correct, groups, n_groups)
     a = np.asarray(perm.null_accuracy, dtype=np.float64)  # (B, G)
@@ -321,18 +322,18 @@ def minimum_detectable_gap(
     m = np.bincount(idx, weights=c, minlength=n_clusters) / size  # (C,) accuracy per mapping
     within = float(np.mean(m * (1 - m)))  # mean within-mapping variance of the flat (shuffled) data
     hits = np.rint(a * n)  # (B, k)
-    mean = hits.sum(1) / n.sum()  # (B,) each replicate's accuracy
-    if within <= 0 or not np.all(mean > 0):
+    p = float(c.mean())  # every replicate's accuracy: shuffling within mappings keeps the hits
+    if within <= 0 or p <= 0:
         return None
     z = np.random.default_rng(seed).standard_normal((k, b))  # (k, B) one draw per lowered group and replicate
     rows = np.arange(b)
 
     def detected(delta: float) -> bool:
-        drop = min(1.0, delta / float(c.mean()))  # chance that a hit of the lowered group is dropped
+        drop = min(1.0, delta / p)  # chance that a hit of the lowered group is dropped
+        kept = 1 - drop
         lost = drop * m / k  # (C,) expected accuracy a mapping loses (a k-th of its prompts are in the group)
-        thinned_within = np.mean((m - lost) * (1 - m + lost) - drop * (1 - drop) * m / (k * size))
+        thinned_within = np.mean((m - lost) * (1 - m + lost) - drop * kept * m / (k * size))
         floor = perm.noise_floor * math.sqrt(max(thinned_within, 0.0) / within)
-        kept = np.clip(1 - delta / mean, 0.0, 1.0)  # (B,) share of the lowered group's hits that survive
         found = 0
         for w in range(k):
             thinned = hits[:, w] * kept + z[w] * np.sqrt(hits[:, w] * kept * (1 - kept))
@@ -341,7 +342,7 @@ def minimum_detectable_gap(
             found += int(np.sum(best_minus_worst(acc) > floor + 1e-9))
         return found >= power * k * b
 
-    lo, hi = 0.0, float(mean.min())
+    lo, hi = 0.0, p
     if not detected(hi):
         return None
     while hi - lo > tolerance:  # detection grows with delta once delta exceeds the null's spread
