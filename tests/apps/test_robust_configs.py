@@ -16,14 +16,15 @@ def test_every_model_of_a_task_shares_the_demo_budget_and_local_window(task):
         budgets.add((cfg.trainer.max_steps, cfg.trainer.global_batch_size, cfg.optim.lr, cfg.data.seq_len))
         if cfg.attention["kind"] == "compressed":
             assert cfg.attention["local_window"] == 4 and cfg.attention["kv_heads"] == 1
-    assert budgets == {(1000, 32, 3.0e-3, 64)}
+    assert budgets == {(1000, 32, 3.0e-3, 66)}
 
 
 def test_dense_task_packs_four_whole_records_into_an_eight_token_window():
     cfg = _train_config(["experiment=robust_dense"])
     lookup = cfg.data.lookup
-    # 2-token records back to back: 8 / 2 = 4 per window
-    assert lookup.record == "kv" and tuple(lookup.filler) == (0, 0)
+    # 2-token records K(k) V(k, v) back to back: 8 / 2 = 4 per window; filler only after the last record
+    assert lookup.record == "keyed" and tuple(lookup.filler) == (0, 0) and tuple(lookup.tail_filler) == (0, 8)
+    assert (lookup.n_keys, lookup.n_values, lookup.n_records) == (16, 8, 16)
 
 
 def test_paper_robust_sweep_holds_the_fixes_make_robust_kept_at_the_paper_local_window():

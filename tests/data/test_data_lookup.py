@@ -15,6 +15,7 @@ FORMATS = [
     LookupFormat(record="kkvv", n_keys=20, n_values=30, n_filler=2, offset=7),
     LookupFormat(record="split", n_keys=16, n_values=16, key_base=4),
     LookupFormat(record="split", n_keys=10, n_values=5, key_base=3, offset=100),
+    LookupFormat(record="keyed", n_keys=12, n_values=7, offset=5),
 ]
 
 
@@ -26,7 +27,7 @@ def test_layout_is_contiguous_disjoint_and_sized(fmt: LookupFormat) -> None:
         assert a.stop == b.start  # contiguous, in id order, hence disjoint
     assert fmt.vocab_size == ranges[-1].stop == fmt.offset + fmt.layout_size
     assert [fmt.pad_id, fmt.bos_id, fmt.sep_id] == list(fmt.ranges["special"])
-    assert set(fmt.answer_range) <= set(fmt.ranges["answer" if fmt.record == "split" else "value"])
+    assert set(fmt.answer_range) <= set(fmt.ranges["answer" if fmt.record in ("split", "keyed") else "value"])
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f"{f.record}-{f.offset}")
@@ -52,6 +53,9 @@ def test_tokens_are_injective_and_in_their_ranges(fmt: LookupFormat) -> None:
         hi, lo = divmod(k, fmt.key_base)
         assert fmt.record_tokens(k, v) == [r["record_hi"][hi * fmt.n_values + v], r["record_lo"][lo * fmt.n_values + v]]
         assert fmt.query_tokens(k) == [r["query"][k]] and fmt.answer_tokens(v) == [r["answer"][v]]
+    if fmt.record == "keyed":  # K(k) V(k, v): the value token carries the key; the query is the key token again
+        assert fmt.record_tokens(3, 4) == [r["key"][3], r["value"][3 * fmt.n_values + 4]]
+        assert fmt.query_tokens(3) == [r["key"][3]] and fmt.answer_tokens(4) == [r["answer"][4]]
 
 
 def test_format_validation_names_the_problem() -> None:
@@ -61,6 +65,8 @@ def test_format_validation_names_the_problem() -> None:
         LookupFormat(record="kkvv", n_keys=10, key_base=3)
     with pytest.raises(ConfigError, match="lookup.key_base is only used"):
         LookupFormat(record="kv", key_base=4)
+    with pytest.raises(ConfigError, match="lookup.value_base is only used .* record='keyed'"):
+        LookupFormat(record="keyed", value_base=4)
     with pytest.raises(ConfigError, match="lookup.n_keys"):
         LookupFormat(n_keys=0)
     fmt = LookupFormat(record="kv", n_keys=4, n_values=4, offset=10)
@@ -174,7 +180,7 @@ def _read_back(fmt: LookupFormat, tokens: list[int], n_records: int) -> dict:
 
 def _random_format(rng: np.random.Generator) -> LookupFormat:
     return LookupFormat(
-        record=RECORDS[int(rng.integers(3))],
+        record=RECORDS[int(rng.integers(len(RECORDS)))],
         n_keys=int(rng.integers(2, 26)),
         n_values=int(rng.integers(1, 26)),
         n_filler=int(rng.choice([1, 2, 3, 5])),

@@ -296,5 +296,6 @@ def test_the_summary_reads_the_phase_gap_against_its_noise_floor_and_prints_furt
         ": above the noise floor"
     )
     assert lines[3].startswith("worst phase 1: 0.0% [0.0, 0.0]")
-    assert lines[4] == "phase gap equivalence: not flat: the interval's upper end 100.0 pp exceeds the 5 pp margin"
-    assert lines[5].startswith("residue (mod 8) gap 100.0 pp")
+    assert lines[4].startswith("phase flatness: gap (one-sided 95% upper bound 100.0 pp vs margin 5.0 pp)")
+    assert lines[5] == "phase gap equivalence: not flat: the interval's upper end 100.0 pp exceeds the 5 pp margin"
+    assert lines[6].startswith("residue (mod 8) gap 100.0 pp")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ckv.eval.stats import gap_is_real
-from ckv.eval.summary import results_file
+from ckv.eval.summary import flatness_fields, results_file
 from ckv.io.layout import read_run_config
 from ckv.io.results import read_json, write_json
 
@@ -241,13 +241,14 @@ def check_science(done: list[dict]) -> list[Check]:
                 f"mean {100 * h['mean']:.1f}% vs best gate mean {100 * best_gate:.1f}%",
             )
         )
+        f = flatness_fields(rep, "phase")
         checks.append(
             Check(
-                f"{run.label}: no significant phase dependence at stride {rep['stride']} "
-                f"(phase-gap permutation p > 0.05)",
-                h["phase_p_value"] > 0.05,
-                f"p = {h['phase_p_value']:.3f}, gap {100 * h['phase_gap']:.1f} pp, "
-                f"noise floor {100 * h['phase_noise_floor']:.1f} pp",
+                f"{run.label}: flat at stride {rep['stride']}: the phase gap's one-sided 95% upper bound is under "
+                f"{100 * f['phase_margin']:.0f} pp (equivalence test)",
+                f["phase_verdict"] == "flat",
+                f"gap {100 * h['phase_gap']:.1f} pp, upper bound {100 * f['phase_upper_one_sided']:.1f} pp, "
+                f"p = {h['phase_p_value']:.3f}, noise floor {100 * h['phase_noise_floor']:.1f} pp",
             )
         )
     return checks
@@ -259,21 +260,30 @@ def exit_code(checks: list[Check], quick: bool) -> int:
     return 0 if quick or all(c.passed for c in checks) else 1
 
 
+def pp(x: Optional[float]) -> str:
+    """A fraction as percentage points with one decimal, ``-`` when not computed."""
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
 def table(done: list[dict]) -> str:
-    """The printed table: mean, per-phase accuracy, phase gap (mod S) with interval, permutation p and noise floor."""
+    """The printed table: mean, per-phase accuracy, phase gap (mod S) with interval, permutation p and noise floor,
+    the gap's one-sided 95% upper bound, the minimum detectable gap (80% power) and the verdict (gap / flat /
+    undecided, ``ckv.eval.stats.gap_verdict``)."""
     lines = [
         f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
-        f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'period':>6s}"
+        f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'<= pp':>5s} {'MDE pp':>6s} {'verdict':>9s}"
+        f" {'period':>6s}"
     ]
     for d in done:
         rep = d["results"]
-        h, groups = rep["headline"], rep["phase"]["groups"]
+        h, groups, f = rep["headline"], rep["phase"]["groups"], flatness_fields(rep, "phase")
         per = " / ".join(f"{100 * g['accuracy']:.1f}" for g in groups) + f"  (S={rep['stride']})"
         gap = f"{100 * h['phase_gap']:.1f} [{100 * h['phase_gap_lower']:.1f}, {100 * h['phase_gap_upper']:.1f}]"
         lines.append(
             f"{d['run'].label:22s} {d['steps']:6d} {d['train_seconds']:8.0f} {100 * h['mean']:7.1f}"
             f"  {per:44s} {gap:>20s} {h['phase_p_value']:7.4f}"
-            f" {100 * h['phase_noise_floor']:8.1f} {str(h['dominant_period']):>6s}"
+            f" {100 * h['phase_noise_floor']:8.1f} {pp(f['phase_upper_one_sided']):>5s} {pp(f['phase_mde']):>6s}"
+            f" {str(f['phase_verdict']):>9s} {str(h['dominant_period']):>6s}"
         )
     return "\n".join(lines)
 

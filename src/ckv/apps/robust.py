@@ -2,7 +2,7 @@
 tasks.
 
 Two CPU tasks on make demo's model, optimiser and budget (docs/robustness.md): **split** (straddling: make demo's
-split records, ``conf/experiment/robust_split.yaml``) and **dense** (crowding: four single-token records per
+split records, ``conf/experiment/robust_split.yaml``) and **dense** (crowding: four records ``K(k) V(k, v)`` per
 8-token window, ``conf/experiment/robust_dense.yaml``). On each: the baseline gates, the fixes of ``MODELS`` and
 the full-attention control, two seeds each, the same budget for all, each trained with ``train.py`` and evaluated
 with ``eval.py``'s position-matched lookup (``ckv.apps.demo``'s machinery); then one table (mean, per-phase
@@ -32,9 +32,20 @@ from pathlib import Path
 from typing import Optional
 
 from ckv import flops
-from ckv.apps.demo import QUICK_EVAL, TASK, Check, DemoRun, Timer, demo_arguments, job_env, run_command, run_plan
+from ckv.apps.demo import (
+    QUICK_EVAL,
+    TASK,
+    Check,
+    DemoRun,
+    Timer,
+    demo_arguments,
+    job_env,
+    pp,
+    run_command,
+    run_plan,
+)
 from ckv.config import ModelConfig
-from ckv.eval.stats import gap_is_real
+from ckv.eval.summary import flatness_fields
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR
 from ckv.io.results import read_json, write_json
@@ -99,9 +110,12 @@ MODELS: dict[str, tuple[Model, ...]] = {
 }
 CONTROL_STRIDE = {"split": 4, "dense": 8}  # full attention has no stride: its phases are taken mod this
 ANALYSED_TASKS = ("dense",)  # the crowding analysis (gate concentration beside knock-outs) runs on these
+# base examples of the crowding analysis: its knock-outs re-evaluate the task once per layer and KV head, and read
+# phase effects of tens of pp, which need no flatness test (the benchmark's own evaluation uses the task's 1,024)
+ANALYSIS_N_BASE = 512
 MIN_GAIN = 0.30  # the minimum: a fix raises the worst phase by >= 30 pp over its baseline, in every seed
 CONTROL_LEARNED = 0.40  # the goal is judged only against a control whose mean reaches this (make demo's bar)
-GOAL_MARGIN = 0.05  # the goal: worst phase within 5 pp of full attention's, gap not significant, every seed
+GOAL_MARGIN = 0.05  # the goal: worst phase within 5 pp of full attention's and flat (equivalence), every seed
 
 
 MODEL_BY_RUN = {f"{task}_{m.name}": m for task, models in MODELS.items() for m in models}
@@ -169,6 +183,8 @@ def row(d: dict) -> dict:
         "residue_gap_lower": residue["lower"],
         "residue_gap_upper": residue["upper"],
         "residue_noise_floor": residue["noise_floor"],
+        **flatness_fields(rep, "phase"),
+        **flatness_fields(rep, "residue"),
         "kv_bytes_per_token": kv_bytes_per_token(cfg),
         "parameters": parameter_count(cfg),
         "results": str(d["dir"]),
@@ -176,11 +192,14 @@ def row(d: dict) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    """The printed table, one line per run."""
+    """The printed table, one line per run: memory and cost, accuracy, the phase gap with its interval, noise
+    floor, permutation p, one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``, 80% power) and
+    verdict (gap / flat / undecided at the equivalence margin), and the residue gap with its interval, noise
+    floor and minimum detectable gap."""
     head = (
         f"{'task/model/seed':34s} {'KV B/tok':>8s} {'params':>8s} {'train s':>7s} {'mean %':>6s} {'worst %':>7s}  "
         f"{'per-phase accuracy % (phase = pos mod S)':42s} {'phase gap pp [95%]':>19s} {'floor':>5s} {'p':>6s} "
-        f"{'residue gap pp [95%]':>20s} {'floor':>5s}"
+        f"{'<= pp':>5s} {'MDE':>5s} {'verdict':>9s} {'residue gap pp [95%]':>20s} {'floor':>5s} {'MDE':>5s}"
     )
     lines = [head]
     for r in rows:
@@ -191,8 +210,9 @@ def table(rows: list[dict]) -> str:
             f"{r['task'] + '/' + r['model'] + '/' + str(r['seed']):34s} {r['kv_bytes_per_token']:8.0f} "
             f"{r['parameters']:8d} {r['train_seconds']:7.0f} {100 * r['mean']:6.1f} "
             f"{100 * r['worst_phase_accuracy']:7.1f}  {per:42s} {gap:>19s} "
-            f"{100 * r['phase_noise_floor']:5.1f} {r['phase_p_value']:6.4f} {res:>20s} "
-            f"{100 * r['residue_noise_floor']:5.1f}"
+            f"{100 * r['phase_noise_floor']:5.1f} {r['phase_p_value']:6.4f} {pp(r['phase_upper_one_sided']):>5s} "
+            f"{pp(r['phase_mde']):>5s} {str(r['phase_verdict']):>9s} {res:>20s} "
+            f"{100 * r['residue_noise_floor']:5.1f} {pp(r['residue_mde']):>5s}"
         )
     return "\n".join(lines)
 
@@ -234,8 +254,9 @@ def plot(rows: list[dict], path: Path) -> None:
 def criteria(rows: list[dict]) -> list[Check]:
     """The study's success criteria, per fix, over its seeds (a criterion needs every seed of the fix, of its
     baseline and of the control): the minimum (worst phase raised by >= MIN_GAIN over the equal-memory baseline
-    of the same seed) and the goal (phase gap not significant, worst phase within GOAL_MARGIN of full attention's
-    of the same seed; not judged where the control has not learned the task)."""
+    of the same seed) and the goal (flat: the equivalence test bounds the phase gap under its margin,
+    ``ckv.eval.stats.gap_verdict``; and worst phase within GOAL_MARGIN of full attention's of the same seed; not
+    judged where the control has not learned the task)."""
     by = {(r["task"], r["model"], r["seed"]): r for r in rows}
     checks = []
     for r0 in rows:
@@ -258,7 +279,7 @@ def criteria(rows: list[dict]) -> list[Check]:
                 ),
             )
         )
-        real = [gap_is_real(f["phase_p_value"], f["phase_gap_lower"], f["phase_noise_floor"]) for f, _, _ in pairs]
+        flat = [f["phase_verdict"] == "flat" for f, _, _ in pairs]
         near = [f["worst_phase_accuracy"] >= c["worst_phase_accuracy"] - GOAL_MARGIN for f, _, c in pairs]
         unlearned = [(s, c["mean"]) for s, (_, _, c) in zip(seeds, pairs) if c["mean"] < CONTROL_LEARNED]
         if unlearned:  # "as good as full attention" means nothing against a control that has not learned the task
@@ -273,14 +294,15 @@ def criteria(rows: list[dict]) -> list[Check]:
             continue
         checks.append(
             Check(
-                f"{task}/{model}: no real phase gap and worst phase within {100 * GOAL_MARGIN:.0f} pp of full "
-                f"attention's in every seed",
-                not any(real) and all(near),
+                f"{task}/{model}: flat (phase gap's one-sided 95% upper bound under {pp(r0['phase_margin'])} pp) and "
+                f"worst phase within {100 * GOAL_MARGIN:.0f} pp of full attention's in every seed",
+                all(flat) and all(near),
                 "; ".join(
-                    f"seed {s}: gap {100 * f['phase_gap']:.1f} pp [{100 * f['phase_gap_lower']:.1f}, "
-                    f"{100 * f['phase_gap_upper']:.1f}] p = {f['phase_p_value']:.4f} floor "
-                    f"{100 * f['phase_noise_floor']:.1f}, worst {100 * f['worst_phase_accuracy']:.1f}% vs full "
-                    f"{100 * c['worst_phase_accuracy']:.1f}%"
+                    f"seed {s}: {f['phase_verdict']}, gap {100 * f['phase_gap']:.1f} pp "
+                    f"[{100 * f['phase_gap_lower']:.1f}, {100 * f['phase_gap_upper']:.1f}] "
+                    f"<= {pp(f['phase_upper_one_sided'])} p = "
+                    f"{f['phase_p_value']:.4f} floor {100 * f['phase_noise_floor']:.1f} MDE {pp(f['phase_mde'])}, "
+                    f"worst {100 * f['worst_phase_accuracy']:.1f}% vs full {100 * c['worst_phase_accuracy']:.1f}%"
                     for s, (f, _, c) in zip(seeds, pairs)
                 ),
             )
@@ -305,7 +327,7 @@ def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, c
                 f"task={TASK}",
                 "analysis=joint",
                 "progress=false",
-                *(QUICK_EVAL if quick else ()),
+                *(QUICK_EVAL if quick else (f"task.n_base={ANALYSIS_N_BASE}",)),
             ],
             out / "logs" / f"joint_{d['run'].name}_seed{d['run'].seed}.log",
             env,

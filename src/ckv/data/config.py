@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from ckv.config import ConfigError, check_bool, check_choice, check_float, check_int, field_names, reject_unknown
 from ckv.data.lookup import LookupFormat
 
@@ -87,6 +89,11 @@ class LookupConfig:
     """Synthetic lookup sequences: the id layout (``LookupFormat`` fields) and how examples are drawn.
 
     ``filler`` and ``prefix_pad`` are ``[lo, hi]`` ranges drawn uniformly per record / per sequence.
+    ``tail_filler``: the range of the filler tokens after the LAST record (before the separator); ``None`` draws
+    them from ``filler`` like every other record's. With ``filler: [0, 0]``, ``tail_filler: [0, P]`` and
+    ``prefix_pad: [0, P]`` the records stay back to back while training shows every split of a pad budget ``P``
+    between the prefix and the tail: the layouts of an evaluation that keeps the query position fixed
+    (``fixed_query``) while the target moves through every phase (``pads_outside`` checks a set of them).
     ``loss_on``: ``answers`` (default) trains only on answer tokens; ``all`` on every non-pad token.
     ``offset``: first id of the layout. ``None`` means 0 for ``kind: lookup``; for ``kind: mixture`` it means
     "reserve": the BPE that ckv trains gets one special token per layout id (``<|lookup_i|>``, ids
@@ -106,12 +113,15 @@ class LookupConfig:
     n_queries: int = 8
     filler: Union[int, tuple[int, int], list[int]] = (0, 0)
     prefix_pad: Union[int, tuple[int, int], list[int]] = (0, 0)
+    tail_filler: Union[int, tuple[int, int], list[int], None] = None
     loss_on: str = "answers"
 
     def __post_init__(self) -> None:
         o = "data.lookup"
         self.filler = _int_range(f"{o}.filler", self.filler)
         self.prefix_pad = _int_range(f"{o}.prefix_pad", self.prefix_pad)
+        if self.tail_filler is not None:
+            self.tail_filler = _int_range(f"{o}.tail_filler", self.tail_filler)
         check_choice(f"{o}.loss_on", self.loss_on, LOSS_ON)
         check_int(f"{o}.n_records", self.n_records, 1)
         check_int(f"{o}.n_queries", self.n_queries, 1)
@@ -120,8 +130,45 @@ class LookupConfig:
         fmt = self.format(0)  # validates the layout fields
         if self.n_records > fmt.n_keys:
             raise ConfigError(f"{o}.n_records={self.n_records} exceeds n_keys={fmt.n_keys} (records use distinct keys)")
-        if self.filler[1] > 0 and fmt.n_filler == 0:
-            raise ConfigError(f"{o}.filler={list(self.filler)} needs filler ids: set {o}.n_filler >= 1")
+        for name in ("filler", "tail_filler"):
+            if getattr(self, name) is not None and getattr(self, name)[1] > 0 and fmt.n_filler == 0:
+                raise ConfigError(f"{o}.{name}={list(getattr(self, name))} needs filler ids: set {o}.n_filler >= 1")
+
+    @property
+    def last_filler(self) -> tuple[int, int]:
+        """The range of the filler tokens after the last record: ``tail_filler``, else ``filler``."""
+        return self.filler if self.tail_filler is None else self.tail_filler
+
+    def pads_outside(self, pads: np.ndarray) -> Optional[str]:
+        """Whether prompts laid out with ``pads`` (P, n_records + 1) tokens per slot (``assemble_lookup``'s: slot 0
+        after the prefix, slot ``i + 1`` after record ``i``) are layouts these settings draw. ``None`` when every
+        prompt's are, else one line naming each slot range prompts leave and how many prompts do."""
+        p = np.asarray(pads, dtype=np.int64)
+        if p.ndim != 2 or p.shape[1] != self.n_records + 1:
+            return (
+                f"the prompts have {p.shape[-1] - 1 if p.ndim == 2 else '?'} records, training drew "
+                f"data.lookup.n_records={self.n_records}: a layout training never produced"
+            )
+        slots = (
+            ("prefix pads", "prefix_pad", self.prefix_pad, p[:, :1]),
+            ("filler tokens between records", "filler", self.filler, p[:, 1:-1]),
+            (
+                "filler tokens after the last record",
+                "tail_filler" if self.tail_filler else "filler",
+                self.last_filler,
+                p[:, -1:],
+            ),
+        )
+        found = []
+        for what, name, (lo, hi), counts in slots:
+            outside = (counts < lo) | (counts > hi)
+            if outside.any():
+                seen = counts[outside]
+                found.append(
+                    f"{int(outside.any(axis=1).sum())} of {len(p)} prompts carry {what} outside what training drew "
+                    f"(data.lookup.{name}=[{lo}, {hi}]; these prompts have {int(seen.min())}..{int(seen.max())})"
+                )
+        return "; ".join(found) or None
 
     def format(self, offset: int) -> LookupFormat:
         """The id layout placed at ``offset``."""
@@ -138,7 +185,7 @@ class LookupConfig:
     @property
     def max_len(self) -> int:
         """Length of the longest example these settings can draw."""
-        fillers = self.n_records * self.filler[1]
+        fillers = (self.n_records - 1) * self.filler[1] + self.last_filler[1]
         return self.format(0).example_len(self.n_records, self.n_queries, fillers, self.prefix_pad[1])
 
 

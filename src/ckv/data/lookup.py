@@ -19,6 +19,9 @@ Record formats (``LookupFormat.record``):
   ``divmod(k, key_base)`` from one range of ``key_base`` ids (values likewise with ``value_base``).
 - ``split``: a record is two adjacent tokens ``X(k_hi, v) Y(k_lo, v)``, both carrying the value and each half
   of the key (``key = k_hi * key_base + k_lo``); query keys and answer values have their own id ranges.
+- ``keyed``: a single-token key followed by a value token that carries the key too, ``K(k) V(k, v)``; a query is
+  the key token again, the answer a token of its own range (``V(k, v)`` alone holds the whole record, so one
+  attention step from the query finds and reads it).
 
 Id layout, relative to ``offset``: ``pad, bos, sep``, then ``n_filler`` filler ids, then the format's ranges in
 the order of ``LookupFormat.ranges``. ``offset`` lets the layout sit inside a bigger vocabulary.
@@ -36,7 +39,7 @@ import numpy as np
 
 from ckv.config import ConfigError, check_choice, check_int
 
-RECORDS = ("kv", "kkvv", "split")
+RECORDS = ("kv", "kkvv", "split", "keyed")
 N_SPECIAL = 3  # pad, bos, sep
 
 
@@ -85,7 +88,7 @@ class LookupFormat:
     ``key_base``: for ``kkvv`` the number of ids per key digit (default ``ceil(sqrt(n_keys))``); for ``split``
     the number of low key halves ``k_lo`` (default ``ceil(sqrt(n_keys))``). ``value_base``: for ``kkvv`` the
     number of ids per value digit (default ``ceil(sqrt(n_values))``). Both are unused (must stay ``None``)
-    for ``kv``.
+    for ``kv`` and ``keyed``.
     """
 
     record: str = "kv"
@@ -102,10 +105,12 @@ class LookupFormat:
         check_int("lookup.n_values", self.n_values, 1)
         check_int("lookup.n_filler", self.n_filler, 0)
         check_int("lookup.offset", self.offset, 0)
-        if self.record == "kv":
+        if self.record in ("kv", "keyed"):
             for name in ("key_base", "value_base"):
                 if getattr(self, name) is not None:
-                    raise ConfigError(f"lookup.{name} is only used with record 'kkvv' or 'split' (got record='kv')")
+                    raise ConfigError(
+                        f"lookup.{name} is only used with record 'kkvv' or 'split' (got record={self.record!r})"
+                    )
             return
         if self.record == "split" and self.value_base is not None:
             raise ConfigError("lookup.value_base is only used with record 'kkvv' (split records carry whole values)")
@@ -154,6 +159,8 @@ class LookupFormat:
             sizes += [("key", self.n_keys), ("value", self.n_values)]
         elif self.record == "kkvv":
             sizes += [("key", self.key_base), ("value", self.value_base)]
+        elif self.record == "keyed":
+            sizes += [("key", self.n_keys), ("value", self.n_keys * self.n_values), ("answer", self.n_values)]
         else:
             sizes += [
                 ("record_hi", self.n_key_hi * self.n_values),
@@ -205,7 +212,7 @@ class LookupFormat:
     @property
     def answer_range(self) -> range:
         """The ids a scored (first) answer token can take."""
-        return self.ranges["answer" if self.record == "split" else "value"]
+        return self.ranges["answer" if self.record in ("split", "keyed") else "value"]
 
     def validate(self, vocab_size: int, reserved_ids: Sequence[int] = ()) -> None:
         """Check that the layout fits a model vocabulary and avoids ids used elsewhere (e.g. a text
@@ -236,19 +243,21 @@ class LookupFormat:
         """The tokens of one record (key ``key`` bound to value ``value``)."""
         self._check_key(key)
         self._check_value(value)
+        r = self.ranges
         if self.record == "split":
             hi, lo = divmod(key, self.key_base)
-            r = self.ranges
             return [
                 r["record_hi"].start + hi * self.n_values + value,
                 r["record_lo"].start + lo * self.n_values + value,
             ]
+        if self.record == "keyed":
+            return [r["key"].start + key, r["value"].start + key * self.n_values + value]
         return self.query_tokens(key) + self.answer_tokens(value)
 
     def query_tokens(self, key: int) -> list[int]:
         """What precedes the answer in the query section: the key as asked."""
         self._check_key(key)
-        if self.record == "kv":
+        if self.record in ("kv", "keyed"):
             return [self.ranges["key"].start + key]
         if self.record == "kkvv":
             return [self.ranges["key"].start + d for d in divmod(key, self.key_base)]
@@ -261,19 +270,19 @@ class LookupFormat:
             return [self.ranges["value"].start + value]
         if self.record == "kkvv":
             return [self.ranges["value"].start + d for d in divmod(value, self.value_base)]
-        return [self.ranges["answer"].start + value]
+        return [self.ranges["answer"].start + value]  # split, keyed
 
     @property
     def record_len(self) -> int:
-        return {"kv": 2, "kkvv": 4, "split": 2}[self.record]
+        return {"kv": 2, "kkvv": 4, "split": 2, "keyed": 2}[self.record]
 
     @property
     def query_len(self) -> int:
-        return {"kv": 1, "kkvv": 2, "split": 1}[self.record]
+        return {"kv": 1, "kkvv": 2, "split": 1, "keyed": 1}[self.record]
 
     @property
     def answer_len(self) -> int:
-        return {"kv": 1, "kkvv": 2, "split": 1}[self.record]
+        return {"kv": 1, "kkvv": 2, "split": 1, "keyed": 1}[self.record]
 
     def example_len(self, n_records: int, n_queries: int, fillers: int, prefix_pad: int) -> int:
         """Length of an example with ``fillers`` filler tokens in total."""
@@ -398,6 +407,7 @@ def make_lookup_example(
     n_queries: int,
     filler: tuple[int, int] = (0, 0),
     prefix_pad: int = 0,
+    tail_filler: Optional[tuple[int, int]] = None,
     *,
     keys: Optional[Sequence[int]] = None,
     values: Optional[Sequence[int]] = None,
@@ -406,21 +416,28 @@ def make_lookup_example(
 ) -> LookupExample:
     """Draw one training lookup sequence, deterministically given ``rng``, and assemble it (``assemble_lookup``).
 
-    ``filler=(lo, hi)``: the number of filler tokens after each record is uniform in ``[lo, hi]``;
-    ``prefix_pad`` pad tokens follow ``bos``. Keys are distinct, values drawn with replacement, queried
-    records drawn with replacement. ``keys``/``values``/``fillers`` (per record) and ``query_records`` (per
-    query) override the random draws, for position-controlled evaluations.
+    ``filler=(lo, hi)``: the number of filler tokens after each record is uniform in ``[lo, hi]``, after the
+    last one in ``tail_filler`` when given; ``prefix_pad`` pad tokens follow ``bos``. Keys are distinct, values
+    drawn with replacement, queried records drawn with replacement. ``keys``/``values``/``fillers`` (per
+    record) and ``query_records`` (per query) override the random draws, for position-controlled evaluations.
     """
     if not 1 <= n_records <= fmt.n_keys:
         raise ValueError(f"n_records={n_records} must be in [1, n_keys={fmt.n_keys}] (records use distinct keys)")
     if n_queries < 0 or prefix_pad < 0:
         raise ValueError(f"n_queries={n_queries} and prefix_pad={prefix_pad} must be >= 0")
     lo, hi = filler
-    if not 0 <= lo <= hi:
-        raise ValueError(f"filler={filler} must be (lo, hi) with 0 <= lo <= hi")
+    tlo, thi = filler if tail_filler is None else tail_filler
+    if not 0 <= lo <= hi or not 0 <= tlo <= thi:
+        raise ValueError(f"filler={filler} and tail_filler={tail_filler} must be (lo, hi) with 0 <= lo <= hi")
+
+    def draw_fillers() -> np.ndarray:
+        if tail_filler is None:  # one draw for all records: the stream of configs without a tail range
+            return rng.integers(lo, hi + 1, n_records)
+        return np.append(rng.integers(lo, hi + 1, n_records - 1), rng.integers(tlo, thi + 1))
+
     # draws in a fixed order so that the same rng state gives the same example (the filler tokens come last)
     keys_ = _given_or(keys, n_records, "keys", lambda: rng.choice(fmt.n_keys, n_records, replace=False))
     values_ = _given_or(values, n_records, "values", lambda: rng.integers(0, fmt.n_values, n_records))
-    fillers_ = _given_or(fillers, n_records, "fillers", lambda: rng.integers(lo, hi + 1, n_records))
+    fillers_ = _given_or(fillers, n_records, "fillers", draw_fillers)
     queried = _given_or(query_records, n_queries, "query_records", lambda: rng.integers(0, n_records, n_queries))
     return assemble_lookup(fmt, keys_, values_, np.concatenate([[prefix_pad], fillers_]), queried, rng)

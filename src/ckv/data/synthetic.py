@@ -32,7 +32,9 @@ class LookupSequences:
         rng = rng_for(self.seed, self.split, LOOKUP_SALT, self.index * self.world_size + self.rank)
         self.index += 1
         pad = int(rng.integers(c.prefix_pad[0], c.prefix_pad[1] + 1))
-        ex = make_lookup_example(self.fmt, rng, c.n_records, c.n_queries, filler=c.filler, prefix_pad=pad)
+        ex = make_lookup_example(
+            self.fmt, rng, c.n_records, c.n_queries, filler=c.filler, prefix_pad=pad, tail_filler=c.tail_filler
+        )
         n = len(ex.tokens)
         tokens = np.full(self.seq_len + 1, self.fmt.pad_id, dtype=np.int64)  # (T+1,)
         tokens[:n] = ex.tokens

@@ -179,7 +179,10 @@ class LookupTask:
         self.design = make_design(spec.modulus, self.n_records, codec.record_len, len(codec.prefix))
         self._check(training)
         self._check_length(max_len)
-        self.prompts, self.table = self._build()
+        self.prompts, self.table, pads = self._build()
+        outside = training.pads_outside(pads) if training else None
+        if outside:  # the layouts the evaluation needs and the training stream never drew
+            log.warning("%s", outside)
 
     # ---- validation ----------------------------------------------------------------------------------------
     def _check(self, training: Optional[LookupConfig]) -> None:
@@ -204,18 +207,6 @@ class LookupTask:
             )
         if training is None:
             return
-        if training.filler[1] == 0 and (self.spec.fixed_query or self.spec.padding == "in_sequence"):
-            log.warning(
-                "the model trained without filler tokens between records, but this task puts filler "
-                "tokens after/between records; consider task.fixed_query=false with prefix padding"
-            )
-        most_pads = self.design.max_base_pad + self.modulus - 1
-        if self.spec.padding == "prefix" and most_pads > training.prefix_pad[1]:
-            log.warning(
-                "this task puts up to %d prefix pad tokens before the records; the model trained with at most %d",
-                most_pads,
-                training.prefix_pad[1],
-            )
         if self.n_demos + 1 > training.n_queries:
             log.warning("this task asks %d queries; the model trained with %d", self.n_demos + 1, training.n_queries)
 
@@ -238,12 +229,14 @@ class LookupTask:
             )
 
     # ---- prompt construction ------------------------------------------------------------------------------
-    def _build(self) -> tuple[list[np.ndarray], dict[str, np.ndarray]]:
+    def _build(self) -> tuple[list[np.ndarray], dict[str, np.ndarray], np.ndarray]:
+        """The prompts, their table and (P, n_records + 1) their pad tokens per slot."""
         s, c, d, m = self.spec, self.codec, self.design, self.modulus
         offsets = base_offsets(self.n_base, d)
         targets, base_pads = choose_targets(offsets, d, np.random.default_rng([s.seed, 0]))
         prompts: list[np.ndarray] = []
         rows: list[dict[str, int]] = []
+        layouts: list[np.ndarray] = []
         n = self.n_records
         for i in range(self.n_base):
             rng = np.random.default_rng([s.seed, 1, i])  # per base example: a limit keeps the same prefix
@@ -255,7 +248,8 @@ class LookupTask:
             for k in range(m):
                 pre = int(base_pads[i]) + k
                 post = d.pad_budget - pre if s.fixed_query else 0
-                ex = assemble_lookup(c, keys, values, slot_pads(t, pre, post, n, s.padding, rng), queried, rng)
+                layouts.append(slot_pads(t, pre, post, n, s.padding, rng))
+                ex = assemble_lookup(c, keys, values, layouts[-1], queried, rng)
                 position = int(ex.record_starts[t])
                 prompts.append(ex.prompt)
                 rows.append(
@@ -272,7 +266,8 @@ class LookupTask:
                         answer_id=ex.answer_id,
                     )
                 )
-        return prompts, {col: np.array([r[col] for r in rows], dtype=np.int64) for col in rows[0]}
+        table = {col: np.array([r[col] for r in rows], dtype=np.int64) for col in rows[0]}
+        return prompts, table, np.stack(layouts)
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(
@@ -389,6 +384,15 @@ SUMMARY_GAP_KEYS = {
     "n_permutations",
     "n_bootstrap",
     "level",
+    "real",
+    "upper_one_sided",
+    "upper_one_sided_level",
+    "margin",
+    "flat",
+    "verdict",
+    "mde",
+    "mde_power",
+    "alpha",
 }
 
 
@@ -413,6 +417,13 @@ def gap_lines(grouping: dict, label: str, alpha: float = 0.05) -> list[str]:
         f"worst {label} {g['worst_group']}: {_pct(g['worst_accuracy'])}% "
         f"{_interval(g['worst_lower'], g['worst_upper'])}; best {g['best_group']}: {_pct(g['best_accuracy'])}%",
     ]
+    if "verdict" in g:  # the equivalence test and the evaluation's power
+        level = round(100 * g["upper_one_sided_level"])
+        lines.append(
+            f"{label} flatness: {g['verdict']} (one-sided {level}% upper bound {_pct(g['upper_one_sided'])} pp vs "
+            f"margin {_pct(g['margin'])} pp); smallest gap detected with {round(100 * g['mde_power'])}% power: "
+            f"{_pct(g['mde'])} pp"
+        )
     lines += [f"{label} gap {k}: {v}" for k, v in g.items() if k not in SUMMARY_GAP_KEYS]
     return lines
 

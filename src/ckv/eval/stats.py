@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -182,6 +182,9 @@ class PermutationResult:
     noise_floor: float
     observed_gap: float
     n_permutations: int
+    # (n_permutations, n_groups) group accuracies of the permuted replicates: the null distribution the
+    # minimum detectable gap shifts (``minimum_detectable_gap``)
+    null_accuracy: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)), repr=False, compare=False)
 
 
 def permutation_test(
@@ -205,7 +208,7 @@ def permutation_test(
     rng = np.random.default_rng(seed)
     n = len(c)
     chunk = max(1, _CHUNK_ELEMENTS // max(n, 1))
-    gaps = []
+    null_acc = []
     for start in range(0, n_permutations, chunk):
         b = min(chunk, n_permutations - start)
         # cluster index + U[0, 1) sorts clusters as blocks and shuffles inside each block
@@ -214,12 +217,16 @@ def permutation_test(
         hits = np.bincount(shuffled.ravel(), weights=np.broadcast_to(c, (b, n)).ravel(), minlength=b * n_groups)
         counts = np.bincount(shuffled.ravel(), minlength=b * n_groups)
         with np.errstate(invalid="ignore", divide="ignore"):
-            acc = np.where(counts > 0, hits / np.maximum(counts, 1), np.nan).reshape(b, n_groups)
-        gaps.append(best_minus_worst(acc))
-    null = np.concatenate(gaps)
+            null_acc.append(np.where(counts > 0, hits / np.maximum(counts, 1), np.nan).reshape(b, n_groups))
+    acc = np.concatenate(null_acc)  # (n_permutations, n_groups)
+    null = best_minus_worst(acc)
     p = (1 + int(np.sum(null >= observed - 1e-12))) / (1 + n_permutations)
     return PermutationResult(
-        p_value=p, noise_floor=float(np.quantile(null, quantile)), observed_gap=observed, n_permutations=n_permutations
+        p_value=p,
+        noise_floor=float(np.quantile(null, quantile)),
+        observed_gap=observed,
+        n_permutations=n_permutations,
+        null_accuracy=acc,
     )
 
 
@@ -231,6 +238,117 @@ def gap_is_real(
     return (p_value is None or p_value < alpha) and (
         gap_lower is None or noise_floor is None or gap_lower > noise_floor
     )
+
+
+# ---- flatness: equivalence and power ---------------------------------------------------------------------------
+VERDICTS = ("gap", "flat", "undecided")
+
+
+def gap_upper_bound(replicates: np.ndarray, alpha: float = 0.05) -> Optional[float]:
+    """One-sided ``1 - alpha`` upper confidence bound of the best-minus-worst gap, from cluster-bootstrap
+    ``replicates`` (R, n_groups) of the group accuracies (``bootstrap_group_accuracy``).
+
+    The bound is the largest, over ordered pairs of groups ``(i, j)``, of the ``1 - alpha`` quantile of the
+    replicates of ``acc_i - acc_j``. The true gap is ``mu_a - mu_b`` for one pair ``(a, b)``, and that pair's own
+    bound alone covers it with probability ``1 - alpha``, so the maximum does too. "Gap < margin" when this bound
+    is under the margin is an intersection-union test of the pairwise equivalence hypotheses (each a one-sided
+    test of TOST, i.e. the upper end of a two-sided ``1 - 2 alpha`` interval): its level is ``alpha`` without a
+    multiplicity correction. Unlike the percentile interval of the bootstrapped best-minus-worst gap, it does not
+    add the max-min selection bias a second time. ``None`` with fewer than two non-empty groups.
+    """
+    r = np.asarray(replicates, dtype=np.float64)
+    r = r[:, np.isfinite(r).any(axis=0)] if r.ndim == 2 else r  # drop groups that are empty in every replicate
+    if r.ndim != 2 or r.shape[1] < 2 or not 0 < alpha < 1:
+        return None
+    diffs = r[:, :, None] - r[:, None, :]  # (R, G, G): acc_i - acc_j per replicate
+    with np.errstate(all="ignore"):
+        bound = np.nanquantile(diffs, 1 - alpha, axis=0)  # (G, G)
+    return float(max(0.0, np.nanmax(bound)))
+
+
+def is_flat(upper_bound: Optional[float], margin: float) -> bool:
+    """The equivalence test: the gap's one-sided upper bound (``gap_upper_bound``) lies under ``margin``."""
+    return upper_bound is not None and upper_bound < margin
+
+
+def gap_verdict(real: bool, flat: bool) -> str:
+    """One of ``VERDICTS``: ``flat`` when the equivalence test says so (a real gap smaller than the margin is
+    still flat at that margin), else ``gap`` when the gap is real (``gap_is_real``), else ``undecided``: the
+    evaluation can tell neither (too few prompts for the margin, or a gap between the noise and the margin)."""
+    return "flat" if flat else "gap" if real else "undecided"
+
+
+def minimum_detectable_gap(
+    correct: np.ndarray,
+    groups: np.ndarray,
+    n_groups: int,
+    clusters: Optional[np.ndarray],
+    perm: PermutationResult,
+    power: float = 0.80,
+    seed: int = 0,
+    tolerance: float = 1e-4,
+) -> Optional[float]:
+    """The smallest gap ``delta`` the permutation test (``perm``, run on these data) detects with probability
+    ``power``: one group lowered by ``delta``, the others unchanged (the straddling pattern; a pattern with more
+    low groups is detected sooner).
+
+    Simulation under the evaluation's own paired design. Each of ``perm``'s null replicates (labels shuffled
+    within each key->value mapping, so a replicate keeps the run's prompts per group, its accuracy, and how
+    consistently it answers a mapping across shifts) is one flat dataset. Group ``w`` of it (each group in
+    turn) is lowered to ``p - delta`` (``p`` the replicate's mean accuracy) by dropping each of its hits with
+    probability ``delta / p``: binomial thinning, normal-approximated with fixed draws from ``seed`` and
+    rounded to whole prompts, so the lowered group gets a binomial variance at its own accuracy and every gap
+    stays on the lattice of gaps a dataset can show. It is detected when its best-minus-worst gap exceeds the
+    noise floor such a dataset would have: the run's (``perm.noise_floor``), scaled by the square root of the
+    thinning's effect on the mean within-mapping variance (the permutation null's spread is proportional to
+    it; a lower group has a larger binomial variance, so the floor rises with ``delta``). For a run that
+    already has a phase effect the shuffled replicates also carry that effect's spread, so its value is an
+    upper bound. Searched to ``tolerance``; ``None`` with fewer than two groups, without within-mapping
+    variation (every mapping answered alike at every shift: the null has no spread), or when no gap up to the
+    mean accuracy is detected.
+    """
+    c, g = _check_inputs(correct, groups, n_groups)
+    a = np.asarray(perm.null_accuracy, dtype=np.float64)  # (B, G)
+    n = np.bincount(g, minlength=n_groups).astype(np.float64)
+    if a.ndim != 2 or a.shape[1] != n_groups:
+        raise ValueError(f"perm.null_accuracy must be (B, {n_groups}), got {a.shape}")
+    keep = np.isfinite(a).all(axis=0) & (n > 0)
+    a, n = a[:, keep], n[keep]
+    b, k = a.shape
+    if k < 2 or b == 0:
+        return None
+    idx, n_clusters = _cluster_index(clusters, len(c))
+    size = np.bincount(idx, minlength=n_clusters).astype(np.float64)  # (C,) prompts per mapping
+    m = np.bincount(idx, weights=c, minlength=n_clusters) / size  # (C,) accuracy per mapping
+    within = float(np.mean(m * (1 - m)))  # mean within-mapping variance of the flat (shuffled) data
+    hits = np.rint(a * n)  # (B, k)
+    p = float(c.mean())  # every replicate's accuracy: shuffling within mappings keeps the hits
+    if within <= 0 or p <= 0:
+        return None
+    z = np.random.default_rng(seed).standard_normal((k, b))  # (k, B) one draw per lowered group and replicate
+    rows = np.arange(b)
+
+    def detected(delta: float) -> bool:
+        drop = min(1.0, delta / p)  # chance that a hit of the lowered group is dropped
+        kept = 1 - drop
+        lost = drop * m / k  # (C,) expected accuracy a mapping loses (a k-th of its prompts are in the group)
+        thinned_within = np.mean((m - lost) * (1 - m + lost) - drop * kept * m / (k * size))
+        floor = perm.noise_floor * math.sqrt(max(thinned_within, 0.0) / within)
+        found = 0
+        for w in range(k):
+            thinned = hits[:, w] * kept + z[w] * np.sqrt(hits[:, w] * kept * (1 - kept))
+            acc = a.copy()
+            acc[rows, w] = np.clip(np.rint(thinned), 0, hits[:, w]) / n[w]
+            found += int(np.sum(best_minus_worst(acc) > floor + 1e-9))
+        return found >= power * k * b
+
+    lo, hi = 0.0, p
+    if not detected(hi):
+        return None
+    while hi - lo > tolerance:  # detection grows with delta once delta exceeds the null's spread
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if detected(mid) else (mid, hi)
+    return hi
 
 
 # ---- periodicity -----------------------------------------------------------------------------------------------
@@ -353,14 +471,18 @@ class StatsOptions:
     level: float = 0.95
     alpha: float = 0.05
     seed: int = 0
+    equivalence_margin: float = 0.05  # "flat": the gap's one-sided 1 - alpha upper bound is under this margin
+    mde_power: float = 0.80  # the minimum detectable gap is the gap detected with this power at alpha
 
     def __post_init__(self) -> None:
         for name in ("n_bootstrap", "n_permutations"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"stats.{name}={v!r} must be an integer >= 1")
-        if not 0 < self.level < 1 or not 0 < self.alpha < 1:
-            raise ValueError(f"stats.level={self.level} and stats.alpha={self.alpha} must lie in (0, 1)")
+        for name in ("level", "alpha", "equivalence_margin", "mde_power"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1:
+                raise ValueError(f"stats.{name}={v!r} must be a number in (0, 1)")
 
 
 def _finite(x: float) -> Optional[float]:
@@ -380,7 +502,10 @@ def summarize_groups(
     Keys: ``groups`` (per group: n, correct, accuracy and its interval), ``interval`` (the per-group interval
     kind: ``cluster_bootstrap`` over ``clusters`` when given, else ``wilson``), ``mean`` (overall accuracy with a
     bootstrap interval), ``gap`` (best minus worst group with a bootstrap interval, its ``interval`` kind, the
-    best and worst groups, the permutation p-value and noise floor) and, when ``period`` is given,
+    best and worst groups, the permutation p-value and noise floor; ``real`` (``gap_is_real``); the equivalence
+    test: ``upper_one_sided`` (``gap_upper_bound`` at ``1 - alpha``), ``margin`` and ``flat``; ``verdict``
+    (``gap_verdict``); and ``mde``, the gap detected with power ``mde_power`` (``minimum_detectable_gap``)) and,
+    when ``period`` is given,
     ``periodicity`` (score at ``period`` with its chance level, and the dominant period of the group curve;
     only for ``2 <= period < n_groups``).
     """
@@ -400,6 +525,10 @@ def summarize_groups(
     worst = int(np.argmin(filled))
     best = int(np.argmax(np.where(np.isnan(acc.accuracy), -np.inf, acc.accuracy)))
     boot_kind = CLUSTER_BOOTSTRAP if clusters is not None else BOOTSTRAP
+    real = gap_is_real(perm.p_value, _finite(gap.lower), perm.noise_floor, options.alpha)
+    upper_one_sided = gap_upper_bound(boot_groups, options.alpha)
+    flat = is_flat(upper_one_sided, options.equivalence_margin)
+    mde = minimum_detectable_gap(correct, groups, n_groups, clusters, perm, options.mde_power, options.seed)
     out: dict = {
         "groups": [
             {
@@ -436,6 +565,15 @@ def summarize_groups(
             "n_permutations": perm.n_permutations,
             "n_bootstrap": options.n_bootstrap,
             "level": options.level,
+            "real": real,
+            "upper_one_sided": upper_one_sided,
+            "upper_one_sided_level": 1 - options.alpha,
+            "margin": options.equivalence_margin,
+            "flat": flat,
+            "verdict": gap_verdict(real, flat),
+            "mde": mde,
+            "mde_power": options.mde_power,
+            "alpha": options.alpha,
         },
     }
     curve = acc.accuracy

@@ -46,12 +46,23 @@ def run_label(results: dict, run_dir: Optional[Path] = None) -> str:
 
 
 SUMMARY_GAP_FIELDS = ("gap", "gap_lower", "gap_upper", "gap_interval", "p_value", "noise_floor")
+# the flatness fields of a grouping's gap report (``ckv.eval.stats.summarize_groups``): the one-sided upper bound,
+# the equivalence margin, the verdict (gap / flat / undecided) and the minimum detectable gap with its power
+FLATNESS_FIELDS = ("upper_one_sided", "margin", "verdict", "mde", "mde_power")
+
+
+def flatness_fields(report: dict, prefix: str) -> dict:
+    """``<prefix>_<field>`` for each of ``FLATNESS_FIELDS`` of one grouping (``residue`` or ``phase``) of a lookup
+    report; ``None`` where the grouping was not made or the report predates them."""
+    gap = (report.get(prefix) or {}).get("gap", {})
+    return {f"{prefix}_{k}": gap.get(k) for k in FLATNESS_FIELDS}
 
 
 def summary_row(label: str, results: dict) -> dict:
     """One table row of a lookup results.json: model geometry and headline statistics (fractions): the residue
     gap (mod ``modulus``) and the phase gap (mod ``eval_stride``; ``None`` for a model evaluated without a
-    stride), each with interval, interval kind, permutation p and noise floor, and the worst phase."""
+    stride), each with interval, interval kind, permutation p, noise floor and the flatness fields
+    (``flatness_fields``: one-sided upper bound, margin, verdict, minimum detectable gap), and the worst phase."""
     att = results["model"].get("attention") or {}
     rep = results["results"]
     h = rep["headline"]
@@ -70,7 +81,9 @@ def summary_row(label: str, results: dict) -> dict:
         "mean_lower": h["mean_lower"],
         "mean_upper": h["mean_upper"],
         **{f"residue_{k}": h.get(f"residue_{k}") for k in SUMMARY_GAP_FIELDS},
+        **flatness_fields(rep, "residue"),
         **{f"phase_{k}": h.get(f"phase_{k}") for k in SUMMARY_GAP_FIELDS},
+        **flatness_fields(rep, "phase"),
         "worst_phase": h.get("worst_phase"),
         "worst_phase_accuracy": h.get("worst_phase_accuracy"),
         "worst_phase_accuracy_lower": h.get("worst_phase_lower"),

@@ -1,0 +1,109 @@
+"""The fixed-query design of make demo / make robust: training draws filler after the last record (``tail_filler``),
+and the evaluation's prompts use only layouts training drew (``LookupConfig.pads_outside``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from ckv.config import ConfigError
+from ckv.data import DataConfig
+from ckv.data.config import LookupConfig
+from ckv.data.lookup import make_lookup_example
+from ckv.data.synthetic import LookupSequences
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+TASK_FIELDS = ("n_base", "modulus", "padding", "fixed_query")
+
+
+def data_preset(name: str) -> DataConfig:
+    return DataConfig.from_dict(OmegaConf.to_container(OmegaConf.load(CONF / "data" / f"{name}.yaml")))
+
+
+def demo_task(training: LookupConfig, **overrides: object):
+    """The demo's evaluation (conf/eval/task/demo_lookup.yaml, 64 base examples) of a run trained on
+    ``training``."""
+    from ckv.eval.lookup import LookupSpec, LookupTask
+
+    task = OmegaConf.to_container(OmegaConf.load(CONF / "eval" / "task" / "demo_lookup.yaml"))
+    spec = LookupSpec(**{**{k: task[k] for k in TASK_FIELDS}, "n_base": 64, "stride": 4, **overrides})
+    return LookupTask(spec, training.format(0), max_len=128, training=training)
+
+
+def test_tail_filler_goes_after_the_last_record_only() -> None:
+    cfg = LookupConfig(record="split", key_base=4, filler=(0, 0), tail_filler=(0, 8), prefix_pad=(0, 8))
+    fmt = cfg.format(0)
+    seen_tail, seen_prefix = set(), set()
+    for i in range(400):
+        rng = np.random.default_rng(i)
+        pad = int(rng.integers(0, 9))
+        ex = make_lookup_example(fmt, rng, 16, 8, filler=cfg.filler, prefix_pad=pad, tail_filler=cfg.tail_filler)
+        starts = ex.record_starts
+        assert starts[0] == 1 + pad and (np.diff(starts) == fmt.record_len).all()  # records back to back
+        sep = int(np.flatnonzero(ex.tokens == fmt.sep_id)[0])
+        tail = sep - (starts[-1] + fmt.record_len)
+        assert all(int(t) in fmt.filler_ids for t in ex.tokens[sep - tail : sep])
+        seen_tail.add(tail)
+        seen_prefix.add(pad)
+        assert len(ex.tokens) <= cfg.max_len
+    assert seen_tail == set(range(9)) and seen_prefix == set(range(9))
+    assert cfg.max_len == 1 + 8 + 32 + 8 + 2 + 16
+
+
+def test_the_training_stream_draws_the_tail_range() -> None:
+    cfg = data_preset("lookup_split")
+    stream = LookupSequences(cfg.lookup, cfg.lookup.format(0), cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    fmt = cfg.lookup.format(0)
+    tails = set()
+    for _ in range(300):
+        tokens, _ = stream.next()
+        sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
+        tails.add(int(np.isin(tokens[:sep], list(fmt.filler_ids)).sum()))
+    assert tails == set(range(9))
+
+
+def test_the_demo_evaluation_uses_only_layouts_the_demo_data_draws(caplog: pytest.LogCaptureFixture) -> None:
+    for name in ("lookup_split", "lookup_dense"):
+        training = data_preset(name).lookup
+        with caplog.at_level(logging.WARNING, logger="ckv.eval.lookup"):
+            task = demo_task(training)
+        assert not caplog.records, (name, caplog.text)
+        assert len(np.unique(task.table["query_position"])) == 1  # the query stays put
+        assert set(task.table["phase"].tolist()) == {0, 1, 2, 3}  # while the target visits every phase
+        moving = demo_task(training, fixed_query=False)  # the moving-query design is inside training too
+        assert len(np.unique(moving.table["query_position"])) == 9 and not caplog.records
+
+
+def test_a_layout_training_never_drew_is_named_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    # the earlier demo data: no filler at all and prefix pads 0-7; the moving-query evaluation needs 8 pads
+    old = LookupConfig(record="split", key_base=4, filler=(0, 0), prefix_pad=(0, 7))
+    with caplog.at_level(logging.WARNING, logger="ckv.eval.lookup"):
+        demo_task(old, fixed_query=False)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line == (
+        "32 of 512 prompts carry prefix pads outside what training drew (data.lookup.prefix_pad=[0, 7]; "
+        "these prompts have 8..8)"
+    )  # 64 base examples x 8 shifts; 1 in 16 has base pad 1 and shift 7
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckv.eval.lookup"):
+        demo_task(LookupConfig(record="split", key_base=4, filler=(0, 0), prefix_pad=(0, 8)))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "filler tokens after the last record outside what training drew (data.lookup.filler=[0, 0]" in line
+    pads = np.zeros((3, 17), dtype=np.int64)
+    assert old.pads_outside(pads) is None
+    pads[1, 5] = 1
+    assert old.pads_outside(pads).startswith("1 of 3 prompts carry filler tokens between records outside")
+    assert "n_records=16" in old.pads_outside(np.zeros((3, 9), dtype=np.int64))
+
+
+def test_bad_tail_filler_names_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"data.lookup.tail_filler=\[4, 2\]"):
+        LookupConfig(tail_filler=[4, 2])
+    with pytest.raises(ConfigError, match="data.lookup.tail_filler=.*set data.lookup.n_filler >= 1"):
+        LookupConfig(tail_filler=[0, 2], n_filler=0)
+    with pytest.raises(ConfigError, match="data.seq_len=64 is too short"):
+        DataConfig.from_dict({**data_preset("lookup_split").to_dict(), "seq_len": 64})
