@@ -134,6 +134,9 @@ def test_nothing_to_check_off_and_the_lookup(v4_dirs: TinyV4, tmp_path: Path) ->
     assert "max_abs_logit_diff" not in rec and any("nothing to check" in line for line in lines)
     off, _, _ = run_needle(v4_dirs[TOPK], tmp_path / "off", chunk_check=0)
     assert off["results"]["chunking"]["note"] == "the chunk check is off (task.chunk_check=0)"
+    small, _, _ = run_needle(v4_dirs[TOPK], tmp_path / "small", memory_budget_gb=1e-4)  # the chunk runs, warned
+    rec = small["results"]["chunking"]
+    assert rec["checked_prompts"] == 0 and rec["note"].startswith("not checked: one full forward of 256 tokens needs")
     cfg = _task_config("lookup_words")
     cfg["vocab"].update(pad="pad", separator=":")
     cfg.update(n_records=16, n_demos=2, modulus=8)

@@ -125,9 +125,10 @@ def chunking_lines(record: Optional[dict]) -> list[str]:
     if record["depends_on_chunk"]:
         return [
             f"WARNING: this score depends on the chunk size: with prefill chunk {c}, {record['answers_changed']} of "
-            f"{n} checked prompts get another top-1 answer than one full forward ({record['scores_changed']} another "
-            f"score; max |logit diff| {diff:.3g}); rerun with task.prefill_chunk >= {record['prompt_tokens']} "
-            "(one forward per prompt) where memory allows, or treat the score as chunk-dependent"
+            f"{n} checked prompts have another top-1 answer than in one full forward ({record['scores_changed']} "
+            f"another 0/1 score; max |logit diff| {diff:.3g}); rerun with task.prefill_chunk >= "
+            f"{record['prompt_tokens']} (one forward per prompt) where memory allows, or report the score as "
+            "chunk-dependent"
         ]
     return [
         f"chunk check: prefill chunk {c} vs one full forward on {n} prompts: max |logit diff| {diff:.3g}, same top-1"
