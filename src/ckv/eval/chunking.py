@@ -37,19 +37,11 @@ class ChunkCheck:
     scored logits of (``indices``), and the record of the comparison (``measure``).
 
     No forward is compared (``indices`` empty, the record says why) when the prompts are scored by one forward
-    each (no chunk), when every prompt fits one chunk, when ``n_check`` is 0 (``setting`` names the option that
-    turned it off) or when ``skip`` gives a reason (e.g. one full forward would not fit in memory).
+    each (no chunk), when every prompt fits one chunk, when ``n_check`` is 0 (``task.chunk_check=0``) or when
+    ``skip`` gives a reason (e.g. one full forward would not fit in memory).
     """
 
-    def __init__(
-        self,
-        logits: HFLastLogits,
-        lengths: np.ndarray,
-        n_check: int,
-        *,
-        setting: str = "task.chunk_check",
-        skip: Optional[str] = None,
-    ) -> None:
+    def __init__(self, logits: HFLastLogits, lengths: np.ndarray, n_check: int, skip: Optional[str] = None) -> None:
         self.chunk, self.longest = logits.chunk, int(np.max(lengths))
         self.full = HFLastLogits(logits.model)  # one forward, no cache
         self.note: Optional[str] = None
@@ -58,7 +50,7 @@ class ChunkCheck:
         elif self.chunk >= self.longest:
             self.note = f"every prompt ({self.longest} tokens) fits one prefill chunk of {self.chunk}: nothing to check"
         elif n_check == 0:
-            self.note = f"the chunk check is off ({setting}=0)"
+            self.note = "the chunk check is off (task.chunk_check=0)"
         elif skip is not None:
             self.note = f"not checked: {skip}"
         self.indices = check_sample(len(lengths), n_check) if self.note is None else np.zeros(0, dtype=np.int64)
@@ -100,18 +92,13 @@ class ChunkCheck:
 
 
 def chunk_check(
-    logits: LogitsFn,
-    lengths: np.ndarray,
-    n_check: int,
-    *,
-    setting: str = "task.chunk_check",
-    skip: Optional[str] = None,
+    logits: LogitsFn, lengths: np.ndarray, n_check: int, skip: Optional[str] = None
 ) -> Optional[ChunkCheck]:
     """The ``ChunkCheck`` of an evaluation scored with ``logits``; ``None`` when it is not a transformers model's
     (ckv's chunked prefill equals its full forward, tested)."""
     if not isinstance(logits, HFLastLogits):
         return None
-    return ChunkCheck(logits, lengths, n_check, setting=setting, skip=skip)
+    return ChunkCheck(logits, lengths, n_check, skip)
 
 
 def chunking_lines(record: Optional[dict]) -> list[str]:
