@@ -55,9 +55,10 @@ def tiny_qwen3(vocab_size: int, max_len: int = 512, n_layers: int = 1):  # -> tr
     return transformers.Qwen3ForCausalLM(cfg)
 
 
-def tiny_deepseek_v4(vocab_size: int, max_len: int = 4096):  # -> transformers.DeepseekV4ForCausalLM
+def tiny_deepseek_v4(vocab_size: int, max_len: int = 4096, index_topk: int = 64):  # -> DeepseekV4ForCausalLM
     """2 CSA layers, hidden 128, 4 heads, 1 KV head, head_dim 64 (8 RoPE dims), sliding window 4, index_topk 64
-    (every entry selected), a small MoE, hc_mult 1 (a config that trains on CPU: conf/hf/deepseek_v4_demo.yaml)."""
+    (every entry of a prompt up to 259 tokens selected; fewer binds), a small MoE, hc_mult 1 (a config that trains
+    on CPU: conf/hf/deepseek_v4_demo.yaml)."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4ForCausalLM"):
         pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM")
@@ -76,7 +77,7 @@ def tiny_deepseek_v4(vocab_size: int, max_len: int = 4096):  # -> transformers.D
         n_routed_experts=4,
         n_shared_experts=1,
         sliding_window=4,
-        index_topk=64,
+        index_topk=index_topk,
         index_n_heads=2,
         index_head_dim=32,
         hc_mult=1,

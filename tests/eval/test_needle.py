@@ -163,6 +163,7 @@ def test_eval_py_runs_the_needle_on_a_tiny_hf_model(hf_models: dict[str, Path], 
         "task=needle",
         "task.context_tokens=2048",
         "task.prefill_chunk=512",
+        "task.chunk_check=0",  # the check's full forwards: tests/eval/test_chunking.py
         "task.vocab.source=ids",
         f"task.vocab.keys=[{keys[0]},{keys[1]}]",
         f"task.vocab.values=[{values[0]},{values[1]}]",

@@ -17,6 +17,7 @@ re-run the same prompts on a modified model) and ``report`` computes every stati
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -27,11 +28,12 @@ import torch
 from ckv.config import ConfigError, check_bool, check_choice, check_int
 from ckv.data.config import LookupConfig
 from ckv.data.lookup import RecordCodec, assemble_lookup
+from ckv.eval.chunking import ChunkCheck, chunk_check, chunking_lines
 from ckv.eval.design import PADDINGS, base_offsets, choose_targets, make_design, slot_pads
 from ckv.eval.models import ModelFacts
 from ckv.eval.plots import plot_lookup
 from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
-from ckv.eval.scoring import LogitsFn, score_next_token
+from ckv.eval.scoring import LogitsFn, prompt_lengths, score_next_token
 from ckv.eval.stats import StatsOptions, gap_is_real, summarize_groups
 from ckv.eval.vocab import VocabSpec, build_codec, vocab_spec
 from ckv.geometry import phase
@@ -143,12 +145,14 @@ def gap_headline(report: Optional[dict], prefix: str) -> dict:
 @dataclass
 class LookupOutcome:
     """Per-prompt results of one evaluation: the task's ``table`` columns plus ``predicted`` (top-1 id),
-    ``correct`` (0/1) and ``p_answer`` (probability of the answer token); all arrays (P,)."""
+    ``correct`` (0/1) and ``p_answer`` (probability of the answer token); all arrays (P,). ``logits``: the scored
+    last-position logits (V,) of the prompts the evaluation was asked to keep."""
 
     table: dict[str, np.ndarray]
     predicted: np.ndarray
     correct: np.ndarray
     p_answer: np.ndarray
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def rows(self) -> list[dict]:
         cols = {**self.table, "predicted_id": self.predicted, "correct": self.correct, "p_answer": self.p_answer}
@@ -271,9 +275,16 @@ class LookupTask:
 
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(
-        self, model: LogitsFn, *, batch_size: int = 64, device: torch.device | str = "cpu", progress: bool = True
+        self,
+        model: LogitsFn,
+        *,
+        batch_size: int = 64,
+        device: torch.device | str = "cpu",
+        progress: bool = True,
+        keep: Sequence[int] = (),
     ) -> LookupOutcome:
-        """Score every prompt with ``model`` (``input_ids -> logits``)."""
+        """Score every prompt with ``model`` (``input_ids -> logits``), keeping the logits of the prompts in
+        ``keep`` (indices)."""
         scores = score_next_token(
             model,
             self.prompts,
@@ -282,9 +293,10 @@ class LookupTask:
             device=device,
             progress=progress,
             desc=self.spec.name,
+            keep=keep,
         )
         correct = (scores.top1 == self.table["answer_id"]).astype(np.int64)
-        return LookupOutcome(self.table, scores.top1, correct, scores.probs[:, 0])
+        return LookupOutcome(self.table, scores.top1, correct, scores.probs[:, 0], scores.logits)
 
     def position_moments(self) -> list[dict]:
         """Mean and variance of the target position in each residue group (the design's balance check)."""
@@ -465,12 +477,24 @@ class LookupKind(EvalTask):
             limit=limit,
         )
 
+    def chunking(self, built: LookupTask, logits: LogitsFn) -> Optional[ChunkCheck]:
+        """The chunk check of a transformers model's scoring (``None`` for other models): the lookup scores each
+        prompt by one forward, so its record says so."""
+        return chunk_check(logits, prompt_lengths(built.prompts), 0)
+
     def run(self, built: LookupTask, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
-        outcome = built.evaluate(logits, batch_size=options.batch_size, device=device, progress=options.progress)
-        return TaskResult(built.report(outcome, options.stats), outcome.rows())
+        check = self.chunking(built, logits)
+        keep = check.indices if check is not None else ()
+        outcome = built.evaluate(
+            logits, batch_size=options.batch_size, device=device, progress=options.progress, keep=keep
+        )
+        report = built.report(outcome, options.stats)
+        if check is not None:
+            report["chunking"] = check.measure(built.prompts, built.table["answer_id"], outcome.logits, device)
+        return TaskResult(report, outcome.rows())
 
     def plot(self, report: dict, path: Path, title: str) -> Optional[Path]:
         return plot_lookup(report, path, title)
 
     def summary(self, report: dict) -> list[str]:
-        return lookup_summary(report)
+        return lookup_summary(report) + chunking_lines(report.get("chunking"))

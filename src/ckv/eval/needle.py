@@ -34,6 +34,7 @@ import torch
 from ckv.config import ConfigError, ModelConfig, check_float
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.device import resolve_device
+from ckv.eval.chunking import ChunkCheck, chunk_check
 from ckv.eval.codec import TokenCodec
 from ckv.eval.design import base_offsets, make_design, slot_pads
 from ckv.eval.hf_models import HFLastLogits, hf_memory
@@ -76,7 +77,9 @@ class NeedleSpec:
     gaps between records, re-drawn per prompt) or ``prefix`` (all filler before the first record and after the
     last). ``prefill_chunk``: tokens per forward of the chunked prefill (bounds activation and attention memory);
     ``"auto"``: the largest chunk whose estimated peak memory (``ckv.eval.memory``) fits ``memory_budget_gb``
-    (``None``: 90% of the device's free memory).
+    (``None``: 90% of the device's free memory). ``chunk_check``: for a transformers model scored in chunks,
+    this many prompts are also run as one full forward and compared with their scored logits
+    (``ckv.eval.chunking``; 0: off).
     """
 
     name: str = "needle"
@@ -89,6 +92,7 @@ class NeedleSpec:
     padding: str = "in_sequence"
     prefill_chunk: Union[int, str] = AUTO
     memory_budget_gb: Optional[float] = None
+    chunk_check: int = 4
     seed: int = 0
     vocab: VocabSpec = field(default_factory=VocabSpec)
 
@@ -100,6 +104,7 @@ class NeedleSpec:
                 ("record_len", 2),
                 ("modulus", 1),
                 ("prompts_per_residue", 1),
+                ("chunk_check", 0),
                 ("seed", 0),
             ),
             optional=(("n_records", 2), ("stride", 1)),
@@ -230,6 +235,7 @@ class NeedleTask(LookupTask):
         self.design = make_design(spec.modulus, 1, 1, 0)  # n_coarse = 1: base offsets (M - 1) + v - u
         self.prompts, self.table = self._build_haystacks()
         self.memory: Optional[dict] = None  # the prefill chunk and its memory estimate, once scored
+        self.full_forward_skip: Optional[str] = None  # why the chunk check cannot run a full forward, once scored
 
     def _check_context(self, max_len: int) -> None:
         s, c, n = self.spec, self.codec, self.n_records
@@ -398,6 +404,18 @@ def choose_chunk(
     return fit, budget
 
 
+def full_forward_skip(
+    spec: NeedleSpec, memory: ModelMemory, budget: Optional[float], weights_loaded: bool
+) -> Optional[str]:
+    """Why the chunk check cannot run one full forward of a prompt (its estimated peak exceeds ``budget``), or
+    ``None`` (it fits, or the budget is unknown)."""
+    T = spec.context_tokens
+    full = needed(estimate(memory, 1, T, T), weights_loaded)
+    if budget is None or full <= budget:
+        return None
+    return f"one full forward of {T} tokens needs ~{gb(full)} GB, the device offers {gb(budget)} GB"
+
+
 def dry_run_device(device: str) -> torch.device:
     """The device a dry run estimates for: ``device`` resolved, or as named when this machine lacks it (a plan for
     another machine: its free memory is then unknown unless ``task.memory_budget_gb`` says it)."""
@@ -438,7 +456,14 @@ class NeedleKind(LookupKind):
         )
         if isinstance(model.module, Transformer):
             return CkvChunkedLastLogits(model.module, est.chunk)
+        built.full_forward_skip = full_forward_skip(
+            spec, needle_memory(model, model.device, model.module), budget, True
+        )
         return HFLastLogits(model.module, est.chunk)
+
+    def chunking(self, built: NeedleTask, logits: LogitsFn) -> Optional[ChunkCheck]:
+        """The chunk check of a transformers model's chunked prefill on ``task.chunk_check`` prompts."""
+        return chunk_check(logits, built.prompts.lengths, built.spec.chunk_check, skip=built.full_forward_skip)
 
     def run(self, built: NeedleTask, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
         result = super().run(built, logits, options, device)
@@ -469,8 +494,14 @@ class NeedleKind(LookupKind):
             est, budget = choose_chunk(spec, model, batch, device)
         except ConfigError as e:
             return [*lines, str(e)]
-        return [
-            *lines,
-            f"budget on {device}: {gb(budget)} GB; the run would use prefill chunk {est.chunk}: "
-            f"peak ~{gb(est.peak)} GB",
-        ]
+        lines.append(
+            f"budget on {device}: {gb(budget)} GB; the run would use prefill chunk {est.chunk}: peak ~{gb(est.peak)} GB"
+        )
+        if model.kind == "hf" and spec.chunk_check and est.chunk < spec.context_tokens:
+            skip = full_forward_skip(spec, memory, budget, False)
+            lines.append(
+                f"chunk check: {min(spec.chunk_check, len(built.prompts))} prompts also run as one full forward "
+                + (f"(not run: {skip})" if skip else f"of {spec.context_tokens} tokens (fits)")
+                + "; task.chunk_check=0 turns it off"
+            )
+        return lines

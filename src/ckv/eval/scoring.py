@@ -10,7 +10,7 @@ are scored by chunked prefill through the model's KV cache (``CkvChunkedLastLogi
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 import numpy as np
@@ -69,10 +69,19 @@ class LazyPrompts(Sequence[np.ndarray]):
 @dataclass(frozen=True)
 class Scores:
     """``top1`` (P,): the full-vocabulary argmax after each prompt; ``probs`` (P, C): the softmax probability of
-    each prompt's candidate ids."""
+    each prompt's candidate ids; ``logits``: the scored last-position logits (V,) (float32, CPU) of the prompts
+    asked for by index (``keep``)."""
 
     top1: np.ndarray
     probs: np.ndarray
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def prompt_lengths(prompts: Union[Sequence[np.ndarray], LazyPrompts]) -> np.ndarray:
+    """(P,) the length of each prompt (``LazyPrompts`` know theirs without building them)."""
+    if isinstance(prompts, LazyPrompts):
+        return prompts.lengths
+    return np.array([len(p) for p in prompts], dtype=np.int64)
 
 
 def length_batches(lengths: np.ndarray, batch_size: int) -> list[np.ndarray]:
@@ -96,18 +105,20 @@ def score_next_token(
     device: torch.device | str = "cpu",
     progress: bool = True,
     desc: str = "scoring",
+    keep: Sequence[int] = (),
 ) -> Scores:
     """Score the token after each prompt: its full-vocabulary top-1 and the probabilities of ``candidates``
-    (P, C) ids. Runs under ``torch.inference_mode``, in float32 softmax, with a progress bar over the prompts
-    (``progress``). ``LazyPrompts`` are built batch by batch."""
+    (P, C) ids, and keep the logits of the prompts in ``keep`` (indices) as scored. Runs under
+    ``torch.inference_mode``, in float32 softmax, with a progress bar over the prompts (``progress``).
+    ``LazyPrompts`` are built batch by batch."""
     cand = np.asarray(candidates, dtype=np.int64)
     if cand.ndim != 2 or cand.shape[0] != len(prompts):
         raise ValueError(f"candidates must be (n_prompts={len(prompts)}, C), got {cand.shape}")
-    lengths = (
-        prompts.lengths if isinstance(prompts, LazyPrompts) else np.array([len(p) for p in prompts], dtype=np.int64)
-    )
+    lengths = prompt_lengths(prompts)
     top1 = np.zeros(len(prompts), dtype=np.int64)
     probs = np.zeros(cand.shape, dtype=np.float64)
+    kept: dict[int, torch.Tensor] = {}
+    wanted = {int(i) for i in keep}
     batches = length_batches(lengths, batch_size)
     bar = tqdm(total=len(prompts), desc=desc, disable=not progress, unit="prompt", leave=False)
     with torch.inference_mode(), bar:
@@ -119,5 +130,6 @@ def score_next_token(
             logp = torch.log_softmax(logits.float(), dim=-1)
             top1[idx] = logp.argmax(-1).cpu().numpy()
             probs[idx] = logp.gather(1, torch.as_tensor(cand[idx], device=logp.device)).exp().cpu().numpy()
+            kept.update({int(i): logits[j].float().cpu() for j, i in enumerate(idx) if int(i) in wanted})  # (V,)
             bar.update(len(idx))
-    return Scores(top1=top1, probs=probs)
+    return Scores(top1=top1, probs=probs, logits=kept)
