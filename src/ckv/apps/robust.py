@@ -84,7 +84,8 @@ LADDER = ("overlap_w8s4", *LADDER_STEPS)
 # the confirmation (docs/robustness.md, "Confirmation: criteria"): the finalists, their baseline and the control
 # on seeds no earlier run used, judged by confirm_verdicts
 CONFIRM_TASK = "split"
-CONFIRM_MODELS = ("gate_w4s4", "v4_csa_w8s4", "v4_csa_conv_w8s4", "full")
+# run in this order: the baseline and the control first, so each finalist's verdict is complete after its seeds
+CONFIRM_MODELS = ("gate_w4s4", "full", "v4_csa_w8s4", "v4_csa_conv_w8s4")
 CONFIRM_FINALISTS = ("v4_csa_w8s4", "v4_csa_conv_w8s4")
 CONFIRM_SEEDS = (100, 101, 102)
 NONINFERIORITY_MARGIN = 0.05  # C2: every phase of a finalist within this of the control's mean (one-sided 5%)
@@ -157,7 +158,7 @@ def plan(
 ) -> tuple[DemoRun, ...]:
     """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``: the core models and those
     named in ``add`` (in every task that has them), or with ``everything`` every model, or with ``only`` exactly
-    the models it names (in every task that has them)."""
+    the models it names (in every task that has them, in its order)."""
     known = {m.name for models in MODELS.values() for m in models}
     for flag, names in (("--add", add), ("--models", only)):
         unknown = sorted(set(names) - known)
@@ -175,7 +176,7 @@ def plan(
             name=f"{task}_{m.name}",
         )
         for task in tasks
-        for m in MODELS[task]
+        for m in sorted(MODELS[task], key=lambda m: only.index(m.name) if m.name in only else -1)
         if (m.name in only if only else m.core or everything or m.name in add)
         for seed in seeds
     )
