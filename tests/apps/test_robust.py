@@ -23,6 +23,10 @@ def test_plan_runs_the_core_models_of_each_task_for_each_seed_with_one_attention
         assert r.train_overrides == tuple(model.option.split())
         # only the control, which has no stride, is told which phase period to report
         assert bool(r.eval_overrides) == (r.role == "control")
+    # --models and --confirm: exactly the named models, in the order named (the confirmation's baseline and
+    # control first)
+    only = plan(("split", "dense"), (0,), only=("full", "heads_w8s8_kv2", "gate_w4s4"))
+    assert [r.name for r in only] == ["split_full", "split_gate_w4s4", "dense_full", "dense_heads_w8s8_kv2"]
     for task, models in MODELS.items():
         names = [m.name for m in models]
         assert [m.role for m in models].count("control") == 1 and len(set(names)) == len(names)
