@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install lint format test test-all test-slow demo demo-grid demo-v4 robust smoke clean
+.PHONY: install lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation smoke clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,12 @@ demo-v4: $(STAMP)  ## transformers' DeepSeek-V4 vs ckv's V4 variant vs the W = S
 
 robust: $(STAMP)  ## robustness benchmark: baseline gates, fixes and full attention on two tasks, two seeds, 18 models (~27 min on 2 cores; docs/robustness.md)
 	$(BIN)/python -m ckv.apps.robust --out outputs/robust
+
+robust-confirm: $(STAMP)  ## confirmation on fresh seeds 100-102: V4's maps with and without mixing, the W4/S4 gate and full attention, 12 models (60 min measured on 2 cores shared with 5-8 other training runs; about 20 min on 2 free cores, estimated from make robust's per-model times; criteria in docs/robustness.md)
+	$(BIN)/python -m ckv.apps.robust --confirm --out outputs/robust_confirm
+
+robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on the split task, 8 steps x 2 seeds (not yet timed: 16 runs, about make robust's time on 2 free cores by its per-model times; reuses make robust's overlap_w8s4 runs)
+	$(BIN)/python -m ckv.apps.robust --ablation --out outputs/robust
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)
 	$(BIN)/python -m ckv.apps.smoke

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ckv.apps.demo import ROOT
-from ckv.apps.robust import MODEL_BY_RUN, MODELS, criteria, plan
+from ckv.apps.robust import CONFIRM_SEEDS, MODEL_BY_RUN, MODELS, confirm_verdicts, criteria, noninferiority_bound, plan
 from ckv.apps.robust import main as robust_main
 from tests.apps.helpers import run_quick
 
@@ -23,6 +23,10 @@ def test_plan_runs_the_core_models_of_each_task_for_each_seed_with_one_attention
         assert r.train_overrides == tuple(model.option.split())
         # only the control, which has no stride, is told which phase period to report
         assert bool(r.eval_overrides) == (r.role == "control")
+    # --models and --confirm: exactly the named models, in the order named (the confirmation's baseline and
+    # control first)
+    only = plan(("split", "dense"), (0,), only=("full", "heads_w8s8_kv2", "gate_w4s4"))
+    assert [r.name for r in only] == ["split_full", "split_gate_w4s4", "dense_full", "dense_heads_w8s8_kv2"]
     for task, models in MODELS.items():
         names = [m.name for m in models]
         assert [m.role for m in models].count("control") == 1 and len(set(names)) == len(names)
@@ -104,6 +108,66 @@ def test_criteria_need_every_seed():
     weak = [dict(r, mean=0.13, worst_phase_accuracy=0.12) if r["role"] == "control" else r for r in rows]
     goal = [c for c in criteria(weak) if "goal" in c.claim]
     assert len(goal) == 4 and not any(c.passed for c in goal) and "not learned" in goal[0].claim
+
+
+def _confirm_row(model: str, seed: int, phases: list[float], half: float = 0.02, verdict: str = "flat") -> dict:
+    row = _row(model, "fix", seed, min(phases), verdict=verdict)
+    mean = sum(phases) / len(phases)
+    return dict(
+        row,
+        mean=mean,
+        mean_lower=mean - half / 2,
+        mean_upper=mean + half / 2,
+        per_phase=phases,
+        per_phase_lower=[a - half for a in phases],
+        per_phase_upper=[a + half for a in phases],
+    )
+
+
+def test_noninferiority_bound_is_the_one_sided_normal_bound_of_each_phase_minus_the_control_mean():
+    fix = _confirm_row("v4_csa_w8s4", 100, [0.86, 0.84], half=0.0392)  # se 0.02 per phase
+    ctrl = _confirm_row("full", 100, [0.88, 0.88], half=0.0392 * 2)  # mean interval half-width 0.0392: se 0.02
+    got = noninferiority_bound(fix, ctrl)
+    se = (0.02**2 + 0.02**2) ** 0.5
+    assert got == pytest.approx([0.86 - 0.88 - 1.6449 * se, 0.84 - 0.88 - 1.6449 * se], abs=1e-4)
+
+
+def test_confirm_verdicts_follow_the_committed_criteria():
+    seeds = CONFIRM_SEEDS
+    rows = [_confirm_row("gate_w4s4", s, [0.6, 0.9, 0.6, 0.1], verdict="gap") for s in seeds]
+    rows += [_confirm_row("full", s, [0.88] * 4, half=0.01) for s in seeds]
+    # flat and every phase within the margin in every seed: confirmed
+    rows += [_confirm_row("v4_csa_w8s4", s, [0.87, 0.86, 0.87, 0.86], half=0.01) for s in seeds]
+    # flat in every seed, but one seed 9 pp under the control: flat, not as good as full attention
+    rows += [_confirm_row("v4_csa_conv_w8s4", s, [0.87] * 4, half=0.01) for s in seeds[:2]]
+    rows += [_confirm_row("v4_csa_conv_w8s4", seeds[2], [0.79, 0.78, 0.79, 0.79], half=0.01)]
+    got = {c.claim.split(":")[0]: c.passed for c in confirm_verdicts(rows)}
+    assert got == {
+        "validity": True,
+        "C1 v4_csa_w8s4": True,
+        "C2 v4_csa_w8s4": True,
+        "verdict v4_csa_w8s4": True,
+        "C1 v4_csa_conv_w8s4": True,
+        "C2 v4_csa_conv_w8s4": False,
+        "verdict v4_csa_conv_w8s4": False,
+    }
+    claims = [c.claim for c in confirm_verdicts(rows)]
+    assert "verdict v4_csa_conv_w8s4: flat, not as good as full attention" in claims
+    # within 5 pp on the point estimate but not with its uncertainty: a wide interval fails C2
+    wide = [
+        dict(r, per_phase_lower=[a - 0.2 for a in r["per_phase"]]) if r["model"] == "v4_csa_w8s4" else r for r in rows
+    ]
+    assert not next(c for c in confirm_verdicts(wide) if c.claim.startswith("C2 v4_csa_w8s4")).passed
+    # one seed undecided: not flat, not confirmed
+    undecided = [
+        dict(r, phase_verdict="undecided") if (r["model"], r["seed"]) == ("v4_csa_w8s4", seeds[0]) else r for r in rows
+    ]
+    assert "verdict v4_csa_w8s4: not confirmed" in [c.claim for c in confirm_verdicts(undecided)]
+    # a baseline without a real gap voids the confirmation: only the validity checks are printed
+    void = [dict(r, phase_verdict="flat") if r["model"] == "gate_w4s4" else r for r in rows]
+    assert [c.passed for c in confirm_verdicts(void)] == [True, False]
+    # a missing seed of the control: nothing is judged
+    assert confirm_verdicts([r for r in rows if (r["model"], r["seed"]) != ("full", seeds[1])]) == []
 
 
 @pytest.mark.smoke

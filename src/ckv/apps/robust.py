@@ -47,7 +47,7 @@ from ckv.apps.demo import (
 from ckv.config import ModelConfig
 from ckv.eval.summary import flatness_fields
 from ckv.flops import parameter_count
-from ckv.io.layout import MODEL_DIR
+from ckv.io.layout import MODEL_DIR, read_run_config
 from ckv.io.results import read_json, write_json
 from ckv.io.weights import load_config
 
@@ -69,6 +69,29 @@ class Model:
     core: bool = True
 
 
+# the ablation ladder (docs/robustness.md, "Ablation"): conf/attention/v4_<step>.yaml, each the previous step plus
+# one change; the ladder starts at the W8/S4 gate (split's overlap_w8s4) and its last step is deepseek_v4_csa
+LADDER_STEPS = (
+    "ladder1_series",
+    "ladder2_vector_gate",
+    "ladder3_tied",
+    "ladder4_postnorm",
+    "ladder5_rope",
+    "ladder6_sink",
+    "ladder7_output_rope",
+)
+LADDER = ("overlap_w8s4", *LADDER_STEPS)
+# the confirmation (docs/robustness.md, "Confirmation: criteria"): the finalists, their baseline and the control
+# on seeds no earlier run used, judged by confirm_verdicts
+CONFIRM_TASK = "split"
+# run in this order: the baseline and the control first, so each finalist's verdict is complete after its seeds
+CONFIRM_MODELS = ("gate_w4s4", "full", "v4_csa_w8s4", "v4_csa_conv_w8s4")
+CONFIRM_FINALISTS = ("v4_csa_w8s4", "v4_csa_conv_w8s4")
+CONFIRM_SEEDS = (100, 101, 102)
+NONINFERIORITY_MARGIN = 0.05  # C2: every phase of a finalist within this of the control's mean (one-sided 5%)
+Z_ONE_SIDED_95 = 1.6448536269514722
+Z_TWO_SIDED_95 = 1.959963984540054
+
 # task -> models; the run folder is <out>/runs/<task>_<model>/seed=<seed>. Every model of a task shares the
 # experiment's model, data, optimiser, budget and local window (4 tokens); only the attention option differs.
 MODELS: dict[str, tuple[Model, ...]] = {
@@ -86,6 +109,8 @@ MODELS: dict[str, tuple[Model, ...]] = {
         Model("v4_csa_conv_w8s4", "attention=deepseek_v4_csa attention/mixing=conv", "fix", "gate_w4s4", core=False),
         # fix 4 (a crowding fix)
         Model("entropy_w4s4", "attention=w4s4 trainer/gate_entropy=floor", "fix", "gate_w4s4", core=False),
+        # the ablation ladder from the W8/S4 gate (overlap_w8s4) to V4's CSA, one change per step (LADDER)
+        *(Model(name, f"attention=v4_{name}", "fix", "gate_w4s4", core=False) for name in LADDER_STEPS),
         Model("full", "attention=full", "control"),
     ),
     # crowding: the paper's W = 8 / S = 4 (every 2-token record fits one window) and W = S = 8 (one entry per 8)
@@ -105,6 +130,9 @@ MODELS: dict[str, tuple[Model, ...]] = {
             core=False,
         ),
         Model("stagger_w8s8", "attention=w8s8 attention/grid=stagger", "fix", "gate_w8s8", core=False),
+        # a crowding family: two KV heads on window grids offset by 0 and 4, W = S = 8: the W8/S4 1-KV-head gate's
+        # long-sequence KV bytes per token (two entries per 8 tokens), its baseline
+        Model("heads_w8s8_kv2", "attention=w8s8_kv2_heads", "fix", "gate_w8s4", core=False),
         Model("full", "attention=full", "control"),
     ),
 }
@@ -122,16 +150,22 @@ MODEL_BY_RUN = {f"{task}_{m.name}": m for task, models in MODELS.items() for m i
 
 
 def plan(
-    tasks: tuple[str, ...], seeds: tuple[int, ...], everything: bool = False, add: tuple[str, ...] = ()
+    tasks: tuple[str, ...],
+    seeds: tuple[int, ...],
+    everything: bool = False,
+    add: tuple[str, ...] = (),
+    only: tuple[str, ...] = (),
 ) -> tuple[DemoRun, ...]:
     """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``: the core models and those
-    named in ``add`` (in every task that has them), or with ``everything`` every model."""
-    unknown = sorted(set(add) - {m.name for models in MODELS.values() for m in models})
-    if unknown:
-        raise ValueError(
-            f"--add {' '.join(unknown)}: not a model of {', '.join(MODELS)} "
-            f"(choose from {sorted({m.name for ms in MODELS.values() for m in ms if not m.core})})"
-        )
+    named in ``add`` (in every task that has them), or with ``everything`` every model, or with ``only`` exactly
+    the models it names (in every task that has them, in its order)."""
+    known = {m.name for models in MODELS.values() for m in models}
+    for flag, names in (("--add", add), ("--models", only)):
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise ValueError(
+                f"{flag} {' '.join(unknown)}: not a model of {', '.join(MODELS)} (choose from {sorted(known)})"
+            )
     return tuple(
         DemoRun(
             f"robust_{task}",
@@ -142,17 +176,20 @@ def plan(
             name=f"{task}_{m.name}",
         )
         for task in tasks
-        for m in MODELS[task]
-        if m.core or everything or m.name in add
+        for m in sorted(MODELS[task], key=lambda m: only.index(m.name) if m.name in only else -1)
+        if (m.name in only if only else m.core or everything or m.name in add)
         for seed in seeds
     )
 
 
-def kv_bytes_per_token(config: ModelConfig, bytes_per_element: int = BYTES_PER_ELEMENT) -> float:
-    """KV-cache bytes a model adds per token over all layers, in the long-sequence limit: full attention keeps
-    every key and value; compressed attention one entry (key, and value unless tied) per ``stride`` tokens. The
-    local window and the pending hidden states are a constant, not a per-token cost (``ckv.flops``)."""
-    return flops.kv_bytes_per_token(config, None, bytes_per_element)
+def kv_bytes_per_token(
+    config: ModelConfig, seq_len: Optional[int] = None, bytes_per_element: int = BYTES_PER_ELEMENT
+) -> float:
+    """KV-cache bytes per token over all layers at bf16 (``ckv.flops.kv_bytes_per_token``). ``seq_len=None``: the
+    long-sequence figure, the cache's growth per token (full attention keeps every key and value; compressed
+    attention one entry, key and value unless tied, per ``stride`` tokens). ``seq_len=T``: everything the decode
+    cache holds after T tokens (entries, local window, pending and mixing states) divided by T."""
+    return flops.kv_bytes_per_token(config, seq_len, bytes_per_element)
 
 
 def row(d: dict) -> dict:
@@ -160,6 +197,7 @@ def row(d: dict) -> dict:
     rep = d["results"]
     h = rep["headline"]
     cfg = load_config(Path(d["dir"]) / MODEL_DIR)
+    task_tokens = read_run_config(d["dir"])["data"]["seq_len"]  # the task's longest example
     residue = rep["residue"]["gap"]
     return {
         "task": d["run"].experiment.removeprefix("robust_"),
@@ -172,6 +210,10 @@ def row(d: dict) -> dict:
         "stride": rep["stride"],
         "mean": h["mean"],
         "per_phase": [g["accuracy"] for g in rep["phase"]["groups"]],
+        "per_phase_lower": [g["lower"] for g in rep["phase"]["groups"]],
+        "per_phase_upper": [g["upper"] for g in rep["phase"]["groups"]],
+        "mean_lower": rep["phase"]["mean"]["lower"],
+        "mean_upper": rep["phase"]["mean"]["upper"],
         "worst_phase": h["worst_phase"],
         "worst_phase_accuracy": h["worst_phase_accuracy"],
         "phase_gap": h["phase_gap"],
@@ -186,18 +228,22 @@ def row(d: dict) -> dict:
         **flatness_fields(rep, "phase"),
         **flatness_fields(rep, "residue"),
         "kv_bytes_per_token": kv_bytes_per_token(cfg),
+        "task_tokens": task_tokens,
+        "kv_bytes_per_token_task": kv_bytes_per_token(cfg, task_tokens),
         "parameters": parameter_count(cfg),
         "results": str(d["dir"]),
     }
 
 
 def table(rows: list[dict]) -> str:
-    """The printed table, one line per run: memory and cost, accuracy, the phase gap with its interval, noise
+    """The printed table, one line per run: memory (KV bytes per token in the long-sequence limit and at the
+    task's own length T, ``kv_bytes_per_token``) and cost, accuracy, the phase gap with its interval, noise
     floor, permutation p, one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``, 80% power) and
     verdict (gap / flat / undecided at the equivalence margin), and the residue gap with its interval, noise
     floor and minimum detectable gap."""
     head = (
-        f"{'task/model/seed':34s} {'KV B/tok':>8s} {'params':>8s} {'train s':>7s} {'mean %':>6s} {'worst %':>7s}  "
+        f"{'task/model/seed':34s} {'KV B/tok':>8s} {'at T':>9s} {'params':>8s} {'train s':>7s} {'mean %':>6s} "
+        f"{'worst %':>7s}  "
         f"{'per-phase accuracy % (phase = pos mod S)':42s} {'phase gap pp [95%]':>19s} {'floor':>5s} {'p':>6s} "
         f"{'<= pp':>5s} {'MDE':>5s} {'verdict':>9s} {'residue gap pp [95%]':>20s} {'floor':>5s} {'MDE':>5s}"
     )
@@ -208,6 +254,7 @@ def table(rows: list[dict]) -> str:
         res = f"{100 * r['residue_gap']:.1f} [{100 * r['residue_gap_lower']:.1f}, {100 * r['residue_gap_upper']:.1f}]"
         lines.append(
             f"{r['task'] + '/' + r['model'] + '/' + str(r['seed']):34s} {r['kv_bytes_per_token']:8.0f} "
+            f"{r['kv_bytes_per_token_task']:5.0f}@{r['task_tokens']:<3d} "
             f"{r['parameters']:8d} {r['train_seconds']:7.0f} {100 * r['mean']:6.1f} "
             f"{100 * r['worst_phase_accuracy']:7.1f}  {per:42s} {gap:>19s} "
             f"{100 * r['phase_noise_floor']:5.1f} {r['phase_p_value']:6.4f} {pp(r['phase_upper_one_sided']):>5s} "
@@ -310,6 +357,127 @@ def criteria(rows: list[dict]) -> list[Check]:
     return checks
 
 
+def _se(lower: float, upper: float) -> float:
+    """The standard error a 95% interval implies (its half-width over z_0.975)."""
+    return (upper - lower) / (2 * Z_TWO_SIDED_95)
+
+
+def noninferiority_bound(fix: dict, control: dict) -> list[float]:
+    """Per phase of ``fix``: the one-sided 95% lower bound of (phase accuracy - the control's mean accuracy), each
+    from the two runs' 95% cluster-bootstrap intervals as normal standard errors (independent models)."""
+    se_c = _se(control["mean_lower"], control["mean_upper"])
+    return [
+        a - control["mean"] - Z_ONE_SIDED_95 * (_se(lo, hi) ** 2 + se_c**2) ** 0.5
+        for a, lo, hi in zip(fix["per_phase"], fix["per_phase_lower"], fix["per_phase_upper"])
+    ]
+
+
+def confirm_verdicts(rows: list[dict]) -> list[Check]:
+    """The confirmation's verdicts, as committed in docs/robustness.md ("Confirmation: criteria"): validity
+    (the control learned, the baseline shows a real gap, in every seed), then per finalist C1 (phase-gap verdict
+    ``flat`` in every seed: equivalence at the 5 pp margin) and C2 (in every seed, every phase's one-sided 95% lower
+    bound of its accuracy minus the same seed's control mean above -NONINFERIORITY_MARGIN) and the verdict:
+    confirmed (C1 and C2), flat but not as good as full attention (C1 only), or not confirmed. A finalist, its
+    baseline or the control missing a seed leaves it unjudged (no check)."""
+    by = {(r["model"], r["seed"]): r for r in rows if r["task"] == CONFIRM_TASK}
+    seeds = sorted({s for _, s in by})
+    base = [by.get(("gate_w4s4", s)) for s in seeds]
+    ctrl = [by.get(("full", s)) for s in seeds]
+    if not seeds or any(r is None for r in base + ctrl):
+        return []
+    learned = Check(
+        f"validity: the control (full) learns the task (mean >= {100 * CONTROL_LEARNED:.0f}%) in every seed",
+        all(c["mean"] >= CONTROL_LEARNED for c in ctrl),
+        "; ".join(
+            f"seed {s}: mean {100 * c['mean']:.1f}% [{100 * c['mean_lower']:.1f}, {100 * c['mean_upper']:.1f}], "
+            f"verdict {c['phase_verdict']}"
+            for s, c in zip(seeds, ctrl)
+        ),
+    )
+    mechanism = Check(
+        "validity: the baseline (gate_w4s4) shows a real phase gap in every seed",
+        all(b["phase_verdict"] == "gap" for b in base),
+        "; ".join(
+            f"seed {s}: gap {100 * b['phase_gap']:.1f} pp [{100 * b['phase_gap_lower']:.1f}, "
+            f"{100 * b['phase_gap_upper']:.1f}], worst {100 * b['worst_phase_accuracy']:.1f}%, {b['phase_verdict']}"
+            for s, b in zip(seeds, base)
+        ),
+    )
+    checks = [learned, mechanism]
+    if not (learned.passed and mechanism.passed):
+        return checks
+    for name in CONFIRM_FINALISTS:
+        fixes = [by.get((name, s)) for s in seeds]
+        if any(f is None for f in fixes):
+            continue
+        flat = [f["phase_verdict"] == "flat" for f in fixes]
+        bounds = [min(noninferiority_bound(f, c)) for f, c in zip(fixes, ctrl)]
+        near = [b > -NONINFERIORITY_MARGIN for b in bounds]
+        checks.append(
+            Check(
+                f"C1 {name}: flat (phase gap's one-sided 95% upper bound under {pp(fixes[0]['phase_margin'])} pp) "
+                "in every seed",
+                all(flat),
+                "; ".join(
+                    f"seed {s}: gap {100 * f['phase_gap']:.1f} pp [{100 * f['phase_gap_lower']:.1f}, "
+                    f"{100 * f['phase_gap_upper']:.1f}] <= {pp(f['phase_upper_one_sided'])}, "
+                    f"MDE {pp(f['phase_mde'])}, {f['phase_verdict']}"
+                    for s, f in zip(seeds, fixes)
+                ),
+            )
+        )
+        checks.append(
+            Check(
+                f"C2 {name}: every phase non-inferior to full attention's mean (margin "
+                f"{100 * NONINFERIORITY_MARGIN:.0f} pp, one-sided 95%) in every seed",
+                all(near),
+                "; ".join(
+                    f"seed {s}: worst phase {100 * f['worst_phase_accuracy']:.1f}% vs full's mean "
+                    f"{100 * c['mean']:.1f}%, lowest bound of (phase - full) {100 * b:+.1f} pp"
+                    for s, f, c, b in zip(seeds, fixes, ctrl, bounds)
+                ),
+            )
+        )
+        verdict = (
+            "confirmed"
+            if all(flat) and all(near)
+            else "flat, not as good as full attention"
+            if all(flat)
+            else "not confirmed"
+        )
+        checks.append(
+            Check(
+                f"verdict {name}: {verdict}",
+                verdict == "confirmed",
+                "reported, not judged: worst phase vs the baseline's "
+                + "; ".join(
+                    f"seed {s}: {100 * f['worst_phase_accuracy']:.1f}% vs {100 * b['worst_phase_accuracy']:.1f}% "
+                    f"({100 * (f['worst_phase_accuracy'] - b['worst_phase_accuracy']):+.1f} pp)"
+                    for s, f, b in zip(seeds, fixes, base)
+                ),
+            )
+        )
+    return checks
+
+
+def ladder_lines(rows: list[dict]) -> list[str]:
+    """The ablation ladder (``LADDER``) on the split task, one line per step and seed: what the step changes (its
+    YAML's name), worst phase, phase gap with interval, one-sided upper bound, MDE and verdict, KV bytes."""
+    by = {(r["model"], r["seed"]): r for r in rows if r["task"] == "split"}
+    lines = []
+    for step in LADDER:
+        for seed in sorted(s for m, s in by if m == step):
+            r = by[(step, seed)]
+            lines.append(
+                f"{step:22s} seed {seed}: mean {100 * r['mean']:5.1f}%, worst {100 * r['worst_phase_accuracy']:5.1f}%, "
+                f"gap {100 * r['phase_gap']:.1f} pp [{100 * r['phase_gap_lower']:.1f}, "
+                f"{100 * r['phase_gap_upper']:.1f}] <= {pp(r['phase_upper_one_sided'])} MDE {pp(r['phase_mde'])} "
+                f"{r['phase_verdict']}; KV {r['kv_bytes_per_token']:.0f} B/token ({r['kv_bytes_per_token_task']:.0f} "
+                f"at T = {r['task_tokens']})"
+            )
+    return lines
+
+
 def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> list[dict]:
     """The crowding analysis on ``ANALYSED_TASKS``' compressed models: ``eval.py analysis=joint`` (per layer and KV
     head, the knock-out effect per phase beside the K and V gate profiles, docs/analysis.md), one summary per run.
@@ -394,8 +562,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="models outside the core set to train as well (finished runs in --out are reused: their "
         "'train s' is then the seconds of the resume check, not of their training)",
     )
+    ap.add_argument(
+        "--models",
+        nargs="+",
+        default=(),
+        metavar="MODEL",
+        help="exactly these models (in every task of --task that has them), not the core set",
+    )
+    ap.add_argument(
+        "--ablation",
+        action="store_true",
+        help="the ablation ladder on the split task (W8/S4 gate to deepseek_v4_csa, one change per step)",
+    )
+    ap.add_argument(
+        "--confirm",
+        action="store_true",
+        help=f"the confirmation: {', '.join(CONFIRM_MODELS)} on the split task, seeds "
+        f"{', '.join(map(str, CONFIRM_SEEDS))} (default --out outputs/robust_confirm), and its verdicts",
+    )
     ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out's robust.json")
     args = ap.parse_args(argv)
+    if args.confirm and args.out == ap.get_default("out"):
+        args.out = "outputs/robust_confirm"
     out = Path(args.out).resolve()
     png = out / "worst_phase_vs_kv_bytes.png"
     if args.replot:
@@ -403,11 +591,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"plot: {png}")
         return 0
     try:
+        if args.confirm or args.ablation:
+            if args.task == "dense" or args.models or args.all or args.add:
+                raise ValueError("--confirm and --ablation run their own models on the split task")
+        seeds = CONFIRM_SEEDS if args.confirm else SEEDS
         runs = plan(
-            tuple(MODELS) if args.task == "both" else (args.task,),
-            SEEDS[:1] if args.quick else SEEDS,
+            (CONFIRM_TASK,)
+            if args.confirm or args.ablation
+            else tuple(MODELS)
+            if args.task == "both"
+            else (args.task,),
+            seeds[:1] if args.quick else seeds,
             everything=args.all,
             add=tuple(args.add),
+            only=CONFIRM_MODELS if args.confirm else LADDER if args.ablation else tuple(args.models),
         )
     except ValueError as e:
         ap.error(str(e))
@@ -424,6 +621,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     checks = criteria(rows)
     for c in checks:
         print(f"  [{'MET' if c.passed else 'not met'}] {c.claim}: {c.detail}")
+    verdicts = confirm_verdicts(rows) if args.confirm else []
+    if verdicts:
+        print("\nconfirmation (criteria committed in docs/robustness.md, 'Confirmation: criteria'):")
+        for c in verdicts:
+            print(f"  [{'MET' if c.passed else 'not met'}] {c.claim}: {c.detail}")
+    ladder = ladder_lines(rows)
+    if ladder:
+        print("\nablation ladder (split task; each step adds one change to the previous one):")
+        for line in ladder:
+            print(f"  {line}")
     if analyses:
         print(f"\ncrowding analysis (eval.py analysis=joint on each compressed model of {', '.join(ANALYSED_TASKS)}):")
         for line in crowding_lines(analyses):
@@ -436,6 +643,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             "seconds": time.monotonic() - clock.start,
             "rows": rows,
             "criteria": [c.__dict__ for c in checks],
+            "confirmation": [c.__dict__ for c in verdicts],
             "crowding": analyses,
             "plot": str(png),
         },
