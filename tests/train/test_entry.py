@@ -277,6 +277,7 @@ def test_multirun_two_strides(tmp_path, cache_dir):
             "-m",
             "experiment=cpu_smoke",
             "data=lookup_split",
+            "data.seq_len=66",  # cpu_smoke's 64 is shorter than the split task's longest example
             "attention=w8s8",
             "attention.stride=4,8",
             "trainer.max_steps=3",
@@ -289,7 +290,8 @@ def test_multirun_two_strides(tmp_path, cache_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = sorted(p for p in (tmp_path / "cpu_smoke").iterdir() if p.is_dir())
     assert [p.name for p in runs] == [
-        f"attention.stride={s},attention=w8s8,data=lookup_split,trainer.max_steps=3,seed=0" for s in (4, 8)
+        f"attention.stride={s},attention=w8s8,data.seq_len=66,data=lookup_split,trainer.max_steps=3,seed=0"
+        for s in (4, 8)
     ]
     for stride, run in zip((4, 8), runs):
         saved = yaml.safe_load((run / "config.yaml").read_text())
