@@ -1,4 +1,4 @@
-"""Mechanistic analyses of trained models: knock-outs, gate concentration, gate cycling, the joint view and top-k selection.
+"""Mechanistic analyses of trained models: knock-outs, gate concentration, gate cycling, the joint view, selection.
 
 They build on evaluation (the same prompts and statistics) and install their own hooks on the model; model code
 carries no analysis state. Importing the package registers every shipped analysis (see ``registry``)::

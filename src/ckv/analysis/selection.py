@@ -45,9 +45,7 @@ def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttent
     return layers
 
 
-def target_entries(
-    layer: CompressedAttention, n_entries: int, starts: torch.Tensor, record_len: int
-) -> torch.Tensor:
+def target_entries(layer: CompressedAttention, n_entries: int, starts: torch.Tensor, record_len: int) -> torch.Tensor:
     """(B, E, R) bool: entry ``j`` of ``layer``'s grid pools token ``r`` of the record starting at real position
     ``starts[b]`` (B,)."""
     P = layer.origin
