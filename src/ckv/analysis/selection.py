@@ -97,9 +97,8 @@ class SelectionRecorder:
         self.handles = []
 
 
-def selection_outcome(ctx: AnalysisContext) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Score the task once with the hooks on: ``hit`` and ``covered`` (n_layers, P) bool and the outcome."""
-    layers = selected_layers(ctx.model.module, ctx.model.name)
+def selection_outcome(ctx: AnalysisContext, layers: list[CompressedAttention]) -> tuple[np.ndarray, np.ndarray, Any]:
+    """Score the task once with hooks on ``layers``: ``hit`` and ``covered`` (n_layers, P) bool and the outcome."""
     task, R = ctx.task, ctx.task.codec.record_len
     starts_all = torch.as_tensor(task.table["target_position"])
     lengths = np.array([len(p) for p in task.prompts], dtype=np.int64)
@@ -191,8 +190,9 @@ def selection(ctx: AnalysisContext) -> dict:
     holds (``hit``) and covers (``covered``) the target record, beside the accuracy; a plot."""
     if ctx.params:
         raise ConfigError(f"analysis=selection takes no parameters; got {sorted(ctx.params)}")
+    layers = selected_layers(ctx.model.module, ctx.model.name)
     stride = ctx.task.require_stride("analysis=selection")
-    hit, covered, outcome = selection_outcome(ctx)
+    hit, covered, outcome = selection_outcome(ctx, layers)
     a = ctx.model.module.config.attention
     result = {
         "stride": stride,
