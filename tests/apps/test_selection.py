@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ckv.apps.selection import MODELS, SEEDS, STRIDE, TOPK, checks, plan, table
+from ckv.apps.selection import MODELS, N_BASE, SEEDS, STRIDE, TOPK, checks, plan, table
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 
@@ -20,8 +20,10 @@ def test_plan_trains_every_model_for_every_seed_with_one_attention_option():
     assert by[("dense", 0)].train_overrides == ("attention=deepseek_v4_csa",)
     for name in ("sparse", "oracle"):
         assert by[(name, 1)].train_overrides[1] == f"attention.selection.topk={TOPK}"
-    assert by[("full", 0)].eval_overrides == (f"task.stride={STRIDE}",)  # full attention's phases: mod the stride
-    assert all(not r.eval_overrides for r in runs if r.role != "control")
+    # full attention's phases: mod the stride
+    assert by[("full", 0)].eval_overrides == (f"task.n_base={N_BASE}", f"task.stride={STRIDE}")
+    assert all(r.eval_overrides == (f"task.n_base={N_BASE}",) for r in runs if r.role != "control")
+    assert plan(SEEDS[:1], quick=True)[-1].eval_overrides == (f"task.stride={STRIDE}",)  # QUICK_EVAL sets n_base
 
 
 def _row(model: str, role: str, seed: int, mean: float, verdict: str, covered=None) -> dict:

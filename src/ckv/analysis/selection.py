@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ckv.analysis.hooks import AnalysisNotApplicable
 from ckv.analysis.registry import AnalysisContext, register_analysis
 from ckv.attention.compressed import CompressedAttention
 from ckv.config import ConfigError
@@ -35,10 +36,10 @@ from ckv.geometry import compressed_mask, window_positions
 
 
 def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttention]:
-    """The compressed attention layers of ``module`` in order; a ConfigError when it has none."""
+    """The compressed attention layers of ``module`` in order; ``AnalysisNotApplicable`` when it has none."""
     layers = [m for m in module.modules() if isinstance(m, CompressedAttention)]
     if not layers:
-        raise ConfigError(
+        raise AnalysisNotApplicable(
             f"analysis=selection reads the compressed entries each query attends to; {model_name} has no "
             "compressed attention layer (attention.kind=compressed)"
         )
