@@ -66,10 +66,28 @@ def test_run_analysis_writes_the_record_and_the_plot(tmp_path: Path):
     assert png_ok(written.parent / out.name)
 
 
+def test_oracle_selection_imposed_on_a_dense_model(tmp_path: Path):
+    """``oracle_topk`` evaluates the same weights with oracle top-k: the accuracy is that of an oracle model loaded
+    with them, the covered rate drops below 1, and the task's statistics come along."""
+    dense = load_ckv_model(make_run(tmp_path, attention=W8S4), device="cpu")
+    oracle = load_ckv_model(make_run(tmp_path, attention=dict(W8S4, selection=dict(topk=1, by="oracle")), name="o"))
+    oracle.module.load_state_dict(dense.module.state_dict())  # strict: the same parameters
+    want = context(oracle, tmp_path).evaluate()
+    imposed = selection(context(dense, tmp_path, params={"oracle_topk": 1}))
+    assert imposed["mean_accuracy"] == pytest.approx(float(np.mean(want.correct)))
+    assert imposed["by"] == "oracle" and imposed["topk"] == 1 and all(x["covered"] < 1 for x in imposed["layers"])
+    assert imposed["report"]["headline"]["mean"] == pytest.approx(imposed["mean_accuracy"])
+    assert dense.module.config.attention.selection is None  # the loaded model itself is untouched
+    with pytest.raises(ConfigError, match="already selects"):
+        selection(context(oracle, tmp_path, params={"oracle_topk": 1}))
+
+
 def test_models_without_compressed_layers_and_parameters_fail_with_one_line(tmp_path: Path):
     full = load_ckv_model(make_run(tmp_path, attention=dict(kind="full"), name="full"), device="cpu")
     with pytest.raises(ConfigError, match="no compressed attention layer"):
         selection(context(full, tmp_path, params={}))
     model = load_ckv_model(make_run(tmp_path, attention=W8S4, name="w8s4"), device="cpu")
-    with pytest.raises(ConfigError, match="takes no parameters"):
+    with pytest.raises(ConfigError, match="unknown analysis=selection parameter"):
         selection(context(model, tmp_path, params={"layers": [0]}))
+    with pytest.raises(ConfigError, match="analysis.oracle_topk=0 must be an integer >= 1"):
+        selection(context(model, tmp_path, params={"oracle_topk": 0}))

@@ -72,8 +72,9 @@ def test_quick_selection_writes_a_table_a_plot_and_a_record(tmp_path):
     out = tmp_path / "selection"
     proc = run_quick("ckv.apps.selection", out)
     record = json.loads((out / "selection.json").read_text())
-    assert [r["model"] for r in record["rows"]] == [m.name for m in MODELS]
+    assert [r["model"] for r in record["rows"]] == [m.name for m in MODELS] + ["dense+oracle"]
     for r in record["rows"]:
         assert r["steps"] == 12 and len(r["per_phase"]) == STRIDE
         assert (r["covered"] is None) == (r["role"] in ("dense", "control"))
+    assert record["rows"][-1]["per_phase"] != record["rows"][0]["per_phase"] or record["rows"][-1]["covered"]
     assert "target covered" in proc.stdout and png_ok(Path(record["plot"]))

@@ -12,24 +12,33 @@ For every compressed layer the analysis reads the selection the layer attended w
 
 Per phase of the target (position mod the task's stride) it reports both rates beside the accuracy, and per layer
 the accuracy of the prompts whose record was covered and of those whose record was not. The scores come from the
-same forward passes, so the accuracy is the task's.
+same forward passes, so the accuracy is the task's; ``report`` holds the task's full statistics of them (the
+``results`` block of ``eval.py``'s results.json: phase gap, interval, noise floor, equivalence verdict, MDE).
+
+``oracle_topk`` (default null) evaluates the model with oracle selection imposed at inference
+(``attention.selection: {by: oracle, topk: oracle_topk}``, ``with_oracle``): the same weights (oracle selection has
+no parameters), each query attending only to the top-k entries of its layer's own dense attention. On a model
+trained dense this asks what a perfect selector would cost it, per phase.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from ckv.analysis.hooks import AnalysisNotApplicable
+from ckv.analysis.hooks import AnalysisNotApplicable, settings_from_params
 from ckv.analysis.registry import AnalysisContext, register_analysis
 from ckv.attention.compressed import CompressedAttention
-from ckv.config import ConfigError
+from ckv.checks import check_int
+from ckv.config import ModelConfig
+from ckv.eval.models import CkvLastLogits, LoadedModel
 from ckv.eval.scoring import length_batches
 from ckv.eval.stats import group_accuracy
 from ckv.geometry import compressed_mask, window_positions
@@ -44,6 +53,36 @@ def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttent
             "compressed attention layer (attention.kind=compressed)"
         )
     return layers
+
+
+@dataclass(frozen=True)
+class SelectionSettings:
+    """``oracle_topk``: impose oracle selection of this many entries at evaluation (``with_oracle``); None: the
+    model as it is."""
+
+    oracle_topk: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.oracle_topk is not None:
+            check_int("analysis.oracle_topk", self.oracle_topk, 1)
+
+
+def with_oracle(model: LoadedModel, topk: int) -> LoadedModel:
+    """``model`` (a ckv model whose compressed layers attend without selection) rebuilt with oracle selection of
+    ``topk`` entries and the same weights, in eval mode on the same device."""
+    config = model.module.config
+    if config.attention.selection is not None:
+        raise AnalysisNotApplicable(
+            f"analysis.oracle_topk={topk} imposes oracle selection, but {model.name} already selects "
+            f"(attention.selection.by={config.attention.selection.by!r}): use oracle_topk=null"
+        )
+    d = config.to_dict()
+    d["attention"] = {**d["attention"], "selection": {"topk": topk, "by": "oracle"}}
+    module = type(model.module)(ModelConfig.from_dict(d))
+    module.load_state_dict(model.module.state_dict())  # strict: oracle selection adds no parameter
+    module.to(model.device).eval()
+    name = f"{model.name} + oracle top-{topk}"
+    return dataclasses.replace(model, name=name, module=module, logits=CkvLastLogits(module))
 
 
 def target_entries(layer: CompressedAttention, n_entries: int, starts: torch.Tensor, record_len: int) -> torch.Tensor:
@@ -189,8 +228,10 @@ def plot_selection(result: dict, path: Path, title: str) -> Path:
 def selection(ctx: AnalysisContext) -> dict:
     """``eval.py analysis=selection``: per phase of the target, how often each layer's selection at the query
     holds (``hit``) and covers (``covered``) the target record, beside the accuracy; a plot."""
-    if ctx.params:
-        raise ConfigError(f"analysis=selection takes no parameters; got {sorted(ctx.params)}")
+    settings = settings_from_params(SelectionSettings, ctx.params, "selection")
+    if settings.oracle_topk is not None:
+        selected_layers(ctx.model.module, ctx.model.name)
+        ctx = dataclasses.replace(ctx, model=with_oracle(ctx.model, settings.oracle_topk))
     layers = selected_layers(ctx.model.module, ctx.model.name)
     stride = ctx.task.require_stride("analysis=selection")
     hit, covered, outcome = selection_outcome(ctx, layers)
@@ -201,6 +242,7 @@ def selection(ctx: AnalysisContext) -> dict:
         "topk": None if a.selection is None else a.selection.topk,
         "by": None if a.selection is None else a.selection.by,
         **selection_rows(hit, covered, outcome.correct, outcome.table["phase"], stride),
+        "report": ctx.report(outcome),
     }
     if ctx.options.plots:
         result["plots"] = [plot_selection(result, ctx.out_dir / "selection.png", ctx.model.name).name]

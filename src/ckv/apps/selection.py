@@ -10,7 +10,9 @@ freeze the rest of the model for part of the budget), the same layer with ORACLE
 wrong" from "top-k itself loses the record") and the full-attention control. Each is trained with ``train.py``
 and evaluated with ``eval.py``'s fixed-query position-matched lookup (``ckv.apps.demo``'s machinery); the
 selecting models also with ``eval.py analysis=selection`` (how often each layer's selection at the query holds the
-target record, per phase).
+target record, per phase), and the dense models once more with oracle top-2 imposed at inference
+(``analysis.oracle_topk``: the same weights, a perfect selector; rows ``dense+oracle``), which asks what top-k
+costs a model that learned the task without it.
 Then one table (mean, worst phase, per-phase accuracy, phase gap with interval, noise floor, equivalence verdict,
 MDE, the indexer's recall at the end of training, the rate at which the target record is covered per phase) and one
 plot, under ``outputs/selection/``.
@@ -100,15 +102,17 @@ def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[DemoRun, ...]:
 
 
 def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> dict[str, dict]:
-    """``eval.py analysis=selection`` on every selecting model (the same prompts as its evaluation); returns its
-    results by run label."""
-    todo = [d for d in done if MODEL_BY_NAME[d["run"].name].selects]
+    """``eval.py analysis=selection`` on the same prompts as the evaluation: on every selecting model, and on every
+    dense model with oracle top-``TOPK`` imposed at inference (``analysis.oracle_topk``: the same weights, a perfect
+    selector). Returns the results by run label."""
+    todo = [d for d in done if MODEL_BY_NAME[d["run"].name].selects or d["run"].role == "dense"]
 
     def one(d: dict) -> tuple[str, dict]:
         run = d["run"]
         cmd = [sys.executable, "eval.py", f"model.path='{d['dir']}'", f"task={TASK}", "analysis=selection"]
+        imposed = (f"analysis.oracle_topk={TOPK}",) if run.role == "dense" else ()
         run_command(
-            [*cmd, "progress=false", *(QUICK_EVAL if quick else (f"task.n_base={N_BASE}",))],
+            [*cmd, *imposed, "progress=false", *(QUICK_EVAL if quick else (f"task.n_base={N_BASE}",))],
             out / "logs" / f"selection_{run.name}_seed{run.seed}.log",
             env,
         )
@@ -126,14 +130,15 @@ def final_recall(run_dir: Path) -> Optional[float]:
     return logged[-1] if logged else None
 
 
-def row(d: dict, selection: Optional[dict]) -> dict:
+def row(d: dict, selection: Optional[dict], imposed: bool = False) -> dict:
     """One table row: the run's headline, per-phase accuracy and flatness, and per phase the rate at which each
-    layer's selection covers the target record (None for models without selection)."""
-    rep, run = d["results"], d["run"]
+    layer's selection covers the target record (None for models without selection). ``imposed``: the row of the
+    dense run with oracle top-``TOPK`` imposed at inference, whose statistics come from the selection analysis."""
+    rep, run = (selection["report"] if imposed else d["results"]), d["run"]
     h = rep["headline"]
     return {
-        "model": run.name,
-        "role": run.role,
+        "model": f"{run.name}+oracle" if imposed else run.name,
+        "role": "imposed" if imposed else run.role,
         "seed": run.seed,
         "steps": d["steps"],
         "train_seconds": d["train_seconds"],
@@ -156,6 +161,14 @@ def row(d: dict, selection: Optional[dict]) -> dict:
     }
 
 
+def rows_of(done: list[dict], selections: dict[str, dict]) -> list[dict]:
+    """The table's rows: every run (the dense runs without their imposed-oracle analysis), then each dense run with
+    oracle selection imposed."""
+    rows = [row(d, None if d["run"].role == "dense" else selections.get(d["run"].label)) for d in done]
+    dense = [d for d in done if d["run"].role == "dense" and d["run"].label in selections]
+    return rows + [row(d, selections[d["run"].label], imposed=True) for d in dense]
+
+
 def covered_text(r: dict) -> str:
     """Per phase, the covered rate of each layer (``L0/L1``), or ``-`` without selection."""
     if r["covered"] is None:
@@ -169,7 +182,7 @@ def table(rows: list[dict]) -> str:
     80% power) and verdict (gap / flat / undecided), the indexer's final recall, and per phase the percentage of
     prompts whose target record each layer's selection covers (``L0/L1``)."""
     lines = [
-        f"{'model/seed':10s} {'steps':>5s} {'train s':>7s} {'mean %':>6s} {'worst %':>7s}  "
+        f"{'model/seed':16s} {'steps':>5s} {'train s':>7s} {'mean %':>6s} {'worst %':>7s}  "
         f"{'per-phase accuracy % (phase = pos mod 4)':41s} {'phase gap pp [95%]':>19s} {'floor':>5s} {'p':>6s} "
         f"{'<= pp':>5s} {'MDE':>5s} {'verdict':>9s} {'recall':>6s}  target covered % per phase (L0/L1)"
     ]
@@ -178,7 +191,7 @@ def table(rows: list[dict]) -> str:
         gap = f"{100 * r['phase_gap']:.1f} [{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}]"
         recall = "-" if r["recall"] is None else f"{r['recall']:.2f}"
         lines.append(
-            f"{r['model'] + '/' + str(r['seed']):10s} {r['steps']:5d} {r['train_seconds']:7.0f} {100 * r['mean']:6.1f} "
+            f"{r['model'] + '/' + str(r['seed']):16s} {r['steps']:5d} {r['train_seconds']:7.0f} {100 * r['mean']:6.1f} "
             f"{100 * r['worst_phase_accuracy']:7.1f}  {per:41s} {gap:>19s} {100 * r['phase_noise_floor']:5.1f} "
             f"{r['phase_p_value']:6.4f} {pp(r['phase_upper_one_sided']):>5s} {pp(r['phase_mde']):>5s} "
             f"{str(r['phase_verdict']):>9s} {recall:>6s}  {covered_text(r)}"
@@ -225,7 +238,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (acc, cov) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colours = {m.name: plt.cm.tab10(i) for i, m in enumerate(MODELS)}
+    colours = {name: plt.cm.tab10(i) for i, name in enumerate([*MODEL_BY_NAME, "dense+oracle"])}
     for r in rows:
         style = dict(color=colours[r["model"]], ls="-" if r["seed"] == min(SEEDS) else "--", marker="o")
         label = f"{r['model']}/seed={r['seed']}"
@@ -260,7 +273,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     done = run_plan(runs, out, args.quick, args.workers, env, clock)
     selections = analyse(done, out, args.quick, args.workers, env, clock)
-    rows = [row(d, selections.get(d["run"].label)) for d in done]
+    rows = rows_of(done, selections)
     print("\n" + table(rows) + "\n")
     found = checks(rows)
     for c in found:
