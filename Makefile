@@ -50,7 +50,7 @@ demo-v4: $(STAMP)  ## transformers' DeepSeek-V4 vs ckv's V4 variant vs the W = S
 robust: $(STAMP)  ## robustness benchmark: baseline gates, fixes and full attention on two tasks, two seeds, 18 models (~27 min on 2 cores; docs/robustness.md)
 	$(BIN)/python -m ckv.apps.robust --out outputs/robust
 
-selection: $(STAMP)  ## top-k selection and phases: V4 CSA dense, sparse (indexer), oracle, and full attention, 2 seeds (~30 min on 2 cores; docs/selection.md)
+selection: $(STAMP)  ## top-k selection and phases: V4 CSA dense, sparse (indexer), oracle, and full attention, 2 seeds (about 31 min on 2 cores shared with other jobs; docs/selection.md)
 	$(BIN)/python -m ckv.apps.selection --out outputs/selection
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)
