@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation smoke clean
+.PHONY: install lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation selection smoke clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,9 @@ robust-confirm: $(STAMP)  ## confirmation on fresh seeds 100-102: V4's maps with
 
 robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on the split task, 8 steps x 2 seeds (not yet timed: 16 runs, about make robust's time on 2 free cores by its per-model times; reuses make robust's overlap_w8s4 runs)
 	$(BIN)/python -m ckv.apps.robust --ablation --out outputs/robust
+
+selection: $(STAMP)  ## top-k selection and phases: V4 CSA dense, sparse (indexer), oracle, and full attention, 2 seeds (about 31 min on 2 cores shared with other jobs; docs/selection.md)
+	$(BIN)/python -m ckv.apps.selection --out outputs/selection
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)
 	$(BIN)/python -m ckv.apps.smoke

@@ -18,7 +18,7 @@ from ..eval.helpers import make_run
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = StatsOptions(n_bootstrap=50, n_permutations=50)
-SHIPPED = ["gate_cycling", "gates", "joint", "knockout"]
+SHIPPED = ["gate_cycling", "gates", "joint", "knockout", "selection"]
 
 
 def _table_oracle(ctx: AnalysisContext, ids: torch.Tensor) -> torch.Tensor:

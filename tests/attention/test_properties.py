@@ -99,7 +99,7 @@ def test_a_token_acts_on_a_query_exactly_where_the_geometry_says(name):
         layer = block.self_attn
         recorded = []  # the selection of this forward (top-k depends on the input): the rule uses the layer's own
         hook = None
-        if getattr(layer, "indexer", None) is not None:
+        if cfg.attention.selection is not None:  # the indexer's or the oracle's
             hook = layer.attend.register_forward_hook(
                 lambda m, args, kwargs, out, seen=recorded: seen.append(kwargs["selected"][0]), with_kwargs=True
             )

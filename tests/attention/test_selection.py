@@ -119,7 +119,8 @@ def test_top_k_bounds_the_attended_entries_and_scoring_costs_every_visible_one()
     T = 64
     visible = sum((t + 1) // 4 for t in range(T))
     attended = sum(min((t + 1) // 4, 2) for t in range(T))
-    assert backend.entry_pairs(sparse, T) == (attended + sum(min(t + 1, 3) for t in range(T)), visible)
+    H = sparse.n_heads  # entry_pairs sums over the query heads
+    assert backend.entry_pairs(sparse, T) == (H * (attended + sum(min(t + 1, 3) for t in range(T))), H * visible)
     f_dense, f_sparse = backend.flops_per_token(dense, T), backend.flops_per_token(sparse, T)
     per_pair = 4 * sparse.head_dim * sparse.n_heads
     assert f_dense.attention - f_sparse.attention == pytest.approx(per_pair * (visible - attended) / T)

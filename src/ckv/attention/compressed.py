@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ckv.attention.base import AttentionBackend, LayerFlops
-from ckv.attention.indexer import LightningIndexer
+from ckv.attention.indexer import LightningIndexer, oracle_selection
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError, ModelConfig
@@ -287,7 +287,8 @@ class CompressedAttention(AttentionBackend):
     With ``attention.grid.per: kv_head`` each KV head has its own grid (``grids``): the layer pools, keeps and
     attends once per grid, its query heads' share each time, with one decode sub-cache per grid.
     With ``attention.selection`` the lightning indexer (``indexer``, ``ckv.attention.indexer``) picks each query's
-    top-k entries from its own compressor branch's keys; with ``attention.query`` queries come from V4's low-rank
+    top-k entries from its own compressor branch's keys (or, with ``selection.by: oracle``, the layer's own dense
+    joint softmax does: ``oracle_topk``); with ``attention.query`` queries come from V4's low-rank
     latent (``query_latent``), which the indexer reads too. The joint softmax runs in the parameter-free ``attend``
     submodule (a hook reads its queries, entries, selection and log-sum-exp)."""
 
@@ -321,8 +322,10 @@ class CompressedAttention(AttentionBackend):
         self.k_compressor = Compressor(config)
         self.v_compressor = None if a.tied_kv else Compressor(config)
         self.indexer = None
-        if a.selection is not None:
+        if a.selection is not None and not a.selection.oracle:
             self.indexer = LightningIndexer(config, Compressor(config, kv_heads=1, head_dim=a.selection.head_dim))
+        # selection.by=oracle: top-k of the dense joint softmax's mass (``oracle_selection``), no module
+        self.oracle_topk = a.selection.topk if a.selection is not None and a.selection.oracle else None
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if a.sink else None  # one logit per query head
         self.inverse_output_rope = a.output_rope == "inverse"
         self.history = sum(g.cache_history(self.dims(config)) for g in a.groups())  # states before a window
@@ -657,22 +660,15 @@ class CompressedAttention(AttentionBackend):
             cache.pending = h[:, h.shape[1] - keep_p :]
             cache.length = n
         selected = None
+        joint = dict(stride=self.stride, local_window=self.local_window, q_start=start + P, impl=self.impl_for(x))
+        joint.update(sinks=sinks, origin=P)
         if self.indexer is not None:  # detached inputs: the LM loss does not reach the indexer
             _, selected = self.indexer(x.detach(), latent.detach(), ki, positions, start + P, self.stride)
-        out, _ = self.attend(
-            q,
-            kc,
-            vc,
-            k_all,
-            v_all,
-            stride=self.stride,
-            local_window=self.local_window,
-            q_start=start + P,
-            impl=self.impl_for(x),
-            sinks=sinks,
-            origin=P,
-            selected=selected,
-        )  # (B, T, Hg, D)
+        elif self.oracle_topk is not None:  # the dense pass's log-sum-exp ranks the entries (no gradient)
+            with torch.no_grad():
+                _, lse = joint_attention(q, kc, vc, k_all, v_all, **joint)  # (B, T, Hg)
+            _, selected = oracle_selection(q, kc, lse, start + P, self.stride, self.oracle_topk)
+        out, _ = self.attend(q, kc, vc, k_all, v_all, **joint, selected=selected)  # (B, T, Hg, D)
         return out
 
     def new_cache(self, batch_size: int) -> CompressedLayerCache:

@@ -22,6 +22,10 @@ Ties are broken toward the lower entry index (the earlier entry): ``top_k`` sort
 V4 calls ``torch.topk``, whose order among equal scores is unspecified; on CPU it depends on the tensor's shape,
 so its chunked prefill can pick other entries than one forward where scores tie (typically at exactly 0 after the
 ReLU). A decoding ckv layer scores a query's entries in the same order as a prefill, so it selects the same.
+
+``attention.selection.by: oracle`` replaces the indexer by the main attention's own ranking (``oracle_selection``):
+each query keeps the entries on which the layer's dense joint softmax puts the most probability, summed over query
+heads, the very target the indexer's loss fits. No module, no parameters; the same ``selected`` tensor.
 """
 
 from __future__ import annotations
@@ -44,6 +48,31 @@ def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :K]
     picked = scores.gather(-1, order)
     return torch.where(picked == float("-inf"), torch.full_like(order, -1), order)
+
+
+def entry_logits(q: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
+    """(B, Tq, H, E) fp32: ``q_h . k_s / sqrt(D)`` for queries q (B, Tq, H, D) and entries kc (B, E, KV, D) of a
+    grouped-query layer (head ``h`` reads KV head ``h // (H / KV)``), the joint softmax's entry logits."""
+    B, T, H, D = q.shape
+    E, KV = kc.shape[1], kc.shape[2]
+    qg = q.float().reshape(B, T, KV, H // KV, D)
+    return torch.einsum("btkgd,bekd->btkge", qg, kc.float()).reshape(B, T, H, E) * D**-0.5
+
+
+@torch.no_grad()
+def oracle_selection(
+    q: torch.Tensor, kc: torch.Tensor, lse: torch.Tensor, q_start: int, stride: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle's selection (``attention.selection.by: oracle``): queries q (B, Tq, H, D) at grid positions
+    ``q_start ..``, entries kc (B, E, KV, D) and ``lse`` (B, Tq, H), the log-sum-exp of the layer's DENSE joint
+    softmax (every visible entry, local window and sinks). Returns the scores (B, Tq, E) fp32, the probability mass
+    ``sum_h exp(q_h . k_s / sqrt(D) - lse_h)`` on each visible entry (``-inf`` where not visible), and their
+    ``top_k`` (B, Tq, min(k, E)) (ties to the lower index). Without gradients: the selection is hard."""
+    T, E = q.shape[1], kc.shape[1]
+    mass = torch.exp(entry_logits(q, kc) - lse.float()[..., None]).sum(2)  # (B, T, E)
+    visible = compressed_mask(torch.arange(q_start, q_start + T, device=q.device), E, stride)  # (T, E)
+    scores = mass.masked_fill(~visible, float("-inf"))
+    return scores, top_k(scores, k)
 
 
 class LightningIndexer(nn.Module):

@@ -1,5 +1,5 @@
-"""Top-k selection of compressed entries by DeepSeek-V4's lightning indexer (``attention.selection``; null: every
-visible entry is attended, dense selection)."""
+"""Top-k selection of compressed entries (``attention.selection``; null: every visible entry is attended, dense
+selection): by DeepSeek-V4's lightning indexer, or by the main attention's own scores (an oracle for studies)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-from ckv.checks import ConfigError, check_int
+from ckv.checks import ConfigError, check_choice, check_int
 from ckv.options.base import Dims, OptionGroup
 
 if TYPE_CHECKING:
     from ckv.config import ModelConfig
+
+BY = ("indexer", "oracle")  # what ranks the entries: the lightning indexer, or the main attention's dense mass
 
 
 @dataclass
@@ -26,18 +28,35 @@ class SelectionConfig(OptionGroup):
     Shares: the index-query map (``query_latent * heads * head_dim``) and the head-weight map (``d * heads``) here,
     the compressor branch through the backend (``compressor_branches``); ``2 * heads * (head_dim + 1)`` FLOPs per
     (query, visible entry) to score; attention over ``min(visible, topk)`` entries per query; the decode cache
-    keeps the indexer's ``head_dim`` key per finished entry."""
+    keeps the indexer's ``head_dim`` key per finished entry.
+
+    ``by``: ``indexer`` (the above) or ``oracle``: each query keeps the ``topk`` visible entries on which the
+    layer's own DENSE joint softmax (every visible entry, the local window and the sinks in one softmax) puts the
+    most probability summed over query heads, ``sum_h exp(q_h . k_s / sqrt(D) - lse_h)``: the target the indexer's
+    training loss fits (``ckv.train.indexer``), so the oracle is a perfect indexer, and a study can tell "the
+    indexer picks wrong" from "top-k itself loses the record". It has no parameters (no indexer module: ``heads``
+    and ``head_dim`` are unused), no extra cache, and costs one dense attention pass per layer for its log-sum-exp
+    (``flops_per_scored_entry``: ``4 H D`` per (query, visible entry); the local window's share is not counted)."""
 
     name: ClassVar[str] = "selection"
     topk: int = 512
     heads: int = 64
     head_dim: int = 128
+    by: str = "indexer"
 
     def __post_init__(self) -> None:
         for field in ("topk", "heads", "head_dim"):
             check_int(f"attention.selection.{field}", getattr(self, field), minimum=1)
+        check_choice("attention.selection.by", self.by, BY)
+
+    @property
+    def oracle(self) -> bool:
+        """Whether the main attention's own scores select (no indexer module)."""
+        return self.by == "oracle"
 
     def check_model(self, config: ModelConfig) -> None:
+        if self.oracle:
+            return
         rope = config.attention.rope
         rotated = self.rotated_dims(rope.mode, rope.dims)
         if rotated > self.head_dim or rotated % 2:
@@ -60,19 +79,27 @@ class SelectionConfig(OptionGroup):
         return dims.query_latent or dims.d_model
 
     def num_params(self, dims: Dims) -> int:
+        if self.oracle:
+            return 0
         return self.latent(dims) * self.heads * self.head_dim + dims.d_model * self.heads
 
     def flops_per_token(self, dims: Dims) -> float:
+        if self.oracle:
+            return 0.0
         return 2.0 * (self.latent(dims) * self.heads * self.head_dim + dims.d_model * self.heads)
 
     def compressor_branches(self, dims: Dims) -> list[Dims]:
-        return [self.branch(dims)]
+        return [] if self.oracle else [self.branch(dims)]
 
     def attended_entries(self, visible: int) -> int:
         return min(visible, self.topk)
 
     def flops_per_scored_entry(self, dims: Dims) -> float:
+        if self.oracle:  # the dense pass: q . k_s and p . v_s per query head
+            return 4.0 * dims.n_heads * dims.head_dim
         return 2.0 * self.heads * (self.head_dim + 1)  # q_h . k_s per head, then the weighted sum over heads
 
     def activation_elements_per_token(self, dims: Dims) -> float:
+        if self.oracle:  # computed without gradients: nothing kept for backward
+            return 0.0
         return 2.0 * self.heads * self.head_dim + self.heads  # index queries before and after RoPE, head weights

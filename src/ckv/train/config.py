@@ -260,8 +260,15 @@ class TrainConfig:
                 f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} needs attention.window >= 2 (a "
                 "1-token window's gate has nothing to spread over)",
             )
-        ix = self.trainer.indexer
-        if model.attention.selection is not None:
+        ix, selection = self.trainer.indexer, model.attention.selection
+        if selection is not None and selection.oracle:
+            _check(
+                ix.warmup_steps == 0,
+                f"trainer.indexer.warmup_steps={ix.warmup_steps} warms up a lightning indexer, but "
+                "attention.selection.by='oracle' selects by the main attention's own scores (no indexer to train): "
+                "set trainer.indexer.warmup_steps=0",
+            )
+        elif selection is not None:
             _check(
                 ix.weight > 0,
                 f"trainer.indexer.weight={ix.weight} would leave the lightning indexer (attention.selection) "

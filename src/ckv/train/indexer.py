@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ckv.attention.compressed import CompressedAttention
-from ckv.attention.indexer import top_k
+from ckv.attention.indexer import entry_logits, top_k
 from ckv.config import check_float, check_int
 
 
@@ -68,15 +68,6 @@ def _listed(selected: torch.Tensor, n_entries: int) -> torch.Tensor:
     listed = torch.zeros(B, T, n_entries + 1, dtype=torch.bool, device=selected.device)  # column E: empty slots
     listed.scatter_(-1, torch.where(selected < 0, n_entries, selected), True)
     return listed[..., :n_entries]
-
-
-def entry_logits(q: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
-    """(B, Tq, H, E) fp32: ``q_h . k_s / sqrt(D)`` for queries q (B, Tq, H, D) and entries kc (B, E, KV, D) of a
-    grouped-query layer (head ``h`` reads KV head ``h // (H / KV)``), the joint softmax's entry logits."""
-    B, T, H, D = q.shape
-    E, KV = kc.shape[1], kc.shape[2]
-    qg = q.float().reshape(B, T, KV, H // KV, D)
-    return torch.einsum("btkgd,bekd->btkge", qg, kc.float()).reshape(B, T, H, E) * D**-0.5
 
 
 def indexer_loss_and_recall(
