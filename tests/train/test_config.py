@@ -168,6 +168,7 @@ def test_an_option_added_after_a_run_was_saved_resumes_at_its_default_only(make_
     changed = make_config(attention={**att, "grid": {"offsets": "stagger"}}, trainer={"gate_entropy": {"floor": 0.5}})
     assert resume_conflicts(saved, plain(changed.to_dict())) == [
         "attention.grid.offsets: (unset) -> 'stagger'",
+        "attention.grid.per: (unset) -> 'layer'",
         "trainer.gate_entropy.floor: (unset) -> 0.5",
     ]
 
