@@ -114,7 +114,7 @@ def outcome(cfg: dict, model: ModelFacts) -> tuple[str, Optional[str]]:
     return "ok", None
 
 
-def _check(label: str, cfg: dict, model: ModelFacts, field: str, value: Any, hint: Any, stored: Any) -> None:
+def _check_refused(label: str, cfg: dict, model: ModelFacts, field: str, value: Any, hint: Any, stored: Any) -> None:
     stage, message = outcome(cfg, model)
     if message is not None:
         assert "\n" not in message and message.strip(), f"{label}: not one line: {message!r}"
@@ -140,7 +140,7 @@ def test_every_task_field_refuses_wrong_types_and_values_in_one_line(base: str, 
     for f in dataclasses.fields(kind.spec):
         for value in POOL:
             case = {**cfg, f.name: value}
-            _check(
+            _check_refused(
                 f"{base}: task.{f.name}",
                 case,
                 model,
@@ -158,7 +158,7 @@ def test_every_vocabulary_field_refuses_wrong_types_and_values_in_one_line(base:
     for f in dataclasses.fields(VocabSpec):
         for value in POOL:
             case = {**cfg, "vocab": {**cfg["vocab"], f.name: value}}
-            _check(
+            _check_refused(
                 f"{base}: task.vocab.{f.name}",
                 case,
                 _model(cfg, models),

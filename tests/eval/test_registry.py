@@ -129,7 +129,7 @@ def test_task_configs_and_registrations_are_checked(copy_task) -> None:
         task_from_dict({"kind": "nosuch"})
 
     class Again(CopyTask):
-        pass
+        """The copy task registered a second time under its own kind."""
 
     with pytest.raises(ValueError, match="task kind 'copy' is already registered"):
         register_task(Again)

@@ -15,6 +15,7 @@ so ``TASKS`` is complete whichever module a caller imports first. Checklist for 
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional, get_type_hints
@@ -79,7 +80,7 @@ class TaskResult:
     rows: list[dict]
 
 
-class EvalTask:
+class EvalTask(ABC):
     """One kind of evaluation task. Subclasses set ``kind`` (the config's ``task.kind``) and ``spec`` (a frozen
     dataclass with a ``name`` field that validates every field in ``__post_init__``), implement ``build`` and
     ``run``, and may override the other methods; ``@register_task`` makes the kind known."""
@@ -92,18 +93,18 @@ class EvalTask:
         reject_unknown(config, field_names(self.spec), f"task (kind {self.kind!r})")
         return self.spec(**config)
 
+    @abstractmethod
     def build(self, spec: Any, model: ModelFacts, limit: Optional[int] = None) -> Any:
         """The built prompts of ``spec`` for ``model`` (needs no weights: vocabulary, context and stride checks
         happen here)."""
-        raise NotImplementedError
 
     def logits(self, spec: Any, model: LoadedModel, built: Any, options: RunOptions) -> LogitsFn:
         """The logits callable the task scores with (default: the model's own last-position logits)."""
         return model.logits
 
+    @abstractmethod
     def run(self, built: Any, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
         """Score ``built`` with ``logits`` and report."""
-        raise NotImplementedError
 
     def dry_run(self, spec: Any, built: Any, model: ModelFacts, options: RunOptions) -> list[str]:
         """What ``eval.py dry_run=true`` prints for this task (no weights are loaded)."""
