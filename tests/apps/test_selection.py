@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from ckv.apps.demo import QUICK_TRAIN
 from ckv.apps.selection import MODELS, N_BASE, SEEDS, STRIDE, TOPK, checks, plan, table
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
+from tests.train.test_entry import _train_config
 
 
 def test_plan_trains_every_model_for_every_seed_with_one_attention_option():
@@ -24,6 +26,17 @@ def test_plan_trains_every_model_for_every_seed_with_one_attention_option():
     assert by[("full", 0)].eval_overrides == (f"task.n_base={N_BASE}", f"task.stride={STRIDE}")
     assert all(r.eval_overrides == (f"task.n_base={N_BASE}",) for r in runs if r.role != "control")
     assert plan(SEEDS[:1], quick=True)[-1].eval_overrides == (f"task.stride={STRIDE}",)  # QUICK_EVAL sets n_base
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_every_run_composes_and_the_sparse_model_trains_dense_then_sparse(quick):
+    for run in plan(SEEDS[:1], quick):
+        cfg = _train_config([f"experiment={run.experiment}", *run.train_overrides, *(QUICK_TRAIN if quick else ())])
+        dense = cfg.trainer.indexer.dense_steps
+        assert (dense > 0) == (run.role == "indexer"), run.name
+        assert dense < cfg.trainer.max_steps
+        if run.role == "indexer" and not quick:
+            assert (dense, cfg.trainer.max_steps) == (900, 1200)  # V4's order: mostly dense, then sparse
 
 
 def _row(model: str, role: str, seed: int, mean: float, verdict: str, covered=None) -> dict:

@@ -1,8 +1,8 @@
 """Training the lightning indexer (trainer.indexer, ckv.train.indexer, docs/training.md): the loss against a hand
 computation from the joint softmax, the indexer learning (recall far above a random indexer's), no LM-loss
 gradient reaching it and its loss reaching nothing else, evaluation untouched, training runs (logged, the dense
-warm-up holding everything but the indexers still, exact resume, activation checkpointing unchanged), one-line
-config errors and the deepseek_v4_csa_sparse option."""
+warm-up holding everything but the indexers still, dense training moving everything while attending every entry,
+exact resume, activation checkpointing unchanged), one-line config errors and the deepseek_v4_csa_sparse option."""
 
 from __future__ import annotations
 
@@ -183,6 +183,28 @@ def test_training_logs_the_indexer_and_the_warm_up_trains_it_alone(run):
     assert not torch.equal(final["layers.0.self_attn.q_proj.weight"], step2["layers.0.self_attn.q_proj.weight"])
 
 
+def test_dense_training_trains_the_whole_model_attending_every_visible_entry(run):
+    warm, dense, sparse = (
+        _rows(run(name, indexer=stages).run_dir)
+        for name, stages in (
+            ("warmup", {"warmup_steps": 2}),
+            ("dense", {"dense_steps": 2}),
+            ("sparse", {"warmup_steps": 0}),
+        )
+    )
+    # the first step's forward has the initial weights: dense training and the warm-up both attend every visible
+    # entry (the same LM loss and the same KL set), sparse training only the top-2
+    assert (dense[0]["loss"], dense[0]["indexer_loss"]) == (warm[0]["loss"], warm[0]["indexer_loss"])
+    assert dense[0]["loss"] != sparse[0]["loss"]
+    assert all(r["lr"] > 0 for r in dense)  # nothing held still
+    cfg = run("dense", indexer={"dense_steps": 2})
+    step2 = load_file(str(Path(cfg.run_dir) / "checkpoints" / "step_00000002" / "weights" / "model.safetensors"))
+    torch.manual_seed(cfg.seed)
+    vocab = step2["embed_tokens.weight"].shape[0]
+    init = Transformer(cfg.model.build(cfg.attention, data_vocab_size=vocab)).state_dict()
+    assert not any(torch.equal(value, init[name]) for name, value in step2.items() if name.endswith("weight"))
+
+
 def test_resume_with_the_indexer_is_exact(run):
     straight = run("warmup")
     split = run.make("split", stop_at_step=1)
@@ -210,7 +232,11 @@ def test_activation_checkpointing_gives_the_same_losses_with_the_indexer(run):
     "indexer, attention, needle",
     [
         (dict(weight=0.0), SPARSE, r"trainer.indexer.weight=0.0 would leave the lightning indexer .* untrained"),
-        (dict(warmup_steps=3), dict(SPARSE, selection=None), r"trainer.indexer.warmup_steps=3 warms up a lightning"),
+        (dict(warmup_steps=3), dict(SPARSE, selection=None), r"trainer.indexer.warmup_steps=3 is a dense stage"),
+        (dict(dense_steps=3), dict(SPARSE, selection=None), r"trainer.indexer.dense_steps=3 is a dense stage"),
+        (dict(dense_steps=2, warmup_steps=2), SPARSE, r"warmup_steps=2 and dense_steps=2 are two dense stages"),
+        (dict(dense_steps=8), SPARSE, r"trainer.indexer.dense_steps=8 covers all trainer.max_steps=8"),
+        (dict(dense_steps=-1), SPARSE, r"trainer.indexer.dense_steps=-1 must be an integer >= 0"),
         (dict(weight=-1.0), SPARSE, r"trainer.indexer.weight=-1.0 must be a finite number >= 0"),
         (dict(warmup_steps=-1), SPARSE, r"trainer.indexer.warmup_steps=-1 must be an integer >= 0"),
         (dict(weight="1"), SPARSE, r"trainer.indexer.weight='1' must be a finite number"),

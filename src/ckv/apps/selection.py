@@ -4,8 +4,9 @@
 One CPU task where selection binds (``conf/experiment/select_lookup.yaml``: make demo's model, budget and split
 records, whose final query sees up to 15 compressed entries, of which top-2 selection keeps 2) and four models, two
 seeds each, the same budget: V4's dense CSA (``deepseek_v4_csa``), its sparse form with the lightning indexer
-trained by ``trainer.indexer`` (``deepseek_v4_csa_sparse``, from the first step: no dense warm-up, which would
-freeze the rest of the model for part of the budget), the same layer with ORACLE selection
+trained by V4's recipe (``deepseek_v4_csa_sparse``: ``trainer.indexer.dense_steps``, dense training of the whole
+model with the indexer learning alongside for the first ``DENSE_STEPS``, then sparse training), the same layer
+with ORACLE selection from the first step
 (``deepseek_v4_csa_oracle``: the top-2 of the layer's own dense attention mass, separating "the indexer picks
 wrong" from "top-k itself loses the record") and the full-attention control. Each is trained with ``train.py``
 and evaluated with ``eval.py``'s fixed-query position-matched lookup (``ckv.apps.demo``'s machinery); the
@@ -58,6 +59,10 @@ TOPK = (
 # base examples of the evaluation (x 8 shifts: 2,048 prompts, a multiple of 8**2), a quarter of make demo's 1,024:
 # evaluation under 2 minutes a model on 2 shared cores; the MDE column states what that sample can resolve
 N_BASE = 256
+# the sparse model's dense stage (trainer.indexer.dense_steps): the first 3/4 of select_lookup's 1,200 steps (V4
+# trains dense, then sparse); quick runs: 9 of QUICK_TRAIN's 12
+DENSE_STEPS = 900
+QUICK_DENSE_STEPS = 9
 CONTROL_LEARNED = 0.80  # the control must reach this mean in every seed for the comparison to mean anything
 
 
@@ -92,7 +97,12 @@ def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[DemoRun, ...]:
             EXPERIMENT,
             seed,
             m.role,
-            tuple(m.option.split()),
+            tuple(m.option.split())
+            + (
+                (f"trainer.indexer.dense_steps={QUICK_DENSE_STEPS if quick else DENSE_STEPS}",)
+                if m.role == "indexer"
+                else ()
+            ),
             (() if quick else (f"task.n_base={N_BASE}",)) + ((f"task.stride={STRIDE}",) if m.role == "control" else ()),
             name=m.name,
         )

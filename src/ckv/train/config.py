@@ -261,12 +261,13 @@ class TrainConfig:
                 "1-token window's gate has nothing to spread over)",
             )
         ix, selection = self.trainer.indexer, model.attention.selection
+        stage_name = f"warmup_steps={ix.warmup_steps}" if ix.warmup_steps else f"dense_steps={ix.dense_steps}"
         if selection is not None and selection.oracle:
             _check(
-                ix.warmup_steps == 0,
-                f"trainer.indexer.warmup_steps={ix.warmup_steps} warms up a lightning indexer, but "
+                ix.dense_stage == 0,
+                f"trainer.indexer.{stage_name} is a dense stage for a lightning indexer, but "
                 "attention.selection.by='oracle' selects by the main attention's own scores (no indexer to train): "
-                "set trainer.indexer.warmup_steps=0",
+                "set it to 0",
             )
         elif selection is not None:
             _check(
@@ -274,11 +275,16 @@ class TrainConfig:
                 f"trainer.indexer.weight={ix.weight} would leave the lightning indexer (attention.selection) "
                 "untrained: top-k selection gives it no gradient from the LM loss, only its own loss does; set it > 0",
             )
+            _check(
+                ix.dense_stage < self.trainer.max_steps,
+                f"trainer.indexer.{stage_name} covers all trainer.max_steps={self.trainer.max_steps}: the model "
+                "would never train sparse; make the dense stage shorter",
+            )
         else:
             _check(
-                ix.warmup_steps == 0,
-                f"trainer.indexer.warmup_steps={ix.warmup_steps} warms up a lightning indexer, which the model does "
-                "not have: set attention.selection (attention/selection=indexer) or trainer.indexer.warmup_steps=0",
+                ix.dense_stage == 0,
+                f"trainer.indexer.{stage_name} is a dense stage for a lightning indexer, which the model does not "
+                "have: set attention.selection (attention/selection=indexer) or set it to 0",
             )
         stage = (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)
         _check(

@@ -114,8 +114,9 @@ class Engine:
     the compressors' pooling steps (``ckv.train.gate_entropy``) and backpropagates the loss plus the gate-entropy
     penalty; ``micro_step`` still returns the LM loss and ``step_deficit`` the gate-entropy deficit of the last step.
     A model with a lightning indexer (``attention.selection``) gets ``trainer.indexer``'s hooks
-    (``ckv.train.indexer``): the objective adds ``weight`` times the indexer's KL, and during the dense warm-up it is
-    that term alone while every other parameter group's learning rate is 0; ``step_indexer`` returns the last
+    (``ckv.train.indexer``): the objective adds ``weight`` times the indexer's KL (the layers attend every visible
+    entry during ``dense_steps`` or the warm-up), and during the warm-up it is that term alone while every other
+    parameter group's learning rate is 0; ``step_indexer`` returns the last
     step's KL and recall.
     """
 
@@ -130,7 +131,7 @@ class Engine:
         self.gate_entropy = GateEntropyFloor(model, g.floor, g.weight) if g.enabled else None
         self._deficits: list[torch.Tensor] = []  # this optimizer step's gate-entropy deficit per micro-batch
         ix = t.indexer
-        self.indexer = IndexerTraining(model, ix.weight, ix.warmup_steps) if has_indexer(model) else None
+        self.indexer = IndexerTraining(model, ix.weight, ix.warmup_steps, ix.dense_steps) if has_indexer(model) else None
         self._indexer_terms: list[tuple[torch.Tensor, torch.Tensor]] = []  # (KL, recall) per micro-batch
         # the dense warm-up trains the indexers alone: they get their own parameter groups, the others lr 0 meanwhile
         apart = indexer_parameters(model) if self.indexer is not None and ix.warmup_steps else []
@@ -195,11 +196,12 @@ class Engine:
         """Forward, backward and (at an accumulation boundary) the optimizer step; returns the detached LM loss."""
         input_ids, labels = self._to_device(batch)
         # the optimizer steps taken so far (DeepSpeed's count, restored with a checkpoint): this micro-batch's step
-        warmup = self.indexer is not None and self.indexer.in_warmup(self.ds.global_steps)
+        step = self.ds.global_steps
+        warmup = self.indexer is not None and self.indexer.in_warmup(step)
         if self.gate_entropy is not None:
             self.gate_entropy.start()
         if self.indexer is not None:
-            self.indexer.start(dense=warmup)
+            self.indexer.start(dense=self.indexer.attends_densely(step))
         loss = self._loss(input_ids, labels)
         objective = loss
         if self.gate_entropy is not None:

@@ -13,11 +13,14 @@ softmax (sliding window, entries and sink together, as the reference and the Tri
 actually computed; summed over heads and L1-normalised over ``S_t`` (``Z_t``), detached. The loss is the mean over
 the queries with a non-empty ``S_t`` and over layers; the trainer adds ``weight`` times it to the objective.
 
-Two stages: the first ``warmup_steps`` optimizer steps are a dense warm-up, where every layer attends to every
-visible entry (the hook hands the layer no selection), ``S_t`` is every visible entry, and only the indexer
-trains (the LM loss is not backpropagated and the other parameters' learning rate is 0); then sparse training:
-the layers attend to the indexer's top-k, ``S_t`` is the selected entries, and the model trains on the LM loss
-while the indexer trains on its KL.
+Two stages: first a dense stage, where every layer attends to every visible entry (the hook hands the layer no
+selection) and ``S_t`` is every visible entry; then sparse training: the layers attend to the indexer's top-k,
+``S_t`` is the selected entries, and the model trains on the LM loss while the indexer trains on its KL. The dense
+stage is either ``warmup_steps`` of warm-up, where only the indexer trains (the LM loss is not backpropagated and
+the other parameters' learning rate is 0: V4's warm-up of an indexer added to a dense-trained model), or
+``dense_steps`` of dense training, where the whole model trains on the LM loss and the indexer on its KL at once
+(neither loss reaches the other's parameters, so this is V4's dense pre-training and indexer warm-up in one stage,
+for a model trained from scratch).
 
 Recall (logged): for each query whose selection binds (more visible entries than ``topk``), the fraction of the
 main attention's mass on its ``topk`` heaviest visible entries that lies on entries the indexer selected; the mass
@@ -44,21 +47,34 @@ from torch import nn
 
 from ckv.attention.compressed import CompressedAttention
 from ckv.attention.indexer import entry_logits, top_k
-from ckv.config import check_float, check_int
+from ckv.config import ConfigError, check_float, check_int
 
 
 @dataclass
 class IndexerTrainingConfig:
     """``trainer.indexer``: the lightning indexer's loss ``weight`` (> 0 wherever the model has an indexer: at 0
-    the indexer would never train) and the ``warmup_steps`` of dense warm-up before sparse training. Used only by
-    models with ``attention.selection``."""
+    the indexer would never train) and its dense stage before sparse training, at most one of ``warmup_steps``
+    (only the indexer trains) and ``dense_steps`` (the whole model trains, attending every visible entry). Used
+    only by models with ``attention.selection``."""
 
     weight: float = 1.0
     warmup_steps: int = 0
+    dense_steps: int = 0
 
     def __post_init__(self) -> None:
         check_float("trainer.indexer.weight", self.weight, 0)
         check_int("trainer.indexer.warmup_steps", self.warmup_steps, 0)
+        check_int("trainer.indexer.dense_steps", self.dense_steps, 0)
+        if self.warmup_steps and self.dense_steps:
+            raise ConfigError(
+                f"trainer.indexer.warmup_steps={self.warmup_steps} and dense_steps={self.dense_steps} are two dense "
+                "stages (warm-up: only the indexer trains; dense: the whole model trains): set one of them to 0"
+            )
+
+    @property
+    def dense_stage(self) -> int:
+        """The optimizer steps before sparse training (warm-up or dense training)."""
+        return self.warmup_steps + self.dense_steps
 
 
 def _listed(selected: torch.Tensor, n_entries: int) -> torch.Tensor:
@@ -117,13 +133,13 @@ class IndexerTraining:
     """Forward hooks on every compressed layer with a lightning indexer of ``model`` that add up the indexer's
     loss and recall over one forward.
 
-    ``start(dense)`` opens a micro-step (``dense``: the warm-up, every layer attends to every visible entry);
+    ``start(dense)`` opens a micro-step (``dense``: the dense stage, every layer attends to every visible entry);
     ``finish()`` closes it and returns the mean KL over the hooked layers (0-d fp32 on the model's device, attached
     to the indexers' graph; 0 when nothing was hooked) and the mean recall (NaN when no selection bound).
     ``remove()`` takes the hooks off. No host sync."""
 
-    def __init__(self, model: nn.Module, weight: float, warmup_steps: int) -> None:
-        self.weight, self.warmup_steps = float(weight), int(warmup_steps)
+    def __init__(self, model: nn.Module, weight: float, warmup_steps: int, dense_steps: int = 0) -> None:
+        self.weight, self.warmup_steps, self.dense_steps = float(weight), int(warmup_steps), int(dense_steps)
         self.dense = False
         self._open = False
         self._terms: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -171,8 +187,12 @@ class IndexerTraining:
         return torch.stack(losses).mean(), torch.stack(recalls).nanmean()
 
     def in_warmup(self, step: int) -> bool:
-        """Whether 0-based optimizer step ``step`` belongs to the dense warm-up."""
+        """Whether 0-based optimizer step ``step`` belongs to the warm-up (only the indexer trains)."""
         return step < self.warmup_steps
+
+    def attends_densely(self, step: int) -> bool:
+        """Whether 0-based optimizer step ``step`` belongs to the dense stage (warm-up or dense training)."""
+        return step < self.warmup_steps + self.dense_steps
 
     def remove(self) -> None:
         for handle in self._handles:
