@@ -18,7 +18,7 @@ from ckv.data import lookup_format_for
 from .helpers import run_quick
 
 
-@pytest.mark.smoke
+@pytest.mark.slow  # make demo-v4 shares make demo's pipeline (ckv.apps.demo.run_plan), whose quick run CI keeps
 def test_quick_demo_v4_writes_one_table_one_plot_and_the_findings(tmp_path):
     out = tmp_path / "demo-v4"
     run_quick("ckv.apps.demo_v4", out)

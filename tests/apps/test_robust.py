@@ -170,7 +170,7 @@ def test_confirm_verdicts_follow_the_committed_criteria():
     assert confirm_verdicts([r for r in rows if (r["model"], r["seed"]) != ("full", seeds[1])]) == []
 
 
-@pytest.mark.smoke
+@pytest.mark.slow  # make robust shares make demo's pipeline (ckv.apps.demo.run_plan), whose quick run CI keeps
 def test_quick_robust_writes_a_table_a_plot_and_a_record(tmp_path):
     out = tmp_path / "robust"
     proc = run_quick("ckv.apps.robust", out, "--task", "dense")

@@ -9,7 +9,11 @@ and each group option composed onto the group bases: ``tests.helpers.VARIANTS``)
 - every parameter receives a gradient (the lightning indexer's from its training loss, ``ckv.train.indexer``);
 - the accounting is the module's: parameter count (tied and untied embeddings), KV-cache bytes after T tokens and
   per token in the long run, attended (query, key) pairs behind the FLOPs.
-A feature's own test file keeps only what is unique to it."""
+A feature's own test file keeps only what is unique to it.
+
+The cheap columns (gradients reach every parameter, parameter count, FLOPs) run on every option in CI's fast set;
+the costly ones (influence by Jacobian, decoding, KV-cache bytes, torch == triton) run there on ``CODE_PATHS``, one
+option per code path, and on every other option in the slow set (``make test-slow``, ``make test-all``)."""
 
 from __future__ import annotations
 
@@ -27,6 +31,41 @@ from tests.helpers import VARIANTS, small_config, variant
 from tests.kernels.test_model import assert_impls_match
 
 LONGEST_WINDOW = 16
+
+# one option per code path: full attention (GQA and one KV head); the learned gate at W = S, W = 2S and a stride
+# that does not divide the window; the uniform mean; a tail local window; one grid per KV head; shifted grids;
+# token mixing; V4's CSA (two-series maps, vector gate, tied K = V, post-norm, partial RoPE, sinks, output RoPE)
+# and HCA; top-k by the lightning indexer (V4's and on a plain gate) and by the oracle; no RoPE. The options left
+# out (the ablation ladder's steps, head counts, single-option w8s8 variants, group options on a second base)
+# combine these paths and run in the slow set.
+CODE_PATHS = (
+    "full",
+    "full_kv1",
+    "w4s4",
+    "w8s4",
+    "w8s6",
+    "w8s8",
+    "w8s8_mean",
+    "w8s8_tail",
+    "w8s8_no_rope",
+    "w8s8_kv2_heads",
+    "w8s4+grid=stagger",
+    "w8s4+mixing=conv",
+    "deepseek_v4_csa",
+    "deepseek_v4_hca",
+    "deepseek_v4_csa_sparse",
+    "deepseek_v4_csa_oracle",
+    "w8s4+selection=indexer",
+)
+
+
+def costly(names: list[str]) -> list:
+    """``names`` as parameters, those outside ``CODE_PATHS`` marked slow."""
+    return [n if n in CODE_PATHS else pytest.param(n, marks=pytest.mark.slow) for n in names]
+
+
+def test_every_code_path_is_an_option_of_the_matrix():
+    assert set(CODE_PATHS) <= set(VARIANTS), sorted(set(CODE_PATHS) - set(VARIANTS))
 
 
 def _config(name: str, **overrides) -> ModelConfig:
@@ -88,7 +127,7 @@ def _grid_influence(cfg: ModelConfig, o: int, T: int, selected: Optional[torch.T
     return widened | local_mask(g, g, a.local_window, a.stride, origin=P)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", costly(VARIANTS))
 def test_a_token_acts_on_a_query_exactly_where_the_geometry_says(name):
     cfg = _config(name)
     T = _length(cfg)
@@ -122,7 +161,7 @@ def _perturbed(model: Transformer) -> Transformer:
     return model.eval()
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", costly(VARIANTS))
 def test_decoding_equals_the_full_forward_token_by_token_and_in_uneven_chunks(name):
     cfg = _config(name)
     S, T = cfg.attention.stride, _length(cfg, short=29)
@@ -145,7 +184,7 @@ def test_decoding_equals_the_full_forward_token_by_token_and_in_uneven_chunks(na
 TRITON = [n for n in VARIANTS if "triton" in check_attention(_config(n)).impls]
 
 
-@pytest.mark.parametrize("name", TRITON)
+@pytest.mark.parametrize("name", costly(TRITON))
 def test_triton_equals_the_reference_in_loss_and_every_gradient(name):
     att = _config(name).attention.to_dict()
     del att["impl"]  # assert_impls_match sets it
@@ -181,7 +220,7 @@ def test_parameter_count_is_the_accounting(name):
         assert check_attention(cfg).num_params(cfg) == sum(p.numel() for p in layer.parameters())
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", costly(VARIANTS))
 def test_kv_cache_bytes_are_the_accounting(name):
     """What the decode cache holds after t tokens (fp32: 4 bytes) is kv_bytes_per_token(t) * t, prefilled or
     decoded; once the local window is full, every 2 strides add 2 strides' worth of the long-sequence figure."""
