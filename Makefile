@@ -56,7 +56,7 @@ robust-confirm: $(STAMP)  ## confirmation on fresh seeds 100-102: V4's maps with
 robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on the split task, 8 steps x 2 seeds (not yet timed: 16 runs, about make robust's time on 2 free cores by its per-model times; reuses make robust's overlap_w8s4 runs)
 	$(BIN)/python -m ckv.apps.robust --ablation --out outputs/robust
 
-selection: $(STAMP)  ## top-k selection and phases: V4 CSA dense, sparse (indexer), oracle, and full attention, 2 seeds (about 31 min on 2 cores shared with other jobs; docs/selection.md)
+selection: $(STAMP)  ## top-k selection and phases: V4 CSA dense, sparse (indexer, trained dense then sparse), oracle, and full attention, 2 seeds (18 min 18 s on a fresh clone, 2 free cores; docs/selection.md)
 	$(BIN)/python -m ckv.apps.selection --out outputs/selection
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)

@@ -1,7 +1,7 @@
 """``make selection``: does DeepSeek-V4's top-k selection create phase sensitivity where dense V4 is flat?
 (docs/selection.md)
 
-One CPU task where selection binds (``conf/experiment/select_lookup.yaml``: make demo's model, budget and split
+One CPU task where selection binds (``conf/experiment/select_lookup.yaml``: make demo's model, optimiser and split
 records, whose final query sees up to 15 compressed entries, of which top-2 selection keeps 2) and four models, two
 seeds each, the same budget: V4's dense CSA (``deepseek_v4_csa``), its sparse form with the lightning indexer
 trained by V4's recipe (``deepseek_v4_csa_sparse``: ``trainer.indexer.dense_steps``, dense training of the whole
