@@ -53,7 +53,7 @@ robust: $(STAMP)  ## robustness benchmark: baseline gates, fixes and full attent
 robust-confirm: $(STAMP)  ## confirmation on fresh seeds 100-102: V4's maps with and without mixing, the W4/S4 gate and full attention, 12 models (60 min measured on 2 cores shared with 5-8 other training runs; about 20 min on 2 free cores, estimated from make robust's per-model times; criteria in docs/robustness.md)
 	$(BIN)/python -m ckv.apps.robust --confirm --out outputs/robust_confirm
 
-robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on the split task, 8 steps x 2 seeds (not yet timed: 16 runs, about make robust's time on 2 free cores by its per-model times; reuses make robust's overlap_w8s4 runs)
+robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on the split task, 8 steps x 2 seeds (about 50 min on 2 free cores by its last step's per-run time, 336-347 s of training side by side; 135 min measured with a pause and other jobs; reuses make robust's overlap_w8s4 runs)
 	$(BIN)/python -m ckv.apps.robust --ablation --out outputs/robust
 
 selection: $(STAMP)  ## top-k selection and phases: V4 CSA dense, sparse (indexer, trained dense then sparse), oracle, and full attention, 2 seeds (18 min 18 s on a fresh clone, 2 free cores; docs/selection.md)
