@@ -26,7 +26,7 @@ from ckv import AttentionConfig, ModelConfig, Transformer
 from ckv.attention import check_attention
 from ckv.flops import flops_per_token, kv_bytes_per_token, parameter_count
 from ckv.geometry import compressed_mask, grid_origin, influence_mask, local_mask, num_entries, window_positions
-from ckv.train.indexer import IndexerTraining, has_indexer
+from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
 from tests.helpers import VARIANTS, small_config, variant
 from tests.kernels.test_model import assert_impls_match
 
@@ -200,7 +200,8 @@ def test_triton_equals_the_reference_in_loss_and_every_gradient(name):
 def test_every_parameter_receives_a_gradient(name):
     cfg = _config(name)
     model = Transformer(cfg)
-    indexer = IndexerTraining(model, 1.0, 0) if has_indexer(model) else None  # the indexer learns from its own loss
+    # the indexer learns from its own loss
+    indexer = IndexerTraining(model, IndexerTrainingConfig()) if has_indexer(model) else None
     if indexer is not None:
         indexer.start()
     loss = model(torch.randint(0, cfg.vocab_size, (2, _length(cfg)))).logsumexp(-1).mean()

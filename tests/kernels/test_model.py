@@ -12,7 +12,7 @@ from ckv import ModelConfig, Transformer
 from ckv.attention import compressed
 from ckv.attention.reference import pool_reference
 from ckv.geometry import window_positions
-from ckv.train.indexer import IndexerTraining, has_indexer
+from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
 
 from .helpers import DEVICE, rel_rms
 
@@ -34,7 +34,7 @@ def model_config(impl: str, **attention) -> ModelConfig:
 
 def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The LM loss, plus a lightning indexer's training loss where the model has one (its only gradient)."""
-    indexer = IndexerTraining(model, 1.0, 0) if has_indexer(model) else None
+    indexer = IndexerTraining(model, IndexerTrainingConfig()) if has_indexer(model) else None
     if indexer is not None:
         indexer.start()
     logits = model(ids[:, :-1])

@@ -16,7 +16,7 @@ from ckv import Transformer
 from ckv.attention.reference import joint_attention_reference
 from ckv.config import ConfigError
 from ckv.train import TrainConfig, read_metrics, train
-from ckv.train.indexer import IndexerTraining, indexer_loss_and_recall
+from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, indexer_loss_and_recall
 from tests.helpers import small_config
 from tests.train.helpers import base_config
 from tests.train.test_entry import _train_config
@@ -68,7 +68,7 @@ def test_the_indexer_learns_from_its_loss():
     with torch.no_grad():
         layer.q_norm.weight.fill_(3.0)  # sharper attention than at init
     offset = torch.randn(cfg.d_model)
-    hooks = IndexerTraining(layer, 1.0, 0)
+    hooks = IndexerTraining(layer, IndexerTrainingConfig())
     opt = torch.optim.Adam(layer.indexer.parameters(), lr=1e-2)
     held_out = 0.3 * torch.randn(8, 48, cfg.d_model, generator=torch.Generator().manual_seed(1)) + offset
 
@@ -102,7 +102,7 @@ def test_no_lm_gradient_reaches_the_indexer_and_its_loss_reaches_nothing_else():
     lm = {n: p.grad for n, p in model.named_parameters()}
     assert all((lm[n] is None) == (".indexer." in n) for n in names)  # the LM loss: everything but the indexer
     model.zero_grad()
-    hooks = IndexerTraining(model, 1.0, 0)
+    hooks = IndexerTraining(model, IndexerTrainingConfig())
     hooks.start()
     lm_loss = model(ids).logsumexp(-1).mean()
     (lm_loss + hooks.finish()[0]).backward()
@@ -120,7 +120,7 @@ def test_evaluation_and_decoding_are_untouched_by_the_hooks():
     ids = torch.randint(0, 64, (1, 30))
     with torch.no_grad():
         plain = model(ids)
-    hooks = IndexerTraining(model, 1.0, 5)
+    hooks = IndexerTraining(model, IndexerTrainingConfig(warmup_steps=5))
     hooks.start(dense=True)
     with torch.no_grad():
         assert torch.equal(model(ids), plain)

@@ -131,9 +131,7 @@ class Engine:
         self.gate_entropy = GateEntropyFloor(model, g.floor, g.weight) if g.enabled else None
         self._deficits: list[torch.Tensor] = []  # this optimizer step's gate-entropy deficit per micro-batch
         ix = t.indexer
-        self.indexer = (
-            IndexerTraining(model, ix.weight, ix.warmup_steps, ix.dense_steps) if has_indexer(model) else None
-        )
+        self.indexer = IndexerTraining(model, ix) if has_indexer(model) else None
         self._indexer_terms: list[tuple[torch.Tensor, torch.Tensor]] = []  # (KL, recall) per micro-batch
         # the dense warm-up trains the indexers alone: they get their own parameter groups, the others lr 0 meanwhile
         apart = indexer_parameters(model) if self.indexer is not None and ix.warmup_steps else []

@@ -131,15 +131,16 @@ def indexer_loss_and_recall(
 
 class IndexerTraining:
     """Forward hooks on every compressed layer with a lightning indexer of ``model`` that add up the indexer's
-    loss and recall over one forward.
+    loss and recall over one forward, with ``trainer.indexer``'s settings ``cfg``.
 
     ``start(dense)`` opens a micro-step (``dense``: the dense stage, every layer attends to every visible entry);
     ``finish()`` closes it and returns the mean KL over the hooked layers (0-d fp32 on the model's device, attached
     to the indexers' graph; 0 when nothing was hooked) and the mean recall (NaN when no selection bound).
     ``remove()`` takes the hooks off. No host sync."""
 
-    def __init__(self, model: nn.Module, weight: float, warmup_steps: int, dense_steps: int = 0) -> None:
-        self.weight, self.warmup_steps, self.dense_steps = float(weight), int(warmup_steps), int(dense_steps)
+    def __init__(self, model: nn.Module, cfg: IndexerTrainingConfig) -> None:
+        self.cfg = cfg
+        self.weight = float(cfg.weight)
         self.dense = False
         self._open = False
         self._terms: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -188,11 +189,11 @@ class IndexerTraining:
 
     def in_warmup(self, step: int) -> bool:
         """Whether 0-based optimizer step ``step`` belongs to the warm-up (only the indexer trains)."""
-        return step < self.warmup_steps
+        return step < self.cfg.warmup_steps
 
     def attends_densely(self, step: int) -> bool:
         """Whether 0-based optimizer step ``step`` belongs to the dense stage (warm-up or dense training)."""
-        return step < self.warmup_steps + self.dense_steps
+        return step < self.cfg.dense_stage
 
     def remove(self) -> None:
         for handle in self._handles:
