@@ -44,14 +44,13 @@ from ckv.apps.demo import (
     run_command,
     run_plan,
 )
-from ckv.config import ModelConfig
 from ckv.eval.summary import flatness_fields
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR, read_run_config
 from ckv.io.results import read_json, write_json
 from ckv.io.weights import load_config
 
-BYTES_PER_ELEMENT = 2  # KV memory is reported for a bf16 cache
+BYTES_PER_ELEMENT = 2  # KV memory is reported for a bf16 cache (ckv.flops.kv_bytes_per_token)
 SEEDS = (0, 1)
 
 
@@ -182,16 +181,6 @@ def plan(
     )
 
 
-def kv_bytes_per_token(
-    config: ModelConfig, seq_len: Optional[int] = None, bytes_per_element: int = BYTES_PER_ELEMENT
-) -> float:
-    """KV-cache bytes per token over all layers at bf16 (``ckv.flops.kv_bytes_per_token``). ``seq_len=None``: the
-    long-sequence figure, the cache's growth per token (full attention keeps every key and value; compressed
-    attention one entry, key and value unless tied, per ``stride`` tokens). ``seq_len=T``: everything the decode
-    cache holds after T tokens (entries, local window, pending and mixing states) divided by T."""
-    return flops.kv_bytes_per_token(config, seq_len, bytes_per_element)
-
-
 def row(d: dict) -> dict:
     """One table row of a finished run: its results' headline, per-phase accuracy, memory and cost."""
     rep = d["results"]
@@ -227,9 +216,9 @@ def row(d: dict) -> dict:
         "residue_noise_floor": residue["noise_floor"],
         **flatness_fields(rep, "phase"),
         **flatness_fields(rep, "residue"),
-        "kv_bytes_per_token": kv_bytes_per_token(cfg),
+        "kv_bytes_per_token": flops.kv_bytes_per_token(cfg, None, BYTES_PER_ELEMENT),
         "task_tokens": task_tokens,
-        "kv_bytes_per_token_task": kv_bytes_per_token(cfg, task_tokens),
+        "kv_bytes_per_token_task": flops.kv_bytes_per_token(cfg, task_tokens, BYTES_PER_ELEMENT),
         "parameters": parameter_count(cfg),
         "results": str(d["dir"]),
     }
@@ -237,10 +226,10 @@ def row(d: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The printed table, one line per run: memory (KV bytes per token in the long-sequence limit and at the
-    task's own length T, ``kv_bytes_per_token``) and cost, accuracy, the phase gap with its interval, noise
-    floor, permutation p, one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``, 80% power) and
-    verdict (gap / flat / undecided at the equivalence margin), and the residue gap with its interval, noise
-    floor and minimum detectable gap."""
+    task's own length T: everything the decode cache holds after T tokens over T, ``ckv.flops.kv_bytes_per_token``)
+    and cost, accuracy, the phase gap with its interval, noise floor, permutation p, one-sided 95% upper bound
+    (``<=``), minimum detectable gap (``MDE``, 80% power) and verdict (gap / flat / undecided at the equivalence
+    margin), and the residue gap with its interval, noise floor and minimum detectable gap."""
     head = (
         f"{'task/model/seed':34s} {'KV B/tok':>8s} {'at T':>9s} {'params':>8s} {'train s':>7s} {'mean %':>6s} "
         f"{'worst %':>7s}  "
