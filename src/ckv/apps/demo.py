@@ -303,6 +303,16 @@ def run_records(done: list[dict]) -> list[dict]:
     ]
 
 
+def write_study_record(out: Path, name: str, quick: bool, clock: Timer, png: Path, record: dict) -> None:
+    """A study's last step (``make robust``, ``make selection``): ``<out>/<name>.json`` holds ``quick``, the
+    seconds so far, ``record`` and the plot's path; then the quick-mode warning and where everything is."""
+    path = out / f"{name}.json"
+    write_json(path, {"quick": quick, "seconds": time.monotonic() - clock.start, **record, "plot": str(png)})
+    if quick:
+        print("quick mode: a few steps per model; the numbers above check the pipeline, not the science")
+    print(f"[{clock}] plot: {png}; record: {path}")
+
+
 def demo_arguments(
     doc: str, out: str, quick_help: str = "a few steps per model: pipeline check only"
 ) -> argparse.ArgumentParser:

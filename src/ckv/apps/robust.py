@@ -25,7 +25,6 @@ non-zero when one failed.
 from __future__ import annotations
 
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +42,12 @@ from ckv.apps.demo import (
     pp,
     run_command,
     run_plan,
+    write_study_record,
 )
 from ckv.eval.summary import flatness_fields
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR, read_run_config
-from ckv.io.results import read_json, write_json
+from ckv.io.results import read_json
 from ckv.io.weights import load_config
 
 BYTES_PER_ELEMENT = 2  # KV memory is reported for a bf16 cache (ckv.flops.kv_bytes_per_token)
@@ -625,21 +625,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         for line in crowding_lines(analyses):
             print(f"  {line}")
     plot(rows, png)
-    write_json(
-        out / "robust.json",
+    write_study_record(
+        out,
+        "robust",
+        args.quick,
+        clock,
+        png,
         {
-            "quick": args.quick,
-            "seconds": time.monotonic() - clock.start,
             "rows": rows,
             "criteria": [c.__dict__ for c in checks],
             "confirmation": [c.__dict__ for c in verdicts],
             "crowding": analyses,
-            "plot": str(png),
         },
     )
-    if args.quick:
-        print("quick mode: a few steps per model; the numbers above check the pipeline, not the science")
-    print(f"[{clock}] plot: {png}; record: {out / 'robust.json'}")
     return 0
 
 

@@ -28,7 +28,6 @@ exits 0 when every command succeeded and non-zero when one failed.
 from __future__ import annotations
 
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +44,10 @@ from ckv.apps.demo import (
     pp,
     run_command,
     run_plan,
+    write_study_record,
 )
 from ckv.eval.summary import flatness_fields
-from ckv.io.results import read_json, write_json
+from ckv.io.results import read_json
 from ckv.train.metrics import read_metrics
 
 EXPERIMENT = "select_lookup"
@@ -290,19 +290,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"  [{'yes' if c.passed else 'no'}] {c.claim}: {c.detail}")
     png = out / "selection.png"
     plot(rows, png)
-    write_json(
-        out / "selection.json",
+    write_study_record(
+        out,
+        "selection",
+        args.quick,
+        clock,
+        png,
         {
-            "quick": args.quick,
-            "seconds": time.monotonic() - clock.start,
             "rows": rows,
             "checks": [c.__dict__ for c in found],
-            "plot": str(png),
         },
     )
-    if args.quick:
-        print("quick mode: a few steps per model; the numbers above check the pipeline, not the science")
-    print(f"[{clock}] plot: {png}; record: {out / 'selection.json'}")
     return 0
 
 
