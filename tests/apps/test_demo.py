@@ -21,7 +21,7 @@ def test_quick_demo_writes_well_formed_outputs(tmp_path):
     assert demo["quick"] is True
     assert [r["label"] for r in demo["runs"]] == [r.label for r in PLAN]
     roles = [c["claim"] for c in demo["checks"]]
-    assert len(roles) == 5 and all(isinstance(c["passed"], bool) and c["detail"] for c in demo["checks"])
+    assert len(roles) == 4 and all(isinstance(c["passed"], bool) and c["detail"] for c in demo["checks"])
     for run in demo["runs"]:
         res = json.loads(Path(run["results"]).read_text())["results"]
         assert res["name"] == TASK and res["modulus"] == 8

@@ -14,7 +14,11 @@ from tests.apps.helpers import run_quick
 def test_plan_runs_the_core_models_of_each_task_for_each_seed_with_one_attention_override():
     runs = plan(("split", "dense"), (0, 1))
     core = [(t, m) for t, models in MODELS.items() for m in models if m.core]
-    assert len(runs) == 2 * len(core) == 18  # the nine per seed that fit make robust's 30 minutes
+    assert len(runs) == 2 * len(core) == 12  # make robust's six runs of one seed fit its 30 minutes
+    # the core set of each task: its baseline, V4's compressor and the control
+    for task, models in MODELS.items():
+        assert sorted(m.role for m in models if m.core) == ["baseline", "control", "fix"]
+        assert [m.name for m in models if m.core and m.role == "fix"] == ["v4_csa_w8s4"]
     assert len(plan(("split", "dense"), (0, 1), everything=True)) == 2 * sum(len(m) for m in MODELS.values())
     assert len({(r.name, r.seed) for r in runs}) == len(runs)
     for r in runs:
@@ -68,6 +72,21 @@ def _row(
         "phase_verdict": verdict,
         "phase_mde": 0.04,
     }
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--confirm", "--seeds", "7"], "--confirm trains the seeds its committed criteria name"),
+        (["--seeds", "0", "0"], "distinct seeds >= 0"),
+        (["--seeds", "-1"], "distinct seeds >= 0"),
+    ],
+)
+def test_bad_seeds_are_one_line_errors_before_anything_trains(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        robust_main([*argv, "--out", str(tmp_path / "robust")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "robust").exists()
 
 
 def test_criteria_need_every_seed():
@@ -173,10 +192,11 @@ def test_confirm_verdicts_follow_the_committed_criteria():
 @pytest.mark.slow  # make robust shares make demo's pipeline (ckv.apps.demo.run_plan), whose quick run CI keeps
 def test_quick_robust_writes_a_table_a_plot_and_a_record(tmp_path):
     out = tmp_path / "robust"
-    proc = run_quick("ckv.apps.robust", out, "--task", "dense")
+    proc = run_quick("ckv.apps.robust", out, "--task", "dense", "--add", "entropy_w8s4", "gate_w8s8")
     record = json.loads((out / "robust.json").read_text())
     rows = record["rows"]
-    assert [r["model"] for r in rows] == [m.name for m in MODELS["dense"] if m.core]
+    added = ("entropy_w8s4", "gate_w8s8")
+    assert [r["model"] for r in rows] == [m.name for m in MODELS["dense"] if m.core or m.name in added]
     for r in rows:
         assert len(r["per_phase"]) == r["stride"] and min(r["per_phase"]) == pytest.approx(r["worst_phase_accuracy"])
         assert 0.0 <= r["phase_gap_lower"] <= r["phase_gap"] <= r["phase_gap_upper"] <= 1.0
@@ -186,9 +206,10 @@ def test_quick_robust_writes_a_table_a_plot_and_a_record(tmp_path):
     assert by_model["entropy_w8s4"]["kv_bytes_per_token"] == by_model["gate_w8s4"]["kv_bytes_per_token"]
     assert by_model["full"]["kv_bytes_per_token"] == 8 * by_model["gate_w8s8"]["kv_bytes_per_token"]
     assert by_model["entropy_w8s4"]["parameters"] == by_model["gate_w8s4"]["parameters"]  # a loss term only
+    assert 2 * by_model["v4_csa_w8s4"]["kv_bytes_per_token"] == by_model["gate_w8s4"]["kv_bytes_per_token"]  # K = V
     # the crowding analysis ran on every compressed model of the dense task and names its gates' concentration
     analysed = {a["label"] for a in record["crowding"]}
-    assert analysed == {f"dense_{m}/seed=0" for m in ("gate_w8s4", "entropy_w8s4", "gate_w8s8")}
+    assert analysed == {f"dense_{m}/seed=0" for m in ("gate_w8s4", "entropy_w8s4", "v4_csa_w8s4", "gate_w8s8")}
     for a in record["crowding"]:
         assert all(1.0 <= u["k_static"] <= a["window"] + 1e-6 for u in a["layers"])
     assert "crowding analysis" in proc.stdout
