@@ -38,7 +38,7 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-demo: $(STAMP)  ## periodic weak spots on a CPU, with a full-attention control (12.5 min on 2 cores after the install, fresh clone 2026-12-01; README)
+demo: $(STAMP)  ## periodic weak spots on a CPU: three models at once, a full-attention control among them (9 min 15 s on 2 cores after the install, fresh clone 2026-12-01; README)
 	$(BIN)/python -m ckv.apps.demo --out outputs/demo
 
 demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 models, about 35 min on 2 cores
