@@ -16,7 +16,7 @@ def test_plan_runs_the_core_models_of_each_task_for_each_seed_with_one_attention
     core = [(t, m) for t, models in MODELS.items() for m in models if m.core]
     assert len(runs) == 2 * len(core) == 12  # make robust's six runs of one seed fit its 30 minutes
     # the core set of each task: its baseline, V4's compressor and the control
-    for task, models in MODELS.items():
+    for models in MODELS.values():
         assert sorted(m.role for m in models if m.core) == ["baseline", "control", "fix"]
         assert [m.name for m in models if m.core and m.role == "fix"] == ["v4_csa_w8s4"]
     assert len(plan(("split", "dense"), (0, 1), everything=True)) == 2 * sum(len(m) for m in MODELS.values())
