@@ -6,7 +6,18 @@ from pathlib import Path
 import pytest
 
 from ckv.apps.demo import ROOT
-from ckv.apps.robust import CONFIRM_SEEDS, MODEL_BY_RUN, MODELS, confirm_verdicts, criteria, noninferiority_bound, plan
+from ckv.apps.robust import (
+    ABLATION_SEEDS,
+    CONFIRM_SEEDS,
+    MODEL_BY_RUN,
+    MODELS,
+    SEEDS,
+    confirm_verdicts,
+    criteria,
+    noninferiority_bound,
+    plan,
+    resolve_seeds,
+)
 from ckv.apps.robust import main as robust_main
 from tests.apps.helpers import run_quick
 
@@ -74,6 +85,25 @@ def _row(
     }
 
 
+def test_seeds_default_to_the_commands_own_and_quick_takes_the_first():
+    assert resolve_seeds(None, False, False, False) == SEEDS == (0,)
+    assert resolve_seeds(None, False, True, False) == ABLATION_SEEDS == (0, 1)  # the ladder's two seeds
+    assert resolve_seeds(None, True, False, False) == CONFIRM_SEEDS
+    assert resolve_seeds(None, True, False, True) == CONFIRM_SEEDS[:1]
+    assert resolve_seeds([3, 1], False, True, False) == (3, 1) and resolve_seeds([3, 1], False, False, True) == (3,)
+
+
+def test_an_added_fix_brings_its_baseline_and_models_stays_exact():
+    added = plan(("dense",), (0,), add=("conv_w8s8",))
+    assert [r.name for r in added if r.role != "control"] == [
+        "dense_gate_w8s4",
+        "dense_v4_csa_w8s4",
+        "dense_gate_w8s8",
+        "dense_conv_w8s8",
+    ]
+    assert [r.name for r in plan(("dense",), (0,), only=("conv_w8s8",))] == ["dense_conv_w8s8"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -121,8 +151,13 @@ def test_criteria_need_every_seed():
         "split/overlap_w8s4 min": True,
         "split/overlap_w8s4 goal": True,
     }
-    # a fix whose baseline did not run is not judged
-    assert not criteria([r for r in rows if r["model"] != "gate_w4s4"])
+    # a fix whose baseline or control did not run in every seed is not judged, and says which is missing
+    for gone, seeds in (("gate_w4s4", (0, 1)), ("full", (1,))):
+        unjudged = criteria([r for r in rows if not (r["model"] == gone and r["seed"] in seeds)])
+        assert len(unjudged) == 4 and not any(c.passed for c in unjudged)
+        assert all(
+            c.claim.endswith(f"not judged: {gone} not among this command's runs in every seed") for c in unjudged
+        )
     # nor is the goal against a control that has not learned the task (the earlier kv dense task's control: 13-14%)
     weak = [dict(r, mean=0.13, worst_phase_accuracy=0.12) if r["role"] == "control" else r for r in rows]
     goal = [c for c in criteria(weak) if "goal" in c.claim]

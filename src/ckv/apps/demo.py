@@ -60,8 +60,8 @@ class DemoRun:
         return f"{(self.name or self.experiment).removeprefix('demo_')}/seed={self.seed}"
 
 
-# three models, trained at once (``main``): on 2 cores no core waits while the last model trains. A second seed of
-# the S = 4 gate is make robust's ``gate_w4s4`` (the same experiment) and make robust-confirm's seeds 100-102.
+# three models, trained at once (``main``): on 2 cores no core waits while the last model trains. More seeds of the
+# S = 4 gate: ``gate_w4s4`` of ``python -m ckv.apps.robust --seeds 0 1`` (the same experiment) and of robust-confirm.
 PLAN = (
     DemoRun("demo_gate_s4", 0, "gate"),
     DemoRun("demo_gate_s2", 0, "geometry"),

@@ -160,8 +160,8 @@ def plan(
     only: tuple[str, ...] = (),
 ) -> tuple[DemoRun, ...]:
     """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``: the core models and those
-    named in ``add`` (in every task that has them), or with ``everything`` every model, or with ``only`` exactly
-    the models it names (in every task that has them, in its order)."""
+    named in ``add`` with their baselines (in every task that has them), or with ``everything`` every model, or
+    with ``only`` exactly the models it names (in every task that has them, in its order)."""
     known = {m.name for models in MODELS.values() for m in models}
     for flag, names in (("--add", add), ("--models", only)):
         unknown = sorted(set(names) - known)
@@ -169,6 +169,7 @@ def plan(
             raise ValueError(
                 f"{flag} {' '.join(unknown)}: not a model of {', '.join(MODELS)} (choose from {sorted(known)})"
             )
+    add = tuple(add) + tuple(m.baseline for models in MODELS.values() for m in models if m.name in add and m.baseline)
     return tuple(
         DemoRun(
             f"robust_{task}",
@@ -183,6 +184,17 @@ def plan(
         if (m.name in only if only else m.core or everything or m.name in add)
         for seed in seeds
     )
+
+
+def resolve_seeds(seeds: Optional[list[int]], confirm: bool, ablation: bool, quick: bool) -> tuple[int, ...]:
+    """The seeds of a command: ``--seeds`` as given, else the confirmation's, the ablation's or ``SEEDS``; the first
+    only with ``--quick``. ValueError (one line) for repeated or negative seeds, or ``--seeds`` with ``--confirm``."""
+    if confirm and seeds is not None:
+        raise ValueError("--confirm trains the seeds its committed criteria name; --seeds cannot change them")
+    chosen = tuple(seeds or (CONFIRM_SEEDS if confirm else ABLATION_SEEDS if ablation else SEEDS))
+    if len(set(chosen)) != len(chosen) or min(chosen) < 0:
+        raise ValueError(f"--seeds {' '.join(map(str, chosen))}: distinct seeds >= 0, please")
+    return chosen[:1] if quick else chosen
 
 
 def row(d: dict) -> dict:
@@ -296,7 +308,8 @@ def criteria(rows: list[dict]) -> list[Check]:
     baseline and of the control): the minimum (worst phase raised by >= MIN_GAIN over the equal-memory baseline
     of the same seed) and the goal (flat: the equivalence test bounds the phase gap under its margin,
     ``ckv.eval.stats.gap_verdict``; and worst phase within GOAL_MARGIN of full attention's of the same seed; not
-    judged where the control has not learned the task)."""
+    judged where the control has not learned the task). A fix whose baseline or control is missing from ``rows``
+    in some seed gets one ``not judged`` check naming them."""
     by = {(r["task"], r["model"], r["seed"]): r for r in rows}
     checks = []
     for r0 in rows:
@@ -306,6 +319,16 @@ def criteria(rows: list[dict]) -> list[Check]:
         seeds = sorted(r["seed"] for r in rows if r["task"] == task and r["model"] == model)
         pairs = [(by[(task, model, s)], by.get((task, r0["baseline"], s)), by.get((task, "full", s))) for s in seeds]
         if any(b is None or c is None for _, b, c in pairs):
+            missing = sorted(
+                {name for name, i in ((r0["baseline"], 1), ("full", 2)) if any(p[i] is None for p in pairs)}
+            )
+            checks.append(
+                Check(
+                    f"{task}/{model}: not judged: {' and '.join(missing)} not among this command's runs in every seed",
+                    False,
+                    f"seeds {', '.join(map(str, seeds))}; add {' '.join(missing)} to --models (or use --add)",
+                )
+            )
             continue
         gains = [f["worst_phase_accuracy"] - b["worst_phase_accuracy"] for f, b, _ in pairs]
         checks.append(
@@ -544,7 +567,7 @@ def crowding_lines(analyses: list[dict]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = demo_arguments(__doc__, "outputs/robust", "seed 0 only, a few steps per model: pipeline check only")
+    ap = demo_arguments(__doc__, "outputs/robust", "the first seed only, a few steps per model: pipeline check only")
     ap.add_argument("--task", choices=("both", *MODELS), default="both", help="which task(s) to run")
     ap.add_argument("--all", action="store_true", help="every model of MODELS, not only the core set")
     ap.add_argument(
@@ -596,18 +619,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.confirm or args.ablation:
             if args.task == "dense" or args.models or args.all or args.add:
                 raise ValueError("--confirm and --ablation run their own models on the split task")
-        if args.confirm and args.seeds is not None:
-            raise ValueError("--confirm trains the seeds its committed criteria name; --seeds cannot change them")
-        seeds = tuple(args.seeds or (CONFIRM_SEEDS if args.confirm else ABLATION_SEEDS if args.ablation else SEEDS))
-        if len(set(seeds)) != len(seeds) or min(seeds) < 0:
-            raise ValueError(f"--seeds {' '.join(map(str, seeds))}: distinct seeds >= 0, please")
+        seeds = resolve_seeds(args.seeds, args.confirm, args.ablation, args.quick)
         runs = plan(
             (CONFIRM_TASK,)
             if args.confirm or args.ablation
             else tuple(MODELS)
             if args.task == "both"
             else (args.task,),
-            seeds[:1] if args.quick else seeds,
+            seeds,
             everything=args.all,
             add=tuple(args.add),
             only=CONFIRM_MODELS if args.confirm else LADDER if args.ablation else tuple(args.models),
