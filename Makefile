@@ -50,7 +50,7 @@ demo-v4: $(STAMP)  ## transformers' DeepSeek-V4 vs ckv's V4 variant vs the W = S
 robust: $(STAMP)  ## robustness benchmark: each task's baseline gate, DeepSeek-V4's compressor and full attention, seed 0: 6 runs (18 min 49 s on a fresh clone, 2 cores; docs/robustness.md)
 	$(BIN)/python -m ckv.apps.robust --out outputs/robust
 
-robust-confirm: $(STAMP)  ## confirmation on fresh seeds 100-102: V4's maps with and without mixing, the W4/S4 gate and full attention, 12 models (60 min measured on 2 cores shared with 5-8 other training runs; about 20 min on 2 free cores, estimated from make robust's per-model times; criteria in docs/robustness.md)
+robust-confirm: $(STAMP)  ## confirmation on fresh seeds 100-102: V4's maps with and without mixing, the W4/S4 gate and full attention, 12 models (34 min 34 s on a fresh clone, 2 cores; criteria and results in docs/robustness.md)
 	$(BIN)/python -m ckv.apps.robust --confirm --out outputs/robust_confirm
 
 robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on the split task, 8 steps x 2 seeds (about 50 min on 2 free cores by its last step's per-run time, 336-347 s of training side by side; 135 min measured with a pause and other jobs; trains its first step overlap_w8s4 too, or reuses it from the same --out)
