@@ -311,17 +311,16 @@ def criteria(rows: list[dict]) -> list[Check]:
     judged where the control has not learned the task). A fix whose baseline or control is missing from ``rows``
     in some seed gets one ``not judged`` check naming them."""
     by = {(r["task"], r["model"], r["seed"]): r for r in rows}
+    first_seed = min((r["seed"] for r in rows), default=0)
     checks = []
     for r0 in rows:
-        if r0["role"] != "fix" or r0["seed"] != min(r["seed"] for r in rows):
+        if r0["role"] != "fix" or r0["seed"] != first_seed:
             continue
         task, model = r0["task"], r0["model"]
         seeds = sorted(r["seed"] for r in rows if r["task"] == task and r["model"] == model)
         pairs = [(by[(task, model, s)], by.get((task, r0["baseline"], s)), by.get((task, "full", s))) for s in seeds]
         if any(b is None or c is None for _, b, c in pairs):
-            missing = sorted(
-                {name for name, i in ((r0["baseline"], 1), ("full", 2)) if any(p[i] is None for p in pairs)}
-            )
+            missing = [name for name, i in ((r0["baseline"], 1), ("full", 2)) if any(p[i] is None for p in pairs)]
             checks.append(
                 Check(
                     f"{task}/{model}: not judged: {' and '.join(missing)} not among this command's runs in every seed",
