@@ -212,3 +212,16 @@ def test_choose_block_fits_the_budget_and_grows_with_it():
     assert 1 <= small < large
     assert working_bytes(small, 2048, 16, 4, 64) <= 2**23 < working_bytes(2 * small, 2048, 16, 4, 64)
     assert choose_block(**{**args, "n_queries": 1}) == 1  # decode: one query
+
+
+@pytest.mark.parametrize("topk", [None, 3])
+def test_tied_keys_and_values_match_the_reference(topk):
+    """V = K (the same tensor for entries and for exact keys, DeepSeek-V4's tied K/V): one gradient, the sum."""
+    tensors, kwargs = _inputs(2, 30, 4, 1, 8, 4, 6, sinks=True, topk=topk)
+    grads = []
+    for fn in (joint_attention_reference, joint_attention_blocked):
+        q, kc, k = (tensors[n].detach().clone().requires_grad_() for n in ("q", "kc", "k"))
+        out, _ = fn(q, kc, kc, k, k, sinks=tensors["sinks"], **kwargs)
+        grads.append(torch.autograd.grad(out, (q, kc, k), _d_out(tensors)))
+    for name, g, ref in zip(("q", "kc", "k"), *reversed(grads)):
+        _close(g, ref, f"d{name}")

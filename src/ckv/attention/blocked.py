@@ -22,7 +22,7 @@ from ckv.attention.reference import _earliest_local_key, check_selected
 from ckv.geometry import LocalWindow, compressed_mask, local_mask, local_span, local_start, visible_entries
 
 DEFAULT_BUDGET_BYTES = 64 * 2**20  # working memory per query block that ``choose_block`` aims at
-MAX_BLOCK = 128  # the largest block ``choose_block`` picks: a block scores block + local_span - 1 band keys
+MAX_BLOCK = 64  # the largest block ``choose_block`` picks: a block scores block + local_span - 1 band keys
 
 
 def working_bytes(
@@ -136,24 +136,26 @@ def _block(plan: _Plan, i0: int, i1: int, selected: Optional[torch.Tensor], devi
 
 class _Inputs:
     """The call's tensors in fp32, laid out for the block loop: queries (B, KV, Tq, G, D), entries and exact
-    keys/values (B, KV, E|Tk, D), sinks (1, KV, 1, G) or None."""
+    keys/values (B, KV, E|Tk, D), sinks (1, KV, 1, G) or None. ``vc`` / ``v`` None: tied to ``kc`` / ``k``."""
 
     def __init__(
         self,
         q: torch.Tensor,
         kc: torch.Tensor,
-        vc: torch.Tensor,
+        vc: Optional[torch.Tensor],
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: Optional[torch.Tensor],
         sinks: Optional[torch.Tensor],
     ) -> None:
         B, Tq, H, D = q.shape
         KV = k.shape[2]
         self.G = H // KV
         self.q = q.float().reshape(B, Tq, KV, self.G, D).permute(0, 2, 1, 3, 4)  # (B, KV, Tq, G, D)
-        self.kc_e, self.vc_e = kc.float(), vc.float()  # (B, E, KV, D): gathered by a selection
+        self.kc_e = kc.float()  # (B, E, KV, D): gathered by a selection
+        self.vc_e = self.kc_e if vc is None else vc.float()
         self.kc, self.vc = (x.permute(0, 2, 1, 3) for x in (self.kc_e, self.vc_e))  # (B, KV, E, D)
-        self.k, self.v = (x.float().permute(0, 2, 1, 3) for x in (k, v))  # (B, KV, Tk, D)
+        self.k = k.float().permute(0, 2, 1, 3)  # (B, KV, Tk, D)
+        self.v = self.k if v is None else v.float().permute(0, 2, 1, 3)
         self.sinks = None if sinks is None else sinks.float().view(1, KV, 1, self.G)
 
     def keys(self, b: _Block, which: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,9 +223,9 @@ class _JointAttention(torch.autograd.Function):
         ctx: Any,
         q: torch.Tensor,
         kc: torch.Tensor,
-        vc: torch.Tensor,
+        vc: Optional[torch.Tensor],
         k: torch.Tensor,
-        v: torch.Tensor,
+        v: Optional[torch.Tensor],
         sinks: Optional[torch.Tensor],
         selected: Optional[torch.Tensor],
         plan: _Plan,
@@ -256,7 +258,7 @@ class _JointAttention(torch.autograd.Function):
         lse = to_blocks(lse)[..., 0]  # (B, KV, Tq, G)
         lse = lse.masked_fill(lse == float("-inf"), 0.0)  # rows that see nothing: every p is 0
         dq = torch.zeros_like(x.q)  # (B, KV, Tq, G, D)
-        dkc, dvc = torch.zeros_like(x.kc_e), torch.zeros_like(x.vc_e)  # (B, E, KV, D)
+        dkc, dvc = torch.zeros_like(x.kc_e), torch.zeros_like(x.kc_e)  # (B, E, KV, D)
         dk, dv = torch.zeros_like(x.k), torch.zeros_like(x.v)  # (B, KV, Tk, D)
         dsinks = None if sinks is None else torch.zeros_like(x.sinks)
         for i0, i1 in plan.blocks(Tq):
@@ -295,9 +297,14 @@ class _JointAttention(torch.autograd.Function):
                 src = part.permute(0, 2, 3, 1, 4).reshape(-1, KV, D)  # (B * blk * K, KV, D)
                 grad.view(B * E, KV, D).index_add_(0, flat, src)
         dq = dq.permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D).to(q.dtype)
-        dk, dv = (g.permute(0, 2, 1, 3).to(like.dtype) for g, like in ((dk, k), (dv, v)))  # (B, Tk, KV, D)
         ds = None if dsinks is None else dsinks.reshape(H).to(sinks.dtype)
-        return dq, dkc.to(kc.dtype), dvc.to(vc.dtype), dk, dv, ds, None, None
+        if vc is None:  # tied: the values' gradient is the keys'
+            dkc, dvc = dkc + dvc, None
+        if v is None:
+            dk, dv = dk + dv, None
+        back = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        dk, dv = (None if g is None else g.permute(0, 2, 1, 3) for g in (dk, dv))  # (B, Tk, KV, D)
+        return dq, back(dkc, kc), back(dvc, vc), back(dk, k), back(dv, v), ds, None, None
 
 
 def joint_attention_blocked(
@@ -338,4 +345,5 @@ def joint_attention_blocked(
         block = choose_block(Tq, E, span, H, D, topk, B, KV)
     scale = D**-0.5 if scale is None else scale
     plan = _Plan(stride, local_window, q_start, origin, scale, span, k_start, E, block)
-    return _JointAttention.apply(q, kc, vc, k, v, sinks, selected, plan)
+    # tied K = V (the same tensor twice) travels once: torch.compile refuses a tensor passed twice to a Function
+    return _JointAttention.apply(q, kc, None if vc is kc else vc, k, None if v is k else v, sinks, selected, plan)
