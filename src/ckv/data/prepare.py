@@ -14,7 +14,8 @@ Pipeline (``datasets`` and ``tokenizers`` do the work; nothing is downloaded):
    not depend on row order or on other documents. Each split's documents are shuffled by ``--seed``.
 4. Each split is written shard by shard (``shard_tokens`` tokens each; a document may continue into the next shard)
    as raw ``numpy.memmap`` token files (uint16 when the vocabulary fits, else uint32) with the start offset of each
-   document, and ``manifest.json``. Everything is written into a temporary folder moved into place at the end.
+   document, a copy of the tokenizer and ``manifest.json``. Everything is written into a temporary folder moved
+   into place at the end.
 
 The token files depend only on the inputs, the tokenizer and the settings, never on ``--num-proc``. A rerun whose
 inputs (paths and sizes), tokenizer and settings match the manifest is a no-op.
@@ -39,12 +40,12 @@ import pyarrow.compute as pc
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from ckv.data.config import MANIFEST_FILE, TOKENIZER_FILE
 from ckv.data.corpus import DataError, _builder, _expand, _load_saved
-from ckv.data.tokenizer import load_tokenizer, token_id
+from ckv.data.tokenizer import load_tokenizer, text_tokenizer, token_id
 from ckv.io.atomic import replace_dir, write_text_atomic
 
 VERSION = 1
-MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 MAP_BATCH = 1000  # documents per tokenizer call
 WRITE_BATCH = 4096  # documents gathered per write
@@ -70,14 +71,6 @@ def is_val(key: str, val_fraction: float) -> bool:
     ``val_fraction``. Depends on nothing but the id."""
     h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
     return h < val_fraction * 2.0**64
-
-
-def text_tokenizer(path: str) -> Tokenizer:
-    """The tokenizer at ``path`` set to encode special-token text inside documents as ordinary text (so a literal
-    ``<|endoftext|>`` never becomes the end-of-document id)."""
-    tok = load_tokenizer(path)
-    tok.encode_special_tokens = True
-    return tok
 
 
 @lru_cache(maxsize=2)
@@ -224,7 +217,7 @@ def prepare(
         "dtype": dtype.name,
     }
     out_dir = Path(out)
-    old = out_dir / MANIFEST
+    old = out_dir / MANIFEST_FILE
     if old.is_file():
         manifest = json.loads(old.read_text())
         if {k: manifest.get(k) for k in settings} == settings:
@@ -269,8 +262,9 @@ def prepare(
             docs = np.flatnonzero((val == (name == "val")) & (n > 0))
             order = docs[np.random.default_rng([seed, s]).permutation(len(docs))]
             splits[name] = _write_split(ds, order, n, tmp, name, dtype, shard_tokens)
+        shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
         manifest = {**settings, "splits": splits, "skipped_rows": int((n == 0).sum())}
-        write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2))
+        write_text_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
         replace_dir(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -52,6 +52,7 @@ RESUMABLE_CHANGES = (
     "trainer.stop_at_step",
     "trainer.progress",
     "trainer.data_cache_dir",
+    "data.shards.prefetch",
     "trainer.resume",
     "trainer.stop_check_every",
     "trainer.peak_flops",
