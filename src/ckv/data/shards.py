@@ -133,15 +133,26 @@ class TokenMixture:
         counts[np.argsort(-(want - counts), kind="stable")[:short]] += 1
         return counts
 
+    def _owners(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """The totals before block ``b`` (sources,) and the source of each of its samples (MIX_BLOCK,)."""
+        before = self.totals(b * MIX_BLOCK)
+        n = self.totals((b + 1) * MIX_BLOCK) - before  # (sources,) samples of each source in block b
+        order = rng_for(self.seed, self.split, MIX_SALT, b).permutation(MIX_BLOCK)
+        return before, np.repeat(np.arange(len(n)), n)[order]
+
+    def counts(self, samples: int) -> np.ndarray:
+        """How many of the first ``samples`` global samples each source gets (sources,)."""
+        b, p = divmod(samples, MIX_BLOCK)
+        before, owner = self._owners(b)
+        return before + np.bincount(owner[:p], minlength=len(self.sources))
+
     def sample(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         b, p = divmod(g, MIX_BLOCK)
         if self._block[0] != b:
-            before = self.totals(b * MIX_BLOCK)
-            n = self.totals((b + 1) * MIX_BLOCK) - before  # (sources,) samples of each source in block b
-            owner = np.repeat(np.arange(len(n)), n)[rng_for(self.seed, self.split, MIX_SALT, b).permutation(MIX_BLOCK)]
+            before, owner = self._owners(b)
             rank = np.empty(MIX_BLOCK, dtype=np.int64)  # (MIX_BLOCK,) position among the same source's samples
-            for i in range(len(n)):
-                rank[owner == i] = np.arange(n[i])
+            for i in range(len(self.sources)):
+                rank[owner == i] = np.arange((owner == i).sum())
             self._block = (b, before, owner, rank)
         _, before, owner, rank = self._block
         s = int(owner[p])
@@ -300,7 +311,7 @@ def build_shard_batches(
     else:
         source = TokenMixture(sources, [float(e.get("ratio", 1.0)) for e in entries], seed=seed, split=split)
     if total_samples is not None and split == 0:
-        need = source.totals(-(-total_samples // MIX_BLOCK) * MIX_BLOCK) if len(sources) > 1 else [total_samples]
+        need = source.counts(total_samples) if isinstance(source, TokenMixture) else [total_samples]
         for e, s, n in zip(entries, sources, need):
             limit = getattr(s, "max_samples", None)
             if limit is not None and n > limit:
