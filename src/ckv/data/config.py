@@ -209,7 +209,7 @@ class ShardsConfig:
     prefetch: int = 8
 
     def validate(self) -> None:
-        """The checks that need ``kind: shards``: one of ``path``/``sources``, every folder prepared."""
+        """The checks that need ``kind: shards``: one of ``path``/``sources``, well-formed entries."""
         o = "data.shards"
         check_int(f"{o}.prefetch", self.prefetch, 0)
         if (self.path is None) == (self.sources is None):
@@ -233,13 +233,20 @@ class ShardsConfig:
             path = src.get("path")
             if not isinstance(path, str) or not path:
                 raise ConfigError(f"{where}.path={path!r} must be a folder written by python -m ckv.data.prepare")
-            if not os.path.isfile(os.path.join(os.path.expanduser(path), MANIFEST_FILE)):
+        if lookups > 1 or lookups == len(self.entries()):
+            raise ConfigError(f"{o}.sources: at most one lookup entry, next to at least one prepared folder")
+
+    def check_prepared(self) -> None:
+        """Every folder holds a manifest (checked when the data is built, so a config naming folders of another
+        machine, e.g. for ``ckv.plan``, still loads)."""
+        for k, src in enumerate(self.entries()):
+            path = src.get("path")
+            where = f"data.shards.sources[{k}]" if self.sources is not None else "data.shards"
+            if path is not None and not os.path.isfile(os.path.join(os.path.expanduser(path), MANIFEST_FILE)):
                 raise ConfigError(
                     f"{where}.path={path!r} holds no {MANIFEST_FILE}: prepare it first with "
                     f"python -m ckv.data.prepare --input ... --tokenizer ... --out {path}"
                 )
-        if lookups > 1 or lookups == len(self.entries()):
-            raise ConfigError(f"{o}.sources: at most one lookup entry, next to at least one prepared folder")
 
     def entries(self) -> list[dict[str, Any]]:
         """The sources as ``{path, lookup, ratio, max_epochs}`` mappings (one for ``path``)."""

@@ -286,6 +286,7 @@ def build_shard_batches(
     from ckv.data.synthetic import LookupSequences
     from ckv.data.tokenizer import load_tokenizer
 
+    cfg.shards.check_prepared()
     entries = cfg.shards.entries()
     folders = [e for e in entries if not e.get("lookup")]
     manifests = [read_manifest(e["path"]) for e in folders]
