@@ -8,7 +8,8 @@ Pipeline (``datasets`` and ``tokenizers`` do the work; nothing is downloaded):
 1. Read each input file (jsonl/json, parquet, txt) with ``datasets.load_dataset`` or a saved ``datasets`` folder
    with ``load_from_disk``. Each document gets a stable id: its ``id`` column when present, else
    ``<file name>:<row>``.
-2. Tokenise with ``Dataset.map(batched=True, num_proc=N)`` and the tokenizer's batch encoder. Special-token text
+2. Tokenise with ``Dataset.map(batched=True, num_proc=N)`` and the tokenizer's batch encoder (with ``N = 1`` the
+   encoder uses its own threads; with ``N > 1`` one thread per process). Special-token text
    inside a document stays text (``Tokenizer.encode_special_tokens``); the end-of-document id is appended.
 3. A document belongs to the validation split iff a hash of its id falls below ``--val-fraction``, so the split does
    not depend on row order or on other documents. Each split's documents are shuffled by ``--seed``.
@@ -224,6 +225,8 @@ def prepare(
             print(f"{out_dir} is up to date (its manifest matches these inputs, tokenizer and settings): nothing to do")
             return manifest
 
+    if num_proc > 1:  # one tokenizer thread per process: the tokenizer's own thread pool would oversubscribe
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     t0 = time.monotonic()
     work = out_dir.with_name(out_dir.name + ".work")  # datasets' caches; removed when done
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
