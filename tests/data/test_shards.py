@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ckv.config import ConfigError
+from ckv.config import ConfigError, ModelSpec
 from ckv.data import DataConfig, build_batches
 from ckv.data.prepare import prepare
 from ckv.data.shards import MIX_BLOCK, ShardSet, TokenMixture
@@ -128,8 +128,6 @@ def test_config_errors(shards: str, tmp_path: Path, tokenizer: str, cache_dir: s
         stream(None, sources=[{"path": shards}, {"path": b}])
     cfg = DataConfig.from_dict({"kind": "shards", "seq_len": SEQ, "shards": {"path": shards}})
     with pytest.raises(ConfigError, match="model.vocab_size=100 is smaller"):
-        from ckv.config import ModelSpec
-
         ModelSpec.from_dict({"preset": "tiny", "vocab_size": 100}).build(
             {"kind": "full"}, build_batches(cfg, batch_size=1, seed=0).vocab_size
         )

@@ -306,7 +306,15 @@ def build_shard_batches(
             sources.append(LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=seed, split=split, rank=0, world_size=1))
         else:
             shard_set = ShardSet(e["path"], SPLIT_NAMES[split])
-            sources.append(ShardWindows(shard_set, cfg.seq_len, seed=seed, split=split, max_epochs=e.get("max_epochs")))
+            sources.append(
+                ShardWindows(
+                    shard_set,
+                    cfg.seq_len,
+                    seed=seed,
+                    split=split,
+                    max_epochs=e.get("max_epochs") if split == 0 else None,
+                )
+            )
     if len(sources) == 1:
         source: GlobalSource = sources[0]
     else:

@@ -90,6 +90,9 @@ class BatchStream:
             "labels": torch.from_numpy(np.stack([p[1] for p in pairs]).astype(np.int64)),  # (B, T)
         }
 
+    def close(self) -> None:
+        """Release background work (nothing here; ``ShardBatches`` stops its prefetch thread)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {"identity": dict(self.identity), "batches": self.batches, "source": self.source.state_dict()}
 

@@ -298,6 +298,8 @@ class _Loop:
         return self.run_dir
 
     def close(self, ok: bool) -> None:
+        self.train_stream.close()
+        self.val_stream.close()
         self.engine.close()
         self.log.close(ok)
 
