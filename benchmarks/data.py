@@ -7,12 +7,13 @@ jsonl (one chapter per row, ids ``copy-chapter``), ~53 MB by default; tokenizer:
 
 - prepare: wall time of ``ckv.data.prepare.prepare`` (read, tokenise, shuffle, write) with ``--num-proc`` 1 and 2,
   the tokenizer limited to one thread per process (``TOKENIZERS_PARALLELISM=false``); tokens/s = tokens written /
-  wall time.
+  wall time; the CPU seconds (process and workers) show whether a shared machine gave the second process a core.
 - loader: micro-batches of ``--micro-batch`` x ``--seq-len`` tokens drawn from the shards in the calling thread
   (no prefetch): the rate at which one rank can read.
 - busy fraction: a loop whose "GPU step" is a sleep of ``--step-ms`` per micro-batch (default: the time one H100 rank
   at 40% MFU takes for 4 x 4,096 tokens of Qwen3-0.6B, 16,384 / 109,000 tokens/s = 150 ms; a sleep, like a GPU step,
-  leaves the CPU to other threads); busy = step time / wall time over ``--steps`` micro-batches after one warm-up.
+  leaves the CPU to other threads); busy = time slept / (time slept + time waiting for the next batch) over
+  ``--steps`` micro-batches after one warm-up.
   Streaming tokenises in the loop's thread (``data.text.streaming``); shards prefetch in a background thread.
 
     python benchmarks/data.py                 # ~53 MB, 32K BPE, 200 simulated steps
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -47,14 +49,26 @@ def write_corpus(folder: Path, copies: int) -> Path:
     return path
 
 
-def simulate(stream: Any, steps: int, step_s: float) -> float:
-    """Busy fraction of a loop that sleeps ``step_s`` per micro-batch drawn from ``stream``."""
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished children (the tokeniser workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def simulate(stream: Any, steps: int, step_s: float) -> tuple[float, float]:
+    """Busy fraction and longest wait (s) of a loop that sleeps ``step_s`` per micro-batch drawn from ``stream``:
+    busy = time slept / (time slept + time waiting for batches), so a sleep that overruns on a loaded machine
+    counts as GPU time, not as a data stall."""
     next(stream)  # warm-up: first reads, thread start
-    t0 = time.perf_counter()
+    slept = waited = longest = 0.0
     for _ in range(steps):
+        t0 = time.perf_counter()
         next(stream)
+        t1 = time.perf_counter()
         time.sleep(step_s)
-    return steps * step_s / (time.perf_counter() - t0)
+        waited, longest = waited + t1 - t0, max(longest, t1 - t0)
+        slept += time.perf_counter() - t1
+    return slept / (slept + waited), longest
 
 
 def main() -> None:
@@ -90,11 +104,11 @@ def main() -> None:
         )
         out["prepare"] = {}
         for n in (1, 2):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             m = prepare([str(corpus)], tok, str(work / f"shards{n}"), num_proc=n, val_fraction=0.01)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, cpu_seconds() - c0
             tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
-            out["prepare"][n] = {"seconds": dt, "tokens": tokens, "tokens_per_s": tokens / dt}
+            out["prepare"][n] = {"seconds": dt, "cpu_seconds": cpu, "tokens": tokens, "tokens_per_s": tokens / dt}
         out["prepare_speedup_2_over_1"] = out["prepare"][2]["tokens_per_s"] / out["prepare"][1]["tokens_per_s"]
 
         shards = {"kind": "shards", "seq_len": a.seq_len, "shards": {"path": str(work / "shards1"), "prefetch": 0}}
@@ -115,26 +129,32 @@ def main() -> None:
             "text": {"paths": [str(corpus)], "tokenizer": tok, "streaming": True},
         }
         cache = str(work / "cache")
-        out["step_ms"], out["steps"], out["busy"] = step_s * 1000, steps, {}
+        out["step_ms"], out["steps"], out["busy"], out["longest_wait_s"] = step_s * 1000, steps, {}, {}
         for name, d in (("streaming", text), ("shards", shards)):
             stream = build_batches(DataConfig.from_dict(d), batch_size=a.micro_batch, seed=0, cache_dir=cache)
-            out["busy"][name] = simulate(stream, steps, step_s)
-            getattr(stream, "close", lambda: None)()
+            out["busy"][name], out["longest_wait_s"][name] = simulate(stream, steps, step_s)
+            stream.close()
         out["load_after"] = os.getloadavg()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"\nload average before {out['load_before'][0]:.2f}, after {out['load_after'][0]:.2f} on {out['cpus']} CPUs")
     for n, r in out["prepare"].items():
-        rate = r["tokens_per_s"]
-        print(f"prepare, {n} process(es): {r['tokens']:,} tokens in {r['seconds']:.1f} s = {rate:,.0f} tokens/s")
+        rate, cpu = r["tokens_per_s"], r["cpu_seconds"]
+        print(
+            f"prepare, {n} process(es): {r['tokens']:,} tokens in {r['seconds']:.1f} s = {rate:,.0f} tokens/s "
+            f"({cpu:.1f} CPU-s, {r['tokens'] / cpu:,.0f} tokens per CPU-s)"
+        )
     print(f"prepare speed-up, 2 processes over 1: {out['prepare_speedup_2_over_1']:.2f}x")
     print(
         f"loader from shards: {out['loader_tokens_per_s']:,.0f} tokens/s = {out['loader_over_h100_rank']:.0f}x one "
         f"H100 rank at 40% MFU ({H100_RANK_TOKENS_S:,} tokens/s)"
     )
     for name, busy in out["busy"].items():
-        print(f"simulated GPU busy fraction, {name}: {busy:.3f} ({steps} steps of {step_s * 1000:.0f} ms)")
+        print(
+            f"simulated GPU busy fraction, {name}: {busy:.3f} ({steps} steps of {step_s * 1000:.0f} ms; longest wait "
+            f"for a batch {1000 * out['longest_wait_s'][name]:.0f} ms)"
+        )
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=2))
     print(f"wrote {a.json}")

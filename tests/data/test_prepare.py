@@ -93,6 +93,10 @@ def test_rerun_is_a_noop(corpus: Path, tokenizer: str, tmp_path: Path, capsys: p
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
     main([*args[:-1], "0.2"])  # another setting: prepared again
     assert json.loads((out / "manifest.json").read_text())["val_fraction"] == 0.2
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not shards")
+    with pytest.raises(ValueError, match="is not a prepared folder"):  # never replaces a folder it did not write
+        prepare([str(corpus)], tokenizer, str(tmp_path / "mine"))
 
 
 def test_literal_special_token_text_stays_text(corpus: Path, tokenizer: str, tmp_path: Path) -> None:

@@ -219,6 +219,8 @@ def prepare(
     }
     out_dir = Path(out)
     old = out_dir / MANIFEST_FILE
+    if out_dir.exists() and not old.is_file() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"--out {out_dir} exists and is not a prepared folder (no {MANIFEST_FILE}); give a new one")
     if old.is_file():
         manifest = json.loads(old.read_text())
         if {k: manifest.get(k) for k in settings} == settings:
