@@ -52,7 +52,6 @@ RESUMABLE_CHANGES = (
     "trainer.stop_at_step",
     "trainer.progress",
     "trainer.data_cache_dir",
-    "data.shards.prefetch",
     "trainer.resume",
     "trainer.stop_check_every",
     "trainer.peak_flops",
