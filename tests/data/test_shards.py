@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ckv.config import ConfigError, ModelSpec
-from ckv.data import DataConfig, build_batches
+from ckv.data import DataConfig, DataError, build_batches
 from ckv.data.prepare import prepare
 from ckv.data.shards import MIX_BLOCK, ShardSet, TokenMixture
 from ckv.data.tokenizer import lookup_special_tokens, train_bpe
@@ -225,3 +225,13 @@ def test_training_on_two_processes_matches_one_and_resumes_into_one(shards: str,
     train(one)
     assert len(losses(one.run_dir)) == 6
     assert losses(tmp_path / "two") == pytest.approx(losses(one.run_dir), rel=1e-5)
+
+
+def test_a_prefetched_error_reaches_the_consumer(shards: str) -> None:
+    n = (ShardSet(shards, "train").n_tokens - 1) // SEQ
+    s = stream(None, batch=1, sources=[{"path": shards, "max_epochs": 1}], prefetch=4)
+    for _ in range(n):  # one epoch is allowed
+        next(s)
+    with pytest.raises(DataError, match="exceeds its max_epochs"):
+        next(s)
+    s.close()

@@ -174,12 +174,7 @@ class _Prefetch:
                 item: Any = make(b)
             except Exception as e:  # handed to the consumer, raised there
                 item = e
-            while not self.stop.is_set():
-                try:
-                    self.queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            self.queue.put(item)  # blocks while the queue is full; close() drains it
             if isinstance(item, Exception):
                 return
             b += 1
@@ -192,7 +187,12 @@ class _Prefetch:
 
     def close(self) -> None:
         self.stop.set()
-        self.thread.join()
+        while self.thread.is_alive():
+            try:
+                self.queue.get_nowait()
+            except queue.Empty:
+                pass
+            self.thread.join(timeout=0.01)
 
 
 class ShardBatches(BatchStream):
