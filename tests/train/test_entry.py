@@ -25,7 +25,7 @@ from .helpers import REPO, child_env
 
 ENTRY = runpy.run_path(str(REPO / "train.py"), run_name="ckv_train_entry")  # registers the ckv_job_dir resolver
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
-USER_DATA = ["data.text.paths=[/data/corpus/*.parquet]", "data.text.tokenizer=/models/qwen3/tokenizer.json"]
+USER_DATA = ["data.shards.path=/data/shards/pretrain"]  # a folder written by python -m ckv.data.prepare
 
 
 def _compose(overrides: list[str], hydra_node: bool = False):
@@ -268,7 +268,7 @@ def _run_entry(args: list[str], timeout: int = 300) -> subprocess.CompletedProce
 
 def test_missing_data_path_is_named(tmp_path):
     proc = _run_entry(["experiment=paper_base", f"out_dir={tmp_path}"])
-    assert proc.returncode == 1 and "data.text.paths is not set" in proc.stderr
+    assert proc.returncode == 1 and "data.shards.path is not set" in proc.stderr
 
 
 def test_multirun_two_strides(tmp_path, cache_dir):

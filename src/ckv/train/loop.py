@@ -105,6 +105,7 @@ def _streams(cfg: TrainConfig, env: DistEnv) -> tuple[BatchStream, BatchStream]:
             world_size=env.world_size,
             split=split,
             cache_dir=cfg.trainer.data_cache_dir,
+            total_samples=cfg.trainer.max_steps * cfg.trainer.global_batch_size,
         )
 
     streams: tuple[BatchStream, BatchStream] | None = None
@@ -191,7 +192,7 @@ class _Loop:
         path, notes = self.ckpts.resume_point(self.cfg.trainer.resume)
         if path is None:
             return notes
-        state, rank_state = self.ckpts.load(self.engine, path)
+        state, rank_state = self.ckpts.load(self.engine, path, any_world_size=self.train_stream.elastic)
         self.train_stream.load_state_dict(rank_state["data"])
         self.step, self.tokens = state["step"], state["tokens"]
         if self.env.is_main:
@@ -297,6 +298,8 @@ class _Loop:
         return self.run_dir
 
     def close(self, ok: bool) -> None:
+        self.train_stream.close()
+        self.val_stream.close()
         self.engine.close()
         self.log.close(ok)
 
