@@ -11,7 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ckv import ModelConfig, Transformer
 from ckv.attention import check_attention
-from ckv.attention.indexer import top_k
+from ckv.attention.indexer import index_scores, oracle_scores, oracle_selection, top_k
 from ckv.attention.rope import inverse_frequencies
 from ckv.config import ConfigError
 from ckv.options import YarnConfig
@@ -28,6 +28,35 @@ def test_top_k_breaks_ties_toward_the_lower_index_and_marks_missing_entries():
     scores = torch.tensor([[[0.0, 2.0, 0.0, 2.0, 1.0], [0.0, 0.0, 0.0, inf, inf], [3.0, inf, inf, inf, inf]]])
     assert top_k(scores, 3).tolist() == [[[1, 3, 4], [0, 1, 2], [0, -1, -1]]]
     assert top_k(scores, 9).shape == (1, 3, 5) and top_k(scores[..., :0], 2).shape == (1, 3, 0)
+
+
+@pytest.mark.parametrize("q_start", [0, 6])
+def test_chunked_selection_equals_the_whole_top_k_with_ties(q_start):
+    """The indexer's and the oracle's selections in query chunks not dividing T (and one chunk for all) equal the
+    ``top_k`` of the whole (B, T, E) scores, ties included: one index head, so a negative dot scores 0 after the
+    ReLU, and every third key 0: a fifth of the rows tie at the k-th. (Equal non-zero scores are not ties a
+    chunk keeps: the dots of equal keys can differ in the last bit with the product's shape, docs/attention.md.)"""
+    torch.manual_seed(0)
+    layer = Transformer(small_config({**SPARSE, "selection": dict(topk=3, heads=1, head_dim=16)})).layers[0]
+    indexer = layer.self_attn.indexer
+    B, T, E = 2, 45, (q_start + 45) // 4
+    x, latent = torch.randn(B, T, 32), torch.randn(B, T, indexer.q_proj.in_features)
+    keys = torch.randn(B, E, 16)
+    keys[:, 1::3] = 0.0  # score 0 exactly, as after the ReLU of a negative dot
+    positions = torch.arange(q_start, q_start + T)
+    with torch.no_grad():
+        queries, whole = indexer(x, latent, keys, positions, q_start, 4, chunk=T)
+        scores = index_scores(queries, keys, q_start, 4)
+        ranked = scores.sort(-1, descending=True).values
+        assert ((ranked[..., 2] == ranked[..., 3]) & ranked[..., 3].isfinite()).float().mean() > 0.2  # tie at k
+        assert torch.equal(whole, top_k(scores, 3)) and (whole == -1).any()
+        for chunk in (1, 4, 7, 16):
+            assert torch.equal(indexer(x, latent, keys, positions, q_start, 4, chunk=chunk)[1], whole), chunk
+        q, kc, lse = torch.randn(B, T, 4, 8), torch.randn(B, E, 1, 8), torch.randn(B, T, 4)
+        kc[:, 1::3] = 0.0  # logits 0: equal mass
+        mass = oracle_scores(q, kc, lse, q_start, 4)
+        for chunk in (1, 4, 7, 16, None):
+            assert torch.equal(oracle_selection(q, kc, lse, q_start, 4, 3, chunk=chunk), top_k(mass, 3)), chunk
 
 
 def test_tied_scores_select_the_earliest_entries_alike_in_prefill_and_decoding():
