@@ -230,12 +230,12 @@ def indexer_recall(
     from ``WORKING_BYTES``: ``kl_working_bytes`` with twice the heads for the extended log-sum-exp)."""
     B, T, H, _ = q.shape
     E = kc.shape[1]
-    picked = recall_queries(T, E, q_start, stride, topk, sample).to(q.device)
+    picked = recall_queries(T, E, q_start, stride, topk, sample)  # on the host: no sync for the chunks' sizes
     c = query_chunk(kl_working_bytes(B, 1, 2 * H, 0, E), len(picked), chunk)
     caught = []
     for i0 in range(0, len(picked), c):
-        rows = picked[i0 : i0 + c]
-        n = min(E, visible_entries(q_start + int(rows[-1]), stride))  # rows ascend: the last sees the most
+        n = min(E, visible_entries(q_start + int(picked[i0 : i0 + c][-1]), stride))  # rows ascend: the last sees most
+        rows = picked[i0 : i0 + c].to(q.device)
         visible = compressed_mask(q_start + rows, n, stride)  # (r, n)
         chosen = _listed(selected[:, rows], n) & visible  # (B, r, n)
         logits = entry_logits(q[:, rows], kc[:, :n])  # (B, r, H, n)
