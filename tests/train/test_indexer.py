@@ -419,7 +419,7 @@ def test_bad_configs_fail_with_one_line(tmp_path, indexer, attention, needle):
 
 def test_the_sparse_option_composes_with_the_indexer_trained_by_default():
     cfg = _train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa_sparse"])
-    assert cfg.attention["selection"] == {"topk": 4, "heads": 2, "head_dim": 16, "by": "indexer"}
+    assert cfg.attention["selection"] == {"topk": 4, "heads": 2, "head_dim": 16, "by": "indexer", "quant": "none"}
     assert cfg.attention["query"] == {"lora_rank": 32}
     assert (cfg.trainer.indexer.weight, cfg.trainer.indexer.warmup_steps) == (1.0, 0)
     plain = _train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa"])

@@ -48,6 +48,7 @@ from ckv.attention.rope import Rotary
 from ckv.config import ModelConfig
 from ckv.geometry import compressed_mask, visible_entries
 from ckv.norm import RMSNorm
+from ckv.options.selection import QUANT_BLOCK
 
 # the working memory of one query chunk of index scores, oracle scores or indexer loss (``query_chunk``)
 WORKING_BYTES = 128 * 2**20
@@ -69,6 +70,30 @@ def query_chunk(per_query_bytes: int, n_queries: int, chunk: Optional[int] = Non
             raise ValueError(f"query chunk={chunk} must be >= 1")
         return chunk
     return max(1, min(n_queries, WORKING_BYTES // max(per_query_bytes, 1)))
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of fp4 (e2m1)
+
+
+def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x (..., D) fp32 rounded to ``fmt`` (``QUANT_BLOCK``: ``none``, ``fp8`` e4m3, ``fp4`` e2m1) with one fp32
+    scale per block of ``min(block, D)`` consecutive elements of the last dim, ``block amax / format max`` (448 for
+    e4m3, 6 for e2m1): each block's largest magnitude maps to the format's largest. fp8 rounds to nearest even
+    (torch's cast); fp4 to the nearest magnitude of ``FP4_VALUES``, a tie to the smaller one. Returns fp32."""
+    if fmt == "none":
+        return x
+    D = x.shape[-1]
+    block = min(QUANT_BLOCK[fmt], D)
+    blocks = x.float().reshape(*x.shape[:-1], D // block, block)
+    top = 448.0 if fmt == "fp8" else FP4_VALUES[-1]
+    scale = blocks.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / top
+    y = blocks / scale
+    if fmt == "fp8":
+        y = y.to(torch.float8_e4m3fn).float()
+    else:
+        values = torch.tensor(FP4_VALUES, device=x.device)
+        y = values[torch.bucketize(y.abs(), (values[1:] + values[:-1]) / 2)] * y.sign()
+    return (y * scale).reshape(x.shape)
 
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -186,7 +211,7 @@ class LightningIndexer(nn.Module):
     def __init__(self, config: ModelConfig, compressor: nn.Module) -> None:
         super().__init__()
         a, s = config.attention, config.attention.selection
-        self.topk, self.heads, self.head_dim = s.topk, s.heads, s.head_dim
+        self.topk, self.heads, self.head_dim, self.quant = s.topk, s.heads, s.head_dim, s.quant
         self.compressor = compressor
         self.norm = RMSNorm(s.head_dim, config.norm_eps) if a.qk_norm else None
         theta = config.rope_theta if a.rope.theta is None else a.rope.theta
@@ -219,15 +244,18 @@ class LightningIndexer(nn.Module):
         at real ``positions`` (Tq,), grid positions ``q_start ..``; ``keys`` (B, E, head_dim) the indexer's keys of
         entries ``0 .. E-1``. Returns the index queries (``IndexQueries``, with their graph to the indexer's maps)
         and the selection (B, Tq, min(topk, E)) int64: the ``top_k`` of ``index_scores``, computed in query chunks
-        (``chunk``, default from ``WORKING_BYTES``) without gradients."""
+        (``chunk``, default from ``WORKING_BYTES``) without gradients, from queries and keys ``fake_quant``-ised
+        to ``selection.quant`` (the returned queries are not)."""
         B, T, _ = x.shape
         q = self.rotary(self.q_proj(latent).view(B, T, self.heads, self.head_dim), positions)  # (B, T, Hi, Di)
         queries = IndexQueries(q.float(), self.weights_proj(x).float() * self.heads**-0.5)  # w: (B, T, Hi)
         E = keys.shape[1]
         c = query_chunk(index_working_bytes(B, 1, self.heads, E), T, chunk)
+        scored = IndexQueries(fake_quant(queries.q.detach(), self.quant), queries.w.detach())
+        scored_keys = fake_quant(keys.detach().float(), self.quant)  # (B, E, Di)
 
         def scores_of(t0: int, t1: int, n: int) -> torch.Tensor:
-            return index_scores(queries.span(t0, t1), keys[:, :n], q_start + t0, stride)
+            return index_scores(scored.span(t0, t1), scored_keys[:, :n], q_start + t0, stride)
 
         with torch.no_grad():
             selected = chunked_top_k(scores_of, T, E, q_start, stride, self.topk, c)
