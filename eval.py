@@ -18,22 +18,21 @@ JSON line.
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
+from pathlib import Path
 
 import hydra
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from ckv.analysis import run_analysis
+from ckv.apps.cli import HYDRA_ERRORS, one_line_errors, run_hydra_main
 from ckv.config import ConfigError, check_bool, field_names, reject_unknown
 from ckv.data import DataError
 from ckv.eval import (
     ModelSource,
     RunOptions,
+    StatsOptions,
     build_task,
     dry_run,
     evaluate,
@@ -43,6 +42,7 @@ from ckv.eval import (
 )
 from ckv.io.layout import CheckpointError
 
+CONF = Path(__file__).resolve().parent / "conf" / "eval"
 PATH_KEYS = ("model.path", "model.tokenizer", "summary", "summary_out", "out_dir")
 # CheckpointMismatchError and AnalysisNotApplicable are ConfigErrors
 USER_ERRORS = (
@@ -51,8 +51,7 @@ USER_ERRORS = (
     CheckpointError,
     FileNotFoundError,
     ImportError,
-    HydraException,
-    OmegaConfBaseException,
+    *HYDRA_ERRORS,
 )
 EXIT_USER_ERROR = 2
 
@@ -72,27 +71,24 @@ def quote_path_values(overrides: list[str]) -> list[str]:
     return out
 
 
-def error_line(e: BaseException) -> str:
-    """The one line that reports a configuration or data error ``e``."""
-    if isinstance(e, OverrideParseException):
-        message = f"cannot parse the override {e.override!r}: {e.message.splitlines()[0]}"
-    elif isinstance(e, MissingConfigException) and e.options:
-        message = f"{str(e).splitlines()[0]}; choose one of {sorted(e.options)}"
-    elif isinstance(e, OmegaConfBaseException):
-        message = str(e).splitlines()[0]  # the further lines repeat the key and the node type
-    else:
-        message = str(e)
-    return "ckv: error: " + " ".join(message.split())
+def user_errors() -> AbstractContextManager[None]:
+    """Turn ``USER_ERRORS`` into one ``ckv: error:`` line on stderr and exit code 2; anything else keeps its
+    traceback."""
+    return one_line_errors(USER_ERRORS, EXIT_USER_ERROR)
 
 
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn ``USER_ERRORS`` into ``error_line`` on stderr and exit code 2; anything else keeps its traceback."""
-    try:
-        yield
-    except USER_ERRORS as e:
-        print(error_line(e), file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+def settings() -> list[str]:
+    """eval.py's top-level settings: the keys of ``conf/eval/config.yaml`` and the config groups it defaults."""
+    root = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    root.pop("hydra")
+    groups = [k for d in root.pop("defaults") if isinstance(d, dict) for k in d if " " not in k]
+    return [*root, *groups]
+
+
+def check_settings(c: dict) -> None:
+    """Refuse a key that eval.py does not read (``+limt=4`` would otherwise be composed in and ignored)."""
+    reject_unknown(c, settings(), "eval")
+    reject_unknown(c["stats"], field_names(StatsOptions), "stats")
 
 
 def _options(c: dict) -> RunOptions:
@@ -121,6 +117,7 @@ def _summary(c: dict, spec: object, source: ModelSource, options: RunOptions) ->
 
 
 def _run(c: dict) -> None:
+    check_settings(c)
     check_bool("dry_run", c.get("dry_run", False))
     if c.get("dry_run") and (c.get("summary") or c.get("analysis")):
         raise ConfigError("dry_run=true checks one model and task; it does not apply to summary= or analysis=")
@@ -152,9 +149,7 @@ def cli() -> None:
     """``python eval.py [overrides]``: Hydra's own errors (a bad override, an unknown config group option) are
     raised to here instead of printed by Hydra (``HYDRA_FULL_ERROR``) and reported like the job's."""
     sys.argv = [sys.argv[0], *quote_path_values(sys.argv[1:])]
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    with user_errors():
-        main()
+    run_hydra_main(main, USER_ERRORS, EXIT_USER_ERROR)
 
 
 if __name__ == "__main__":
