@@ -21,6 +21,7 @@ import json
 import sys
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -116,12 +117,18 @@ def _summary(c: dict, spec: object, source: ModelSource, options: RunOptions) ->
     print(f"summary of {len(result['runs'])} runs -> {out}")
 
 
-def _run(c: dict) -> None:
+def parse(c: dict) -> tuple[ModelSource, Any, RunOptions]:
+    """The composed config ``c`` checked, every setting, before any work: the model source, the task spec and the
+    run options."""
     check_settings(c)
     check_bool("dry_run", c.get("dry_run", False))
     if c.get("dry_run") and (c.get("summary") or c.get("analysis")):
         raise ConfigError("dry_run=true checks one model and task; it does not apply to summary= or analysis=")
-    source, spec, options = _source(c), task_from_dict(c["task"]), _options(c)  # every setting checked here
+    return _source(c), task_from_dict(c["task"]), _options(c)
+
+
+def _run(c: dict) -> None:
+    source, spec, options = parse(c)
     if c.get("summary"):
         _summary(c, spec, source, options)
         return
