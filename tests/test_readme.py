@@ -148,10 +148,11 @@ def test_cpu_lines_run_end_to_end(tmp_path: Path) -> None:
         return p
 
     lines = [w for w in using_it()[0] if not any(" ".join(w).startswith(s) for s in NOT_HERE)]
-    smoke = tmp_path / "outputs" / "cpu_smoke" / "seed=0"
+    smoke = None  # the first run's folder, as train.py printed it: it is RUN_DIR below
     for words in lines:
         if words[1] == "train.py":
-            run(words, *SHORT, cache)
+            printed = run(words, *SHORT, cache).stderr
+            smoke = smoke or Path(re.search(r"^ckv: (.*?) \| ", printed, re.M).group(1))
         elif words[1] == "eval.py":
             if words[2].startswith("summary="):
                 run(words, "limit=1", "progress=false", "stats.n_bootstrap=20", "stats.n_permutations=20")
