@@ -41,6 +41,7 @@ from ckv.eval import (
     summary_lines,
     task_from_dict,
 )
+from ckv.eval.runner import output_dir
 from ckv.io.layout import CheckpointError
 
 CONF = Path(__file__).resolve().parent / "conf" / "eval"
@@ -117,6 +118,31 @@ def _summary(c: dict, spec: object, source: ModelSource, options: RunOptions) ->
     print(f"summary of {len(result['runs'])} runs -> {out}")
 
 
+def _brief(value: Any) -> str:
+    """A result value in a few words: a number or short text as is, an evaluation by its mean and phase gap, a
+    list by its length, a mapping by its keys."""
+    if isinstance(value, dict) and isinstance(value.get("headline"), dict):
+        h = value["headline"]
+        gap = "n/a" if h.get("phase_gap") is None else f"{100 * h['phase_gap']:.1f} pp"
+        return f"mean {100 * h['mean']:.1f}%, phase gap {gap}"
+    if isinstance(value, dict):
+        keys = list(value)
+        return "{" + ", ".join(map(str, keys[:6])) + (", ..." if len(keys) > 6 else "") + "}"
+    if isinstance(value, list):
+        return f"{len(value)} entries"
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def analysis_lines(analysis: dict, task_dir: Path) -> list[str]:
+    """The console report of an analysis: each top-level result in a few words (``_brief``) and the files it
+    wrote (the full results are in ``<name>.json`` there)."""
+    name, out = analysis["name"], task_dir / analysis["name"]
+    lines = [f"analysis {name}:", *(f"  {k}: {_brief(v)}" for k, v in analysis["results"].items())]
+    files = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    return [*lines, f"files -> {out}: {', '.join(files)}"]
+
+
 def parse(c: dict) -> tuple[ModelSource, Any, RunOptions]:
     """The composed config ``c`` checked, every setting, before any work: the model source, the task spec and the
     run options."""
@@ -133,8 +159,9 @@ def _run(c: dict) -> None:
         _summary(c, spec, source, options)
         return
     if c.get("analysis"):
-        envelope = run_analysis(c["analysis"], source.load(c["device"]), spec, options)
-        print(json.dumps(envelope["analysis"]["results"], indent=2, default=str)[:2000])
+        model = source.load(c["device"])
+        envelope = run_analysis(c["analysis"], model, spec, options)
+        print("\n".join(analysis_lines(envelope["analysis"], output_dir(model, spec, options))))
         return
     if c.get("dry_run"):
         print("\n".join(dry_run(source, spec, options)))
