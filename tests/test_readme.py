@@ -162,7 +162,7 @@ def test_cpu_lines_run_end_to_end(tmp_path: Path) -> None:
                 run([w.replace(RUN_DIR, str(smoke)) for w in words], "limit=1", "progress=false")
         elif words[1] == "benchmarks/attention.py":
             assert "--quick" in words
-            run(words, "--T", "64", "--repeats", "1", "--warmup", "0")
+            run(words, "--T", "64", "--repeats", "1", "--warmup", "0", "--json", str(tmp_path / "attention.json"))
         else:
             run(words)
     assert (smoke / "eval" / "lookup" / "results.json").is_file()
