@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 NOT_HERE = {  # a line's start -> why it is not run here
     "source .venv/bin/activate": "a shell line: these tests run in that environment's interpreter",
     "deepspeed ": "the deepspeed launcher on 8 GPUs",
+    "python -m ckv.data.prepare": "needs a corpus and tokenizer of your own (tests/data/test_prepare.py prepares the "
+    "shipped text)",
     "python eval.py model=hf": "needs a local transformers model (tests/eval/test_cli.py::test_audit_mode_cli runs "
     "the audit on a tiny one)",
     "python benchmarks/gpu_check.py": "needs a CUDA GPU (its --dry-run: tests/benchmarks/test_gpu_check_dry_run.py)",
