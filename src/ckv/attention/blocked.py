@@ -109,7 +109,8 @@ class _Block:
     n: int  # dense: the entry prefix scored; with a selection: K, the listed entries per query
     c0: int
     c1: int
-    mask: torch.Tensor  # (1|B, 1, blk, 1, n + nb) bool
+    full: int  # columns 0 .. full-1 are visible to every query of the block (dense: entries its first query sees)
+    mask: torch.Tensor  # (1|B, 1, blk, 1, n + nb - full) bool: the visibility of the other columns
     sel: Optional[torch.Tensor]  # (B, blk, K) entry indices, -1 clamped to 0 (masked), or None
 
 
@@ -122,21 +123,23 @@ def _block(plan: _Plan, i0: int, i1: int, selected: Optional[torch.Tensor], devi
     mask_l = local_mask(q_pos, k_pos, plan.local_window, plan.stride, plan.origin)  # (blk, nb)
     if selected is None:
         n = plan.visible(i1)
-        mask = torch.cat([compressed_mask(q_pos, n, plan.stride), mask_l], dim=-1)[None]  # (1, blk, n + nb)
+        full = min(visible_entries(plan.q_start + i0, plan.stride), n)
+        mask = torch.cat([compressed_mask(q_pos, n, plan.stride, full), mask_l], dim=-1)[None]  # (1, blk, cols)
         sel = None
     else:
         rows = selected[:, i0:i1]  # (B, blk, K)
-        n = rows.shape[-1]
+        n, full = rows.shape[-1], 0
         visible = visible_entries(q_pos, plan.stride)[None, :, None]  # (1, blk, 1)
         listed = (rows >= 0) & (rows < visible)  # visible and listed; -1 is an empty slot
         mask = torch.cat([listed, mask_l.expand(rows.shape[0], -1, -1)], dim=-1)  # (B, blk, K + nb)
         sel = rows.clamp_min(0).long()
-    return _Block(i0, i1, n, c0, c1, mask[:, None, :, None, :], sel)
+    return _Block(i0, i1, n, c0, c1, full, mask[:, None, :, None, :], sel)
 
 
 class _Inputs:
     """The call's tensors in fp32, laid out for the block loop: queries (B, KV, Tq, G, D), entries and exact
-    keys/values (B, KV, E|Tk, D), sinks (1, KV, 1, G) or None. ``vc`` / ``v`` None: tied to ``kc`` / ``k``."""
+    keys/values (B, KV, E|Tk, D), sinks (1, KV, 1, G) or None. ``vc`` / ``v`` None: tied to ``kc`` / ``k``.
+    The queries are multiplied by ``scale`` once (so the scores need no pass of their own)."""
 
     def __init__(
         self,
@@ -146,11 +149,12 @@ class _Inputs:
         k: torch.Tensor,
         v: Optional[torch.Tensor],
         sinks: Optional[torch.Tensor],
+        scale: float,
     ) -> None:
         B, Tq, H, D = q.shape
         KV = k.shape[2]
         self.G = H // KV
-        self.q = q.float().reshape(B, Tq, KV, self.G, D).permute(0, 2, 1, 3, 4)  # (B, KV, Tq, G, D)
+        self.q = (q.float() * scale).reshape(B, Tq, KV, self.G, D).permute(0, 2, 1, 3, 4)  # (B, KV, Tq, G, D)
         self.kc_e = kc.float()  # (B, E, KV, D): gathered by a selection
         self.vc_e = self.kc_e if vc is None else vc.float()
         self.kc, self.vc = (x.permute(0, 2, 1, 3) for x in (self.kc_e, self.vc_e))  # (B, KV, E, D)
@@ -169,7 +173,7 @@ class _Inputs:
         gathered = rows[torch.arange(rows.shape[0], device=b.sel.device)[:, None, None], b.sel]  # (B, blk, K, KV, D)
         return gathered.permute(0, 3, 1, 2, 4), band
 
-    def scores(self, b: _Block, scale: float) -> torch.Tensor:
+    def scores(self, b: _Block) -> torch.Tensor:
         """(B, KV, blk, G, n + nb) masked scores (-inf where masked)."""
         qb = self.q[:, :, b.i0 : b.i1]  # (B, KV, blk, G, D)
         B, KV, blk, G, D = qb.shape
@@ -181,7 +185,8 @@ class _Inputs:
             s_e = qb @ ke.transpose(-1, -2)  # (B, KV, blk, G, K)
             s_b = (qb.reshape(B, KV, blk * G, D) @ kb.transpose(-1, -2)).view(B, KV, blk, G, -1)
             s = torch.cat([s_e, s_b], dim=-1)
-        return s.mul_(scale).masked_fill_(~b.mask, float("-inf"))
+        s[..., b.full :].masked_fill_(~b.mask, float("-inf"))
+        return s
 
     def apply(self, b: _Block, p: torch.Tensor) -> torch.Tensor:
         """Probabilities p (B, KV, blk, G, n + nb) times the block's values: (B, KV, blk, G, D)."""
@@ -201,7 +206,7 @@ def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple[torch.Tenso
     if sink is not None:
         m = torch.maximum(m, sink)
     m = m.masked_fill(m == float("-inf"), 0.0)  # a row that sees nothing: p = 0 below
-    p = torch.exp(s - m[..., None])
+    p = s.sub_(m[..., None]).exp_()  # in place: the scores are not needed again
     denom = p.sum(dim=-1)
     if sink is not None:
         denom = denom + torch.exp(sink - m)
@@ -231,13 +236,13 @@ class _JointAttention(torch.autograd.Function):
         plan: _Plan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, Tq, H, D = q.shape
-        x = _Inputs(q, kc, vc, k, v, sinks)
+        x = _Inputs(q, kc, vc, k, v, sinks, plan.scale)
         KV, G = x.q.shape[1], x.G
         out = q.new_empty(B, KV, Tq, G, D, dtype=torch.float32)
         lse = q.new_empty(B, KV, Tq, G, dtype=torch.float32)
         for i0, i1 in plan.blocks(Tq):
             b = _block(plan, i0, i1, selected, q.device)
-            p, denom, lse[:, :, i0:i1] = _softmax(x.scores(b, plan.scale), x.sinks)
+            p, denom, lse[:, :, i0:i1] = _softmax(x.scores(b), x.sinks)
             out[:, :, i0:i1] = x.apply(b, p).div_(denom[..., None])
         out = out.permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D)  # (B, Tq, H, D) fp32
         lse = lse.permute(0, 2, 1, 3).reshape(B, Tq, H)
@@ -251,7 +256,7 @@ class _JointAttention(torch.autograd.Function):
         q, kc, vc, k, v, sinks, selected, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         B, Tq, H, D = q.shape
-        x = _Inputs(q, kc, vc, k, v, sinks)
+        x = _Inputs(q, kc, vc, k, v, sinks, plan.scale)  # scaled queries: dK = dS^T (scale q), dq = scale dS K
         KV, G, E = x.q.shape[1], x.G, kc.shape[1]
         to_blocks = lambda t: t.float().reshape(B, Tq, KV, G, -1).permute(0, 2, 1, 3, 4)  # noqa: E731
         d_out, out = to_blocks(d_out), to_blocks(out)  # (B, KV, Tq, G, D)
@@ -265,7 +270,7 @@ class _JointAttention(torch.autograd.Function):
             b = _block(plan, i0, i1, selected, q.device)
             qb, do = x.q[:, :, i0:i1], d_out[:, :, i0:i1]  # (B, KV, blk, G, D)
             lse_b = lse[:, :, i0:i1]
-            p = torch.exp(x.scores(b, plan.scale) - lse_b[..., None])  # (B, KV, blk, G, n + nb), normalised
+            p = x.scores(b).sub_(lse_b[..., None]).exp_()  # (B, KV, blk, G, n + nb), normalised
             delta = (do * out[:, :, i0:i1]).sum(-1)  # (B, KV, blk, G)
             if dsinks is not None:  # the sink's column: p_sink * (0 - delta)
                 dsinks -= (torch.exp(x.sinks - lse_b) * delta).sum(dim=(0, 2), keepdim=True)
@@ -274,8 +279,7 @@ class _JointAttention(torch.autograd.Function):
             n = b.n
             if b.sel is None:
                 kcat, vcat = torch.cat([ke, kb], dim=2), torch.cat([ve, vb], dim=2)  # (B, KV, n + nb, D)
-                ds = _rows(p) * (_rows(do) @ vcat.transpose(-1, -2) - _rows(delta[..., None]))  # (B, KV, rows, C)
-                ds.mul_(plan.scale)
+                ds = (_rows(do) @ vcat.transpose(-1, -2)).sub_(_rows(delta[..., None])).mul_(_rows(p))  # (B, KV, r, C)
                 dq[:, :, i0:i1] = (ds @ kcat).view_as(qb)
                 dk_cat = ds.transpose(-1, -2) @ _rows(qb)  # (B, KV, n + nb, D)
                 dv_cat = _rows(p).transpose(-1, -2) @ _rows(do)
@@ -285,10 +289,8 @@ class _JointAttention(torch.autograd.Function):
                 dv[:, :, b.c0 : b.c1] += dv_cat[:, :, n:]
                 continue
             pe, pb = p[..., :n], _rows(p[..., n:])  # (B, KV, blk, G, K), (B, KV, rows, nb)
-            ds_e = pe * (do @ ve.transpose(-1, -2) - delta[..., None])
-            ds_b = pb * (_rows(do) @ vb.transpose(-1, -2) - _rows(delta[..., None]))
-            ds_e.mul_(plan.scale)
-            ds_b.mul_(plan.scale)
+            ds_e = (do @ ve.transpose(-1, -2)).sub_(delta[..., None]).mul_(pe)
+            ds_b = (_rows(do) @ vb.transpose(-1, -2)).sub_(_rows(delta[..., None])).mul_(pb)
             dq[:, :, i0:i1] = ds_e @ ke + (ds_b @ kb).view_as(qb)
             dk[:, :, b.c0 : b.c1] += ds_b.transpose(-1, -2) @ _rows(qb)
             dv[:, :, b.c0 : b.c1] += pb.transpose(-1, -2) @ _rows(do)
@@ -296,7 +298,7 @@ class _JointAttention(torch.autograd.Function):
             for grad, part in ((dkc, ds_e.transpose(-1, -2) @ qb), (dvc, pe.transpose(-1, -2) @ do)):
                 src = part.permute(0, 2, 3, 1, 4).reshape(-1, KV, D)  # (B * blk * K, KV, D)
                 grad.view(B * E, KV, D).index_add_(0, flat, src)
-        dq = dq.permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D).to(q.dtype)
+        dq = dq.mul_(plan.scale).permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D).to(q.dtype)
         ds = None if dsinks is None else dsinks.reshape(H).to(sinks.dtype)
         if vc is None:  # tied: the values' gradient is the keys'
             dkc, dvc = dkc + dvc, None
