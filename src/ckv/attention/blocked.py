@@ -21,7 +21,9 @@ import torch
 from ckv.attention.reference import _earliest_local_key, check_selected
 from ckv.geometry import LocalWindow, compressed_mask, local_mask, local_span, local_start, visible_entries
 
-DEFAULT_BUDGET_BYTES = 64 * 2**20  # working memory per query block that ``choose_block`` aims at
+# working memory per query block that ``choose_block`` aims at (read at each call: a user may set it, or pass
+# ``block`` to ``joint_attention_blocked``)
+DEFAULT_BUDGET_BYTES = 64 * 2**20
 MAX_BLOCK = 64  # the largest block ``choose_block`` picks: a block scores block + local_span - 1 band keys
 
 
@@ -59,10 +61,11 @@ def choose_block(
     topk: Optional[int] = None,
     batch: int = 1,
     kv_heads: int = 1,
-    budget: int = DEFAULT_BUDGET_BYTES,
+    budget: Optional[int] = None,
 ) -> int:
     """The largest power-of-two query block up to ``MAX_BLOCK`` (and no larger than ``n_queries`` needs) whose
-    ``working_bytes`` fit ``budget``; 1 when none does."""
+    ``working_bytes`` fit ``budget`` (None: ``DEFAULT_BUDGET_BYTES``); 1 when none does."""
+    budget = DEFAULT_BUDGET_BYTES if budget is None else budget
     block = 1
     while block < min(n_queries, MAX_BLOCK) and (
         working_bytes(2 * block, n_entries, local_span, heads, head_dim, topk, batch, kv_heads) <= budget
