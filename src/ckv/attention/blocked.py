@@ -202,19 +202,29 @@ class _Inputs:
         return o + (p[..., b.n :].reshape(B, KV, blk * G, -1) @ vb).view(B, KV, blk, G, -1)
 
 
-def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's unnormalised probabilities p = exp(s - m) (0 where masked), their normaliser (B, KV, blk, G)
-    (sink included) and the log-sum-exp (-inf where a row sees nothing and there is no sink)."""
-    m = s.amax(dim=-1) if s.shape[-1] else s.new_full(s.shape[:-1], float("-inf"))
-    if sink is not None:
-        m = torch.maximum(m, sink)
-    m = m.masked_fill(m == float("-inf"), 0.0)  # a row that sees nothing: p = 0 below
-    p = s.sub_(m[..., None]).exp_()  # in place: the scores are not needed again
-    denom = p.sum(dim=-1)
-    if sink is not None:
-        denom = denom + torch.exp(sink - m)
-    lse = torch.where(denom > 0, m + denom.clamp_min(1e-30).log(), float("-inf"))
-    return p, denom.clamp_min(1e-30), lse
+def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's probabilities over its columns, the sink left out (``torch.softmax``: one fused pass; 0 in a row
+    that sees nothing), and their log-sum-exp (B, KV, blk, G) (-inf in such a row): ``max(s) - log(max(p))``."""
+    if not s.shape[-1]:
+        return s, s.new_full(s.shape[:-1], float("-inf"))
+    m = s.amax(dim=-1)
+    p = torch.softmax(s, dim=-1)
+    lse = m - p.amax(dim=-1).log()
+    empty = m == float("-inf")
+    if empty.any():
+        p.masked_fill_(empty[..., None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
+    return p, lse
+
+
+def _sink_share(lse: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The log-sum-exp with the sink's logit (B, KV, blk, G) and the share ``exp(lse_columns - lse)`` of the
+    probability left to the columns (None without a sink): the joint softmax's probabilities are that share times
+    ``_softmax``'s."""
+    if sink is None:
+        return lse, None
+    joint = torch.logaddexp(lse, sink.expand_as(lse))
+    return joint, torch.exp(lse - joint)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -243,20 +253,23 @@ class _JointAttention(torch.autograd.Function):
         KV, G = x.q.shape[1], x.G
         out = q.new_empty(B, KV, Tq, G, D, dtype=torch.float32)
         lse = q.new_empty(B, KV, Tq, G, dtype=torch.float32)
+        columns = q.new_empty(B, KV, Tq, G, dtype=torch.float32)  # the log-sum-exp without the sink
         for i0, i1 in plan.blocks(Tq):
             b = _block(plan, i0, i1, selected, q.device)
-            p, denom, lse[:, :, i0:i1] = _softmax(x.scores(b), x.sinks)
-            out[:, :, i0:i1] = x.apply(b, p).div_(denom[..., None])
+            p, columns[:, :, i0:i1] = _softmax(x.scores(b))
+            lse[:, :, i0:i1], share = _sink_share(columns[:, :, i0:i1], x.sinks)
+            o = x.apply(b, p)
+            out[:, :, i0:i1] = o if share is None else o.mul_(share[..., None])
         out = out.permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D)  # (B, Tq, H, D) fp32
         lse = lse.permute(0, 2, 1, 3).reshape(B, Tq, H)
-        ctx.save_for_backward(q, kc, vc, k, v, sinks, selected, out, lse)
+        ctx.save_for_backward(q, kc, vc, k, v, sinks, selected, out, lse, columns)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor, _: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        q, kc, vc, k, v, sinks, selected, out, lse = ctx.saved_tensors
+        q, kc, vc, k, v, sinks, selected, out, lse, columns = ctx.saved_tensors
         plan: _Plan = ctx.plan
         B, Tq, H, D = q.shape
         x = _Inputs(q, kc, vc, k, v, sinks, plan.scale)  # scaled queries: dK = dS^T (scale q), dq = scale dS K
@@ -264,7 +277,8 @@ class _JointAttention(torch.autograd.Function):
         to_blocks = lambda t: t.float().reshape(B, Tq, KV, G, -1).permute(0, 2, 1, 3, 4)  # noqa: E731
         d_out, out = to_blocks(d_out), to_blocks(out)  # (B, KV, Tq, G, D)
         lse = to_blocks(lse)[..., 0]  # (B, KV, Tq, G)
-        lse = lse.masked_fill(lse == float("-inf"), 0.0)  # rows that see nothing: every p is 0
+        empty = columns == float("-inf")  # (B, KV, Tq, G): rows that see no column (every p is 0)
+        share = None if sinks is None else torch.exp(columns - lse)  # the columns' share of the probability
         dq = torch.zeros_like(x.q)  # (B, KV, Tq, G, D)
         dkc, dvc = torch.zeros_like(x.kc_e), torch.zeros_like(x.kc_e)  # (B, E, KV, D)
         dk, dv = torch.zeros_like(x.k), torch.zeros_like(x.v)  # (B, KV, Tk, D)
@@ -272,11 +286,15 @@ class _JointAttention(torch.autograd.Function):
         for i0, i1 in plan.blocks(Tq):
             b = _block(plan, i0, i1, selected, q.device)
             qb, do = x.q[:, :, i0:i1], d_out[:, :, i0:i1]  # (B, KV, blk, G, D)
-            lse_b = lse[:, :, i0:i1]
-            p = x.scores(b).sub_(lse_b[..., None]).exp_()  # (B, KV, blk, G, n + nb), normalised
+            s = x.scores(b)  # (B, KV, blk, G, n + nb)
+            p = torch.softmax(s, dim=-1) if s.shape[-1] else s
+            if empty[:, :, i0:i1].any():
+                p.masked_fill_(empty[:, :, i0:i1, :, None], 0.0)
             delta = (do * out[:, :, i0:i1]).sum(-1)  # (B, KV, blk, G)
-            if dsinks is not None:  # the sink's column: p_sink * (0 - delta)
-                dsinks -= (torch.exp(x.sinks - lse_b) * delta).sum(dim=(0, 2), keepdim=True)
+            if dsinks is not None:  # the sink's column: p_sink * (0 - delta); the columns' P is share * p, so
+                dsinks -= (torch.exp(x.sinks - lse[:, :, i0:i1]) * delta).sum(dim=(0, 2), keepdim=True)
+                do = do * share[:, :, i0:i1, :, None]  # dS = P (dP - delta) = p ((share dO) V^T - share delta)
+                delta = delta * share[:, :, i0:i1]
             ke, kb = x.keys(b, "k")
             ve, vb = x.keys(b, "v")
             n = b.n
