@@ -234,7 +234,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class _JointAttention(torch.autograd.Function):
-    """Forward by query blocks; backward recomputes each block's probabilities from the saved log-sum-exp."""
+    """Forward by query blocks; backward recomputes each block's probabilities (``torch.softmax`` of its scores,
+    times the columns' share of the probability beside the sink, from the saved log-sum-exps)."""
 
     @staticmethod
     def forward(
@@ -320,14 +321,14 @@ class _JointAttention(torch.autograd.Function):
                 src = part.permute(0, 2, 3, 1, 4).reshape(-1, KV, D)  # (B * blk * K, KV, D)
                 grad.view(B * E, KV, D).index_add_(0, flat, src)
         dq = dq.mul_(plan.scale).permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D).to(q.dtype)
-        ds = None if dsinks is None else dsinks.reshape(H).to(sinks.dtype)
+        d_sinks = None if dsinks is None else dsinks.reshape(H).to(sinks.dtype)
         if vc is None:  # tied: the values' gradient is the keys'
             dkc, dvc = dkc + dvc, None
         if v is None:
             dk, dv = dk + dv, None
         back = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         dk, dv = (None if g is None else g.permute(0, 2, 1, 3) for g in (dk, dv))  # (B, Tk, KV, D)
-        return dq, back(dkc, kc), back(dvc, vc), back(dk, k), back(dv, v), ds, None, None
+        return dq, back(dkc, kc), back(dvc, vc), back(dk, k), back(dv, v), d_sinks, None, None
 
 
 def joint_attention_blocked(
