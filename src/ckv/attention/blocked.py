@@ -25,6 +25,7 @@ from ckv.geometry import LocalWindow, compressed_mask, local_mask, local_span, l
 # ``block`` to ``joint_attention_blocked``)
 DEFAULT_BUDGET_BYTES = 64 * 2**20
 MAX_BLOCK = 64  # the largest block ``choose_block`` picks: a block scores block + local_span - 1 band keys
+MASKED = torch.finfo(torch.float32).min  # a masked score (the reference's): exp(MASKED - max) is 0 in a seen row
 
 
 def working_bytes(
@@ -177,7 +178,7 @@ class _Inputs:
         return gathered.permute(0, 3, 1, 2, 4), band
 
     def scores(self, b: _Block) -> torch.Tensor:
-        """(B, KV, blk, G, n + nb) masked scores (-inf where masked)."""
+        """(B, KV, blk, G, n + nb) masked scores (``MASKED`` where masked)."""
         qb = self.q[:, :, b.i0 : b.i1]  # (B, KV, blk, G, D)
         B, KV, blk, G, D = qb.shape
         ke, kb = self.keys(b, "k")
@@ -188,7 +189,7 @@ class _Inputs:
             s_e = qb @ ke.transpose(-1, -2)  # (B, KV, blk, G, K)
             s_b = (qb.reshape(B, KV, blk * G, D) @ kb.transpose(-1, -2)).view(B, KV, blk, G, -1)
             s = torch.cat([s_e, s_b], dim=-1)
-        s[..., b.full :].masked_fill_(~b.mask, float("-inf"))
+        s[..., b.full :].masked_fill_(~b.mask, MASKED)
         return s
 
     def apply(self, b: _Block, p: torch.Tensor) -> torch.Tensor:
@@ -203,28 +204,22 @@ class _Inputs:
 
 
 def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's probabilities over its columns, the sink left out (``torch.softmax``: one fused pass; 0 in a row
-    that sees nothing), and their log-sum-exp (B, KV, blk, G) (-inf in such a row): ``max(s) - log(max(p))``."""
+    """One block's probabilities over its columns, the sink left out (``torch.softmax``: one fused pass; uniform in
+    a row that sees nothing, which ``_share`` weighs 0), and their log-sum-exp (B, KV, blk, G) (-inf in such a row):
+    ``max(s) - log(max(p))``. No data-dependent branch (``torch.compile`` traces it whole)."""
     if not s.shape[-1]:
         return s, s.new_full(s.shape[:-1], float("-inf"))
     m = s.amax(dim=-1)
     p = torch.softmax(s, dim=-1)
-    lse = m - p.amax(dim=-1).log()
-    empty = m == float("-inf")
-    if empty.any():
-        p.masked_fill_(empty[..., None], 0.0)
-        lse = lse.masked_fill(empty, float("-inf"))
-    return p, lse
+    return p, torch.where(m == MASKED, float("-inf"), m - p.amax(dim=-1).log())
 
 
-def _sink_share(lse: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The log-sum-exp with the sink's logit (B, KV, blk, G) and the share ``exp(lse_columns - lse)`` of the
-    probability left to the columns (None without a sink): the joint softmax's probabilities are that share times
-    ``_softmax``'s."""
-    if sink is None:
-        return lse, None
-    joint = torch.logaddexp(lse, sink.expand_as(lse))
-    return joint, torch.exp(lse - joint)
+def _share(columns: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the columns' log-sum-exp (B, KV, blk, G): the joint log-sum-exp with the sink's logit, and the weight
+    of each row's ``_softmax`` probabilities in the joint softmax, ``exp(columns - lse)``: 1 without a sink, the
+    columns' share of the probability with one, 0 in a row that sees no column."""
+    lse = columns if sink is None else torch.logaddexp(columns, sink.expand_as(columns))
+    return lse, torch.where(columns == float("-inf"), 0.0, torch.exp(columns - lse))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -258,9 +253,8 @@ class _JointAttention(torch.autograd.Function):
         for i0, i1 in plan.blocks(Tq):
             b = _block(plan, i0, i1, selected, q.device)
             p, columns[:, :, i0:i1] = _softmax(x.scores(b))
-            lse[:, :, i0:i1], share = _sink_share(columns[:, :, i0:i1], x.sinks)
-            o = x.apply(b, p)
-            out[:, :, i0:i1] = o if share is None else o.mul_(share[..., None])
+            lse[:, :, i0:i1], share = _share(columns[:, :, i0:i1], x.sinks)
+            out[:, :, i0:i1] = x.apply(b, p).mul_(share[..., None])
         out = out.permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D)  # (B, Tq, H, D) fp32
         lse = lse.permute(0, 2, 1, 3).reshape(B, Tq, H)
         ctx.save_for_backward(q, kc, vc, k, v, sinks, selected, out, lse, columns)
@@ -278,8 +272,7 @@ class _JointAttention(torch.autograd.Function):
         to_blocks = lambda t: t.float().reshape(B, Tq, KV, G, -1).permute(0, 2, 1, 3, 4)  # noqa: E731
         d_out, out = to_blocks(d_out), to_blocks(out)  # (B, KV, Tq, G, D)
         lse = to_blocks(lse)[..., 0]  # (B, KV, Tq, G)
-        empty = columns == float("-inf")  # (B, KV, Tq, G): rows that see no column (every p is 0)
-        share = None if sinks is None else torch.exp(columns - lse)  # the columns' share of the probability
+        share = _share(columns, x.sinks)[1]  # (B, KV, Tq, G): each row's weight of its softmax over the columns
         dq = torch.zeros_like(x.q)  # (B, KV, Tq, G, D)
         dkc, dvc = torch.zeros_like(x.kc_e), torch.zeros_like(x.kc_e)  # (B, E, KV, D)
         dk, dv = torch.zeros_like(x.k), torch.zeros_like(x.v)  # (B, KV, Tk, D)
@@ -289,13 +282,12 @@ class _JointAttention(torch.autograd.Function):
             qb, do = x.q[:, :, i0:i1], d_out[:, :, i0:i1]  # (B, KV, blk, G, D)
             s = x.scores(b)  # (B, KV, blk, G, n + nb)
             p = torch.softmax(s, dim=-1) if s.shape[-1] else s
-            if empty[:, :, i0:i1].any():
-                p.masked_fill_(empty[:, :, i0:i1, :, None], 0.0)
             delta = (do * out[:, :, i0:i1]).sum(-1)  # (B, KV, blk, G)
-            if dsinks is not None:  # the sink's column: p_sink * (0 - delta); the columns' P is share * p, so
+            if dsinks is not None:  # the sink's column: p_sink * (0 - delta)
                 dsinks -= (torch.exp(x.sinks - lse[:, :, i0:i1]) * delta).sum(dim=(0, 2), keepdim=True)
-                do = do * share[:, :, i0:i1, :, None]  # dS = P (dP - delta) = p ((share dO) V^T - share delta)
-                delta = delta * share[:, :, i0:i1]
+            # the columns' P is share * p: dS = P (dP - delta) = p ((share dO) V^T - share delta), dV = p^T (share dO)
+            do = do * share[:, :, i0:i1, :, None]
+            delta = delta * share[:, :, i0:i1]
             ke, kb = x.keys(b, "k")
             ve, vb = x.keys(b, "v")
             n = b.n
