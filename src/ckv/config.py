@@ -46,7 +46,9 @@ class AttentionConfig:
     (phase-staggered grids), ``query`` (DeepSeek-V4's low-rank query path), ``selection`` (top-k selection of
     entries by DeepSeek-V4's lightning indexer; null: every visible entry). DeepSeek-V4's flags: ``sink`` (one
     learned attention-sink logit per query head) and ``output_rope='inverse'`` (the output rotated back by the
-    query's position; needs tied K/V).
+    query's position; needs tied K/V). ``block``: queries per block of the compressed fast path (``impl=torch``,
+    ``ckv.attention.blocked``); null picks it from a memory budget (``blocked.choose_block``). It changes no
+    result beyond summation order.
     """
 
     GROUPS: ClassVar[dict[str, type[OptionGroup]]] = {
@@ -74,6 +76,7 @@ class AttentionConfig:
     entry_rope_position: str = "block_start"
     sink: bool = False
     output_rope: str = "keep"
+    block: Optional[int] = None
     mixing: Optional[MixingConfig] = None
     grid: Optional[GridConfig] = None
     query: Optional[QueryConfig] = None
@@ -96,6 +99,8 @@ class AttentionConfig:
             raise ConfigError(f"{o}.window={self.window} must be >= attention.stride={self.stride}")
         if self.kv_heads is not None:
             check_int(f"{o}.kv_heads", self.kv_heads)
+        if self.block is not None:
+            check_int(f"{o}.block", self.block)
         lw = self.local_window
         if (
             isinstance(lw, str)

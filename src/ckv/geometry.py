@@ -114,9 +114,9 @@ def local_start(t: int | torch.Tensor, local_window: LocalWindow, stride: int) -
     return t - int(local_window) + 1
 
 
-def compressed_mask(q_pos: torch.Tensor, n_entries: int, stride: int) -> torch.Tensor:
-    """(Tq, E) bool: entry ``j`` is visible to the query at ``q_pos[i]``."""
-    j = torch.arange(n_entries, device=q_pos.device)
+def compressed_mask(q_pos: torch.Tensor, n_entries: int, stride: int, first: int = 0) -> torch.Tensor:
+    """(Tq, E - first) bool: entry ``first + j`` is visible to the query at ``q_pos[i]``."""
+    j = torch.arange(first, n_entries, device=q_pos.device)
     return entry_end(j, stride)[None, :] <= q_pos[:, None]
 
 

@@ -18,7 +18,7 @@ TINY_RUN = {
     "name": "tiny_gate",
     "seed": 0,
     "model": {"preset": "tiny", "max_seq_len": 64},
-    "attention": {"kind": "compressed", "window": 4, "stride": 4, "local_window": 4, "impl": "torch"},
+    "attention": {"kind": "compressed", "window": 4, "stride": 4, "local_window": 4, "impl": "reference"},
     "data": {
         "kind": "lookup",
         "seq_len": 32,

@@ -11,9 +11,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ckv import AttentionConfig
 from ckv.attention.blocked import choose_block, joint_attention_blocked, working_bytes
 from ckv.attention.reference import joint_attention_reference
+from ckv.config import ConfigError
 from ckv.geometry import LocalWindow, local_keep, local_span, num_entries
+from tests.kernels.test_model import assert_impls_match
 
 RTOL = 1e-5
 
@@ -225,3 +228,16 @@ def test_tied_keys_and_values_match_the_reference(topk):
         grads.append(torch.autograd.grad(out, (q, kc, k), _d_out(tensors)))
     for name, g, ref in zip(("q", "kc", "k"), *reversed(grads)):
         _close(g, ref, f"d{name}")
+
+
+def test_the_configured_block_reaches_the_fast_path(monkeypatch):
+    """``attention.block`` is the block every compressed layer's fast path runs with; a bad one is a ConfigError."""
+    from ckv.attention import blocked
+
+    seen = []
+    original = blocked._JointAttention.apply
+    monkeypatch.setattr(blocked._JointAttention, "apply", lambda *a: seen.append(a[-1].block) or original(*a))
+    assert_impls_match(dict(block=3), 30, "torch")  # the reference ignores it
+    assert seen and set(seen) == {3}
+    with pytest.raises(ConfigError, match="attention.block"):
+        AttentionConfig(kind="compressed", block=0)

@@ -101,7 +101,7 @@ def ckv(kind: str) -> tuple[object, ModelMemory]:
         head_dim=16,
         mlp_dim=128,
         max_seq_len=CONTEXT,
-        attention={**attention, "impl": "torch"},
+        attention={**attention, "impl": "reference"},
     )
     return Transformer(cfg).eval(), ckv_model_memory(cfg, torch.device("cpu"))
 

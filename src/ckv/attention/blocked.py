@@ -5,8 +5,9 @@ a block scores only the entry prefix visible to its last query (grown by about `
 a top-k ``selected`` only each query's listed entries, gathered) and its local band as a slice of the exact keys
 (``block + local_span - 1`` keys, no per-query copy), in one joint softmax with the sink logit. The G query heads
 of a KV head share one matmul. The backward is a custom ``torch.autograd.Function`` that saves only the inputs,
-the output and the log-sum-exp and recomputes each block's probabilities (flash-attention style,
-``dS = P * (dP - rowsum(dO * O))``), so working memory is O(block * (entries + band)), never O(T * entries).
+the output and the log-sum-exps (with and without the sink) and recomputes each block's probabilities
+(flash-attention style, ``dS = P * (dP - rowsum(dO * O))``), so working memory is O(block * (entries + band)),
+never O(T * entries).
 The log-sum-exp is returned without a gradient (every consumer in ckv detaches it: the indexer's loss, the
 oracle's selection). Computes in fp32 like the reference; returns the output in q's dtype.
 """
@@ -21,8 +22,11 @@ import torch
 from ckv.attention.reference import _earliest_local_key, check_selected
 from ckv.geometry import LocalWindow, compressed_mask, local_mask, local_span, local_start, visible_entries
 
-DEFAULT_BUDGET_BYTES = 64 * 2**20  # working memory per query block that ``choose_block`` aims at
+# working memory per query block that ``choose_block`` aims at (read at each call: a user may set it, or pass
+# ``block`` to ``joint_attention_blocked``)
+DEFAULT_BUDGET_BYTES = 64 * 2**20
 MAX_BLOCK = 64  # the largest block ``choose_block`` picks: a block scores block + local_span - 1 band keys
+MASKED = torch.finfo(torch.float32).min  # a masked score (the reference's): exp(MASKED - max) is 0 in a seen row
 
 
 def working_bytes(
@@ -59,10 +63,11 @@ def choose_block(
     topk: Optional[int] = None,
     batch: int = 1,
     kv_heads: int = 1,
-    budget: int = DEFAULT_BUDGET_BYTES,
+    budget: Optional[int] = None,
 ) -> int:
     """The largest power-of-two query block up to ``MAX_BLOCK`` (and no larger than ``n_queries`` needs) whose
-    ``working_bytes`` fit ``budget``; 1 when none does."""
+    ``working_bytes`` fit ``budget`` (None: ``DEFAULT_BUDGET_BYTES``); 1 when none does."""
+    budget = DEFAULT_BUDGET_BYTES if budget is None else budget
     block = 1
     while block < min(n_queries, MAX_BLOCK) and (
         working_bytes(2 * block, n_entries, local_span, heads, head_dim, topk, batch, kv_heads) <= budget
@@ -109,7 +114,8 @@ class _Block:
     n: int  # dense: the entry prefix scored; with a selection: K, the listed entries per query
     c0: int
     c1: int
-    mask: torch.Tensor  # (1|B, 1, blk, 1, n + nb) bool
+    full: int  # columns 0 .. full-1 are visible to every query of the block (dense: entries its first query sees)
+    mask: torch.Tensor  # (1|B, 1, blk, 1, n + nb - full) bool: the visibility of the other columns
     sel: Optional[torch.Tensor]  # (B, blk, K) entry indices, -1 clamped to 0 (masked), or None
 
 
@@ -122,21 +128,23 @@ def _block(plan: _Plan, i0: int, i1: int, selected: Optional[torch.Tensor], devi
     mask_l = local_mask(q_pos, k_pos, plan.local_window, plan.stride, plan.origin)  # (blk, nb)
     if selected is None:
         n = plan.visible(i1)
-        mask = torch.cat([compressed_mask(q_pos, n, plan.stride), mask_l], dim=-1)[None]  # (1, blk, n + nb)
+        full = min(visible_entries(plan.q_start + i0, plan.stride), n)
+        mask = torch.cat([compressed_mask(q_pos, n, plan.stride, full), mask_l], dim=-1)[None]  # (1, blk, cols)
         sel = None
     else:
         rows = selected[:, i0:i1]  # (B, blk, K)
-        n = rows.shape[-1]
+        n, full = rows.shape[-1], 0
         visible = visible_entries(q_pos, plan.stride)[None, :, None]  # (1, blk, 1)
         listed = (rows >= 0) & (rows < visible)  # visible and listed; -1 is an empty slot
         mask = torch.cat([listed, mask_l.expand(rows.shape[0], -1, -1)], dim=-1)  # (B, blk, K + nb)
         sel = rows.clamp_min(0).long()
-    return _Block(i0, i1, n, c0, c1, mask[:, None, :, None, :], sel)
+    return _Block(i0, i1, n, c0, c1, full, mask[:, None, :, None, :], sel)
 
 
 class _Inputs:
     """The call's tensors in fp32, laid out for the block loop: queries (B, KV, Tq, G, D), entries and exact
-    keys/values (B, KV, E|Tk, D), sinks (1, KV, 1, G) or None. ``vc`` / ``v`` None: tied to ``kc`` / ``k``."""
+    keys/values (B, KV, E|Tk, D), sinks (1, KV, 1, G) or None. ``vc`` / ``v`` None: tied to ``kc`` / ``k``.
+    The queries are multiplied by ``scale`` once (so the scores need no pass of their own)."""
 
     def __init__(
         self,
@@ -146,11 +154,12 @@ class _Inputs:
         k: torch.Tensor,
         v: Optional[torch.Tensor],
         sinks: Optional[torch.Tensor],
+        scale: float,
     ) -> None:
         B, Tq, H, D = q.shape
         KV = k.shape[2]
         self.G = H // KV
-        self.q = q.float().reshape(B, Tq, KV, self.G, D).permute(0, 2, 1, 3, 4)  # (B, KV, Tq, G, D)
+        self.q = (q.float() * scale).reshape(B, Tq, KV, self.G, D).permute(0, 2, 1, 3, 4)  # (B, KV, Tq, G, D)
         self.kc_e = kc.float()  # (B, E, KV, D): gathered by a selection
         self.vc_e = self.kc_e if vc is None else vc.float()
         self.kc, self.vc = (x.permute(0, 2, 1, 3) for x in (self.kc_e, self.vc_e))  # (B, KV, E, D)
@@ -169,8 +178,8 @@ class _Inputs:
         gathered = rows[torch.arange(rows.shape[0], device=b.sel.device)[:, None, None], b.sel]  # (B, blk, K, KV, D)
         return gathered.permute(0, 3, 1, 2, 4), band
 
-    def scores(self, b: _Block, scale: float) -> torch.Tensor:
-        """(B, KV, blk, G, n + nb) masked scores (-inf where masked)."""
+    def scores(self, b: _Block) -> torch.Tensor:
+        """(B, KV, blk, G, n + nb) masked scores (``MASKED`` where masked)."""
         qb = self.q[:, :, b.i0 : b.i1]  # (B, KV, blk, G, D)
         B, KV, blk, G, D = qb.shape
         ke, kb = self.keys(b, "k")
@@ -181,7 +190,8 @@ class _Inputs:
             s_e = qb @ ke.transpose(-1, -2)  # (B, KV, blk, G, K)
             s_b = (qb.reshape(B, KV, blk * G, D) @ kb.transpose(-1, -2)).view(B, KV, blk, G, -1)
             s = torch.cat([s_e, s_b], dim=-1)
-        return s.mul_(scale).masked_fill_(~b.mask, float("-inf"))
+        s[..., b.full :].masked_fill_(~b.mask, MASKED)
+        return s
 
     def apply(self, b: _Block, p: torch.Tensor) -> torch.Tensor:
         """Probabilities p (B, KV, blk, G, n + nb) times the block's values: (B, KV, blk, G, D)."""
@@ -194,19 +204,23 @@ class _Inputs:
         return o + (p[..., b.n :].reshape(B, KV, blk * G, -1) @ vb).view(B, KV, blk, G, -1)
 
 
-def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's unnormalised probabilities p = exp(s - m) (0 where masked), their normaliser (B, KV, blk, G)
-    (sink included) and the log-sum-exp (-inf where a row sees nothing and there is no sink)."""
-    m = s.amax(dim=-1) if s.shape[-1] else s.new_full(s.shape[:-1], float("-inf"))
-    if sink is not None:
-        m = torch.maximum(m, sink)
-    m = m.masked_fill(m == float("-inf"), 0.0)  # a row that sees nothing: p = 0 below
-    p = torch.exp(s - m[..., None])
-    denom = p.sum(dim=-1)
-    if sink is not None:
-        denom = denom + torch.exp(sink - m)
-    lse = torch.where(denom > 0, m + denom.clamp_min(1e-30).log(), float("-inf"))
-    return p, denom.clamp_min(1e-30), lse
+def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's probabilities over its columns, the sink left out (``torch.softmax``: one fused pass; uniform in
+    a row that sees nothing, which ``_share`` weighs 0), and their log-sum-exp (B, KV, blk, G) (-inf in such a row):
+    ``max(s) - log(max(p))``. No data-dependent branch (``torch.compile`` traces it whole)."""
+    if not s.shape[-1]:
+        return s, s.new_full(s.shape[:-1], float("-inf"))
+    m = s.amax(dim=-1)
+    p = torch.softmax(s, dim=-1)
+    return p, torch.where(m == MASKED, float("-inf"), m - p.amax(dim=-1).log())
+
+
+def _share(columns: torch.Tensor, sink: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the columns' log-sum-exp (B, KV, blk, G): the joint log-sum-exp with the sink's logit, and the weight
+    of each row's ``_softmax`` probabilities in the joint softmax, ``exp(columns - lse)``: 1 without a sink, the
+    columns' share of the probability with one, 0 in a row that sees no column."""
+    lse = columns if sink is None else torch.logaddexp(columns, sink.expand_as(columns))
+    return lse, torch.where(columns == float("-inf"), 0.0, torch.exp(columns - lse))
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -216,7 +230,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 class _JointAttention(torch.autograd.Function):
-    """Forward by query blocks; backward recomputes each block's probabilities from the saved log-sum-exp."""
+    """Forward by query blocks; backward recomputes each block's probabilities (``torch.softmax`` of its scores,
+    times the columns' share of the probability beside the sink, from the saved log-sum-exps)."""
 
     @staticmethod
     def forward(
@@ -231,32 +246,34 @@ class _JointAttention(torch.autograd.Function):
         plan: _Plan,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         B, Tq, H, D = q.shape
-        x = _Inputs(q, kc, vc, k, v, sinks)
+        x = _Inputs(q, kc, vc, k, v, sinks, plan.scale)
         KV, G = x.q.shape[1], x.G
         out = q.new_empty(B, KV, Tq, G, D, dtype=torch.float32)
         lse = q.new_empty(B, KV, Tq, G, dtype=torch.float32)
+        columns = q.new_empty(B, KV, Tq, G, dtype=torch.float32)  # the log-sum-exp without the sink
         for i0, i1 in plan.blocks(Tq):
             b = _block(plan, i0, i1, selected, q.device)
-            p, denom, lse[:, :, i0:i1] = _softmax(x.scores(b, plan.scale), x.sinks)
-            out[:, :, i0:i1] = x.apply(b, p).div_(denom[..., None])
+            p, columns[:, :, i0:i1] = _softmax(x.scores(b))
+            lse[:, :, i0:i1], share = _share(columns[:, :, i0:i1], x.sinks)
+            out[:, :, i0:i1] = x.apply(b, p).mul_(share[..., None])
         out = out.permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D)  # (B, Tq, H, D) fp32
         lse = lse.permute(0, 2, 1, 3).reshape(B, Tq, H)
-        ctx.save_for_backward(q, kc, vc, k, v, sinks, selected, out, lse)
+        ctx.save_for_backward(q, kc, vc, k, v, sinks, selected, out, lse, columns)
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor, _: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
-        q, kc, vc, k, v, sinks, selected, out, lse = ctx.saved_tensors
+        q, kc, vc, k, v, sinks, selected, out, lse, columns = ctx.saved_tensors
         plan: _Plan = ctx.plan
         B, Tq, H, D = q.shape
-        x = _Inputs(q, kc, vc, k, v, sinks)
+        x = _Inputs(q, kc, vc, k, v, sinks, plan.scale)  # scaled queries: dK = dS^T (scale q), dq = scale dS K
         KV, G, E = x.q.shape[1], x.G, kc.shape[1]
         to_blocks = lambda t: t.float().reshape(B, Tq, KV, G, -1).permute(0, 2, 1, 3, 4)  # noqa: E731
         d_out, out = to_blocks(d_out), to_blocks(out)  # (B, KV, Tq, G, D)
         lse = to_blocks(lse)[..., 0]  # (B, KV, Tq, G)
-        lse = lse.masked_fill(lse == float("-inf"), 0.0)  # rows that see nothing: every p is 0
+        share = _share(columns, x.sinks)[1]  # (B, KV, Tq, G): each row's weight of its softmax over the columns
         dq = torch.zeros_like(x.q)  # (B, KV, Tq, G, D)
         dkc, dvc = torch.zeros_like(x.kc_e), torch.zeros_like(x.kc_e)  # (B, E, KV, D)
         dk, dv = torch.zeros_like(x.k), torch.zeros_like(x.v)  # (B, KV, Tk, D)
@@ -264,18 +281,20 @@ class _JointAttention(torch.autograd.Function):
         for i0, i1 in plan.blocks(Tq):
             b = _block(plan, i0, i1, selected, q.device)
             qb, do = x.q[:, :, i0:i1], d_out[:, :, i0:i1]  # (B, KV, blk, G, D)
-            lse_b = lse[:, :, i0:i1]
-            p = torch.exp(x.scores(b, plan.scale) - lse_b[..., None])  # (B, KV, blk, G, n + nb), normalised
+            s = x.scores(b)  # (B, KV, blk, G, n + nb)
+            p = torch.softmax(s, dim=-1) if s.shape[-1] else s
             delta = (do * out[:, :, i0:i1]).sum(-1)  # (B, KV, blk, G)
             if dsinks is not None:  # the sink's column: p_sink * (0 - delta)
-                dsinks -= (torch.exp(x.sinks - lse_b) * delta).sum(dim=(0, 2), keepdim=True)
+                dsinks -= (torch.exp(x.sinks - lse[:, :, i0:i1]) * delta).sum(dim=(0, 2), keepdim=True)
+            # the columns' P is share * p: dS = P (dP - delta) = p ((share dO) V^T - share delta), dV = p^T (share dO)
+            do = do * share[:, :, i0:i1, :, None]
+            delta = delta * share[:, :, i0:i1]
             ke, kb = x.keys(b, "k")
             ve, vb = x.keys(b, "v")
             n = b.n
             if b.sel is None:
                 kcat, vcat = torch.cat([ke, kb], dim=2), torch.cat([ve, vb], dim=2)  # (B, KV, n + nb, D)
-                ds = _rows(p) * (_rows(do) @ vcat.transpose(-1, -2) - _rows(delta[..., None]))  # (B, KV, rows, C)
-                ds.mul_(plan.scale)
+                ds = (_rows(do) @ vcat.transpose(-1, -2)).sub_(_rows(delta[..., None])).mul_(_rows(p))  # (B, KV, r, C)
                 dq[:, :, i0:i1] = (ds @ kcat).view_as(qb)
                 dk_cat = ds.transpose(-1, -2) @ _rows(qb)  # (B, KV, n + nb, D)
                 dv_cat = _rows(p).transpose(-1, -2) @ _rows(do)
@@ -285,10 +304,8 @@ class _JointAttention(torch.autograd.Function):
                 dv[:, :, b.c0 : b.c1] += dv_cat[:, :, n:]
                 continue
             pe, pb = p[..., :n], _rows(p[..., n:])  # (B, KV, blk, G, K), (B, KV, rows, nb)
-            ds_e = pe * (do @ ve.transpose(-1, -2) - delta[..., None])
-            ds_b = pb * (_rows(do) @ vb.transpose(-1, -2) - _rows(delta[..., None]))
-            ds_e.mul_(plan.scale)
-            ds_b.mul_(plan.scale)
+            ds_e = (do @ ve.transpose(-1, -2)).sub_(delta[..., None]).mul_(pe)
+            ds_b = (_rows(do) @ vb.transpose(-1, -2)).sub_(_rows(delta[..., None])).mul_(pb)
             dq[:, :, i0:i1] = ds_e @ ke + (ds_b @ kb).view_as(qb)
             dk[:, :, b.c0 : b.c1] += ds_b.transpose(-1, -2) @ _rows(qb)
             dv[:, :, b.c0 : b.c1] += pb.transpose(-1, -2) @ _rows(do)
@@ -296,15 +313,15 @@ class _JointAttention(torch.autograd.Function):
             for grad, part in ((dkc, ds_e.transpose(-1, -2) @ qb), (dvc, pe.transpose(-1, -2) @ do)):
                 src = part.permute(0, 2, 3, 1, 4).reshape(-1, KV, D)  # (B * blk * K, KV, D)
                 grad.view(B * E, KV, D).index_add_(0, flat, src)
-        dq = dq.permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D).to(q.dtype)
-        ds = None if dsinks is None else dsinks.reshape(H).to(sinks.dtype)
+        dq = dq.mul_(plan.scale).permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D).to(q.dtype)
+        d_sinks = None if dsinks is None else dsinks.reshape(H).to(sinks.dtype)
         if vc is None:  # tied: the values' gradient is the keys'
             dkc, dvc = dkc + dvc, None
         if v is None:
             dk, dv = dk + dv, None
         back = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         dk, dv = (None if g is None else g.permute(0, 2, 1, 3) for g in (dk, dv))  # (B, Tk, KV, D)
-        return dq, back(dkc, kc), back(dvc, vc), back(dk, k), back(dv, v), ds, None, None
+        return dq, back(dkc, kc), back(dvc, vc), back(dk, k), back(dv, v), d_sinks, None, None
 
 
 def joint_attention_blocked(

@@ -126,12 +126,13 @@ def joint_attention(
     sinks: Optional[torch.Tensor] = None,
     origin: int = 0,
     selected: Optional[torch.Tensor] = None,
+    block: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The joint softmax of ``reference.joint_attention_reference`` (see there for shapes, ``origin`` and the
     top-k ``selected`` entries per query) by ``impl`` (``resolve_impl``: ``auto`` decides per call by size off
-    CUDA); returns the output (B, Tq, H, D) and the joint softmax's log-sum-exp (B, Tq, H) fp32, which carries a
-    gradient under ``reference`` only (no caller differentiates it). A layer with a shifted grid passes ``q_start``
-    in grid coordinates and its ``origin``."""
+    CUDA; ``block``: the fast path's queries per block, None to choose); returns the output (B, Tq, H, D) and the
+    joint softmax's log-sum-exp (B, Tq, H) fp32, which carries a gradient under ``reference`` only (no caller
+    differentiates it). A layer with a shifted grid passes ``q_start`` in grid coordinates and its ``origin``."""
     scores = q.shape[1] * (kc.shape[1] + local_span(local_window, stride))
     impl = resolve_impl(impl, q.device, scores)
     if impl == "triton":
@@ -151,20 +152,10 @@ def joint_attention(
             origin=origin,
             selected=selected,
         )
-    attend = joint_attention_blocked if impl == "torch" else joint_attention_reference
-    return attend(
-        q,
-        kc,
-        vc,
-        k,
-        v,
-        stride=stride,
-        local_window=local_window,
-        q_start=q_start,
-        sinks=sinks,
-        origin=origin,
-        selected=selected,
-    )
+    joint = dict(stride=stride, local_window=local_window, q_start=q_start, sinks=sinks, origin=origin)
+    if impl == "torch":
+        return joint_attention_blocked(q, kc, vc, k, v, **joint, selected=selected, block=block)
+    return joint_attention_reference(q, kc, vc, k, v, **joint, selected=selected)
 
 
 class JointAttention(nn.Module):
@@ -187,6 +178,7 @@ class JointAttention(nn.Module):
         sinks: Optional[torch.Tensor] = None,
         origin: int = 0,
         selected: Optional[torch.Tensor] = None,
+        block: Optional[int] = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return joint_attention(
             q,
@@ -201,6 +193,7 @@ class JointAttention(nn.Module):
             sinks=sinks,
             origin=origin,
             selected=selected,
+            block=block,
         )
 
 
@@ -686,7 +679,7 @@ class CompressedAttention(AttentionBackend):
             cache.length = n
         selected = None
         joint = dict(stride=self.stride, local_window=self.local_window, q_start=start + P, impl=self.impl_for(x))
-        joint.update(sinks=sinks, origin=P)
+        joint.update(sinks=sinks, origin=P, block=self.config.attention.block)
         if self.indexer is not None:  # detached inputs: the LM loss does not reach the indexer
             _, selected = self.indexer(x.detach(), latent.detach(), ki, positions, start + P, self.stride)
         elif self.oracle_topk is not None:  # the dense pass's log-sum-exp ranks the entries (no gradient)
