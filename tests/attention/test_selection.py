@@ -30,6 +30,22 @@ def test_top_k_breaks_ties_toward_the_lower_index_and_marks_missing_entries():
     assert top_k(scores, 9).shape == (1, 3, 5) and top_k(scores[..., :0], 2).shape == (1, 3, 0)
 
 
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 64])
+def test_top_k_equals_the_stable_sort_with_many_ties_and_missing_entries(k):
+    """``top_k`` (``torch.topk`` plus a fix of the rows tied at the k-th score) lists the same entries in the same
+    order as a stable descending sort of the whole row: scores from a few levels (most rows tie, at and above the
+    k-th), a third ``-inf``, rows with fewer than k visible entries and with none."""
+    generator = torch.Generator().manual_seed(k)
+    for levels in (1, 2, 4, 100):
+        scores = torch.randint(-2, levels, (3, 50, 40), generator=generator).float() / 2
+        scores[torch.rand(scores.shape, generator=generator) < 0.35] = float("-inf")
+        scores[:, :5, 3:] = float("-inf")  # at most 3 visible entries
+        scores[:, 5] = float("-inf")  # none visible
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+        expected = torch.where(scores.gather(-1, order) == float("-inf"), -1, order)
+        assert torch.equal(top_k(scores, k), expected)
+
+
 @pytest.mark.parametrize("q_start", [0, 6])
 def test_chunked_selection_equals_the_whole_top_k_with_ties(q_start):
     """The indexer's and the oracle's selections in query chunks not dividing T (and one chunk for all) equal the

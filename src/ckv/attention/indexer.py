@@ -25,7 +25,8 @@ any gathered entries) and the selection; the layer attends with whatever selecti
 may read the queries (and, from its arguments, the keys) and the selection or replace the selection (None: every
 visible entry, the dense warm-up of training; an oracle selection for a study).
 
-Ties are broken toward the lower entry index (the earlier entry): ``top_k`` sorts each row stably. transformers'
+Ties are broken toward the lower entry index (the earlier entry): ``top_k`` lists what a stable sort of each row
+would (by ``torch.topk`` and a fix of the rows tied at the k-th score, without sorting the row). transformers'
 V4 calls ``torch.topk``, whose order among equal scores is unspecified; on CPU it depends on the tensor's shape,
 so its chunked prefill can pick other entries than one forward where scores tie (typically at exactly 0 after the
 ReLU). A decoding ckv layer scores a query's entries in the same order as a prefill, so it selects the same.
@@ -55,10 +56,11 @@ WORKING_BYTES = 128 * 2**20
 
 
 def index_working_bytes(batch: int, chunk: int, heads: int, entries: int) -> int:
-    """Bytes one query chunk of ``chunked_top_k`` holds at once: two fp32 ``(batch, chunk, heads, entries)``
-    copies of the per-head dots (the product and its ReLU'd, weighted copy; for the oracle ``heads`` is the query
-    heads and the copies are the logits and their exponential), the fp32 scores, their sorted values and int64
-    order ``(batch, chunk, entries)`` and the bool visibility ``(chunk, entries)``."""
+    """Bytes one query chunk of ``chunked_top_k`` holds at most: two fp32 ``(batch, chunk, heads, entries)``
+    copies of the per-head dots (for the oracle ``heads`` is the query heads and the copies are the logits and their
+    exponential; the indexer weighs its product in place: one), the fp32 scores ``(batch, chunk, entries)`` and, in
+    the rows ``top_k`` fixes (tied at the k-th score), a copy with its masks and int32 count (12 bytes more per
+    score), and the bool visibility ``(chunk, entries)``."""
     return batch * chunk * entries * (8 * heads + 16) + chunk * entries
 
 
@@ -97,12 +99,36 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """(B, Tq, min(k, E)) int64: each row's ``k`` highest-scoring entries of ``scores`` (B, Tq, E), best first,
-    ties to the lower index; ``-1`` marks a slot whose score is ``-inf`` (fewer than ``k`` entries visible)."""
-    K = min(k, scores.shape[-1])
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :K]
-    picked = scores.gather(-1, order)
-    return torch.where(picked == float("-inf"), torch.full_like(order, -1), order)
+    """(B, Tq, min(k, E)) int64: each row's ``k`` highest-scoring entries of ``scores`` (B, Tq, E) (no NaN), best
+    first, ties to the lower index (a stable descending sort's first ``k``); ``-1`` marks a slot whose score is
+    ``-inf`` (fewer than ``k`` entries visible).
+
+    Without sorting the row: ``torch.topk`` finds the ``k + 1`` highest scores (its order among equal scores is
+    unspecified). Where the ``k``-th and the ``(k+1)``-th differ, the ``k`` highest are the only entries scoring at
+    least the ``k``-th; where they are equal and finite (a tie at the threshold ``v``), the row keeps every entry
+    above ``v`` and the lowest-indexed entries equal to ``v`` (a cumulative count); where the ``k``-th is ``-inf``
+    the row lists every visible entry and the rest are ``-1`` slots. Then the ``k`` picks, listed by index, are
+    sorted stably by score, best first."""
+    B, T, E = scores.shape
+    K = min(k, E)
+    if 0 < K < E:
+        values, picks = torch.topk(scores, K + 1, dim=-1)  # (B, Tq, K + 1) descending
+        picks = picks[..., :K].sort(dim=-1).values  # (B, Tq, K) by index
+        threshold = values[..., K - 1 : K]  # (B, Tq, 1) the k-th highest score
+        tied = ((values[..., K:] == threshold) & (threshold > float("-inf")))[..., 0]  # (B, Tq)
+        if bool(tied.any()):
+            rows = scores[tied]  # (n, E)
+            v = threshold[tied]  # (n, 1)
+            above = rows > v
+            equal = rows == v
+            keep = above | (equal & (equal.cumsum(-1, dtype=torch.int32) <= K - above.sum(-1, keepdim=True)))  # K a row
+            picks[tied] = keep.nonzero()[:, 1].view(-1, K)
+    else:
+        picks = torch.arange(K, device=scores.device).expand(B, T, K)  # every entry (or none)
+    picked = scores.gather(-1, picks)  # (B, Tq, K)
+    best = picked.sort(dim=-1, descending=True, stable=True)
+    order = picks.gather(-1, best.indices)
+    return torch.where(best.values == float("-inf"), torch.full_like(order, -1), order)
 
 
 def chunked_top_k(
@@ -194,11 +220,16 @@ def index_scores(
     q, w = queries
     spec = "bthd,bed->bthe" if keys.dim() == 3 else "bthd,bted->bthe"
     dots = torch.einsum(spec, q, keys.float())  # (B, Tq, Hi, E)
-    scores = (torch.relu(dots) * q.shape[-1] ** -0.5 * w[..., None]).sum(2)  # (B, Tq, E)
+    scale = q.shape[-1] ** -0.5
+    if dots.requires_grad:
+        weighted = torch.relu(dots) * scale * w[..., None]
+    else:  # the same operations in place: no further (B, Tq, Hi, E) copy (the selection's scores)
+        weighted = dots.relu_().mul_(scale).mul_(w[..., None])
+    scores = weighted.sum(2)  # (B, Tq, E)
     if q_start is None:
         return scores
     visible = compressed_mask(torch.arange(q_start, q_start + q.shape[1], device=q.device), keys.shape[1], stride)
-    return scores.masked_fill(~visible, float("-inf")) + 0.0  # + 0.0: -0.0 (a negative weight x 0) -> 0.0
+    return scores.masked_fill_(~visible, float("-inf")).add_(0.0)  # + 0.0: -0.0 (a negative weight x 0) -> 0.0
 
 
 class LightningIndexer(nn.Module):
