@@ -108,7 +108,8 @@ def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     least the ``k``-th; where they are equal and finite (a tie at the threshold ``v``), the row keeps every entry
     above ``v`` and the lowest-indexed entries equal to ``v`` (a cumulative count); where the ``k``-th is ``-inf``
     the row lists every visible entry and the rest are ``-1`` slots. Then the ``k`` picks, listed by index, are
-    sorted stably by score, best first."""
+    sorted stably by score, best first. Reads whether any row ties (a host sync on an accelerator, like the
+    layer's ``check_selected`` of the selection)."""
     B, T, E = scores.shape
     K = min(k, E)
     if 0 < K < E:
