@@ -77,7 +77,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_config(attention: str, seq_len: int, impl: Optional[str] = None) -> Any:
     """The tiny preset's ``ModelConfig`` with ``conf/attention/<attention>.yaml``, as ``train.py`` composes it."""
     from ckv.plan import compose_train_config
@@ -145,7 +145,8 @@ def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str], st
 
 
 def op_inputs(seq_len: int, grad: bool, seed: int = 0) -> dict[str, Any]:
-    """Random inputs of the op: q (1, T, 4, 64), k and v (1, T, 1, 64), entries kc and vc (1, T / 8, 1, 64), sinks (4,)."""
+    """Random inputs of the op: q (1, T, 4, 64), k and v (1, T, 1, 64), entries kc and vc (1, T / 8, 1, 64),
+    sinks (4,)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -393,7 +394,8 @@ def report_markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         )
     lines += [
         "",
-        f"The attention op (B = 1, {OP_HEADS} heads of {OP_HEAD_DIM}, {OP_KV_HEADS} KV head, W{OP_STRIDE}/S{OP_STRIDE}, "
+        f"The attention op (B = 1, {OP_HEADS} heads of {OP_HEAD_DIM}, {OP_KV_HEADS} KV head, "
+        f"W{OP_STRIDE}/S{OP_STRIDE}, "
         f"{OP_LOCAL_WINDOW}-token window, sinks; `vs SDPA`: SDPA's time over the op's; `error`: against the "
         f"reference at T = {CHECK_T}):",
         "",
