@@ -43,9 +43,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 ATTENTIONS = ("full", "w8s8", "w8s4", "deepseek_v4_csa", "deepseek_v4_csa_sparse", "deepseek_v4_hca")
@@ -58,8 +57,7 @@ MATCH_TOL = 1e-4  # largest |op - reference| over the reference's largest |value
 GIB = 2**30
 
 
-@dataclass(frozen=True)
-class Sizes:
+class Sizes(NamedTuple):
     """The lengths one run measures: training steps, the forward-only length, and the op's lengths."""
 
     train: tuple[int, ...]
