@@ -173,6 +173,7 @@ def plan(
             "linear": flops.linear,
             "attention": flops.attention,
             "compressor": flops.compressor,
+            "indexer": flops.indexer,
             "forward": flops.forward,
             "training": flops.training,
         },
@@ -208,7 +209,8 @@ def format_plan(p: dict[str, Any]) -> str:
         f"model: {m['preset']} ({m['attention']} attention), vocab {m['vocab_size']:,}, seq_len {m['seq_len']:,}: "
         f"{m['parameters']:,} parameters",
         f"FLOPs per token: {f['training'] / 1e9:.3f} G training (3x forward {f['forward'] / 1e9:.3f} G = linear "
-        f"{f['linear'] / 1e9:.3f} + attention {f['attention'] / 1e9:.3f} + compressor {f['compressor'] / 1e9:.3f})",
+        f"{f['linear'] / 1e9:.3f} + attention {f['attention'] / 1e9:.3f} + compressor {f['compressor'] / 1e9:.3f} "
+        f"+ indexer {f['indexer'] / 1e9:.3f})",
         f"hardware: {hw['gpus']} x {hw['gpu']} ({hw['gpu_mem_gib']:g} GiB, {hw['usable_gib']:.1f} usable), "
         f"peak {hw['peak_flops'] / 1e12:.0f} TFLOP/s bf16 each, {hw['precision']}",
         f"per-GPU memory in GiB at micro_batch_size={b['micro_batch_size']} (config's ZeRO stage: "

@@ -18,12 +18,16 @@ from ckv.norm import RMSNorm
 @dataclass(frozen=True)
 class LayerFlops:
     """Forward FLOPs per token of one attention layer, by part, averaged over a ``seq_len``-token sequence:
-    ``projections`` (Q/K/V/O), ``attention`` (scores and weighted values over the visible (query, key) pairs:
-    ``4 * head_dim`` per query head and pair) and ``compressor`` (everything that makes compressed entries)."""
+    ``projections`` (Q/K/V/O, with the low-rank query path's maps in place of the full-rank query map),
+    ``attention`` (scores and weighted values over the visible (query, key) pairs: ``4 * head_dim`` per query head
+    and pair), ``compressor`` (everything that makes the layer's compressed entries) and ``indexer`` (top-k
+    selection: the lightning indexer's own compressor branch, its query and head-weight maps and its scoring of
+    every visible entry, or the oracle's dense pass). Every part is >= 0."""
 
     projections: float
     attention: float
     compressor: float = 0.0
+    indexer: float = 0.0
 
 
 class AttentionBackend(nn.Module):
@@ -120,6 +124,15 @@ class AttentionBackend(nn.Module):
         raise ConfigError(
             f"attention.kind={cls.kind!r} ({cls.__name__}) does not declare kv_bytes_per_token: its cache is unknown"
         )
+
+    @classmethod
+    def kv_elements_per_token(
+        cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0
+    ) -> dict[str, float]:
+        """``kv_bytes_per_token`` in elements, by part of the decode cache (the parts its ``nbytes`` names; a key's
+        rotated dims apart as ``<part>.rope``), so that each part can be priced at its own dtype
+        (``ckv.flops.kv_bytes_by_part``). Default: the whole cache as one part, ``cache``."""
+        return {"cache": cls.kv_bytes_per_token(config, seq_len, layer_idx, bytes_per_element=1)}
 
     @classmethod
     def prefill_bytes(

@@ -399,55 +399,86 @@ class CompressedAttention(AttentionBackend):
     def flops_per_token(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> LayerFlops:
         """Attention over the scored pairs (``entry_pairs``), counted in the layer's grid coordinates
         (``ckv.geometry``). The compressor maps every entry's ``window`` hidden states (absent ones too: they are
-        computed as zeros) through each branch's payload maps and sums them, plus the groups' shares (per-branch
-        groups once more for each extra branch) and the scoring of every visible entry for selection."""
+        computed as zeros) through each branch's payload maps and sums them, plus the groups' shares. Each group's
+        shares go on its ``flop_line``: the layer's K/V branches and the gate and mixing on ``compressor``; the
+        low-rank query path's on ``projections`` (it replaces the full-rank query map); selection's (the
+        indexer's own branch with the per-branch groups once more, its maps, and its scoring of every visible
+        entry) on ``indexer``."""
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be >= 1")
-        a, dims, extra = config.attention, cls.dims(config), cls.extra_branches(config)
+        a, dims = config.attention, cls.dims(config)
         # entries pooled, weighted by the share of KV heads each grid serves (useful work only)
         n_entries = sum(
             num_entries(seq_len + P, a.stride) * (heads.stop - heads.start) / config.kv_heads
             for P, heads in layer_grids(config, layer_idx)
         )
         pairs, visible = cls.entry_pairs(config, seq_len, layer_idx)
-        attention = 4.0 * config.head_dim * pairs / seq_len
         visible /= config.n_heads  # the indexer scores per query, not per query head
-        per_entry = sum(
-            b.branches
-            * (b.window * 2.0 * b.d_model * b.kv_heads * b.head_dim + 2.0 * b.window * b.kv_heads * b.head_dim)
-            for b in (dims, *extra)
-        )
-        per_entry += sum(g.flops_per_entry(dims) for g in a.groups())
-        per_entry += sum(g.flops_per_entry(b) for b in extra for g in a.groups() if g.per_branch)
-        per_token = sum(g.flops_per_token(dims) for g in a.groups())
-        per_token += sum(g.flops_per_token(b) for b in extra for g in a.groups() if g.per_branch)
-        scoring = sum(g.flops_per_scored_entry(dims) for g in a.groups()) * visible / seq_len
-        compressor = per_entry * n_entries / seq_len + per_token + scoring
-        return LayerFlops(projections=cls.projection_flops(config), attention=attention, compressor=compressor)
+        per_branch = [g for g in a.groups() if g.per_branch]
+
+        def pooling(b: Dims) -> float:  # per entry: a branch's payload maps and its weighted sum, its groups
+            payload = b.window * 2.0 * b.d_model * b.kv_heads * b.head_dim + 2.0 * b.window * b.kv_heads * b.head_dim
+            return b.branches * payload + sum(g.flops_per_entry(b) for g in per_branch)
+
+        lines = {"projections": cls.projection_flops(config), "compressor": pooling(dims), "indexer": 0.0}
+        lines["compressor"] += sum(g.flops_per_entry(dims) for g in a.groups() if not g.per_branch)
+        lines["compressor"] *= n_entries / seq_len
+        for g in a.groups():
+            extra = g.compressor_branches(dims)
+            share = sum(pooling(b) for b in extra) * n_entries / seq_len
+            share += g.flops_per_token(dims) + sum(p.flops_per_token(b) for b in extra for p in per_branch)
+            share += g.flops_per_scored_entry(dims) * visible / seq_len
+            lines[g.flop_line] += share
+        return LayerFlops(attention=4.0 * config.head_dim * pairs / seq_len, **lines)
+
+    @classmethod
+    def kv_elements_per_token(
+        cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0
+    ) -> dict[str, float]:
+        """At ``seq_len``, by the parts of ``CompressedLayerCache``: ``entries`` (each finished entry's key, and a
+        value unless tied; the key's rotated dims apart as ``entries.rope``), ``index`` (each extra branch's key
+        per finished entry: the indexer's), ``local`` (the exact keys and values the next query's local window
+        needs; rotated dims as ``local.rope``) and ``pending`` (the hidden states of the unfinished window plus the
+        groups' history), divided by ``seq_len``. Long-sequence figure: one entry per ``stride`` tokens."""
+        if seq_len is None:
+            return {part: n / config.attention.stride for part, n in cls._kv_elements(config, None, layer_idx).items()}
+        return {part: n / seq_len for part, n in cls._kv_elements(config, seq_len, layer_idx).items()}
+
+    @classmethod
+    def _kv_elements(cls, config: ModelConfig, seq_len: Optional[int], layer_idx: int) -> dict[str, float]:
+        """``kv_elements_per_token`` times ``seq_len`` (``None``: one entry's worth, nothing else)."""
+        a, dims = config.attention, cls.dims(config)
+        rope = dims.kv_heads * config.rope_dims  # a key's rotated dims
+        per_local = dims.kv_heads * dims.head_dim * (1 if a.tied_kv else 2)
+        per_index = sum(b.kv_heads * b.head_dim for b in cls.extra_branches(config))
+        if seq_len is None:
+            entries, local, pending = 1.0, 0.0, 0.0
+        elif seq_len < 1:
+            raise ConfigError(f"seq_len={seq_len} must be >= 1")
+        else:
+            history = sum(g.cache_history(dims) for g in a.groups())
+            entries = local = pending = 0.0
+            for P, heads in layer_grids(config, layer_idx):  # one sub-cache per grid: its heads' share, own pending
+                n, share = seq_len + P, (heads.stop - heads.start) / config.kv_heads
+                entries += share * num_entries(n, a.stride)
+                local += share * local_keep(n, a.local_window, a.stride, origin=P)
+                pending += min(pending_keep(n, a.window, a.stride, origin=P) + history, seq_len) * dims.d_model
+        return {
+            "entries": entries * (per_local - rope),
+            "entries.rope": entries * rope,
+            "index": entries * per_index,
+            "local": local * (per_local - rope),
+            "local.rope": local * rope,
+            "pending": pending,
+        }
 
     @classmethod
     def kv_bytes_per_token(
         cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0, bytes_per_element: int = 2
     ) -> float:
-        """At ``seq_len``: the finished entries (a key, and a value unless tied, plus each extra branch's key: the
-        indexer's), the exact keys (and values) the next query's local window needs, and the hidden states of the
-        unfinished window plus the groups' history (``CompressedLayerCache``), divided by ``seq_len``.
-        Long-sequence figure: one entry per ``stride`` tokens."""
-        a, dims = config.attention, cls.dims(config)
-        per_local = dims.kv_heads * dims.head_dim * (1 if a.tied_kv else 2)
-        per_entry = per_local + sum(b.kv_heads * b.head_dim for b in cls.extra_branches(config))
-        if seq_len is None:
-            return per_entry * bytes_per_element / a.stride
-        if seq_len < 1:
-            raise ConfigError(f"seq_len={seq_len} must be >= 1")
-        history = sum(g.cache_history(dims) for g in a.groups())
-        elements = 0.0
-        for P, heads in layer_grids(config, layer_idx):  # one sub-cache per grid: its heads' share, its own pending
-            n, share = seq_len + P, (heads.stop - heads.start) / config.kv_heads
-            local = local_keep(n, a.local_window, a.stride, origin=P)
-            pending = min(pending_keep(n, a.window, a.stride, origin=P) + history, seq_len)
-            elements += share * (num_entries(n, a.stride) * per_entry + local * per_local) + pending * dims.d_model
-        return elements * bytes_per_element / seq_len
+        """Every part of ``kv_elements_per_token`` at ``bytes_per_element``."""
+        total = sum(cls._kv_elements(config, seq_len, layer_idx).values())
+        return total * bytes_per_element / (config.attention.stride if seq_len is None else seq_len)
 
     @classmethod
     def _materialises_scores(cls, config: ModelConfig, device: torch.device) -> bool:

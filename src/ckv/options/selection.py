@@ -39,6 +39,7 @@ class SelectionConfig(OptionGroup):
     (``flops_per_scored_entry``: ``4 H D`` per (query, visible entry); the local window's share is not counted)."""
 
     name: ClassVar[str] = "selection"
+    flop_line: ClassVar[str] = "indexer"
     topk: int = 512
     heads: int = 64
     head_dim: int = 128
