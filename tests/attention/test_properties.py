@@ -5,7 +5,8 @@ and each group option composed onto the group bases: ``tests.helpers.VARIANTS``)
   says so (a visible entry covering p, widened by token mixing, or t's local window; full attention: p <= t; with
   top-k selection only the entries the layer's indexer selected for t, recorded from its forward);
 - decode == prefill: token by token and in uneven chunks, with a cache;
-- torch == triton under the Triton interpreter, loss and every gradient (backends that run triton);
+- the fast path (``impl=torch``) == the reference, loss and every gradient, and decode == prefill on it; triton ==
+  the reference under the Triton interpreter (backends that run triton);
 - every parameter receives a gradient (the lightning indexer's from its training loss, ``ckv.train.indexer``);
 - the accounting is the module's: parameter count (tied and untied embeddings), KV-cache bytes after T tokens and
   per token in the long run, attended (query, key) pairs behind the FLOPs.
@@ -161,9 +162,23 @@ def _perturbed(model: Transformer) -> Transformer:
     return model.eval()
 
 
+COMPRESSED = [n for n in VARIANTS if check_attention(_config(n)).kind == "compressed"]
+
+
 @pytest.mark.parametrize("name", costly(VARIANTS))
 def test_decoding_equals_the_full_forward_token_by_token_and_in_uneven_chunks(name):
-    cfg = _config(name)
+    _assert_decoding_equals_the_full_forward(_config(name))
+
+
+@pytest.mark.parametrize("name", costly(COMPRESSED))
+def test_decoding_equals_the_full_forward_on_the_fast_path(name):
+    """The same with ``impl=torch``: the fast path for the prefill and for every decode step (``impl=auto`` at these
+    lengths runs the reference, ``ckv.attention.compressed.REFERENCE_MAX_SCORES``)."""
+    att = _config(name).attention.to_dict()
+    _assert_decoding_equals_the_full_forward(small_config({**att, "impl": "torch"}))
+
+
+def _assert_decoding_equals_the_full_forward(cfg: ModelConfig) -> None:
     S, T = cfg.attention.stride, _length(cfg, short=29)
     model = _perturbed(Transformer(cfg))
     ids = torch.randint(0, cfg.vocab_size, (2, T))
@@ -184,8 +199,7 @@ def test_decoding_equals_the_full_forward_token_by_token_and_in_uneven_chunks(na
 TRITON = [n for n in VARIANTS if "triton" in check_attention(_config(n)).impls]
 
 
-@pytest.mark.parametrize("name", costly(TRITON))
-def test_triton_equals_the_reference_in_loss_and_every_gradient(name):
+def _assert_impl_equals_the_reference(name: str, impl: str) -> None:
     att = _config(name).attention.to_dict()
     del att["impl"]  # assert_impls_match sets it
     # the kernels' model (tests.kernels.test_model): 4 query heads, so KV heads above 4 are capped there
@@ -193,7 +207,17 @@ def test_triton_equals_the_reference_in_loss_and_every_gradient(name):
     T = max(30, att["window"] + att["stride"] + 3)
     if att["selection"] is not None:  # the top-k kernels run one program per position: as short as still binds
         T = max(att["window"] + att["stride"] + 3, (att["selection"]["topk"] + 1) * att["stride"] + 2)
-    assert_impls_match(att, T)
+    assert_impls_match(att, T, impl)
+
+
+@pytest.mark.parametrize("name", costly(TRITON))
+def test_triton_equals_the_reference_in_loss_and_every_gradient(name):
+    _assert_impl_equals_the_reference(name, "triton")
+
+
+@pytest.mark.parametrize("name", costly(COMPRESSED))
+def test_fast_path_equals_the_reference_in_loss_and_every_gradient(name):
+    _assert_impl_equals_the_reference(name, "torch")
 
 
 @pytest.mark.parametrize("name", VARIANTS)

@@ -1,5 +1,5 @@
 """The compressed backend's ``impl`` switch: dispatch rules, and the whole model's loss and gradients equal
-between ``impl=torch`` (the reference) and ``impl=triton`` (the kernels)."""
+between ``impl=reference`` (the oracle) and ``impl=triton`` (the kernels) or ``impl=torch`` (the fast path)."""
 
 from __future__ import annotations
 
@@ -48,10 +48,10 @@ def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor,
 
 # fp32 model; the kernels and the reference differ by summation order only. Loss: relative difference < 1e-6;
 # every parameter's gradient: relative RMS < 1e-4.
-def assert_impls_match(attention: dict, seq_len: int) -> None:
-    """The same model with impl=torch and impl=triton: equal loss (1e-6 relative) and gradients (1e-4 rel. RMS)."""
-    reference = Transformer(model_config("torch", **attention)).to(DEVICE)
-    kernels = Transformer(model_config("triton", **attention)).to(DEVICE)
+def assert_impls_match(attention: dict, seq_len: int, impl: str = "triton") -> None:
+    """The same model with impl=reference and ``impl``: equal loss (1e-6 relative) and gradients (1e-4 rel. RMS)."""
+    reference = Transformer(model_config("reference", **attention)).to(DEVICE)
+    kernels = Transformer(model_config(impl, **attention)).to(DEVICE)
     kernels.load_state_dict(reference.state_dict())
     ids = torch.randint(0, 64, (2, seq_len), device=DEVICE)
     loss_ref, grads_ref = loss_and_grads(reference, ids)
@@ -82,9 +82,10 @@ def assert_impls_match(attention: dict, seq_len: int) -> None:
         ),
     ],
 )
-def test_model_loss_and_gradients_match_between_impls(attention):
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_model_loss_and_gradients_match_between_impls(attention, impl):
     torch.manual_seed(0)
-    assert_impls_match(attention, 46)
+    assert_impls_match(attention, 46, impl)
 
 
 def test_decoding_with_kernels_matches_the_full_forward():
@@ -99,10 +100,18 @@ def test_decoding_with_kernels_matches_the_full_forward():
     assert rel_rms(torch.cat(steps, dim=1), full) < 1e-5
 
 
-def test_auto_takes_the_reference_off_cuda_and_triton_on_cuda():
-    assert compressed.resolve_impl("auto", torch.device("cpu")) == "torch"
-    assert compressed.resolve_impl("torch", torch.device("cpu")) == "torch"
+def test_auto_takes_the_fast_path_off_cuda_and_triton_on_cuda():
+    """Off CUDA ``auto`` runs the fast path, or the reference for a call whose scores are small (the studies' exact
+    numbers); an explicit ``torch`` or ``reference`` is kept whatever the size."""
+    cpu, small, large = torch.device("cpu"), compressed.REFERENCE_MAX_SCORES, compressed.REFERENCE_MAX_SCORES + 1
+    assert compressed.resolve_impl("auto", cpu) == "torch"
+    assert compressed.resolve_impl("auto", cpu, small) == "reference"
+    assert compressed.resolve_impl("auto", cpu, large) == "torch"
+    assert compressed.resolve_impl("torch", cpu, small) == "torch"
+    assert compressed.resolve_impl("reference", cpu, large) == "reference"
     assert compressed.resolve_impl("auto", torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="not one of"):
+        compressed.resolve_impl("fast", cpu)
 
 
 @pytest.mark.skipif(not ckv_kernels.INTERPRET, reason="the interpreter is off (GPU run)")

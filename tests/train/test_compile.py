@@ -1,5 +1,5 @@
-"""torch.compile: the full and reference compressed paths trace without graph breaks, and trainer.compile=true
-trains with the same losses."""
+"""torch.compile: the full and the compressed fast path (impl=torch) trace without graph breaks, and
+trainer.compile=true trains with the same losses."""
 
 from __future__ import annotations
 

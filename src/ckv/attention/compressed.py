@@ -2,7 +2,9 @@
 
 Each window of ``window`` tokens, moved by ``stride``, is pooled into one key and one value per KV head by a
 learned softmax gate or a uniform mean; a query attends in one softmax to every visible entry plus the exact
-keys of its local window. ``impl`` picks the PyTorch reference (the oracle) or the Triton kernels.
+keys of its local window. ``impl`` picks the implementation of the joint softmax: ``reference`` (the PyTorch
+oracle, ``attention/reference.py``), ``torch`` (the fast, memory-bounded block path, ``attention/blocked.py``),
+``triton`` (the kernels) or ``auto`` (``resolve_impl``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from ckv.attention.base import AttentionBackend, LayerFlops
+from ckv.attention.blocked import joint_attention_blocked
 from ckv.attention.indexer import LightningIndexer, oracle_selection
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.cache import CompressedLayerCache
@@ -37,13 +40,26 @@ from ckv.geometry import (
 from ckv.norm import RMSNorm
 from ckv.options import Dims
 
+IMPLS = ("auto", "reference", "torch", "triton")
+# ``auto`` off CUDA runs the reference for a call whose score matrix per (batch, head), queries x (entries + local
+# span), has at most this many elements, the fast path above: the reference is exact to the last digit of every
+# study run before the fast path existed (66-token tasks), and cheap at that size; the fast path differs from it by
+# summation order (~1e-7 relative).
+REFERENCE_MAX_SCORES = 2**16
 
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """``auto`` -> ``triton`` on CUDA (when ckv_kernels imports), ``torch`` elsewhere. ``triton`` on a non-CUDA
-    device runs the kernels under the Triton interpreter (slow: meant for tests); it says so once, and raises
-    RuntimeError when the interpreter is not enabled (TRITON_INTERPRET=1 before ckv_kernels is imported)."""
+
+def resolve_impl(impl: str, device: torch.device, scores: Optional[int] = None) -> str:
+    """``auto`` -> ``triton`` on CUDA (when ckv_kernels imports); elsewhere the fast path ``torch``, or the
+    ``reference`` when the call's ``scores`` (queries x (entries + local span), per batch row and head) are at most
+    ``REFERENCE_MAX_SCORES`` (None: size unknown, the fast path). ``triton`` on a non-CUDA device runs the kernels
+    under the Triton interpreter (slow: meant for tests); it says so once, and raises RuntimeError when the
+    interpreter is not enabled (TRITON_INTERPRET=1 before ckv_kernels is imported)."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r} is not one of {list(IMPLS)}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        if device.type == "cuda" and _triton_available():
+            return "triton"
+        return "reference" if scores is not None and scores <= REFERENCE_MAX_SCORES else "torch"
     if impl == "triton" and device.type != "cuda":
         _check_interpreter(device)
     return impl
@@ -87,7 +103,8 @@ def _check_interpreter(device: torch.device) -> None:
 def pool(
     payload: torch.Tensor, logits: Optional[torch.Tensor], present: torch.Tensor, impl: str = "torch"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch of ``reference.pool_reference`` (see there for shapes): returns pooled entries and weights."""
+    """Dispatch of ``reference.pool_reference`` (see there for shapes): returns pooled entries and weights. Every
+    impl but ``triton`` pools with the reference (one pass over the windows; the torch paths share it)."""
     if resolve_impl(impl, payload.device) == "triton":
         from ckv_kernels import pool as pool_triton
 
@@ -105,15 +122,19 @@ def joint_attention(
     stride: int,
     local_window: LocalWindow,
     q_start: int = 0,
-    impl: str = "torch",
+    impl: str = "auto",
     sinks: Optional[torch.Tensor] = None,
     origin: int = 0,
     selected: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch of ``reference.joint_attention_reference`` (see there for shapes, ``origin`` and the top-k
-    ``selected`` entries per query); returns the output (B, Tq, H, D) and the joint softmax's log-sum-exp
-    (B, Tq, H) fp32. A layer with a shifted grid passes ``q_start`` in grid coordinates and its ``origin``."""
-    if resolve_impl(impl, q.device) == "triton":
+    """The joint softmax of ``reference.joint_attention_reference`` (see there for shapes, ``origin`` and the
+    top-k ``selected`` entries per query) by ``impl`` (``resolve_impl``: ``auto`` decides per call by size off
+    CUDA); returns the output (B, Tq, H, D) and the joint softmax's log-sum-exp (B, Tq, H) fp32, which carries a
+    gradient under ``reference`` only (no caller differentiates it). A layer with a shifted grid passes ``q_start``
+    in grid coordinates and its ``origin``."""
+    scores = q.shape[1] * (kc.shape[1] + local_span(local_window, stride))
+    impl = resolve_impl(impl, q.device, scores)
+    if impl == "triton":
         from ckv_kernels import joint_attention as joint_attention_triton
 
         return joint_attention_triton(
@@ -130,7 +151,8 @@ def joint_attention(
             origin=origin,
             selected=selected,
         )
-    return joint_attention_reference(
+    attend = joint_attention_blocked if impl == "torch" else joint_attention_reference
+    return attend(
         q,
         kc,
         vc,
@@ -161,7 +183,7 @@ class JointAttention(nn.Module):
         stride: int,
         local_window: LocalWindow,
         q_start: int = 0,
-        impl: str = "torch",
+        impl: str = "auto",
         sinks: Optional[torch.Tensor] = None,
         origin: int = 0,
         selected: Optional[torch.Tensor] = None,
@@ -293,7 +315,7 @@ class CompressedAttention(AttentionBackend):
     submodule (a hook reads its queries, entries, selection and log-sum-exp)."""
 
     kind = "compressed"
-    impls = ("auto", "torch", "triton")
+    impls = IMPLS
     options = ("rope", "gate", "mixing", "grid", "query", "selection", "sink", "output_rope")
 
     @classmethod
@@ -310,7 +332,10 @@ class CompressedAttention(AttentionBackend):
 
     @classmethod
     def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:
-        return resolve_impl(impl, device)
+        """``resolve_impl`` without a size: ``auto`` stays ``auto`` off CUDA (each joint softmax picks the fast path
+        or, for a small call, the reference by its size)."""
+        resolved = resolve_impl(impl, device)
+        return "auto" if impl == "auto" and resolved != "triton" else resolved
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

@@ -228,7 +228,7 @@ def load_ckv_model(
     path: PathLike, step: Union[int, str, None] = None, device: str = "auto", impl: Optional[str] = None
 ) -> LoadedModel:
     """Load ckv weights from a run folder or weights folder (see ``find_weights``), in eval mode.
-    ``impl`` overrides ``attention.impl`` (e.g. ``torch`` for the reference)."""
+    ``impl`` overrides ``attention.impl`` (e.g. ``reference`` for the oracle)."""
     facts, weights = inspect_ckv_model(path, step, impl)
     dev = resolve_device(device, "device")
     try:
