@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ckv import Transformer
+from ckv.attention import check_attention
 from ckv.config import ConfigError
 from ckv.flops import PEAK_BF16_FLOPS, flops_per_token
 from ckv.loss import logits_bytes
@@ -42,9 +43,10 @@ def test_memory_by_stage_is_consistent(paper):
         plain = s["plain"]
         per_seq = plain["activations"] / micro
         assert plain["logits"] == logits_bytes(micro * T, V, None)
-        m = plain["max_micro_batch"]
-        assert s["states"] + m * per_seq + logits_bytes(m * T, V, None) <= usable
-        assert s["states"] + (m + 1) * per_seq + logits_bytes((m + 1) * T, V, None) > usable
+        m, working = plain["max_micro_batch"], p["working_memory"]["per_sequence"]
+        assert plain["working"] == micro * working
+        assert s["states"] + m * (per_seq + working) + logits_bytes(m * T, V, None) <= usable
+        assert s["states"] + (m + 1) * (per_seq + working) + logits_bytes((m + 1) * T, V, None) > usable
         lean = s["checkpointed+chunked"]
         assert lean["activations"] < plain["activations"] / 5 and lean["logits"] < plain["logits"] / 4
         assert lean["max_micro_batch"] > m
@@ -107,3 +109,22 @@ def test_activation_estimate_is_near_what_autograd_saves():
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = sum(n for ptr, n in saved.items() if ptr not in params) / T
     assert abs(activation_bytes_per_token(cfg, 4, False) / measured - 1) < 0.25
+
+
+def test_working_memory_counts_the_attention_block_the_index_scores_and_the_kl_logits():
+    """DeepSeek-V4's sparse CSA at 16K tokens: the largest of its parts, each what the backend's accounting says;
+    full attention has none; and the part lines are printed."""
+    train_cfg = compose_train_config(["attention=deepseek_v4_csa_sparse", "model=tiny", "data.seq_len=16384"])
+    p = plan(train_cfg, gpus=1, gpu_mem_gib=80, vocab_size=1024)
+    cfg, T = model_config(train_cfg, 1024), 16384
+    backend, w = check_attention(cfg), p["working_memory"]
+    E, s = T // cfg.attention.stride, cfg.attention.selection
+    assert w["parts"]["index scores"] == 4 * T * E * (3 * s.heads + 2)
+    assert w["parts"]["KL logits"] == 4 * T * E * (3 * cfg.n_heads + 5)
+    a = cfg.attention  # autograd keeps the pooled windows (tied K/V: one branch): not working memory
+    pooled = 4 * (T // a.stride + 1) * a.window * cfg.d_model
+    assert w["parts"]["attention"] == pytest.approx(backend.prefill_bytes(cfg, T, T, torch.device("cuda")) - pooled)
+    assert w["per_sequence"] == max(w["parts"].values()) > 0
+    assert "working memory per sequence" in format_plan(p) and "KL logits" in format_plan(p)
+    full = plan(compose_train_config(["attention=full", "model=tiny"]), gpus=1, gpu_mem_gib=80, vocab_size=1024)
+    assert full["working_memory"] == {"per_sequence": 0.0, "parts": {}}

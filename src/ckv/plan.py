@@ -19,6 +19,10 @@ Memory model (an estimate; bytes per parameter from the ZeRO paper, Rajbhandari 
   (its recompute and its gradients);
 - logits (``ckv.loss.logits_bytes``): today's path holds the micro-batch's logits in bf16 plus two fp32 copies
   (the fp32 cast and the saved log-softmax); the chunked loss one chunk's, plus an fp32 weight-gradient buffer;
+- working memory per sequence, one layer's part at a time (``AttentionBackend.working_bytes``, fp32, the largest
+  part counted): compressed attention's score blocks (none with the Triton kernels; one query block's
+  ``blocked.working_bytes`` on the fast torch path; the reference's score copies), the lightning indexer's scores
+  (``index_bytes``) and its loss's logits (``kl_bytes``); printed by part under the table;
 - a fraction ``--reserve`` of the GPU memory is left for the CUDA context, communication buffers and
   fragmentation.
 """
@@ -31,6 +35,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+import torch
 
 from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig
@@ -142,6 +148,11 @@ def plan(
         name: activation_bytes_per_token(cfg, precision.compute, ckpt) * seq_len for name, (ckpt, _) in setups.items()
     }
 
+    # one layer's transient working memory per sequence (the attention's score blocks, the indexer's scores, its
+    # loss's logits; fp32, one part at a time), on a GPU as the backend runs there
+    working_parts = check_attention(cfg).working_bytes(cfg, seq_len, torch.device("cuda"))
+    working = max(working_parts.values(), default=0.0)
+
     def logits(name: str, m: int) -> float:
         chunk = setups[name][1]
         extra = 0 if chunk is None else cfg.vocab_size * cfg.d_model * 4
@@ -152,10 +163,14 @@ def plan(
         states = state_bytes(params, precision, stage, gpus)
         row: dict[str, Any] = {"stage": stage, **states, "states": sum(states.values())}
         for name in setups:
-            row[name] = {"activations": micro * per_seq[name], "logits": logits(name, micro)}
-            row[name]["total"] = row["states"] + row[name]["activations"] + row[name]["logits"]
+            row[name] = {
+                "activations": micro * per_seq[name],
+                "logits": logits(name, micro),
+                "working": micro * working,
+            }
+            row[name]["total"] = row["states"] + row[name]["activations"] + row[name]["logits"] + micro * working
             fits, m = 0, 1
-            while row["states"] + m * per_seq[name] + logits(name, m) <= usable and m <= 4096:
+            while row["states"] + m * (per_seq[name] + working) + logits(name, m) <= usable and m <= 4096:
                 fits, m = m, m + 1
             row[name]["max_micro_batch"] = fits
         stages.append(row)
@@ -192,6 +207,7 @@ def plan(
             "configured_zero_stage": stage_cfg,
             "loss_chunk_tokens": loss_chunk_tokens,
         },
+        "working_memory": {"per_sequence": working, "parts": working_parts},
         "memory_by_stage": stages,
         "budget": {
             "max_steps": t.max_steps,
@@ -215,18 +231,23 @@ def format_plan(p: dict[str, Any]) -> str:
         f"peak {hw['peak_flops'] / 1e12:.0f} TFLOP/s bf16 each, {hw['precision']}",
         f"per-GPU memory in GiB at micro_batch_size={b['micro_batch_size']} (config's ZeRO stage: "
         f"{b['configured_zero_stage']}; chunked loss: {b['loss_chunk_tokens']} tokens per chunk):",
-        "stage | weights | grads | optim | states | plain: act + logits = total (max micro) | "
-        "ckpt+chunked: act + logits = total (max micro)",
+        "stage | weights | grads | optim | states | plain: act + logits + working = total (max micro) | "
+        "ckpt+chunked: act + logits + working = total (max micro)",
     ]
     for r in p["memory_by_stage"]:
         cells = [f"{r['stage']:5}"] + [f"{r[k] / GIB:7.2f}" for k in ("weights", "grads", "optimizer", "states")]
         for name in ("plain", "checkpointed+chunked"):
             s = r[name]
             cells.append(
-                f"{s['activations'] / GIB:.2f} + {s['logits'] / GIB:.2f} = {s['total'] / GIB:.2f} "
+                f"{s['activations'] / GIB:.2f} + {s['logits'] / GIB:.2f} + {s['working'] / GIB:.2f} = "
+                f"{s['total'] / GIB:.2f} "
                 f"({s['max_micro_batch']})"
             )
         lines.append(" | ".join(cells))
+    w = p["working_memory"]
+    if w["parts"]:
+        parts = ", ".join(f"{k} {v / GIB:.3f}" for k, v in w["parts"].items())
+        lines.append(f"working memory per sequence (GiB, the largest counted): {parts}")
     lines.append(
         f"budget: {bud['max_steps']:,} steps = {bud['tokens'] / 1e9:.1f} B tokens: {bud['days']:.2f} days "
         f"({bud['gpu_hours']:,.0f} GPU-hours) at MFU {hw['mfu']:g}"

@@ -147,6 +147,25 @@ class AttentionBackend(nn.Module):
         )
 
     @classmethod
+    def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int, bytes_per_element: int = 4) -> float:
+        """Transient bytes per sequence of a top-k indexer scoring ``chunk`` queries ending at ``seq_len`` (it runs
+        before the attention: the two never coexist); 0 for a backend without one."""
+        return 0.0
+
+    @classmethod
+    def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int, bytes_per_element: int = 4) -> float:
+        """Transient bytes per sequence of the indexer's training loss over ``tokens`` queries of a ``seq_len``-token
+        sequence (``ckv.plan``); 0 for a backend without an indexer."""
+        return 0.0
+
+    @classmethod
+    def working_bytes(cls, config: ModelConfig, seq_len: int, device: torch.device) -> dict[str, float]:
+        """The transient bytes per sequence of one layer's training step on ``device`` beyond what autograd saves,
+        by part (``attention``, ``index scores``, ``KL logits``; one part at a time: ``ckv.plan`` takes the
+        largest). Default: none (fused kernels and SDPA's causal path hold no score matrix)."""
+        return {}
+
+    @classmethod
     def prefill_note(cls, config: ModelConfig, device: torch.device) -> str:
         """One line saying how ``prefill_bytes`` counts (which implementation runs on ``device``)."""
         return f"attention.kind={cls.kind}"

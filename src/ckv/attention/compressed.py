@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ckv.attention.base import AttentionBackend, LayerFlops
-from ckv.attention.blocked import joint_attention_blocked
+from ckv.attention.blocked import choose_block, joint_attention_blocked, working_bytes
 from ckv.attention.indexer import LightningIndexer, oracle_selection
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.cache import CompressedLayerCache
@@ -506,33 +506,94 @@ class CompressedAttention(AttentionBackend):
         return total * bytes_per_element / (config.attention.stride if seq_len is None else seq_len)
 
     @classmethod
-    def _materialises_scores(cls, config: ModelConfig, device: torch.device) -> bool:
-        """Whether the torch reference runs (it holds score matrices; the Triton kernels never do)."""
+    def _prefill_impl(cls, config: ModelConfig, device: torch.device, chunk: int, seq_len: int) -> str:
+        """The implementation a chunk of ``chunk`` queries over ``seq_len`` tokens runs on ``device``
+        (``resolve_impl``: ``auto`` picks by the call's size off CUDA)."""
         a = config.attention
-        return not (a.impl == "triton" or a.impl == "auto" and device.type == "cuda" and _triton_available())
+        if a.impl == "triton":
+            return "triton"
+        scores = chunk * (num_entries(seq_len, a.stride) + local_span(a.local_window, a.stride))
+        return resolve_impl(a.impl, device, scores)
+
+    @classmethod
+    def block_working_bytes(cls, config: ModelConfig, chunk: int, seq_len: int, batch: int = 1) -> tuple[int, int]:
+        """The fast path's query block for ``chunk`` queries over ``seq_len`` tokens (``blocked.choose_block``) and
+        its working memory (``blocked.working_bytes``: the backward's pass, the larger), in bytes."""
+        a = config.attention
+        E, L = num_entries(seq_len, a.stride), local_span(a.local_window, a.stride)
+        topk = a.selection.topk if a.selection is not None else None
+        sizes = (E, L, config.n_heads, config.head_dim, topk, batch, config.kv_heads)
+        block = choose_block(chunk, *sizes)
+        return block, working_bytes(block, *sizes)
 
     @classmethod
     def prefill_bytes(
         cls, config: ModelConfig, chunk: int, seq_len: int, device: torch.device, bytes_per_element: int = 4
     ) -> float:
-        """The chunk's gathered windows and local keys/values, plus with the torch reference four fp32 copies of
-        the ``(H, chunk, entries + local window [+ sink])`` scores (scores, their concatenation with the local
-        window's, the masked copy, ``exp``)."""
+        """The chunk's pooled windows plus the joint softmax's working memory: with the reference four fp32 copies
+        of the ``(H, chunk, entries + local window [+ sink])`` scores (scores, their concatenation with the local
+        window's, the masked copy, ``exp``) and each query's local keys and values, gathered; with the fast path
+        one query block's (``block_working_bytes``); with the Triton kernels no score matrix (the gathered local
+        keys and values counted as the reference's)."""
         a, dims, b = config.attention, cls.dims(config), bytes_per_element
+        impl = cls._prefill_impl(config, device, chunk, seq_len)
+        pooled = b * dims.branches * (chunk // a.stride + 1) * a.window * config.d_model  # the chunk's new windows
+        if impl == "torch":
+            return pooled + cls.block_working_bytes(config, chunk, seq_len)[1]
         L = local_span(a.local_window, a.stride)
         keys = num_entries(seq_len, a.stride) + L + (1 if a.sink else 0)
-        pooled = dims.branches * (chunk // a.stride + 1) * a.window * config.d_model  # the chunk's new windows
         local = 2 * chunk * L * config.kv_heads * config.head_dim  # each query's local keys and values, gathered
-        scores = 4 * config.n_heads * chunk * keys if cls._materialises_scores(config, device) else 0
-        return b * (scores + pooled + local)
+        scores = 4 * config.n_heads * chunk * keys if impl == "reference" else 0
+        return pooled + b * (scores + local)
+
+    @classmethod
+    def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int, bytes_per_element: int = 4) -> float:
+        """The lightning indexer's transient bytes for ``chunk`` queries over ``seq_len`` tokens (0 without one):
+        three fp32 ``(chunk, index heads, entries)`` copies (the dot products, their ReLU, the weighted copy) and
+        two ``(chunk, entries)`` (the summed scores and their masked copy)."""
+        s = config.attention.selection
+        if s is None or s.oracle:
+            return 0.0
+        E = num_entries(seq_len, config.attention.stride)
+        return bytes_per_element * chunk * E * (3 * s.heads + 2)
+
+    @classmethod
+    def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int, bytes_per_element: int = 4) -> float:
+        """The indexer loss's transient bytes for ``tokens`` queries over ``seq_len`` tokens in training (0 without
+        an indexer): the main heads' fp32 ``(tokens, H, entries)`` logits and their ``exp`` (twice: the target, and
+        the recall's dense probabilities) and five ``(tokens, entries)`` (mass, target, log-softmax and masks)."""
+        s = config.attention.selection
+        if s is None or s.oracle:
+            return 0.0
+        E = num_entries(seq_len, config.attention.stride)
+        return bytes_per_element * tokens * E * (3 * config.n_heads + 5)
+
+    @classmethod
+    def working_bytes(cls, config: ModelConfig, seq_len: int, device: torch.device) -> dict[str, float]:
+        """The joint softmax's working memory for the whole sequence (``prefill_bytes`` less its pooled windows:
+        autograd keeps those), the indexer's scores (``index_bytes``) and its loss's logits (``kl_bytes``)."""
+        a = config.attention
+        pooled = 4 * cls.dims(config).branches * (seq_len // a.stride + 1) * a.window * config.d_model
+        parts = {"attention": cls.prefill_bytes(config, seq_len, seq_len, device) - pooled}
+        if a.selection is not None and not a.selection.oracle:
+            parts.update({"index scores": cls.index_bytes(config, seq_len, seq_len), "KL logits": cls.kl_bytes(
+                config, seq_len, seq_len)})  # fmt: skip
+        return parts
 
     @classmethod
     def prefill_note(cls, config: ModelConfig, device: torch.device) -> str:
-        return "ckv compressed attention, " + (
-            "torch reference: 4 fp32 copies of (B, H, c, entries + local window) scores"
-            if cls._materialises_scores(config, device)
-            else "Triton kernels: no score matrix"
-        )
+        notes = {
+            "reference": "torch reference: 4 fp32 copies of (B, H, c, entries + local window) scores",
+            "torch": "fast torch path: one query block's scores at a time (blocked.working_bytes)",
+            "triton": "Triton kernels: no score matrix",
+        }
+        impl = config.attention.impl
+        if impl == "auto" and not (device.type == "cuda" and _triton_available()):
+            return (
+                f"ckv compressed attention, auto: the {notes['reference']} up to {REFERENCE_MAX_SCORES:,} per "
+                f"(B, H), else the {notes['torch']}"
+            )
+        return "ckv compressed attention, " + notes[resolve_impl(impl, device) if impl != "triton" else "triton"]
 
     @classmethod
     def activation_elements_per_token(cls, config: ModelConfig) -> float:
