@@ -142,16 +142,19 @@ def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str], st
     }
 
 
-def op_inputs(seq_len: int, grad: bool, seed: int = 0) -> dict[str, Any]:
+def op_inputs(seq_len: int, grad: bool, seed: int = 0, device: str = "cpu", dtype: Any = None) -> dict[str, Any]:
     """Random inputs of the op: q (1, T, 4, 64), k and v (1, T, 1, 64), entries kc and vc (1, T / 8, 1, 64),
-    sinks (4,)."""
+    sinks (4,); fp32 unless ``dtype``, drawn on the CPU (the same values on every device)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
     E, H, KV, D = seq_len // OP_STRIDE, OP_HEADS, OP_KV_HEADS, OP_HEAD_DIM
     shapes = {"q": (1, seq_len, H, D), "k": (1, seq_len, KV, D), "v": (1, seq_len, KV, D),
               "kc": (1, E, KV, D), "vc": (1, E, KV, D), "sinks": (H,)}  # fmt: skip
-    return {name: torch.randn(*shape, generator=g).requires_grad_(grad) for name, shape in shapes.items()}
+    return {
+        name: torch.randn(*shape, generator=g).to(device=device, dtype=dtype or torch.float32).requires_grad_(grad)
+        for name, shape in shapes.items()
+    }
 
 
 def sdpa_op(x: dict[str, Any]) -> Any:
@@ -189,7 +192,7 @@ def fast_op() -> Optional[Callable[[dict[str, Any]], Any]]:
     return run
 
 
-def flex_op(seq_len: int) -> Callable[[dict[str, Any]], Any]:
+def flex_op(seq_len: int, device: str = "cpu") -> Callable[[dict[str, Any]], Any]:
     """torch's FlexAttention for the same attention, its block mask built here (once, outside any timing): keys are
     [sink, entries 0..E-1, tokens 0..T-1] with the sink's value 0 and its logit set by ``score_mod`` (the sink
     takes probability, adds nothing); the mask keeps visible entries and the local band."""
@@ -206,7 +209,7 @@ def flex_op(seq_len: int) -> Callable[[dict[str, Any]], Any]:
         band = (kv_idx > E) & (token <= q_idx) & (token >= local_start(q_idx, W, S))
         return (kv_idx == 0) | (is_entry & (entry_end(entry, S) <= q_idx)) | band
 
-    block_mask = create_block_mask(mask_mod, None, None, seq_len, 1 + E + seq_len, device="cpu")
+    block_mask = create_block_mask(mask_mod, None, None, seq_len, 1 + E + seq_len, device=device)
     compiled = torch.compile(flex_attention)
 
     def run(x: dict[str, Any]) -> Any:
@@ -224,21 +227,40 @@ def flex_op(seq_len: int) -> Callable[[dict[str, Any]], Any]:
     return run
 
 
-def build_op(op: str, seq_len: int) -> Optional[Callable[[dict[str, Any]], Any]]:
+def triton_op(x: dict[str, Any]) -> Any:
+    """ckv's Triton kernels of the joint attention (CUDA; ``benchmarks/gpu_check.py``)."""
+    from ckv.attention.compressed import joint_attention
+
+    return joint_attention(
+        x["q"], x["kc"], x["vc"], x["k"], x["v"], stride=OP_STRIDE, local_window=OP_LOCAL_WINDOW, impl="triton",
+        sinks=x["sinks"],
+    )[0]  # fmt: skip
+
+
+def build_op(op: str, seq_len: int, device: str = "cpu") -> Optional[Callable[[dict[str, Any]], Any]]:
     """The op's callable at ``seq_len`` (None: not in this checkout)."""
     return {"sdpa": lambda: sdpa_op, "reference": lambda: reference_op, "fast": fast_op,
-            "flex": lambda: flex_op(seq_len)}[op]()  # fmt: skip
+            "flex": lambda: flex_op(seq_len, device), "triton": lambda: triton_op}[op]()  # fmt: skip
 
 
-def op_error(op: str, fn: Callable[[dict[str, Any]], Any], grad: bool, seq_len: int = CHECK_T) -> float:
+def op_error(
+    op: str,
+    fn: Callable[[dict[str, Any]], Any],
+    grad: bool,
+    seq_len: int = CHECK_T,
+    device: str = "cpu",
+    dtype: Any = None,
+) -> float:
     """Largest |op - reference| over the reference's largest |value|, outputs and (``grad``) every input's
-    gradient, at ``seq_len`` tokens; SDPA against the reference's full-causal case."""
+    gradient, at ``seq_len`` tokens, the op on ``device`` in ``dtype`` and the reference in fp32 on the same
+    values; SDPA against the reference's full-causal case."""
     import torch
 
-    errors = []
-    outs = []
-    for run in (fn, (lambda x: reference_op(x, local_window=seq_len, entries=False)) if op == "sdpa" else reference_op):
-        x = op_inputs(seq_len, grad)
+    errors, outs = [], []
+    x_op = op_inputs(seq_len, grad, device=device, dtype=dtype)
+    x_ref = {name: t.detach().float().requires_grad_(grad) for name, t in x_op.items()}  # the same values
+    ref = (lambda x: reference_op(x, local_window=seq_len, entries=False)) if op == "sdpa" else reference_op
+    for run, x in ((fn, x_op), (ref, x_ref)):
         out = run(x)
         tensors = [out.detach()]
         if grad:
@@ -246,7 +268,7 @@ def op_error(op: str, fn: Callable[[dict[str, Any]], Any], grad: bool, seq_len: 
             tensors += [x[n].grad for n in x if x[n].grad is not None]
         outs.append(tensors)
     for got, want in zip(*outs):
-        errors.append(((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+        errors.append(((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
     return max(errors)
 
 
