@@ -12,7 +12,8 @@ the same run:
    batch 1, ``T`` tokens, for ``full`` (SDPA), ``w8s8``, ``w8s4``, ``deepseek_v4_csa``, ``deepseek_v4_csa_sparse``
    and ``deepseek_v4_hca`` (``conf/attention``, composed as ``train.py`` composes them): forward with the fused
    chunked cross-entropy (``ckv.loss``), the lightning indexer's KL (``ckv.train.indexer``, sparse stage) where the
-   model has one, backward and one AdamW step; two steps, the second timed. tokens/s and peak RSS as a ratio to
+   model has one, backward and one AdamW step; timed after a warm-up step on the first 1,024 tokens (first-call
+   costs). tokens/s and peak RSS as a ratio to
    ``full`` at the same ``T``. Then one no-grad forward (``Transformer.hidden_states``) at the longest ``T``.
 2. **The attention op alone**: B = 1, 4 query heads of 64, 1 KV head, W8/S8 entries (random: the op, not the
    compressor), a 16-token local window and per-head sinks, at ``T`` tokens: forward, and forward + backward
@@ -25,8 +26,8 @@ the same run:
    and an op that does not match (> 1e-4) is not timed. An op whose memory estimate exceeds ``--mem-cap-gib`` is
    skipped and says so.
 
-Memory estimates (to skip what would not fit) come from ckv's own accounting (``ckv.eval.memory``: each layer's
-prefill transients from its backend's ``prefill_bytes``; a training step keeps every layer's). Results:
+Memory estimates (to skip what would not fit) come from ckv's own accounting (``step_estimate_bytes``: the
+backend's ``prefill_bytes``, ``index_bytes`` and ``working_bytes``). Results:
 ``--out`` (default ``outputs/long_context/``) gets ``report.md`` and ``report.json`` (the command, the date, the
 machine, torch's version and every row). The machine may be shared: compare ratios from one run.
 """
@@ -52,6 +53,7 @@ OPS = ("sdpa", "fast", "reference", "flex")
 PASSES = ("forward", "forward+backward")
 VOCAB = 1024
 OP_HEADS, OP_KV_HEADS, OP_HEAD_DIM, OP_STRIDE, OP_LOCAL_WINDOW = 4, 1, 64, 8, 16
+WARMUP_T = 1024  # a row's warm-up step runs on this many tokens (its first-call costs), then the timed one on T
 CHECK_T = 256  # the size at which every op is compared with the reference before it is timed
 MATCH_TOL = 1e-4  # largest |op - reference| over the reference's largest |value|
 GIB = 2**30
@@ -87,9 +89,10 @@ def model_config(attention: str, seq_len: int, impl: Optional[str] = None) -> An
     return plan_model_config(compose_train_config(overrides), vocab_size=VOCAB)
 
 
-def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str], steps: int = 2) -> dict[str, Any]:
-    """``steps`` training steps (``mode='train'``) or one no-grad forward (``'forward'``) of the tiny model at
-    ``seq_len`` tokens in this process; the last step's seconds, tokens/s, the loss and the peak RSS."""
+def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str]) -> dict[str, Any]:
+    """One training step (``mode='train'``) or one no-grad forward (``'forward'``) of the tiny model at
+    ``seq_len`` tokens in this process, after the same on its first ``WARMUP_T`` tokens; the step's seconds,
+    tokens/s, the loss and the peak RSS."""
     import torch
 
     from ckv import Transformer
@@ -102,10 +105,12 @@ def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str], st
     model = Transformer(cfg)
     ids = torch.randint(0, VOCAB, (1, seq_len))  # (B, T)
     labels = torch.randint(0, VOCAB, (1, seq_len))
+    warm = min(seq_len, WARMUP_T)  # first-call costs are not the step's: a warm-up on the first tokens
     if mode == "forward":
         model.eval()
-        start = time.perf_counter()
         with torch.no_grad():
+            model.hidden_states(ids[:, :warm])
+            start = time.perf_counter()
             hidden = model.hidden_states(ids)  # (B, T, d)
         seconds = time.perf_counter() - start
         return {
@@ -118,20 +123,20 @@ def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str], st
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     indexer = IndexerTraining(model, IndexerTrainingConfig()) if has_indexer(model) else None
 
-    def step() -> float:
+    def step(T: int) -> float:
         if indexer is not None:
             indexer.start(dense=False)  # the sparse stage: each query attends its top-k entries
-        loss = chunked_cross_entropy(model.hidden_states(ids), model.lm_head.weight, labels, chunk_tokens=4096)
+        hidden = model.hidden_states(ids[:, :T])  # (B, T, d)
+        loss = chunked_cross_entropy(hidden, model.lm_head.weight, labels[:, :T], chunk_tokens=4096)
         objective = loss if indexer is None else loss + indexer.finish()[0]
         objective.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    for _ in range(steps - 1):  # warm-up: first-call costs are not the step's
-        step()
+    step(warm)
     start = time.perf_counter()
-    loss = step()
+    loss = step(seq_len)
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
@@ -273,8 +278,8 @@ def op_error(
 
 
 def op_child(op: str, seq_len: int, grad: bool, reps: int = 1) -> dict[str, Any]:
-    """Check the op against the reference at ``CHECK_T`` tokens, then time it at ``seq_len`` (one warm-up call,
-    then the fastest of ``reps``), in this process."""
+    """Check the op against the reference at ``CHECK_T`` tokens (its warm-up), then time it at ``seq_len`` (the
+    fastest of ``reps``; FlexAttention after a first call that compiles it for ``seq_len``), in this process."""
     import torch
 
     torch.set_num_threads(1)
@@ -289,7 +294,7 @@ def op_child(op: str, seq_len: int, grad: bool, reps: int = 1) -> dict[str, Any]
     fn = fn_check if op in ("sdpa", "reference") else build_op(op, seq_len)
     x = op_inputs(seq_len, grad)
     times = []
-    for _ in range(reps + 1):
+    for _ in range(reps + (op == "flex")):  # flex compiles for T at its first call; the others ran at CHECK_T
         start = time.perf_counter()
         out = fn(x) if grad else _no_grad(fn, x)
         if grad:
@@ -297,7 +302,7 @@ def op_child(op: str, seq_len: int, grad: bool, reps: int = 1) -> dict[str, Any]
             for t in x.values():
                 t.grad = None
         times.append(time.perf_counter() - start)
-    return {"status": "ok", "error": error, "seconds": min(times[1:]), "peak_rss": peak_rss_bytes()}
+    return {"status": "ok", "error": error, "seconds": min(times[op == "flex" :]), "peak_rss": peak_rss_bytes()}
 
 
 def _no_grad(fn: Callable[[dict[str, Any]], Any], x: dict[str, Any]) -> Any:
@@ -309,16 +314,22 @@ def _no_grad(fn: Callable[[dict[str, Any]], Any], x: dict[str, Any]) -> Any:
 
 # ---- the parent: plan, run each row in a fresh process, report --------------------------------------------------
 def step_estimate_bytes(attention: str, seq_len: int, mode: str, impl: Optional[str]) -> float:
-    """Transient bytes the row would need by ckv's accounting (``ckv.eval.memory``): one layer's prefill
-    transients (a forward), or every layer's (a training step keeps them for backward), plus the indexer's."""
+    """Transient bytes the row would need by ckv's accounting: a forward, one layer's prefill transients and its
+    indexer's (``ckv.eval.memory``); a training step, every layer's attention part (the reference's scores are
+    kept for backward) plus the larger of the indexer's scores and its loss's logits
+    (``AttentionBackend.working_bytes``)."""
     import torch
 
+    from ckv.attention import check_attention
     from ckv.eval.memory import ckv_model_memory
 
-    cfg = model_config(attention, seq_len, impl)
-    (group,) = ckv_model_memory(cfg, torch.device("cpu")).layers
-    layer = group.scores(seq_len, seq_len) + group.indexer(seq_len, seq_len)
-    return layer * (group.count if mode == "train" else 1)
+    cfg, cpu = model_config(attention, seq_len, impl), torch.device("cpu")
+    if mode == "forward":
+        (group,) = ckv_model_memory(cfg, cpu).layers
+        return max(group.scores(seq_len, seq_len), group.indexer(seq_len, seq_len))
+    parts = check_attention(cfg).working_bytes(cfg, seq_len, cpu)
+    indexer = max(parts.get("index scores", 0.0), parts.get("KL logits", 0.0))
+    return cfg.n_layers * parts.get("attention", 0.0) + indexer
 
 
 def op_estimate_bytes(op: str, seq_len: int, grad: bool) -> float:

@@ -128,3 +128,16 @@ def test_working_memory_counts_the_attention_block_the_index_scores_and_the_kl_l
     assert "working memory per sequence" in format_plan(p) and "KL logits" in format_plan(p)
     full = plan(compose_train_config(["attention=full", "model=tiny"]), gpus=1, gpu_mem_gib=80, vocab_size=1024)
     assert full["working_memory"] == {"per_sequence": 0.0, "parts": {}}
+
+
+def test_kv_cache_by_part_at_deepseek_v4_dtypes():
+    train_cfg = compose_train_config(["attention=deepseek_v4_csa_sparse", "model=tiny"])
+    p = plan(train_cfg, gpus=1, gpu_mem_gib=80, vocab_size=1024, kv_precision="deepseek_v4")
+    kv = p["kv_cache_per_token"]
+    cfg = model_config(train_cfg, 1024)
+    assert kv["precision"] == "deepseek_v4" and kv["parts"]["index"]["dtype"].startswith("fp4")
+    s = cfg.attention.stride
+    assert kv["parts"]["index"]["bytes"] == cfg.n_layers * cfg.attention.selection.head_dim * (0.5 + 1 / 32) / s
+    assert "KV cache per token, long sequences, deepseek_v4" in format_plan(p)
+    with pytest.raises(ConfigError, match="precision 'int3' is unknown"):
+        plan(train_cfg, gpus=1, gpu_mem_gib=80, vocab_size=1024, kv_precision="int3")

@@ -2,8 +2,10 @@
 
 The config is composed exactly as ``train.py`` composes it (Hydra's compose API over ``conf/``, then
 ``TrainConfig.from_dict``); mandatory values left unset (``???``, e.g. the corpus paths) do not matter here and
-stay unset. Printed: parameters, model FLOPs per token (``ckv.flops``), per-GPU memory by ZeRO stage, the largest
-micro-batch that fits, and the time to the configured token budget at a given MFU.
+stay unset. Printed: parameters, model FLOPs per token (``ckv.flops``: linear, attention, compressor, indexer),
+the KV cache per token by part of the cache at ``--kv-precision``'s dtypes (``deepseek_v4``: DeepSeek's inference
+dtypes), per-GPU memory by ZeRO stage, the largest micro-batch that fits, and the time to the configured token
+budget at a given MFU.
 
 Memory model (an estimate; bytes per parameter from the ZeRO paper, Rajbhandari et al. 2020, section 3.1):
 - bf16 mixed precision: weights 2, gradients 2, optimizer states 12 (fp32 master weights, Adam m and v);
@@ -40,7 +42,7 @@ import torch
 
 from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig
-from ckv.flops import PEAK_BF16_FLOPS, flops_per_token, parameter_count, peak_flops
+from ckv.flops import KV_PRECISIONS, PEAK_BF16_FLOPS, flops_per_token, kv_bytes_by_part, parameter_count, peak_flops
 from ckv.loss import DEFAULT_CHUNK_TOKENS, logits_bytes
 
 GIB = 2**30
@@ -120,6 +122,7 @@ def plan(
     vocab_size: Optional[int] = None,
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     reserve: float = 0.1,
+    kv_precision: str = "bf16",
 ) -> dict[str, Any]:
     """Every number ``python -m ckv.plan`` prints, as a dict (bytes, FLOPs, seconds)."""
     for name, value, ok in (
@@ -208,6 +211,10 @@ def plan(
             "loss_chunk_tokens": loss_chunk_tokens,
         },
         "working_memory": {"per_sequence": working, "parts": working_parts},
+        "kv_cache_per_token": {  # the long-sequence figure per part of the cache, each at its dtype
+            "precision": kv_precision,
+            "parts": {k: {"bytes": b, "dtype": d} for k, (b, d) in kv_bytes_by_part(cfg, None, kv_precision).items()},
+        },
         "memory_by_stage": stages,
         "budget": {
             "max_steps": t.max_steps,
@@ -244,6 +251,9 @@ def format_plan(p: dict[str, Any]) -> str:
                 f"({s['max_micro_batch']})"
             )
         lines.append(" | ".join(cells))
+    kv = p["kv_cache_per_token"]
+    parts = ", ".join(f"{k} {v['bytes']:,.1f} ({v['dtype']})" for k, v in kv["parts"].items() if v["bytes"])
+    lines.append(f"KV cache per token, long sequences, {kv['precision']} (bytes): {parts}")
     w = p["working_memory"]
     if w["parts"]:
         parts = ", ".join(f"{k} {v / GIB:.3f}" for k, v in w["parts"].items())
@@ -268,6 +278,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--vocab-size", type=int, help="the tokenizer's size, for model.vocab_size=auto")
     p.add_argument("--loss-chunk", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk of the fused loss")
     p.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
+    p.add_argument(
+        "--kv-precision", default="bf16", choices=sorted(KV_PRECISIONS), help="dtypes of the KV cache's parts"
+    )
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
     p.add_argument("--config-dir", type=Path, default=CONF_DIR, help="the Hydra config folder (default: conf/)")
     args = p.parse_args(argv)
@@ -284,6 +297,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             vocab_size=args.vocab_size,
             loss_chunk_tokens=args.loss_chunk,
             reserve=args.reserve,
+            kv_precision=args.kv_precision,
         )
     except (ConfigError, HydraException) as e:  # Hydra's: an unknown config group or option, a bad override
         sys.exit(f"ckv.plan: error: {' '.join(str(e).split())}")
