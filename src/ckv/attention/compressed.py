@@ -533,18 +533,18 @@ class CompressedAttention(AttentionBackend):
         """The chunk's pooled windows plus the joint softmax's working memory: with the reference four fp32 copies
         of the ``(H, chunk, entries + local window [+ sink])`` scores (scores, their concatenation with the local
         window's, the masked copy, ``exp``) and each query's local keys and values, gathered; with the fast path
-        one query block's (``block_working_bytes``); with the Triton kernels no score matrix (the gathered local
-        keys and values counted as the reference's)."""
+        one query block's (``block_working_bytes``); with the Triton kernels none (they read the band in place)."""
         a, dims, b = config.attention, cls.dims(config), bytes_per_element
         impl = cls._prefill_impl(config, device, chunk, seq_len)
         pooled = b * dims.branches * (chunk // a.stride + 1) * a.window * config.d_model  # the chunk's new windows
         if impl == "torch":
             return pooled + cls.block_working_bytes(config, chunk, seq_len)[1]
+        if impl == "triton":
+            return pooled
         L = local_span(a.local_window, a.stride)
         keys = num_entries(seq_len, a.stride) + L + (1 if a.sink else 0)
         local = 2 * chunk * L * config.kv_heads * config.head_dim  # each query's local keys and values, gathered
-        scores = 4 * config.n_heads * chunk * keys if impl == "reference" else 0
-        return pooled + b * (scores + local)
+        return pooled + b * (4 * config.n_heads * chunk * keys + local)
 
     @classmethod
     def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int, bytes_per_element: int = 4) -> float:
