@@ -13,7 +13,7 @@ the same run:
    and ``deepseek_v4_hca`` (``conf/attention``, composed as ``train.py`` composes them): forward with the fused
    chunked cross-entropy (``ckv.loss``), the lightning indexer's KL (``ckv.train.indexer``, sparse stage) where the
    model has one, backward and one AdamW step; timed after a warm-up step on the first 1,024 tokens (first-call
-   costs). tokens/s and peak RSS as a ratio to
+   costs), the fastest of 3 steps up to 4K tokens, one step above. tokens/s and peak RSS as a ratio to
    ``full`` at the same ``T``. Then one no-grad forward (``Transformer.hidden_states``) at the longest ``T``.
 2. **The attention op alone**: B = 1, 4 query heads of 64, 1 KV head, W8/S8 entries (random: the op, not the
    compressor), a 16-token local window and per-head sinks, at ``T`` tokens: forward, and forward + backward
@@ -54,6 +54,7 @@ PASSES = ("forward", "forward+backward")
 VOCAB = 1024
 OP_HEADS, OP_KV_HEADS, OP_HEAD_DIM, OP_STRIDE, OP_LOCAL_WINDOW = 4, 1, 64, 8, 16
 WARMUP_T = 1024  # a row's warm-up step runs on this many tokens (its first-call costs), then the timed one on T
+SHORT_T = 4096  # rows up to this length take the fastest of 3 timed repeats, longer ones one
 CHECK_T = 256  # the size at which every op is compared with the reference before it is timed
 MATCH_TOL = 1e-4  # largest |op - reference| over the reference's largest |value|
 GIB = 2**30
@@ -89,10 +90,16 @@ def model_config(attention: str, seq_len: int, impl: Optional[str] = None) -> An
     return plan_model_config(compose_train_config(overrides), vocab_size=VOCAB)
 
 
+def repeats(seq_len: int) -> int:
+    """Timed repeats of a row (the fastest counts): 3 up to ``SHORT_T`` tokens, where one call is short and noisy
+    on a shared machine, else 1."""
+    return 3 if seq_len <= SHORT_T else 1
+
+
 def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str]) -> dict[str, Any]:
-    """One training step (``mode='train'``) or one no-grad forward (``'forward'``) of the tiny model at
-    ``seq_len`` tokens in this process, after the same on its first ``WARMUP_T`` tokens; the step's seconds,
-    tokens/s, the loss and the peak RSS."""
+    """A training step (``mode='train'``) or a no-grad forward (``'forward'``) of the tiny model at ``seq_len``
+    tokens in this process, after the same on its first ``WARMUP_T`` tokens; the fastest of ``repeats`` steps'
+    seconds, tokens/s, the last loss and the peak RSS."""
     import torch
 
     from ckv import Transformer
@@ -108,11 +115,14 @@ def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str]) ->
     warm = min(seq_len, WARMUP_T)  # first-call costs are not the step's: a warm-up on the first tokens
     if mode == "forward":
         model.eval()
+        times = []
         with torch.no_grad():
             model.hidden_states(ids[:, :warm])
-            start = time.perf_counter()
-            hidden = model.hidden_states(ids)  # (B, T, d)
-        seconds = time.perf_counter() - start
+            for _ in range(repeats(seq_len)):
+                start = time.perf_counter()
+                hidden = model.hidden_states(ids)  # (B, T, d)
+                times.append(time.perf_counter() - start)
+        seconds = min(times)
         return {
             "seconds": seconds,
             "tokens_per_s": seq_len / seconds,
@@ -135,9 +145,12 @@ def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str]) ->
         return loss.item()
 
     step(warm)
-    start = time.perf_counter()
-    loss = step(seq_len)
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(repeats(seq_len)):
+        start = time.perf_counter()
+        loss = step(seq_len)
+        times.append(time.perf_counter() - start)
+    seconds = min(times)
     return {
         "seconds": seconds,
         "tokens_per_s": seq_len / seconds,
@@ -277,9 +290,9 @@ def op_error(
     return max(errors)
 
 
-def op_child(op: str, seq_len: int, grad: bool, reps: int = 1) -> dict[str, Any]:
+def op_child(op: str, seq_len: int, grad: bool) -> dict[str, Any]:
     """Check the op against the reference at ``CHECK_T`` tokens (its warm-up), then time it at ``seq_len`` (the
-    fastest of ``reps``; FlexAttention after a first call that compiles it for ``seq_len``), in this process."""
+    fastest of ``repeats``; FlexAttention after a first call that compiles it for ``seq_len``), in this process."""
     import torch
 
     torch.set_num_threads(1)
@@ -294,7 +307,9 @@ def op_child(op: str, seq_len: int, grad: bool, reps: int = 1) -> dict[str, Any]
     fn = fn_check if op in ("sdpa", "reference") else build_op(op, seq_len)
     x = op_inputs(seq_len, grad)
     times = []
-    for _ in range(reps + (op == "flex")):  # flex compiles for T at its first call; the others ran at CHECK_T
+    for _ in range(
+        repeats(seq_len) + (op == "flex")
+    ):  # flex compiles for T at its first call; the others ran at CHECK_T
         start = time.perf_counter()
         out = fn(x) if grad else _no_grad(fn, x)
         if grad:
