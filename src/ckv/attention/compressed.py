@@ -534,9 +534,9 @@ class CompressedAttention(AttentionBackend):
         of the ``(H, chunk, entries + local window [+ sink])`` scores (scores, their concatenation with the local
         window's, the masked copy, ``exp``) and each query's local keys and values, gathered; with the fast path
         one query block's (``block_working_bytes``); with the Triton kernels none (they read the band in place)."""
-        a, dims, b = config.attention, cls.dims(config), bytes_per_element
+        a, b = config.attention, bytes_per_element
         impl = cls._prefill_impl(config, device, chunk, seq_len)
-        pooled = b * dims.branches * (chunk // a.stride + 1) * a.window * config.d_model  # the chunk's new windows
+        pooled = cls._pooled_bytes(config, chunk, b)
         if impl == "torch":
             return pooled + cls.block_working_bytes(config, chunk, seq_len)[1]
         if impl == "triton":
@@ -545,6 +545,12 @@ class CompressedAttention(AttentionBackend):
         keys = num_entries(seq_len, a.stride) + L + (1 if a.sink else 0)
         local = 2 * chunk * L * config.kv_heads * config.head_dim  # each query's local keys and values, gathered
         return pooled + b * (4 * config.n_heads * chunk * keys + local)
+
+    @classmethod
+    def _pooled_bytes(cls, config: ModelConfig, chunk: int, bytes_per_element: int = 4) -> float:
+        """The windows of hidden states a chunk of ``chunk`` queries pools, per compressor branch."""
+        a = config.attention
+        return bytes_per_element * cls.dims(config).branches * (chunk // a.stride + 1) * a.window * config.d_model
 
     @classmethod
     def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int, bytes_per_element: int = 4) -> float:
@@ -573,8 +579,7 @@ class CompressedAttention(AttentionBackend):
         """The joint softmax's working memory for the whole sequence (``prefill_bytes`` less its pooled windows:
         autograd keeps those), the indexer's scores (``index_bytes``) and its loss's logits (``kl_bytes``)."""
         a = config.attention
-        pooled = 4 * cls.dims(config).branches * (seq_len // a.stride + 1) * a.window * config.d_model
-        parts = {"attention": cls.prefill_bytes(config, seq_len, seq_len, device) - pooled}
+        parts = {"attention": cls.prefill_bytes(config, seq_len, seq_len, device) - cls._pooled_bytes(config, seq_len)}
         if a.selection is not None and not a.selection.oracle:
             parts.update({"index scores": cls.index_bytes(config, seq_len, seq_len), "KL logits": cls.kl_bytes(
                 config, seq_len, seq_len)})  # fmt: skip
