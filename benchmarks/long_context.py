@@ -79,15 +79,21 @@ def peak_rss_bytes() -> int:
 
 
 @functools.cache
-def model_config(attention: str, seq_len: int, impl: Optional[str] = None) -> Any:
-    """The tiny preset's ``ModelConfig`` with ``conf/attention/<attention>.yaml``, as ``train.py`` composes it."""
+def _composed(attention: str, impl: Optional[str]) -> dict[str, Any]:
+    """The tiny preset's ``ModelConfig`` with ``conf/attention/<attention>.yaml`` as ``train.py`` composes it (Hydra,
+    once per option), as a dict."""
     from ckv.plan import compose_train_config
     from ckv.plan import model_config as plan_model_config
 
-    overrides = [f"attention={attention}", "model=tiny", f"model.max_seq_len={seq_len}", f"data.seq_len={seq_len}"]
-    if impl is not None:
-        overrides.append(f"attention.impl={impl}")
-    return plan_model_config(compose_train_config(overrides), vocab_size=VOCAB)
+    overrides = [f"attention={attention}", "model=tiny"] + ([] if impl is None else [f"attention.impl={impl}"])
+    return plan_model_config(compose_train_config(overrides), vocab_size=VOCAB).to_dict()
+
+
+def model_config(attention: str, seq_len: int, impl: Optional[str] = None) -> Any:
+    """``_composed`` for sequences of ``seq_len`` tokens."""
+    from ckv import ModelConfig
+
+    return ModelConfig.from_dict({**_composed(attention, impl), "max_seq_len": seq_len})
 
 
 def repeats(seq_len: int) -> int:
@@ -96,20 +102,20 @@ def repeats(seq_len: int) -> int:
     return 3 if seq_len <= SHORT_T else 1
 
 
-def train_child(attention: str, seq_len: int, mode: str, impl: Optional[str]) -> dict[str, Any]:
-    """A training step (``mode='train'``) or a no-grad forward (``'forward'``) of the tiny model at ``seq_len``
-    tokens in this process, after the same on its first ``WARMUP_T`` tokens; the fastest of ``repeats`` steps'
-    seconds, tokens/s, the last loss and the peak RSS."""
+def train_child(config: dict[str, Any], seq_len: int, mode: str) -> dict[str, Any]:
+    """A training step (``mode='train'``) or a no-grad forward (``'forward'``) of the model of ``config`` (a
+    ``ModelConfig`` dict: ``model_config``'s, composed by the parent) at ``seq_len`` tokens in this process, after
+    the same on its first ``WARMUP_T`` tokens; the fastest of ``repeats`` steps' seconds, tokens/s, the last loss
+    and the peak RSS."""
     import torch
 
-    from ckv import Transformer
+    from ckv import ModelConfig, Transformer
     from ckv.loss import chunked_cross_entropy
     from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    cfg = model_config(attention, seq_len, impl)
-    model = Transformer(cfg)
+    model = Transformer(ModelConfig.from_dict(config))
     ids = torch.randint(0, VOCAB, (1, seq_len))  # (B, T)
     labels = torch.randint(0, VOCAB, (1, seq_len))
     warm = min(seq_len, WARMUP_T)  # first-call costs are not the step's: a warm-up on the first tokens
@@ -390,7 +396,8 @@ def measure(row: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
         row = {**row, "impl": impl or "auto", "estimate": estimate, "flops_per_token": flops.forward}
         if estimate > cap:
             return {**row, "status": f"skipped: > {args.mem_cap_gib:g} GiB (estimate {estimate / GIB:.1f} GiB)"}
-        spec = {"kind": "train", "attention": row["attention"], "T": row["T"], "mode": row["mode"], "impl": impl}
+        config = model_config(row["attention"], row["T"], impl).to_dict()
+        spec = {"kind": "train", "config": config, "T": row["T"], "mode": row["mode"]}
         result = run_child(spec)
         return {**row, "status": result.pop("status", "ok"), **result}
     grad = row["pass"] == "forward+backward"
@@ -474,7 +481,7 @@ def main(argv: Optional[list[str]] = None) -> list[dict[str, Any]]:
     if args.child:
         spec = json.loads(args.child)
         if spec["kind"] == "train":
-            result = train_child(spec["attention"], spec["T"], spec["mode"], spec["impl"])
+            result = train_child(spec["config"], spec["T"], spec["mode"])
         else:
             result = op_child(spec["op"], spec["T"], spec["grad"])
         print(json.dumps(result))
