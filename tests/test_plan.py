@@ -8,10 +8,12 @@ import torch
 
 from ckv import Transformer
 from ckv.attention import check_attention
+from ckv.attention.indexer import WORKING_BYTES, index_working_bytes
 from ckv.config import ConfigError
 from ckv.flops import PEAK_BF16_FLOPS, flops_per_token
 from ckv.loss import logits_bytes
 from ckv.plan import GIB, activation_bytes_per_token, compose_train_config, format_plan, model_config, plan
+from ckv.train.indexer import kl_working_bytes
 
 
 @pytest.fixture(scope="module")
@@ -112,15 +114,17 @@ def test_activation_estimate_is_near_what_autograd_saves():
 
 
 def test_working_memory_counts_the_attention_block_the_index_scores_and_the_kl_logits():
-    """DeepSeek-V4's sparse CSA at 16K tokens: the largest of its parts, each what the backend's accounting says;
+    """DeepSeek-V4's sparse CSA at 16K tokens: the largest of its parts, each what the backend's accounting says
+    (the indexer's and its loss's: one query chunk of theirs, bounded by WORKING_BYTES, not the whole sequence's);
     full attention has none; and the part lines are printed."""
     train_cfg = compose_train_config(["attention=deepseek_v4_csa_sparse", "model=tiny", "data.seq_len=16384"])
     p = plan(train_cfg, gpus=1, gpu_mem_gib=80, vocab_size=1024)
     cfg, T = model_config(train_cfg, 1024), 16384
     backend, w = check_attention(cfg), p["working_memory"]
     E, s = T // cfg.attention.stride, cfg.attention.selection
-    assert w["parts"]["index scores"] == 4 * T * E * (3 * s.heads + 2)
-    assert w["parts"]["KL logits"] == 4 * T * E * (3 * cfg.n_heads + 5)
+    whole_index, whole_kl = index_working_bytes(1, T, s.heads, E), kl_working_bytes(1, T, cfg.n_heads, s.heads, E)
+    assert 0 < w["parts"]["index scores"] <= 1.5 * WORKING_BYTES < whole_index  # a chunk sized for 2 copies holds 3
+    assert 0 < w["parts"]["KL logits"] <= WORKING_BYTES < whole_kl
     a = cfg.attention  # autograd keeps the pooled windows (tied K/V: one branch): not working memory
     pooled = 4 * (T // a.stride + 1) * a.window * cfg.d_model
     assert w["parts"]["attention"] == pytest.approx(backend.prefill_bytes(cfg, T, T, torch.device("cuda")) - pooled)

@@ -41,4 +41,4 @@ def stop_and_resume(cfg: TrainConfig) -> None:
 
 if __name__ == "__main__":
     mode, config = sys.argv[1], TrainConfig.from_dict(json.loads(sys.argv[2]))
-    {"hang-in-save": hang_in_save, "stop-and-resume": stop_and_resume}[mode](config)
+    {"hang-in-save": hang_in_save, "stop-and-resume": stop_and_resume, "train": train}[mode](config)

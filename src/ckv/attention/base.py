@@ -147,13 +147,13 @@ class AttentionBackend(nn.Module):
         )
 
     @classmethod
-    def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int, bytes_per_element: int = 4) -> float:
+    def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int) -> float:
         """Transient bytes per sequence of a top-k indexer scoring ``chunk`` queries ending at ``seq_len`` (it runs
         before the attention: the two never coexist); 0 for a backend without one."""
         return 0.0
 
     @classmethod
-    def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int, bytes_per_element: int = 4) -> float:
+    def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int) -> float:
         """Transient bytes per sequence of the indexer's training loss over ``tokens`` queries of a ``seq_len``-token
         sequence (``ckv.plan``); 0 for a backend without an indexer."""
         return 0.0

@@ -19,7 +19,7 @@ from torch import nn
 
 from ckv.attention.base import AttentionBackend, LayerFlops
 from ckv.attention.blocked import choose_block, joint_attention_blocked, working_bytes
-from ckv.attention.indexer import LightningIndexer, oracle_selection
+from ckv.attention.indexer import LightningIndexer, index_working_bytes, oracle_selection, query_chunk
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError, ModelConfig
@@ -553,26 +553,36 @@ class CompressedAttention(AttentionBackend):
         return bytes_per_element * cls.dims(config).branches * (chunk // a.stride + 1) * a.window * config.d_model
 
     @classmethod
-    def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int, bytes_per_element: int = 4) -> float:
-        """The lightning indexer's transient bytes for ``chunk`` queries over ``seq_len`` tokens (0 without one):
-        three fp32 ``(chunk, index heads, entries)`` copies (the dot products, their ReLU, the weighted copy) and
-        two ``(chunk, entries)`` (the summed scores and their masked copy)."""
+    def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int) -> float:
+        """The lightning indexer's working memory for ``chunk`` queries over ``seq_len`` tokens (0 without one): one
+        of its own query chunks (``indexer.query_chunk`` from ``WORKING_BYTES``), ``indexer.index_working_bytes``
+        plus one more fp32 ``(chunk, heads, entries)`` copy: ``index_scores`` holds three at its peak (the dots,
+        the scaled ReLU and its product with the head weights), which the CPU measurement shows
+        (``tests/eval/test_memory.py``, ``ckv_compressed_indexer``: 1.39x the estimate without it)."""
         s = config.attention.selection
         if s is None or s.oracle:
             return 0.0
         E = num_entries(seq_len, config.attention.stride)
-        return bytes_per_element * chunk * E * (3 * s.heads + 2)
+        c = min(chunk, query_chunk(index_working_bytes(1, 1, s.heads, E), chunk))
+        return float(index_working_bytes(1, c, s.heads, E) + 4 * c * s.heads * E)
 
     @classmethod
-    def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int, bytes_per_element: int = 4) -> float:
-        """The indexer loss's transient bytes for ``tokens`` queries over ``seq_len`` tokens in training (0 without
-        an indexer): the main heads' fp32 ``(tokens, H, entries)`` logits and their ``exp`` (twice: the target, and
-        the recall's dense probabilities) and five ``(tokens, entries)`` (mass, target, log-softmax and masks)."""
-        s = config.attention.selection
+    def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int) -> float:
+        """The indexer loss's working memory over ``tokens`` queries of a ``seq_len``-token sequence in training (0
+        without an indexer): one of its query chunks (``train.indexer.kl_working_bytes``), the larger of the dense
+        stage (every visible entry) and the sparse one (the top-k, their keys gathered)."""
+        from ckv.train.indexer import kl_working_bytes
+
+        a, s = config.attention, config.attention.selection
         if s is None or s.oracle:
             return 0.0
-        E = num_entries(seq_len, config.attention.stride)
-        return bytes_per_element * tokens * E * (3 * config.n_heads + 5)
+        H, E = config.n_heads, num_entries(seq_len, a.stride)
+        stages = ((E, 0), (min(s.topk, E), config.kv_heads * config.head_dim + 2 * s.head_dim))  # (entries, gathered)
+        worst = 0
+        for entries, gathered in stages:
+            c = min(tokens, query_chunk(kl_working_bytes(1, 1, H, s.heads, entries, gathered), tokens))
+            worst = max(worst, kl_working_bytes(1, c, H, s.heads, entries, gathered))
+        return float(worst)
 
     @classmethod
     def working_bytes(cls, config: ModelConfig, seq_len: int, device: torch.device) -> dict[str, float]:
@@ -789,7 +799,7 @@ class CompressedAttention(AttentionBackend):
         elif self.oracle_topk is not None:  # the dense pass's log-sum-exp ranks the entries (no gradient)
             with torch.no_grad():
                 _, lse = joint_attention(q, kc, vc, k_all, v_all, **joint)  # (B, T, Hg)
-            _, selected = oracle_selection(q, kc, lse, start + P, self.stride, self.oracle_topk)
+            selected = oracle_selection(q, kc, lse, start + P, self.stride, self.oracle_topk)
         out, _ = self.attend(q, kc, vc, k_all, v_all, **joint, selected=selected)  # (B, T, Hg, D)
         return out
 

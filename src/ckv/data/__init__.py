@@ -2,7 +2,8 @@
 
 ``build_batches(cfg, batch_size=..., seed=...)`` returns a ``BatchStream``: an endless, deterministic,
 resumable iterator of ``{"input_ids", "labels"}`` batches (labels already shifted, ``-100`` = no loss).
-Different ranks get disjoint data; ``split="val"`` gives held-out text documents and a different lookup seed
+Different ranks get disjoint data; ``kind: shards`` reads prepared token shards (``ckv.data.shards``), in an order
+independent of the number of ranks. ``split="val"`` gives held-out text documents and a different lookup seed
 stream.
 
 Vocabulary of a mixture: the lookup layout must sit inside the text vocabulary. By default (``lookup.offset:
@@ -25,6 +26,7 @@ from ckv.data.config import DataConfig, LookupConfig, TextConfig
 from ckv.data.corpus import DataError
 from ckv.data.lookup import LookupExample, LookupFormat, RecordCodec, assemble_lookup, make_lookup_example
 from ckv.data.mixture import Mixture
+from ckv.data.shards import ShardBatches, build_shard_batches
 from ckv.data.stream import IGNORE, SPLITS, BatchStream
 from ckv.data.synthetic import LookupSequences
 from ckv.data.text import build_text_source
@@ -39,6 +41,7 @@ __all__ = [
     "LookupExample",
     "LookupFormat",
     "RecordCodec",
+    "ShardBatches",
     "TextConfig",
     "assemble_lookup",
     "build_batches",
@@ -71,7 +74,7 @@ def lookup_format_for(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None) ->
     ids; it must fit the vocabulary and avoid the end-of-document id. Evaluation calls this too, so a trained
     model is always probed with the layout it was trained on.
     """
-    if cfg.kind == "text":
+    if cfg.kind == "text" or (cfg.kind == "shards" and not cfg.uses_lookup):
         return None
     if cfg.kind == "lookup":
         return cfg.lookup.format(cfg.lookup.offset or 0)
@@ -102,8 +105,10 @@ def build_batches(
     world_size: int = 1,
     split: str = "train",
     cache_dir: Optional[str] = None,
+    total_samples: Optional[int] = None,
 ) -> BatchStream:
-    """The batch stream of one rank for ``cfg``; see the module docstring."""
+    """The batch stream of one rank for ``cfg``; see the module docstring. ``total_samples``: the run's global
+    samples, with which prepared shards check up front that no source exceeds its ``max_epochs``."""
     if split not in SPLITS:
         raise ConfigError(f"split={split!r} is not allowed; choose one of {list(SPLITS)}")
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
@@ -115,9 +120,25 @@ def build_batches(
     used = {
         k: v
         for k, v in json.loads(json.dumps(cfg.to_dict())).items()  # the fields this kind reads
-        if k in ("kind", "seq_len") or k == cfg.kind or cfg.kind == "mixture"
+        if k in ("kind", "seq_len")
+        or k == cfg.kind
+        or (cfg.kind == "mixture" and k != "shards")
+        or (k == "lookup" and cfg.uses_lookup)
     }
     identity = {"seed": seed, "rank": rank, "world_size": world_size, "split": split, **_flat(used, "data.")}
+
+    if cfg.kind == "shards":  # the same samples on any number of ranks: rank and world size are no identity
+        identity = {k: v for k, v in identity.items() if k not in ("rank", "world_size", "data.shards.prefetch")}
+        return build_shard_batches(
+            cfg,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            split=SPLITS[split],
+            identity=identity,
+            total_samples=total_samples,
+        )
 
     if cfg.kind == "lookup":
         fmt = lookup_format_for(cfg)

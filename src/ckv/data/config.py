@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -12,7 +13,10 @@ import numpy as np
 from ckv.config import ConfigError, check_bool, check_choice, check_float, check_int, field_names, reject_unknown
 from ckv.data.lookup import LookupFormat
 
-KINDS = ("text", "lookup", "mixture")
+KINDS = ("text", "lookup", "mixture", "shards")
+SHARD_SOURCE_FIELDS = ("path", "lookup", "ratio", "max_epochs")
+MANIFEST_FILE = "manifest.json"  # written by ``python -m ckv.data.prepare`` into each prepared folder
+TOKENIZER_FILE = "tokenizer.json"  # the copy of the tokenizer it keeps next to the shards
 TXT_SAMPLE_BY = ("line", "paragraph", "document")
 LOSS_ON = ("answers", "all")
 
@@ -190,24 +194,95 @@ class LookupConfig:
 
 
 @dataclass
+class ShardsConfig:
+    """Token shards written by ``python -m ckv.data.prepare`` (read by ``ckv.data.shards``).
+
+    ``path``: one prepared folder. ``sources``: instead, a mixture of several by token budget, a list of
+    ``{path: DIR, ratio: r, max_epochs: e}`` (``max_epochs``: how many times the source's windows may be repeated
+    over the run, ``null`` = no limit) and optionally one ``{lookup: true, ratio: r}`` entry drawing synthetic lookup
+    sequences from ``data.lookup``. Ratios are normalised to sum to 1 and apply to sequences (all text sequences have
+    ``seq_len + 1`` tokens, so to tokens too). ``prefetch``: batches a background thread prepares ahead (0: none).
+    """
+
+    path: Optional[str] = None
+    sources: Optional[list[dict[str, Any]]] = None
+    prefetch: int = 8
+
+    def validate(self) -> None:
+        """The checks that need ``kind: shards``: one of ``path``/``sources``, well-formed entries."""
+        o = "data.shards"
+        check_int(f"{o}.prefetch", self.prefetch, 0)
+        if (self.path is None) == (self.sources is None):
+            raise ConfigError(f"{o}: set exactly one of {o}.path (a prepared folder) or {o}.sources (a mixture)")
+        if self.sources is not None and (not isinstance(self.sources, list) or not self.sources):
+            raise ConfigError(f"{o}.sources={self.sources!r} must be a non-empty list of {{path, ratio, max_epochs}}")
+        lookups = 0
+        for k, src in enumerate(self.entries()):
+            where = f"{o}.sources[{k}]" if self.sources is not None else o
+            if not isinstance(src, Mapping):
+                raise ConfigError(f"{where} must be a mapping with keys {list(SHARD_SOURCE_FIELDS)}")
+            reject_unknown(src, SHARD_SOURCE_FIELDS, where)
+            check_float(f"{where}.ratio", src.get("ratio", 1.0), 0, low_open=True)
+            if src.get("max_epochs") is not None:
+                check_float(f"{where}.max_epochs", src["max_epochs"], 0, low_open=True)
+            if src.get("lookup"):
+                lookups += 1
+                if src.get("path") is not None:
+                    raise ConfigError(f"{where}: give either path (prepared shards) or lookup: true, not both")
+                continue
+            path = src.get("path")
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"{where}.path={path!r} must be a folder written by python -m ckv.data.prepare")
+        if lookups > 1 or lookups == len(self.entries()):
+            raise ConfigError(f"{o}.sources: at most one lookup entry, next to at least one prepared folder")
+
+    def check_prepared(self) -> None:
+        """Every folder holds a manifest (checked when the data is built, so a config naming folders of another
+        machine, e.g. for ``ckv.plan``, still loads)."""
+        for k, src in enumerate(self.entries()):
+            path = src.get("path")
+            where = f"data.shards.sources[{k}]" if self.sources is not None else "data.shards"
+            if path is not None and not os.path.isfile(os.path.join(os.path.expanduser(path), MANIFEST_FILE)):
+                raise ConfigError(
+                    f"{where}.path={path!r} holds no {MANIFEST_FILE}: prepare it first with "
+                    f"python -m ckv.data.prepare --input ... --tokenizer ... --out {path}"
+                )
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The sources as ``{path, lookup, ratio, max_epochs}`` mappings (one for ``path``)."""
+        return [{"path": self.path}] if self.sources is None else list(self.sources)
+
+    @property
+    def uses_lookup(self) -> bool:
+        """Whether a lookup entry is mixed in."""
+        return any(isinstance(s, Mapping) and s.get("lookup") for s in self.entries())
+
+
+@dataclass
 class DataConfig:
-    """What the model trains on: ``text``, synthetic ``lookup`` records, or a ``mixture`` of both in which a
-    fraction ``mixture_ratio`` of the sequences are lookups. Every sequence has ``seq_len`` input tokens."""
+    """What the model trains on: ``text``, synthetic ``lookup`` records, a ``mixture`` of both in which a
+    fraction ``mixture_ratio`` of the sequences are lookups, or prepared token ``shards`` (one folder or a mixture
+    by token budget). Every sequence has ``seq_len`` input tokens."""
 
     kind: str = "text"
     seq_len: int = 256
     text: TextConfig = field(default_factory=TextConfig)
     lookup: LookupConfig = field(default_factory=LookupConfig)
     mixture_ratio: float = 0.5
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shards, ShardsConfig):
+            self.shards = _from_dict(ShardsConfig, self.shards, "data.shards")
         if not isinstance(self.text, TextConfig):
             self.text = _from_dict(TextConfig, self.text, "data.text")
         if not isinstance(self.lookup, LookupConfig):
             self.lookup = _from_dict(LookupConfig, self.lookup, "data.lookup")
         check_choice("data.kind", self.kind, KINDS)
         check_int("data.seq_len", self.seq_len, 2)
-        if self.kind in ("lookup", "mixture") and self.lookup.max_len > self.seq_len + 1:
+        if self.kind == "shards":
+            self.shards.validate()
+        if self.uses_lookup and self.lookup.max_len > self.seq_len + 1:
             raise ConfigError(
                 f"data.seq_len={self.seq_len} is too short for the lookup settings: the longest example has "
                 f"{self.lookup.max_len} tokens (seq_len + 1 = inputs plus the last target); raise data.seq_len or "
@@ -215,6 +290,11 @@ class DataConfig:
             )
         # the share of lookup sequences in a mixture (kind 'text' or 'lookup' is a pure stream)
         check_float("data.mixture_ratio", self.mixture_ratio, 0, 1, low_open=True, high_open=True)
+
+    @property
+    def uses_lookup(self) -> bool:
+        """Whether some sequences are synthetic lookups."""
+        return self.kind in ("lookup", "mixture") or (self.kind == "shards" and self.shards.uses_lookup)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DataConfig:

@@ -38,6 +38,8 @@ class BatchStream:
     built with the same arguments continues with exactly the batches an uninterrupted stream would give.
     """
 
+    elastic = False  # whether a state saved by one number of ranks may be loaded by another (ShardBatches: yes)
+
     def __init__(
         self,
         source: SequenceSource,
@@ -74,16 +76,22 @@ class BatchStream:
     def __next__(self) -> dict[str, torch.Tensor]:
         pairs = [self.source.next() for _ in range(self.batch_size)]
         self.batches += 1
+        return self.collate(pairs, self.batches)
+
+    def collate(self, pairs: list[tuple[np.ndarray, np.ndarray]], number: int) -> dict[str, torch.Tensor]:
+        """Stack ``(input_ids, labels)`` pairs into batch ``number`` after checking its ids fit the vocabulary."""
         ids = np.stack([p[0] for p in pairs]).astype(np.int64)  # (B, T)
         if ids.min() < 0 or ids.max() >= self._vocab_size:  # the data-boundary check (host memory, no device sync)
             raise DataError(
-                f"batch {self.batches} holds token ids outside [0, {self._vocab_size}): min {ids.min()}, "
-                f"max {ids.max()}"
+                f"batch {number} holds token ids outside [0, {self._vocab_size}): min {ids.min()}, max {ids.max()}"
             )
         return {
             "input_ids": torch.from_numpy(ids),  # (B, T)
             "labels": torch.from_numpy(np.stack([p[1] for p in pairs]).astype(np.int64)),  # (B, T)
         }
+
+    def close(self) -> None:
+        """Release background work (nothing here; ``ShardBatches`` stops its prefetch thread)."""
 
     def state_dict(self) -> dict[str, Any]:
         return {"identity": dict(self.identity), "batches": self.batches, "source": self.source.state_dict()}

@@ -28,9 +28,14 @@ class LookupSequences:
         self.index = 0
 
     def next(self) -> tuple[np.ndarray, np.ndarray]:
-        c = self.cfg
-        rng = rng_for(self.seed, self.split, LOOKUP_SALT, self.index * self.world_size + self.rank)
         self.index += 1
+        return self.sample((self.index - 1) * self.world_size + self.rank)
+
+    def sample(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence number ``g`` of the split counted over all ranks (random access; ``next`` reads rank ``r``'s
+        ``i``-th as ``g = i * world_size + r``)."""
+        c = self.cfg
+        rng = rng_for(self.seed, self.split, LOOKUP_SALT, g)
         pad = int(rng.integers(c.prefix_pad[0], c.prefix_pad[1] + 1))
         ex = make_lookup_example(
             self.fmt, rng, c.n_records, c.n_queries, filler=c.filler, prefix_pad=pad, tail_filler=c.tail_filler

@@ -27,7 +27,7 @@ from tokenizers import Tokenizer
 from ckv.data.config import TextConfig
 from ckv.data.corpus import Corpus, DataError, iter_documents, load_corpus
 from ckv.data.stream import rng_for
-from ckv.data.tokenizer import load_tokenizer, token_id, train_bpe
+from ckv.data.tokenizer import text_tokenizer, token_id, train_bpe
 from ckv.io.atomic import atomic_path
 
 TEXT_SALT = 0
@@ -98,6 +98,7 @@ class PackedText(TextSource):
         super().__init__(*args, **kwargs)
         with open(self.tokenizer_path, "rb") as f:
             h = hashlib.sha256(f.read())
+        h.update(b"literal special tokens stay text")  # arrays cached before that fix are not reused
         for text in self.documents():
             h.update(text.encode())
             h.update(b"\x00")
@@ -222,7 +223,7 @@ def build_text_source(
         )
     else:
         path = cfg.tokenizer
-    tok = load_tokenizer(path)
+    tok = text_tokenizer(path)
     where = dict(seed=seed, split=split, rank=rank, world_size=world_size)
     if cfg.streaming:
         return StreamingText(cfg, seq_len, ds, tok, path, **where)

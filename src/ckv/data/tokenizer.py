@@ -34,6 +34,15 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise DataError(f"data.text.tokenizer: {path!r} is not a readable tokenizer.json: {e}") from e
 
 
+def text_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer at ``path`` set to encode special-token text inside documents as ordinary text, so a literal
+    ``<|endoftext|>`` in a document never becomes the end-of-document id (``add_special_tokens=False`` alone does not
+    do that: it only skips the post-processor's template)."""
+    tok = load_tokenizer(path)
+    tok.encode_special_tokens = True
+    return tok
+
+
 def token_id(tok: Tokenizer, token: str, source: str, field: str) -> int:
     """The id of ``token`` in ``tok``, or a DataError naming the tokenizer and the config field."""
     tid = tok.token_to_id(token)

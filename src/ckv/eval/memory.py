@@ -18,8 +18,8 @@ The peak of scoring a batch of ``B`` prompts of ``T`` tokens, ``c`` tokens per f
   subtracts the maximum and softmaxes in that dtype while the masked scores stay referenced), ckv's torch
   reference of compressed attention four fp32 copies (scores, their concatenation with the local window's, the
   masked copy, ``exp``); ckv's fast torch path one query block's working memory (``blocked.working_bytes``, the
-  block ``blocked.choose_block`` picks). DeepSeek-V4's lightning indexer (and ckv's, ``index_bytes``) computes
-  ``(B, c, index heads, entries)`` fp32 scores
+  block ``blocked.choose_block`` picks); ckv's lightning indexer one of its query chunks (``index_bytes``).
+  DeepSeek-V4's lightning indexer computes ``(B, c, index heads, entries)`` fp32 scores
   and holds three copies (scores, ``relu``, scaled) before it sums the heads. Kernels that never materialise
   scores (SDPA, flash attention, ckv's Triton kernels) hold the keys and values expanded to every query head
   (grouped-query attention without native support) and the mask.
@@ -190,7 +190,7 @@ def ckv_model_memory(config: ModelConfig, device: torch.device) -> ModelMemory:
         return backend.prefill_bytes(config, c, T, device, b)
 
     def indexer(c: int, T: int) -> float:
-        return backend.index_bytes(config, c, T, b)
+        return backend.index_bytes(config, c, T)
 
     group = LayerGroup(config.attention.kind, n, cache, scores, indexer)
     note = backend.prefill_note(config, device)

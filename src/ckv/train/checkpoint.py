@@ -254,16 +254,29 @@ class CheckpointManager:
         moved = ", ".join(DAMAGED_PREFIX + p.name for p in damaged) or "nothing"
         return chosen, [*damage, f"trainer.resume=fallback: resuming from {chosen.name}; set aside: {moved}"]
 
-    def load(self, engine: Engine, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(
+        self, engine: Engine, path: Path, *, any_world_size: bool = False
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore engine state and this rank's RNG states from ``path``; returns ``(trainer_state, rank_state)``
-        (the rank state holds the data position). The restored parameters must be finite."""
+        (the rank state holds the data position). The restored parameters must be finite. ``any_world_size``: the
+        data position does not depend on the number of ranks (prepared shards), so another number may resume when
+        the optimizer state is whole (ZeRO stage 0); rank ``r`` then reads the rank file of rank ``r mod saved
+        world size``."""
         state = read_trainer_state(path)
-        if state["world_size"] != self.env.world_size:
+        if state["world_size"] != self.env.world_size and not any_world_size:
             raise CheckpointError(
                 f"{path} was written by {state['world_size']} rank(s) but this run has {self.env.world_size}: the "
-                "data positions are per rank, so resume with the same number of processes"
+                "data positions of this data kind are per rank, so resume with the same number of processes (or "
+                "train on prepared shards, data=shards, which resume on any number)"
             )
-        rank_file = path / _rank_file(self.env.rank)
+        stage = engine.ds.zero_optimization_stage()
+        if state["world_size"] != self.env.world_size and stage > 0:
+            raise CheckpointError(
+                f"{path} was written by {state['world_size']} rank(s) and this run has {self.env.world_size}: the data "
+                f"position resumes on any number, but ZeRO stage {stage} partitions the optimizer state over the saved "
+                "ranks (DeepSpeed refuses another number); resume with the same number of processes"
+            )
+        rank_file = path / _rank_file(self.env.rank % state["world_size"])
         if not rank_file.is_file():
             raise CheckpointError(f"{path} has no {rank_file.name}: the checkpoint is incomplete")
         engine.load(path)

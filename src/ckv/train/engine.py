@@ -178,7 +178,11 @@ class Engine:
         return None if norm is None else float(norm)
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch["input_ids"].to(self.env.device), batch["labels"].to(self.env.device)
+        # non_blocking: asynchronous from pinned host memory (prepared shards pin it on CUDA), plain copy otherwise
+        return (
+            batch["input_ids"].to(self.env.device, non_blocking=True),
+            batch["labels"].to(self.env.device, non_blocking=True),
+        )
 
     def _loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.loss_chunk_tokens:

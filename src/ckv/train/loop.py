@@ -105,6 +105,7 @@ def _streams(cfg: TrainConfig, env: DistEnv) -> tuple[BatchStream, BatchStream]:
             world_size=env.world_size,
             split=split,
             cache_dir=cfg.trainer.data_cache_dir,
+            total_samples=cfg.trainer.max_steps * cfg.trainer.global_batch_size,
         )
 
     streams: tuple[BatchStream, BatchStream] | None = None
@@ -183,6 +184,12 @@ class _Loop:
                 + (torch.cuda.get_device_name() if env.device.type == "cuda" else "a CPU")
                 + "; set trainer.peak_flops (FLOP/s per device) to report it",
             ]
+        if t.compile:
+            notes = [
+                *notes,
+                "trainer.compile=true: the model compiles during the first step (a minute or more; validation "
+                "compiles once more); the ETA is measured from the second step",
+            ]
         for note in notes:
             self.log.message(note)
 
@@ -191,7 +198,7 @@ class _Loop:
         path, notes = self.ckpts.resume_point(self.cfg.trainer.resume)
         if path is None:
             return notes
-        state, rank_state = self.ckpts.load(self.engine, path)
+        state, rank_state = self.ckpts.load(self.engine, path, any_world_size=self.train_stream.elastic)
         self.train_stream.load_state_dict(rank_state["data"])
         self.step, self.tokens = state["step"], state["tokens"]
         if self.env.is_main:
@@ -236,10 +243,13 @@ class _Loop:
     def run(self) -> Path:
         t = self.cfg.trainer
         last_time, last_step = time.perf_counter(), self.step
+        first = self.step + 1
         with StopRequest() as stop:
             while self.step < self.target:
                 lr = self.engine.lr
                 step_loss = self.train_step()
+                if self.step == first:  # compilation and warm-up happen in the first step: the ETA leaves it out
+                    self.log.start_clock(self.step)
                 if self.step % t.log_every == 0 or self.step == self.target:
                     # the LM loss ("loss" leaves the training-only terms out) and those terms, means over ranks
                     values = {"loss": step_loss}
@@ -297,6 +307,8 @@ class _Loop:
         return self.run_dir
 
     def close(self, ok: bool) -> None:
+        self.train_stream.close()
+        self.val_stream.close()
         self.engine.close()
         self.log.close(ok)
 

@@ -1,0 +1,321 @@
+"""Tokenise a corpus once into memory-mapped token shards: ``python -m ckv.data.prepare --input GLOB... --tokenizer
+FILE --out DIR``.
+
+Every run of ``data=shards`` then reads those shards (``ckv.data.shards``) instead of tokenising the corpus again.
+
+Pipeline (``datasets`` and ``tokenizers`` do the work; nothing is downloaded):
+
+1. Read each input file (jsonl/json, parquet, txt) with ``datasets.load_dataset`` or a saved ``datasets`` folder
+   with ``load_from_disk``. Each document gets a stable id: its ``id`` column when present, else
+   ``<file name>:<row>``.
+2. Tokenise with ``Dataset.map(batched=True, num_proc=N)`` and the tokenizer's batch encoder (with ``N = 1`` the
+   encoder uses its own threads; with ``N > 1`` one thread per process). Special-token text
+   inside a document stays text (``Tokenizer.encode_special_tokens``); the end-of-document id is appended.
+3. A document belongs to the validation split iff a hash of its id falls below ``--val-fraction``, so the split does
+   not depend on row order or on other documents. Each split's documents are shuffled by ``--seed``.
+4. Each split is written shard by shard (``shard_tokens`` tokens each; a document may continue into the next shard)
+   as raw ``numpy.memmap`` token files (uint16 when the vocabulary fits, else uint32) with the start offset of each
+   document, a copy of the tokenizer and ``manifest.json``. Everything is written into a temporary folder moved
+   into place at the end.
+
+The token files depend only on the inputs, the tokenizer and the settings, never on ``--num-proc``. A rerun whose
+inputs (paths and sizes), tokenizer and settings match the manifest is a no-op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from ckv.data.config import MANIFEST_FILE, TOKENIZER_FILE
+from ckv.data.corpus import DataError, _builder, _expand, _load_saved
+from ckv.data.tokenizer import load_tokenizer, text_tokenizer, token_id
+from ckv.io.atomic import replace_dir, write_text_atomic
+
+VERSION = 1
+SPLITS = ("train", "val")
+MAP_BATCH = 1000  # documents per tokenizer call
+WRITE_BATCH = 4096  # documents gathered per write
+KEY_COLUMN = "_ckv_key"
+
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def is_val(key: str, val_fraction: float) -> bool:
+    """Whether the document with id ``key`` is held out: its 64-bit BLAKE2b hash, as a fraction of 2**64, is below
+    ``val_fraction``. Depends on nothing but the id."""
+    h = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    return h < val_fraction * 2.0**64
+
+
+@lru_cache(maxsize=2)
+def _worker_tokenizer(path: str) -> Tokenizer:  # one load per map worker process
+    return text_tokenizer(path)
+
+
+def _keys(batch: dict[str, list], indices: list[int], name: str, id_field: str) -> dict[str, list[str]]:
+    ids = batch.get(id_field)
+    return {KEY_COLUMN: [f"{name}:{i}" if ids is None else str(ids[k]) for k, i in enumerate(indices)]}
+
+
+def _encode(
+    batch: dict[str, list], tokenizer_path: str, text_field: str, eod_id: int, val_fraction: float
+) -> dict[str, list]:
+    texts = batch[text_field]
+    keep = [k for k, t in enumerate(texts) if isinstance(t, str) and t]
+    enc = _worker_tokenizer(tokenizer_path).encode_batch([texts[k] for k in keep], add_special_tokens=False)
+    ids: list[list[int]] = [[] for _ in texts]  # rows without text keep no tokens and are dropped when writing
+    for k, e in zip(keep, enc):
+        ids[k] = [*e.ids, eod_id]
+    return {
+        "ids": ids,
+        "n": [len(x) for x in ids],
+        "val": [is_val(key, val_fraction) for key in batch[KEY_COLUMN]],
+    }
+
+
+def _input_size(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path)
+
+
+def _read(files: list[str], text_field: str, id_field: str, txt_sample_by: str, cache_dir: str) -> datasets.Dataset:
+    """All input documents, in input order, with the text and a stable id column."""
+    parts = []
+    for path in files:
+        name = os.path.basename(os.path.normpath(path))
+        if os.path.isdir(path):
+            ds = _load_saved(path)
+        else:
+            builder = _builder(path)
+            kwargs = {"sample_by": txt_sample_by} if builder == "text" else {}
+            try:
+                ds = datasets.load_dataset(builder, data_files=[path], split="train", cache_dir=cache_dir, **kwargs)
+            except Exception as e:  # datasets raises many types for unreadable files
+                raise DataError(f"--input: could not read {path!r} as {builder}: {type(e).__name__}: {e}") from e
+            if builder == "text":  # the text builder leaves newlines at paragraph/document ends
+                ds = ds.map(lambda row: {"text": row["text"].strip("\n")}, desc=f"strip {name}")
+        if text_field not in ds.column_names:
+            raise DataError(f"--text-field={text_field!r} is not a column of {path!r}; columns: {ds.column_names}")
+        ds = ds.map(
+            _keys,
+            batched=True,
+            with_indices=True,
+            fn_kwargs={"name": name, "id_field": id_field},
+            desc=f"ids of {name}",
+        )
+        parts.append(ds.select_columns([text_field, KEY_COLUMN]))
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _write_split(
+    ds: datasets.Dataset, order: np.ndarray, n: np.ndarray, folder: Path, split: str, dtype: np.dtype, shard_tokens: int
+) -> dict[str, Any]:
+    """Write the documents ``order`` of ``ds`` (in that order) as token shards of ``shard_tokens`` tokens."""
+    total = int(n[order].sum())
+    sizes = [min(shard_tokens, total - s) for s in range(0, total, shard_tokens)]
+    shards: list[dict[str, Any]] = []
+    bar = tqdm(total=total, unit="tok", unit_scale=True, desc=f"write {split}", file=sys.stderr, mininterval=1.0)
+    k, pos = -1, 0  # current shard and its fill
+    starts: list[np.ndarray] = []  # offsets in the current shard at which a document starts
+    mm: Optional[np.memmap] = None
+
+    def close() -> None:
+        name = f"{split}_{k:05d}"
+        assert mm is not None
+        mm.flush()
+        np.save(folder / f"{name}.docs.npy", np.concatenate([np.zeros(0, np.int64), *starts]))
+        shards.append({"tokens": f"{name}.bin", "documents": f"{name}.docs.npy", "n_tokens": int(pos)})
+
+    for lo in range(0, len(order), WRITE_BATCH):
+        table = ds.select(order[lo : lo + WRITE_BATCH]).with_format("arrow")[:]
+        flat = pc.list_flatten(table["ids"]).to_numpy().astype(dtype)  # (tokens of these documents,)
+        doc_starts = np.cumsum(n[order[lo : lo + WRITE_BATCH]]) - n[order[lo : lo + WRITE_BATCH]]  # in flat
+        at = 0
+        while at < len(flat):
+            if mm is None or pos == len(mm):
+                if mm is not None:
+                    close()
+                k, pos, starts = k + 1, 0, []
+                mm = np.memmap(folder / f"{split}_{k:05d}.bin", dtype=dtype, mode="w+", shape=(sizes[k],))
+            take = min(len(mm) - pos, len(flat) - at)
+            mm[pos : pos + take] = flat[at : at + take]
+            inside = doc_starts[(doc_starts >= at) & (doc_starts < at + take)]
+            starts.append((pos + inside - at).astype(np.int64))
+            pos, at = pos + take, at + take
+        bar.update(len(flat))
+    if mm is not None:
+        close()
+    bar.close()
+    return {"tokens": total, "documents": len(order), "shards": shards}
+
+
+def prepare(
+    inputs: list[str],
+    tokenizer: str,
+    out: str,
+    *,
+    num_proc: int = 1,
+    val_fraction: float = 0.001,
+    seed: int = 0,
+    text_field: str = "text",
+    id_field: str = "id",
+    txt_sample_by: str = "paragraph",
+    eod_token: str = "<|endoftext|>",
+    shard_tokens: int = 1 << 30,
+) -> dict[str, Any]:
+    """Tokenise ``inputs`` into shards under ``out`` (see the module docstring); returns the manifest."""
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"--val-fraction={val_fraction} must be in [0, 1)")
+    if num_proc < 1 or shard_tokens < 1 or seed < 0:
+        raise ValueError(f"--num-proc={num_proc}, --shard-tokens={shard_tokens} must be >= 1 and --seed={seed} >= 0")
+    files = _expand(inputs)
+    tok = load_tokenizer(tokenizer)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    dtype = token_dtype(vocab)
+    settings = {
+        "version": VERSION,
+        "tokenizer": {
+            "sha256": sha256_file(tokenizer),
+            "vocab_size": vocab,
+            "eod_token": eod_token,
+            "eod_id": token_id(tok, eod_token, tokenizer, "--eod-token"),
+        },
+        "inputs": [{"path": os.path.abspath(f), "bytes": _input_size(f)} for f in files],
+        "seed": seed,
+        "val_fraction": val_fraction,
+        "text_field": text_field,
+        "id_field": id_field,
+        "txt_sample_by": txt_sample_by,
+        "shard_tokens": shard_tokens,
+        "dtype": dtype.name,
+    }
+    out_dir = Path(out)
+    old = out_dir / MANIFEST_FILE
+    if out_dir.exists() and not old.is_file() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"--out {out_dir} exists and is not a prepared folder (no {MANIFEST_FILE}); give a new one")
+    if old.is_file():
+        manifest = json.loads(old.read_text())
+        if {k: manifest.get(k) for k in settings} == settings:
+            print(f"{out_dir} is up to date (its manifest matches these inputs, tokenizer and settings): nothing to do")
+            return manifest
+
+    if num_proc > 1:  # one tokenizer thread per process: the tokenizer's own thread pool would oversubscribe
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    t0 = time.monotonic()
+    work = out_dir.with_name(out_dir.name + ".work")  # datasets' caches; removed when done
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        ds = _read(files, text_field, id_field, txt_sample_by, str(work / "datasets"))
+        ds = ds.map(
+            _encode,
+            batched=True,
+            batch_size=MAP_BATCH,
+            num_proc=num_proc if num_proc > 1 else None,
+            remove_columns=ds.column_names,
+            features=datasets.Features(
+                {
+                    "ids": datasets.Sequence(datasets.Value(dtype.name)),
+                    "n": datasets.Value("int64"),
+                    "val": datasets.Value("bool"),
+                }
+            ),
+            fn_kwargs={
+                "tokenizer_path": tokenizer,
+                "text_field": text_field,
+                "eod_id": settings["tokenizer"]["eod_id"],
+                "val_fraction": val_fraction,
+            },
+            desc="tokenise",
+        )
+        n = ds.data.column("n").to_numpy()  # (documents,) tokens per document, 0 for rows without text
+        val = ds.data.column("val").to_numpy(zero_copy_only=False)
+        t_tok = time.monotonic() - t0
+        rate = n.sum() / t_tok
+        print(f"tokenised {len(n):,} rows into {int(n.sum()):,} tokens in {t_tok:.1f} s ({rate:,.0f} tokens/s)")
+        splits = {}
+        for s, name in enumerate(SPLITS):
+            docs = np.flatnonzero((val == (name == "val")) & (n > 0))
+            order = docs[np.random.default_rng([seed, s]).permutation(len(docs))]
+            splits[name] = _write_split(ds, order, n, tmp, name, dtype, shard_tokens)
+        shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+        manifest = {**settings, "splits": splits, "skipped_rows": int((n == 0).sum())}
+        write_text_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
+        replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    dt = time.monotonic() - t0
+    total = splits["train"]["tokens"] + splits["val"]["tokens"]
+    print(
+        f"wrote {out_dir}: {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens "
+        f"({splits['train']['documents']:,} + {splits['val']['documents']:,} documents) in {dt:.1f} s "
+        f"({total / dt:,.0f} tokens/s)"
+    )
+    return manifest
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """The command line (``python -m ckv.data.prepare --help``)."""
+    p = argparse.ArgumentParser(prog="python -m ckv.data.prepare", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", nargs="+", required=True, help="jsonl/json, parquet, txt (globs), datasets folder")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json")
+    p.add_argument("--out", required=True, help="output folder (data.shards.path)")
+    p.add_argument("--num-proc", type=int, default=1, help="tokeniser processes")
+    p.add_argument("--val-fraction", type=float, default=0.001, help="share of documents held out (by id hash)")
+    p.add_argument("--seed", type=int, default=0, help="document shuffle seed")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--id-field", default="id", help="column holding a stable document id (else file:row)")
+    p.add_argument("--txt-sample-by", default="paragraph", choices=("line", "paragraph", "document"))
+    p.add_argument("--eod-token", default="<|endoftext|>")
+    p.add_argument("--shard-tokens", type=int, default=1 << 30, help="tokens per shard file")
+    a = p.parse_args(argv)
+    try:
+        prepare(
+            a.input,
+            a.tokenizer,
+            a.out,
+            num_proc=a.num_proc,
+            val_fraction=a.val_fraction,
+            seed=a.seed,
+            text_field=a.text_field,
+            id_field=a.id_field,
+            txt_sample_by=a.txt_sample_by,
+            eod_token=a.eod_token,
+            shard_tokens=a.shard_tokens,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        p.exit(2, f"error: {e}\n")
+
+
+if __name__ == "__main__":
+    main()
