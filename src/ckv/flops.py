@@ -20,6 +20,7 @@ from typing import Optional
 
 from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig
+from ckv.options.selection import QUANT_BLOCK
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s. Sources: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM
 # 989.4 TFLOPS, H100 PCIe 756 TFLOPS bf16 dense; the 1,979 / 1,513 figures are with 2:4 sparsity); NVIDIA H200
@@ -110,9 +111,10 @@ CACHE_DTYPES: dict[str, CacheDtype] = {
     "fp32": CacheDtype("fp32", 32),
     "bf16": CacheDtype("bf16", 16),
     # FlashMLA's FP8 KV-cache format for DeepSeek's sparse attention (V3.2): e4m3 values, one fp32 scale per 128
-    "fp8": CacheDtype("fp8 e4m3, fp32 scale per 128", 8, 32, 128),
-    # OCP Microscaling MXFP4: e2m1 values, one e8m0 (8-bit) scale per block of 32
-    "fp4": CacheDtype("fp4 e2m1, e8m0 scale per 32 (MXFP4)", 4, 8, 32),
+    # (the block ``attention.selection.quant: fp8`` fake-quantises the indexer in)
+    "fp8": CacheDtype("fp8 e4m3, fp32 scale per 128", 8, 32, QUANT_BLOCK["fp8"]),
+    # OCP Microscaling MXFP4: e2m1 values, one e8m0 (8-bit) scale per block of 32 (``selection.quant: fp4``'s)
+    "fp4": CacheDtype("fp4 e2m1, e8m0 scale per 32 (MXFP4)", 4, 8, QUANT_BLOCK["fp4"]),
 }
 
 
