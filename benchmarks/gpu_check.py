@@ -1,24 +1,31 @@
 """The first-GPU check: one command, at most 8 minutes on one H200, that settles what a CPU cannot.
 
-    python benchmarks/gpu_check.py --out gpu_check/        # on the GPU: writes report.json and report.md
+    python benchmarks/gpu_check.py                         # on the GPU: outputs/gpu_check/report.{json,md}
     python benchmarks/gpu_check.py --out /tmp/g --dry-run  # anywhere: the plan, shapes checked on meta models
 
 Sections, each with its own time budget (seconds; the total stays under 8 minutes: a section that overruns
 shortens the ones after it). A section stops before an item that its budget would not cover (estimated from the
 items before it) and records the skipped items and why; an item that fails is recorded the same way:
-1. ``kernels`` (150 s): ``pytest tests/kernels`` on CUDA (``TRITON_INTERPRET=0``, ``TRITON_F32_DEFAULT=ieee``),
+1. ``kernels`` (140 s): ``pytest tests/kernels`` on CUDA (``TRITON_INTERPRET=0``, ``TRITON_F32_DEFAULT=ieee``),
    the summary line and any failures captured;
-2. ``attention`` (170 s): ``benchmarks/attention.py``'s kernel-vs-reference check (top-k selection included),
+2. ``attention`` (150 s): ``benchmarks/attention.py``'s kernel-vs-reference check (top-k selection included),
    then its rows at 8K-128K tokens for both head layouts (Qwen3 16/8/128, paper 16/1/128) and W8/S8: the Triton
    joint attention + pooling against full causal attention (flash-attn when installed, else SDPA), forward and
    forward+backward, with the ratios side by side; after each length's dense rows, DeepSeek-V4's sparse case
    (paper layout, W8/S4, top-512 selection: ``joint_attention(..., selected=...)`` and its reference);
-3. ``training`` (90 s): one Qwen3-0.6B forward+backward at 4,096 tokens (bf16 weights, batch 1; the optimizer
+3. ``training`` (80 s): one Qwen3-0.6B forward+backward at 4,096 tokens (bf16 weights, batch 1; the optimizer
    step is not included) for full attention (8 KV heads) and the paper's compressed model (W8/S8, 1 KV head), each
    today's way (logits + fp32 cross-entropy) and with full activation checkpointing + the chunked loss: time,
    tokens/s, MFU (``ckv.flops``, against the device's dense bf16 peak) and peak memory;
-4. ``decode`` (60 s): prefill 32,768 tokens into the KV cache, then greedy decoding of 64 tokens: KV-cache bytes
-   and tokens/s, full vs compressed.
+4. ``decode`` (50 s): prefill 32,768 tokens into the KV cache, then greedy decoding of 64 tokens: KV-cache bytes
+   and tokens/s, full vs compressed;
+5. ``long_context`` (60 s): ``benchmarks/long_context.py``'s rows at 16K and 64K tokens on the GPU (bf16): the
+   attention op alone (B = 1, 4 heads of 64, 1 KV head, W8/S8, 16-token window, sinks), forward and
+   forward + backward, for SDPA full causal attention (its flash kernel), ckv's Triton kernels, ckv's fast torch
+   path, the reference (skipped past its memory) and FlexAttention (compiled; it has a backward on CUDA), each
+   checked against the reference at 256 tokens first (within ``GPU_MATCH_TOL``: bf16); then the tiny model's
+   training step for the six long-context options (needs hydra to compose ``conf/attention``; recorded as
+   skipped without it).
 Needs only torch, triton, numpy (and pytest for section 1) plus this checkout: ``ckv`` and ``ckv_kernels`` are
 imported from ``src/`` and ``kernels/`` when not installed. No hydra, deepspeed, datasets or flash-attn needed.
 """
@@ -45,7 +52,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 TOTAL_BUDGET_S = 480
-BUDGETS = {"kernels": 150, "attention": 170, "training": 90, "decode": 60}
+BUDGETS = {"kernels": 140, "attention": 150, "training": 80, "decode": 50, "long_context": 60}
 ATTENTION_T = (8192, 16384, 32768, 65536, 131072)
 ATTENTION_LAYOUTS = ("qwen3", "paper")
 ATTENTION_GEOMETRY = "w8s8"
@@ -74,7 +81,19 @@ def _load_attention_benchmark():
     return module
 
 
+def _load_script(name: str) -> Any:
+    """benchmarks/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(f"ckv_{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 bench = _load_attention_benchmark()
+lc = _load_script("long_context")
+LONG_T = (16384, 65536)
+LONG_OPS = ("sdpa", "triton", "fast", "reference", "flex")
+GPU_MATCH_TOL = 2e-2  # bf16 inputs against the fp32 reference on the same values
 
 from ckv import ModelConfig, Transformer  # noqa: E402
 from ckv.checkpointing import apply_activation_checkpointing  # noqa: E402
@@ -320,6 +339,103 @@ def decoding(section: Section, device: torch.device) -> None:
             section.items.append(row)
 
 
+# --- 5. long context ----------------------------------------------------------------------------------------------
+
+
+def long_context_op(op: str, T: int, grad: bool, device: torch.device, repeats: int = 3) -> dict[str, Any]:
+    """One op row of ``benchmarks/long_context.py`` on the GPU in bf16: checked against the reference at 256 tokens,
+    then timed (median of ``repeats`` after a warm-up) with its peak memory."""
+    dtype = torch.bfloat16
+    error = lc.op_error(op, lc.build_op(op, lc.CHECK_T, str(device)), grad, device=str(device), dtype=dtype)
+    row: dict[str, Any] = {"op": op, "T": T, "pass": "forward+backward" if grad else "forward", "error": error}
+    if not error <= GPU_MATCH_TOL:
+        return {**row, "status": f"not timed: differs from the reference by {error:.1e}"}
+    fn, x = lc.build_op(op, T, str(device)), lc.op_inputs(T, grad, device=str(device), dtype=dtype)
+
+    def call() -> None:
+        with torch.set_grad_enabled(grad):
+            out = fn(x)
+            if grad:
+                out.backward(torch.ones_like(out))
+                for t in x.values():
+                    t.grad = None
+
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base, times = torch.cuda.memory_allocated(), []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    ms = sorted(times)[len(times) // 2] * 1e3
+    return {**row, "status": "ok", "ms": ms, "peak_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+
+
+def long_context_train(attention: str, T: int, device: torch.device) -> dict[str, Any]:
+    """The tiny model's training step (``long_context.py``'s) at T tokens on the GPU (bf16 weights): tokens/s and
+    peak memory. Composes ``conf/attention`` with hydra (imported here, never by the dry run)."""
+    from ckv.apps.smoke import load_variant
+    from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_preset(
+        "tiny", vocab_size=lc.VOCAB, max_seq_len=T, attention=load_variant(ROOT / "conf" / "attention", attention)
+    )
+    model = Transformer(cfg).to(device=device, dtype=torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    indexer = IndexerTraining(model, IndexerTrainingConfig()) if has_indexer(model) else None
+    ids, labels = (torch.randint(0, lc.VOCAB, (1, T), device=device) for _ in range(2))
+
+    def step() -> None:
+        if indexer is not None:
+            indexer.start(dense=False)
+        loss = chunked_cross_entropy(model.hidden_states(ids), model.lm_head.weight, labels)
+        (loss if indexer is None else loss + indexer.finish()[0]).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    model = optimizer = None  # drop the weights and states before emptying the allocator's cache
+    torch.cuda.empty_cache()
+    return {"attention": attention, "T": T, "tokens_per_s": T / seconds, "peak_gib": peak}
+
+
+def long_context(section: Section, device: torch.device) -> None:
+    for T in LONG_T:
+        for grad in (False, True):
+            for op in LONG_OPS:
+                if op == "reference" and lc.op_estimate_bytes(op, T, grad) > 16 * 2**30:
+                    section.skipped.append({"item": f"{op} T={T} grad={grad}", "reason": "skipped: > 16 GiB"})
+                    continue
+                row = section.run(f"{op} T={T} grad={grad}", partial(long_context_op, op, T, grad, device))
+                if row is not None:
+                    section.items.append(row)
+    for T in LONG_T:
+        for attention in lc.ATTENTIONS:
+            row = section.run(f"train {attention} T={T}", partial(long_context_train, attention, T, device))
+            if row is not None:
+                section.items.append(row)
+    for rows, key, base in (
+        ([r for r in section.items if "op" in r], ("T", "pass"), "sdpa"),
+        ([r for r in section.items if "tokens_per_s" in r], ("T",), "full"),
+    ):
+        for r in rows:
+            ref = [b for b in rows if b.get("op", b.get("attention")) == base and all(b[k] == r[k] for k in key)]
+            if ref and "ms" in r and "ms" in ref[0]:
+                r["x_sdpa"] = ref[0]["ms"] / r["ms"]
+            elif ref and "tokens_per_s" in r:
+                r["x_full"] = r["tokens_per_s"] / ref[0]["tokens_per_s"]
+
+
 # --- the plan (dry run) and the reports --------------------------------------------------------------------------
 
 
@@ -382,6 +498,13 @@ def plan() -> dict[str, Any]:
         },
         "attention": attention,
         "models": models,
+        "long_context": {
+            "T": list(LONG_T),
+            "ops": list(LONG_OPS),
+            "op_inputs": {name: list(t.shape) for name, t in lc.op_inputs(LONG_T[0], False, device="meta").items()},
+            "reference_gib": {T: lc.op_estimate_bytes("reference", T, True) / 2**30 for T in LONG_T},
+            "train": list(lc.ATTENTIONS),
+        },
     }
 
 
@@ -421,7 +544,9 @@ def _short(v: Any) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, required=True, help="folder for report.json and report.md")
+    p.add_argument(
+        "--out", type=Path, default=ROOT / "outputs" / "gpu_check", help="folder for report.json and report.md"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and check shapes on meta models only")
     p.add_argument("--sections", nargs="+", default=list(BUDGETS), choices=list(BUDGETS))
     args = p.parse_args(argv)
@@ -452,6 +577,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
         "attention": lambda s: attention_benchmark(s, device),
         "training": lambda s: training(s, device),
         "decode": lambda s: decoding(s, device),
+        "long_context": lambda s: long_context(s, device),
     }
     report = {"meta": meta, "plan": the_plan, "sections": {}}
     start = time.monotonic()

@@ -4,9 +4,18 @@ modules in tests/attention/test_properties.py.)"""
 
 import pytest
 
+from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig
-from ckv.flops import PEAK_BF16_FLOPS, flops_per_token, mfu, peak_flops
-from tests.helpers import variant
+from ckv.flops import (
+    CACHE_DTYPES,
+    PEAK_BF16_FLOPS,
+    flops_per_token,
+    kv_bytes_by_part,
+    kv_bytes_per_token,
+    mfu,
+    peak_flops,
+)
+from tests.helpers import VARIANTS, small_config, variant
 
 
 def test_flops_from_first_principles():
@@ -51,3 +60,63 @@ def test_peak_table_and_mfu():
     with pytest.raises(ConfigError):
         peak_flops(override=0)
     assert mfu(1e4, 6e9, 1e15) == pytest.approx(0.06)
+
+
+def test_indexer_and_low_rank_query_have_lines_of_their_own():
+    """The same one-layer model with V4's low-rank query (rank 3) and top-1 selection by 2 index heads of 4 dims:
+    the indexer's branch, maps and scoring on ``indexer``; the query latent's maps replace the query map on
+    ``linear``; the K/V compressor's line is the dense model's."""
+    base = dict(kind="compressed", window=4, stride=2, local_window=3, kv_heads=1, gate=dict(kind="scalar"))
+    sizes = dict(vocab_size=10, d_model=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, mlp_dim=16)
+    plain = ModelConfig(**sizes, attention=base)
+    cfg = ModelConfig(
+        **sizes, attention=dict(base, query=dict(lora_rank=3), selection=dict(topk=1, heads=2, head_dim=4))
+    )
+    T = 6
+    f, p = flops_per_token(cfg, T), flops_per_token(plain, T)
+    # its branch pools 3 entries of 4 tokens (payload 8x4 + scalar gate 8x1 MACs per token, gated sum 4x4 per
+    # entry); per token index queries 3 -> 2x4 and head weights 8 -> 2; 2 x (4 + 1) per (query, visible entry),
+    # 0+1+1+2+2+3 = 9 visible pairs
+    indexer = 2 * 3 * (4 * 8 * (4 + 1) + 4 * 4) / T + 2 * (3 * 2 * 4 + 8 * 2) + 2 * 2 * (4 + 1) * 9 / T
+    assert f.indexer == pytest.approx(indexer) and p.indexer == 0
+    assert f.compressor == pytest.approx(p.compressor)
+    assert f.linear - p.linear == 2 * (8 * 3 + 3 * 8 - 8 * 8)  # q: 8 -> 3 -> 8 instead of 8 -> 8
+    assert f.forward == pytest.approx(f.linear + f.attention + f.compressor + f.indexer)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_every_flop_line_is_non_negative(name):
+    cfg = small_config(variant(name))
+    backend = check_attention(cfg)
+    for T in (1, 37):
+        for layer in range(cfg.n_layers):
+            f = backend.flops_per_token(cfg, T, layer)
+            assert min(f.projections, f.attention, f.compressor, f.indexer) >= 0, (T, layer, f)
+
+
+@pytest.mark.parametrize("name", ["full", "w8s8", "deepseek_v4_csa_sparse", "w8s8_kv2_heads"])
+def test_kv_bytes_by_part_sum_to_the_cache_at_one_dtype(name):
+    cfg = small_config(variant(name))
+    for T in (None, 1, 37):
+        for precision, b in (("fp32", 4), ("bf16", 2)):
+            parts = kv_bytes_by_part(cfg, T, precision)
+            assert sum(n for n, _ in parts.values()) == pytest.approx(kv_bytes_per_token(cfg, T, b)), (T, precision)
+    with pytest.raises(ConfigError, match="precision 'fp6' is unknown"):
+        kv_bytes_by_part(cfg, None, "fp6")
+
+
+def test_deepseek_v4_dtypes_price_each_part():
+    """V4-like entries (1 KV head of 512 dims, tied K/V, 64 rotated dims) and a 128-dim indexer key, stride 4:
+    per token 448 fp8 dims + 4 fp32 scales per 128 (3.5 scales), 64 bf16 dims, 128 fp4 dims + 1 byte per 32."""
+    attention = dict(
+        kind="compressed", window=8, stride=4, local_window=8, kv_heads=1, kv="tied", sink=True,
+        rope=dict(mode="partial", dims=64), selection=dict(topk=4, heads=2, head_dim=128),
+    )  # fmt: skip
+    cfg = ModelConfig(
+        vocab_size=10, d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=512, mlp_dim=16, attention=attention
+    )
+    parts = kv_bytes_by_part(cfg, None, "deepseek_v4")
+    assert parts["entries"][0] == pytest.approx((448 + 4 * 448 / 128) / 4)
+    assert parts["entries.rope"][0] == pytest.approx(64 * 2 / 4)
+    assert parts["index"][0] == pytest.approx((128 / 2 + 128 / 32) / 4)
+    assert {dtype for _, dtype in parts.values()} >= {CACHE_DTYPES[k].name for k in ("fp8", "bf16", "fp4")}

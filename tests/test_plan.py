@@ -7,10 +7,13 @@ import pytest
 import torch
 
 from ckv import Transformer
+from ckv.attention import check_attention
+from ckv.attention.indexer import WORKING_BYTES, index_working_bytes
 from ckv.config import ConfigError
 from ckv.flops import PEAK_BF16_FLOPS, flops_per_token
 from ckv.loss import logits_bytes
 from ckv.plan import GIB, activation_bytes_per_token, compose_train_config, format_plan, model_config, plan
+from ckv.train.indexer import kl_working_bytes
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +45,10 @@ def test_memory_by_stage_is_consistent(paper):
         plain = s["plain"]
         per_seq = plain["activations"] / micro
         assert plain["logits"] == logits_bytes(micro * T, V, None)
-        m = plain["max_micro_batch"]
-        assert s["states"] + m * per_seq + logits_bytes(m * T, V, None) <= usable
-        assert s["states"] + (m + 1) * per_seq + logits_bytes((m + 1) * T, V, None) > usable
+        m, working = plain["max_micro_batch"], p["working_memory"]["per_sequence"]
+        assert plain["working"] == micro * working
+        assert s["states"] + m * (per_seq + working) + logits_bytes(m * T, V, None) <= usable
+        assert s["states"] + (m + 1) * (per_seq + working) + logits_bytes((m + 1) * T, V, None) > usable
         lean = s["checkpointed+chunked"]
         assert lean["activations"] < plain["activations"] / 5 and lean["logits"] < plain["logits"] / 4
         assert lean["max_micro_batch"] > m
@@ -107,3 +111,37 @@ def test_activation_estimate_is_near_what_autograd_saves():
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     measured = sum(n for ptr, n in saved.items() if ptr not in params) / T
     assert abs(activation_bytes_per_token(cfg, 4, False) / measured - 1) < 0.25
+
+
+def test_working_memory_counts_the_attention_block_the_index_scores_and_the_kl_logits():
+    """DeepSeek-V4's sparse CSA at 16K tokens: the largest of its parts, each what the backend's accounting says
+    (the indexer's and its loss's: one query chunk of theirs, bounded by WORKING_BYTES, not the whole sequence's);
+    full attention has none; and the part lines are printed."""
+    train_cfg = compose_train_config(["attention=deepseek_v4_csa_sparse", "model=tiny", "data.seq_len=16384"])
+    p = plan(train_cfg, gpus=1, gpu_mem_gib=80, vocab_size=1024)
+    cfg, T = model_config(train_cfg, 1024), 16384
+    backend, w = check_attention(cfg), p["working_memory"]
+    E, s = T // cfg.attention.stride, cfg.attention.selection
+    whole_index, whole_kl = index_working_bytes(1, T, s.heads, E), kl_working_bytes(1, T, cfg.n_heads, s.heads, E)
+    assert 0 < w["parts"]["index scores"] <= 1.5 * WORKING_BYTES < whole_index  # a chunk sized for 2 copies holds 3
+    assert 0 < w["parts"]["KL logits"] <= WORKING_BYTES < whole_kl
+    a = cfg.attention  # autograd keeps the pooled windows (tied K/V: one branch): not working memory
+    pooled = 4 * (T // a.stride + 1) * a.window * cfg.d_model
+    assert w["parts"]["attention"] == pytest.approx(backend.prefill_bytes(cfg, T, T, torch.device("cuda")) - pooled)
+    assert w["per_sequence"] == max(w["parts"].values()) > 0
+    assert "working memory per sequence" in format_plan(p) and "KL logits" in format_plan(p)
+    full = plan(compose_train_config(["attention=full", "model=tiny"]), gpus=1, gpu_mem_gib=80, vocab_size=1024)
+    assert full["working_memory"] == {"per_sequence": 0.0, "parts": {}}
+
+
+def test_kv_cache_by_part_at_deepseek_v4_dtypes():
+    train_cfg = compose_train_config(["attention=deepseek_v4_csa_sparse", "model=tiny"])
+    p = plan(train_cfg, gpus=1, gpu_mem_gib=80, vocab_size=1024, kv_precision="deepseek_v4")
+    kv = p["kv_cache_per_token"]
+    cfg = model_config(train_cfg, 1024)
+    assert kv["precision"] == "deepseek_v4" and kv["parts"]["index"]["dtype"].startswith("fp4")
+    s = cfg.attention.stride
+    assert kv["parts"]["index"]["bytes"] == cfg.n_layers * cfg.attention.selection.head_dim * (0.5 + 1 / 32) / s
+    assert "KV cache per token, long sequences, deepseek_v4" in format_plan(p)
+    with pytest.raises(ConfigError, match="precision 'int3' is unknown"):
+        plan(train_cfg, gpus=1, gpu_mem_gib=80, vocab_size=1024, kv_precision="int3")

@@ -5,8 +5,10 @@ as in the PaLM/Chinchilla convention): every linear map used once per token (Swi
 the embedding is a lookup and costs nothing): ``2 * in * out`` per token in the forward; and each layer's
 attention as its backend declares it (``AttentionBackend.flops_per_token``: its Q/K/V/O projections, ``4 *
 head_dim`` per query head and visible (query, key) pair, and for compressed attention the compressor and its
-option groups). Nothing here knows an attention kind: parameters, FLOPs and cache bytes of attention come from
-the backend the registry holds for ``attention.kind``, layer by layer (layers differ by their grid offsets).
+option groups, with top-k selection's indexer on a line of its own). Nothing here knows an attention kind:
+parameters, FLOPs and cache bytes of attention come from the backend the registry holds for ``attention.kind``,
+layer by layer (layers differ by their grid offsets). KV-cache bytes can be priced per part of the cache, each at
+its own dtype (``kv_bytes_by_part``; ``KV_PRECISIONS``, DeepSeek-V4's inference dtypes among them).
 Training FLOPs are 3x the forward (backward = 2x forward; activation recomputation is not counted, so MFU stays
 comparable across checkpointing modes).
 """
@@ -18,6 +20,7 @@ from typing import Optional
 
 from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig
+from ckv.options.selection import QUANT_BLOCK
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s. Sources: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM
 # 989.4 TFLOPS, H100 PCIe 756 TFLOPS bf16 dense; the 1,979 / 1,513 figures are with 2:4 sparsity); NVIDIA H200
@@ -49,13 +52,14 @@ class FlopsPerToken:
     """Forward FLOPs per token, by part, averaged over the positions of a ``seq_len``-token sequence."""
 
     seq_len: int
-    linear: float  # Q/K/V/O, MLP and the LM head
+    linear: float  # Q/K/V/O (the low-rank query path's maps in place of the query map), MLP and the LM head
     attention: float  # scores and weighted values over the visible pairs
     compressor: float  # what makes compressed entries (maps, pooling, option groups)
+    indexer: float = 0.0  # top-k selection: the lightning indexer's branch, maps and scoring (or the oracle's pass)
 
     @property
     def forward(self) -> float:
-        return self.linear + self.attention + self.compressor
+        return self.linear + self.attention + self.compressor + self.indexer
 
     @property
     def training(self) -> float:
@@ -75,6 +79,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
         linear=mlp_and_head + sum(f.projections for f in layers),
         attention=sum(f.attention for f in layers),
         compressor=sum(f.compressor for f in layers),
+        indexer=sum(f.indexer for f in layers),
     )
 
 
@@ -85,6 +90,77 @@ def kv_bytes_per_token(config: ModelConfig, seq_len: Optional[int] = None, bytes
     return sum(
         backend.kv_bytes_per_token(config, seq_len, layer, bytes_per_element) for layer in range(config.n_layers)
     )
+
+
+@dataclass(frozen=True)
+class CacheDtype:
+    """A storage format of cached elements: ``bits`` per element plus, for block-scaled formats, ``scale_bits``
+    per block of ``block`` elements."""
+
+    name: str
+    bits: int
+    scale_bits: int = 0
+    block: int = 1
+
+    @property
+    def bytes_per_element(self) -> float:
+        return (self.bits + self.scale_bits / self.block) / 8
+
+
+CACHE_DTYPES: dict[str, CacheDtype] = {
+    "fp32": CacheDtype("fp32", 32),
+    "bf16": CacheDtype("bf16", 16),
+    # FlashMLA's FP8 KV-cache format for DeepSeek's sparse attention (V3.2): e4m3 values, one fp32 scale per 128
+    # (the block ``attention.selection.quant: fp8`` fake-quantises the indexer in)
+    "fp8": CacheDtype("fp8 e4m3, fp32 scale per 128", 8, 32, QUANT_BLOCK["fp8"]),
+    # OCP Microscaling MXFP4: e2m1 values, one e8m0 (8-bit) scale per block of 32 (``selection.quant: fp4``'s)
+    "fp4": CacheDtype("fp4 e2m1, e8m0 scale per 32 (MXFP4)", 4, 8, QUANT_BLOCK["fp4"]),
+}
+
+
+@dataclass(frozen=True)
+class KVPrecision:
+    """The dtype (``CACHE_DTYPES`` key) of each kind of cached element: ``main`` (compressed entries' and exact
+    keys' unrotated dims, values), ``rope`` (keys' rotated dims), ``index`` (the lightning indexer's keys) and
+    ``pending`` (hidden states of unfinished windows)."""
+
+    name: str
+    main: str
+    rope: str
+    index: str
+    pending: str
+
+    def dtype(self, part: str) -> CacheDtype:
+        """The dtype of a part of ``AttentionBackend.kv_elements_per_token`` (``entries.rope`` -> ``rope``, ...)."""
+        kind = "rope" if part.endswith(".rope") else part if part in ("index", "pending") else "main"
+        return CACHE_DTYPES[getattr(self, kind)]
+
+
+KV_PRECISIONS: dict[str, KVPrecision] = {
+    "fp32": KVPrecision("fp32", "fp32", "fp32", "fp32", "fp32"),
+    "bf16": KVPrecision("bf16", "bf16", "bf16", "bf16", "bf16"),
+    # DeepSeek's inference dtypes: FP8 entries with the RoPE dims kept in BF16 (FlashMLA's sparse-attention cache:
+    # 512 fp8 dims + 4 fp32 scales + 64 bf16 RoPE dims = 656 bytes per token), the indexer's keys in FP4 (V4's
+    # serving stacks; docs/long_context.md), the pending window's hidden states in BF16
+    "deepseek_v4": KVPrecision("deepseek_v4", main="fp8", rope="bf16", index="fp4", pending="bf16"),
+}
+
+
+def kv_bytes_by_part(
+    config: ModelConfig, seq_len: Optional[int] = None, precision: str = "bf16"
+) -> dict[str, tuple[float, str]]:
+    """KV-cache bytes per token over all layers by part of the cache (``kv_elements_per_token``: for compressed
+    attention ``entries``, ``entries.rope``, ``index``, ``local``, ``local.rope``, ``pending``), each priced at
+    its dtype under ``precision`` (a ``KV_PRECISIONS`` key): {part: (bytes per token, dtype name)}."""
+    if precision not in KV_PRECISIONS:
+        raise ConfigError(f"KV-cache precision {precision!r} is unknown; choose one of {sorted(KV_PRECISIONS)}")
+    p, backend = KV_PRECISIONS[precision], check_attention(config)
+    out: dict[str, tuple[float, str]] = {}
+    for layer in range(config.n_layers):
+        for part, n in backend.kv_elements_per_token(config, seq_len, layer).items():
+            dtype = p.dtype(part)
+            out[part] = (out.get(part, (0.0, ""))[0] + n * dtype.bytes_per_element, dtype.name)
+    return out
 
 
 def peak_flops(device_name: Optional[str] = None, override: Optional[float] = None) -> Optional[float]:

@@ -2,8 +2,10 @@
 
 The config is composed exactly as ``train.py`` composes it (Hydra's compose API over ``conf/``, then
 ``TrainConfig.from_dict``); mandatory values left unset (``???``, e.g. the corpus paths) do not matter here and
-stay unset. Printed: parameters, model FLOPs per token (``ckv.flops``), per-GPU memory by ZeRO stage, the largest
-micro-batch that fits, and the time to the configured token budget at a given MFU.
+stay unset. Printed: parameters, model FLOPs per token (``ckv.flops``: linear, attention, compressor, indexer),
+the KV cache per token by part of the cache at ``--kv-precision``'s dtypes (``deepseek_v4``: DeepSeek's inference
+dtypes), per-GPU memory by ZeRO stage, the largest micro-batch that fits, and the time to the configured token
+budget at a given MFU.
 
 Memory model (an estimate; bytes per parameter from the ZeRO paper, Rajbhandari et al. 2020, section 3.1):
 - bf16 mixed precision: weights 2, gradients 2, optimizer states 12 (fp32 master weights, Adam m and v);
@@ -19,6 +21,10 @@ Memory model (an estimate; bytes per parameter from the ZeRO paper, Rajbhandari 
   (its recompute and its gradients);
 - logits (``ckv.loss.logits_bytes``): today's path holds the micro-batch's logits in bf16 plus two fp32 copies
   (the fp32 cast and the saved log-softmax); the chunked loss one chunk's, plus an fp32 weight-gradient buffer;
+- working memory per sequence, one layer's part at a time (``AttentionBackend.working_bytes``, fp32, the largest
+  part counted): compressed attention's score blocks (none with the Triton kernels; one query block's
+  ``blocked.working_bytes`` on the fast torch path; the reference's score copies), the lightning indexer's scores
+  (``index_bytes``) and its loss's logits (``kl_bytes``); printed by part under the table;
 - a fraction ``--reserve`` of the GPU memory is left for the CUDA context, communication buffers and
   fragmentation.
 """
@@ -32,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig
-from ckv.flops import PEAK_BF16_FLOPS, flops_per_token, parameter_count, peak_flops
+from ckv.flops import KV_PRECISIONS, PEAK_BF16_FLOPS, flops_per_token, kv_bytes_by_part, parameter_count, peak_flops
 from ckv.loss import DEFAULT_CHUNK_TOKENS, logits_bytes
 
 GIB = 2**30
@@ -114,6 +122,7 @@ def plan(
     vocab_size: Optional[int] = None,
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     reserve: float = 0.1,
+    kv_precision: str = "bf16",
 ) -> dict[str, Any]:
     """Every number ``python -m ckv.plan`` prints, as a dict (bytes, FLOPs, seconds)."""
     for name, value, ok in (
@@ -142,6 +151,11 @@ def plan(
         name: activation_bytes_per_token(cfg, precision.compute, ckpt) * seq_len for name, (ckpt, _) in setups.items()
     }
 
+    # one layer's transient working memory per sequence (the attention's score blocks, the indexer's scores, its
+    # loss's logits; fp32, one part at a time), on a GPU as the backend runs there
+    working_parts = check_attention(cfg).working_bytes(cfg, seq_len, torch.device("cuda"))
+    working = max(working_parts.values(), default=0.0)
+
     def logits(name: str, m: int) -> float:
         chunk = setups[name][1]
         extra = 0 if chunk is None else cfg.vocab_size * cfg.d_model * 4
@@ -152,10 +166,14 @@ def plan(
         states = state_bytes(params, precision, stage, gpus)
         row: dict[str, Any] = {"stage": stage, **states, "states": sum(states.values())}
         for name in setups:
-            row[name] = {"activations": micro * per_seq[name], "logits": logits(name, micro)}
-            row[name]["total"] = row["states"] + row[name]["activations"] + row[name]["logits"]
+            row[name] = {
+                "activations": micro * per_seq[name],
+                "logits": logits(name, micro),
+                "working": micro * working,
+            }
+            row[name]["total"] = row["states"] + row[name]["activations"] + row[name]["logits"] + micro * working
             fits, m = 0, 1
-            while row["states"] + m * per_seq[name] + logits(name, m) <= usable and m <= 4096:
+            while row["states"] + m * (per_seq[name] + working) + logits(name, m) <= usable and m <= 4096:
                 fits, m = m, m + 1
             row[name]["max_micro_batch"] = fits
         stages.append(row)
@@ -173,6 +191,7 @@ def plan(
             "linear": flops.linear,
             "attention": flops.attention,
             "compressor": flops.compressor,
+            "indexer": flops.indexer,
             "forward": flops.forward,
             "training": flops.training,
         },
@@ -191,6 +210,11 @@ def plan(
             "configured_zero_stage": stage_cfg,
             "loss_chunk_tokens": loss_chunk_tokens,
         },
+        "working_memory": {"per_sequence": working, "parts": working_parts},
+        "kv_cache_per_token": {  # the long-sequence figure per part of the cache, each at its dtype
+            "precision": kv_precision,
+            "parts": {k: {"bytes": b, "dtype": d} for k, (b, d) in kv_bytes_by_part(cfg, None, kv_precision).items()},
+        },
         "memory_by_stage": stages,
         "budget": {
             "max_steps": t.max_steps,
@@ -208,23 +232,32 @@ def format_plan(p: dict[str, Any]) -> str:
         f"model: {m['preset']} ({m['attention']} attention), vocab {m['vocab_size']:,}, seq_len {m['seq_len']:,}: "
         f"{m['parameters']:,} parameters",
         f"FLOPs per token: {f['training'] / 1e9:.3f} G training (3x forward {f['forward'] / 1e9:.3f} G = linear "
-        f"{f['linear'] / 1e9:.3f} + attention {f['attention'] / 1e9:.3f} + compressor {f['compressor'] / 1e9:.3f})",
+        f"{f['linear'] / 1e9:.3f} + attention {f['attention'] / 1e9:.3f} + compressor {f['compressor'] / 1e9:.3f} "
+        f"+ indexer {f['indexer'] / 1e9:.3f})",
         f"hardware: {hw['gpus']} x {hw['gpu']} ({hw['gpu_mem_gib']:g} GiB, {hw['usable_gib']:.1f} usable), "
         f"peak {hw['peak_flops'] / 1e12:.0f} TFLOP/s bf16 each, {hw['precision']}",
         f"per-GPU memory in GiB at micro_batch_size={b['micro_batch_size']} (config's ZeRO stage: "
         f"{b['configured_zero_stage']}; chunked loss: {b['loss_chunk_tokens']} tokens per chunk):",
-        "stage | weights | grads | optim | states | plain: act + logits = total (max micro) | "
-        "ckpt+chunked: act + logits = total (max micro)",
+        "stage | weights | grads | optim | states | plain: act + logits + working = total (max micro) | "
+        "ckpt+chunked: act + logits + working = total (max micro)",
     ]
     for r in p["memory_by_stage"]:
         cells = [f"{r['stage']:5}"] + [f"{r[k] / GIB:7.2f}" for k in ("weights", "grads", "optimizer", "states")]
         for name in ("plain", "checkpointed+chunked"):
             s = r[name]
             cells.append(
-                f"{s['activations'] / GIB:.2f} + {s['logits'] / GIB:.2f} = {s['total'] / GIB:.2f} "
+                f"{s['activations'] / GIB:.2f} + {s['logits'] / GIB:.2f} + {s['working'] / GIB:.2f} = "
+                f"{s['total'] / GIB:.2f} "
                 f"({s['max_micro_batch']})"
             )
         lines.append(" | ".join(cells))
+    kv = p["kv_cache_per_token"]
+    parts = ", ".join(f"{k} {v['bytes']:,.1f} ({v['dtype']})" for k, v in kv["parts"].items() if v["bytes"])
+    lines.append(f"KV cache per token, long sequences, {kv['precision']} (bytes): {parts}")
+    w = p["working_memory"]
+    if w["parts"]:
+        parts = ", ".join(f"{k} {v / GIB:.3f}" for k, v in w["parts"].items())
+        lines.append(f"working memory per sequence (GiB, the largest counted): {parts}")
     lines.append(
         f"budget: {bud['max_steps']:,} steps = {bud['tokens'] / 1e9:.1f} B tokens: {bud['days']:.2f} days "
         f"({bud['gpu_hours']:,.0f} GPU-hours) at MFU {hw['mfu']:g}"
@@ -245,6 +278,9 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p.add_argument("--vocab-size", type=int, help="the tokenizer's size, for model.vocab_size=auto")
     p.add_argument("--loss-chunk", type=int, default=DEFAULT_CHUNK_TOKENS, help="tokens per chunk of the fused loss")
     p.add_argument("--reserve", type=float, default=0.1, help="fraction of GPU memory kept free")
+    p.add_argument(
+        "--kv-precision", default="bf16", choices=sorted(KV_PRECISIONS), help="dtypes of the KV cache's parts"
+    )
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead")
     p.add_argument("--config-dir", type=Path, default=CONF_DIR, help="the Hydra config folder (default: conf/)")
     args = p.parse_args(argv)
@@ -261,6 +297,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             vocab_size=args.vocab_size,
             loss_chunk_tokens=args.loss_chunk,
             reserve=args.reserve,
+            kv_precision=args.kv_precision,
         )
     except (ConfigError, HydraException) as e:  # Hydra's: an unknown config group or option, a bad override
         sys.exit(f"ckv.plan: error: {' '.join(str(e).split())}")

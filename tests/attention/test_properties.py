@@ -261,6 +261,9 @@ def test_kv_cache_bytes_are_the_accounting(name):
             cache = model.new_cache(1)
             model(ids[:, :t], cache)
             assert cache.nbytes()["total"] == pytest.approx(acct(t)), t
+            held = cache.nbytes()
+            for part, n in _parts(cfg, t).items():  # each part of the cache (rotated dims apart) priced alone
+                assert held[part] == pytest.approx(n * 4 * t), (t, part)
         held = {T: cache.nbytes()["total"]}
         for t in range(T, T + 2 * a.stride):  # decoding, token by token
             model(ids[:, t : t + 1], cache)
@@ -268,6 +271,15 @@ def test_kv_cache_bytes_are_the_accounting(name):
             assert held[t + 1] == pytest.approx(acct(t + 1)), t + 1
     growth = (held[T + 2 * a.stride] - held[T]) / (2 * a.stride)
     assert growth == pytest.approx(kv_bytes_per_token(cfg, None, bytes_per_element=4))
+
+
+def _parts(cfg: ModelConfig, t: int) -> dict[str, float]:
+    """``kv_elements_per_token`` summed over layers, the rotated dims folded into their part (the cache's names)."""
+    parts: dict[str, float] = {}
+    for layer in range(cfg.n_layers):
+        for part, n in check_attention(cfg).kv_elements_per_token(cfg, t, layer).items():
+            parts[part.removesuffix(".rope")] = parts.get(part.removesuffix(".rope"), 0.0) + n
+    return parts
 
 
 def _brute_force_pairs(cfg: ModelConfig, T: int, layer_idx: int) -> int:

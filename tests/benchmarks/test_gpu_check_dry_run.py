@@ -106,3 +106,16 @@ def test_needs_no_hydra(tmp_path):
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     assert (tmp_path / "report.json").exists() and time.monotonic() - t0 < 60
+
+
+def test_dry_run_plans_the_long_context_rows_and_writes_under_outputs(gpu_check):
+    """The long-context section's rows (the op at 16K and 64K by every implementation, the six options' training
+    steps), and the default --out under outputs/ (git-ignored: a run leaves no untracked folder)."""
+    report = gpu_check.main(["--dry-run"])
+    p = report["plan"]["long_context"]
+    assert p["T"] == [16384, 65536] and set(p["ops"]) == {"sdpa", "triton", "fast", "reference", "flex"}
+    assert p["train"] == list(gpu_check.lc.ATTENTIONS)
+    assert p["op_inputs"]["q"] == [1, 16384, 4, 64] and p["op_inputs"]["kc"] == [1, 16384 // 8, 1, 64]
+    out = gpu_check.ROOT / "outputs" / "gpu_check"
+    assert json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
+    assert "outputs/" in (gpu_check.ROOT / ".gitignore").read_text().splitlines()

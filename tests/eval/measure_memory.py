@@ -88,10 +88,10 @@ def deepseek_v4(heads: int, index_heads: int) -> tuple[object, ModelMemory]:
     return model, hf_model_memory(model.config, torch.float32, "eager", n)
 
 
-def ckv(kind: str) -> tuple[object, ModelMemory]:
+def ckv(kind: str, impl: str = "torch", **options: dict) -> tuple[object, ModelMemory]:
     from ckv import ModelConfig, Transformer
 
-    attention = {"kind": "full"} if kind == "full" else {"kind": "compressed", "window": 8, "stride": 4}
+    attention = {"kind": "full"} if kind == "full" else {"kind": "compressed", "window": 8, "stride": 4, **options}
     cfg = ModelConfig(
         vocab_size=128,
         d_model=64,
@@ -101,7 +101,7 @@ def ckv(kind: str) -> tuple[object, ModelMemory]:
         head_dim=16,
         mlp_dim=128,
         max_seq_len=CONTEXT,
-        attention={**attention, "impl": "reference"},
+        attention={**attention, "impl": impl},
     )
     return Transformer(cfg).eval(), ckv_model_memory(cfg, torch.device("cpu"))
 
@@ -111,7 +111,9 @@ CASES = {
     "qwen3_sdpa": lambda: qwen3("sdpa"),
     "deepseek_v4": lambda: deepseek_v4(16, 16),  # the attention scores dominate
     "deepseek_v4_indexer": lambda: deepseek_v4(2, 32),  # the indexer's scores dominate
-    "ckv_compressed": lambda: ckv("compressed"),
+    "ckv_compressed": lambda: ckv("compressed"),  # the fast torch path
+    "ckv_compressed_reference": lambda: ckv("compressed", "reference"),
+    "ckv_compressed_indexer": lambda: ckv("compressed", selection={"topk": 16, "heads": 32, "head_dim": 16}),
     "ckv_full": lambda: ckv("full"),
 }
 

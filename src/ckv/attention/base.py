@@ -18,12 +18,16 @@ from ckv.norm import RMSNorm
 @dataclass(frozen=True)
 class LayerFlops:
     """Forward FLOPs per token of one attention layer, by part, averaged over a ``seq_len``-token sequence:
-    ``projections`` (Q/K/V/O), ``attention`` (scores and weighted values over the visible (query, key) pairs:
-    ``4 * head_dim`` per query head and pair) and ``compressor`` (everything that makes compressed entries)."""
+    ``projections`` (Q/K/V/O, with the low-rank query path's maps in place of the full-rank query map),
+    ``attention`` (scores and weighted values over the visible (query, key) pairs: ``4 * head_dim`` per query head
+    and pair), ``compressor`` (everything that makes the layer's compressed entries) and ``indexer`` (top-k
+    selection: the lightning indexer's own compressor branch, its query and head-weight maps and its scoring of
+    every visible entry, or the oracle's dense pass). Every part is >= 0."""
 
     projections: float
     attention: float
     compressor: float = 0.0
+    indexer: float = 0.0
 
 
 class AttentionBackend(nn.Module):
@@ -122,6 +126,15 @@ class AttentionBackend(nn.Module):
         )
 
     @classmethod
+    def kv_elements_per_token(
+        cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0
+    ) -> dict[str, float]:
+        """``kv_bytes_per_token`` in elements, by part of the decode cache (the parts its ``nbytes`` names; a key's
+        rotated dims apart as ``<part>.rope``), so that each part can be priced at its own dtype
+        (``ckv.flops.kv_bytes_by_part``). Default: the whole cache as one part, ``cache``."""
+        return {"cache": cls.kv_bytes_per_token(config, seq_len, layer_idx, bytes_per_element=1)}
+
+    @classmethod
     def prefill_bytes(
         cls, config: ModelConfig, chunk: int, seq_len: int, device: torch.device, bytes_per_element: int = 4
     ) -> float:
@@ -132,6 +145,25 @@ class AttentionBackend(nn.Module):
             f"attention.kind={cls.kind!r} ({cls.__name__}) does not declare prefill_bytes: its prefill memory is "
             "unknown"
         )
+
+    @classmethod
+    def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int) -> float:
+        """Transient bytes per sequence of a top-k indexer scoring ``chunk`` queries ending at ``seq_len`` (it runs
+        before the attention: the two never coexist); 0 for a backend without one."""
+        return 0.0
+
+    @classmethod
+    def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int) -> float:
+        """Transient bytes per sequence of the indexer's training loss over ``tokens`` queries of a ``seq_len``-token
+        sequence (``ckv.plan``); 0 for a backend without an indexer."""
+        return 0.0
+
+    @classmethod
+    def working_bytes(cls, config: ModelConfig, seq_len: int, device: torch.device) -> dict[str, float]:
+        """The transient bytes per sequence of one layer's training step on ``device`` beyond what autograd saves,
+        by part (``attention``, ``index scores``, ``KL logits``; one part at a time: ``ckv.plan`` takes the
+        largest). Default: none (fused kernels and SDPA's causal path hold no score matrix)."""
+        return {}
 
     @classmethod
     def prefill_note(cls, config: ModelConfig, device: torch.device) -> str:

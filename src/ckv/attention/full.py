@@ -90,10 +90,18 @@ class FullAttention(AttentionBackend):
         return LayerFlops(projections=cls.projection_flops(config), attention=attention)
 
     @classmethod
+    def kv_elements_per_token(
+        cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0
+    ) -> dict[str, float]:
+        """Every key and value, at any length; the keys' rotated dims apart."""
+        rope = config.kv_heads * config.rope_dims
+        return {"keys_values": 2.0 * config.kv_heads * config.head_dim - rope, "keys_values.rope": float(rope)}
+
+    @classmethod
     def kv_bytes_per_token(
         cls, config: ModelConfig, seq_len: Optional[int] = None, layer_idx: int = 0, bytes_per_element: int = 2
     ) -> float:
-        return 2.0 * config.kv_heads * config.head_dim * bytes_per_element  # every key and value, at any length
+        return sum(cls.kv_elements_per_token(config, seq_len, layer_idx).values()) * bytes_per_element
 
     @classmethod
     def prefill_bytes(

@@ -17,7 +17,9 @@ The peak of scoring a batch of ``B`` prompts of ``T`` tokens, ``c`` tokens per f
   copies), DeepSeek-V4's eager attention three copies in the compute dtype (it appends the sink logit,
   subtracts the maximum and softmaxes in that dtype while the masked scores stay referenced), ckv's torch
   reference of compressed attention four fp32 copies (scores, their concatenation with the local window's, the
-  masked copy, ``exp``). DeepSeek-V4's lightning indexer computes ``(B, c, index heads, entries)`` fp32 scores
+  masked copy, ``exp``); ckv's fast torch path one query block's working memory (``blocked.working_bytes``, the
+  block ``blocked.choose_block`` picks); ckv's lightning indexer one of its query chunks (``index_bytes``).
+  DeepSeek-V4's lightning indexer computes ``(B, c, index heads, entries)`` fp32 scores
   and holds three copies (scores, ``relu``, scaled) before it sums the heads. Kernels that never materialise
   scores (SDPA, flash attention, ckv's Triton kernels) hold the keys and values expanded to every query head
   (grouped-query attention without native support) and the mask.
@@ -175,8 +177,9 @@ def device_budget(device: torch.device) -> Optional[float]:
 def ckv_model_memory(config: ModelConfig, device: torch.device) -> ModelMemory:
     """The memory description of a ckv ``Transformer`` (fp32 weights and activations, as ``load_ckv_model`` runs
     it) on ``device``, from its attention backend's own accounting: the decode cache after ``T`` tokens
-    (``kv_bytes_per_token``, averaged over layers, which differ only by their grid offsets) and one layer's
-    prefill transients (``prefill_bytes``)."""
+    (``kv_bytes_per_token``, averaged over layers, which differ only by their grid offsets), one layer's
+    prefill transients (``prefill_bytes``: the reference's score copies, or the fast path's query block) and its
+    lightning indexer's (``index_bytes``)."""
     b, backend, n = FP32, check_attention(config), config.n_layers
     H, KV, D, d = config.n_heads, config.kv_heads, config.head_dim, config.d_model
 
@@ -186,7 +189,10 @@ def ckv_model_memory(config: ModelConfig, device: torch.device) -> ModelMemory:
     def scores(c: int, T: int) -> float:
         return backend.prefill_bytes(config, c, T, device, b)
 
-    group = LayerGroup(config.attention.kind, n, cache, scores)
+    def indexer(c: int, T: int) -> float:
+        return backend.index_bytes(config, c, T)
+
+    group = LayerGroup(config.attention.kind, n, cache, scores, indexer)
     note = backend.prefill_note(config, device)
     activation = b * (4 * d + 2 * (H + 2 * KV) * D + 3 * config.mlp_dim)
     return ModelMemory("ckv", FP32 * parameter_count(config), (group,), activation, (note,))

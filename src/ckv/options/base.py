@@ -46,6 +46,8 @@ class OptionGroup:
 
     name: ClassVar[str]
     per_branch: ClassVar[bool] = False  # its shares scale with ``dims.branches`` (counted for extra branches too)
+    # the ``LayerFlops`` line its FLOPs (and those of the compressor branches it adds) are counted on
+    flop_line: ClassVar[str] = "compressor"
 
     def check_with(self, attention: AttentionConfig) -> None:
         """Raise ConfigError naming the field if this group cannot work with the rest of ``attention``."""

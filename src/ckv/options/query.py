@@ -22,6 +22,7 @@ class QueryConfig(OptionGroup):
     ``2 * d * H * D``); it also sets the width of the latent the indexer reads (``Dims.query_latent``)."""
 
     name: ClassVar[str] = "query"
+    flop_line: ClassVar[str] = "projections"  # it replaces the full-rank query map: its saving is the projections'
     lora_rank: int = 64
 
     def __post_init__(self) -> None:

@@ -48,6 +48,7 @@ class SelectionConfig(OptionGroup):
     indexer's training loss stays fp32. Indexer only."""
 
     name: ClassVar[str] = "selection"
+    flop_line: ClassVar[str] = "indexer"
     topk: int = 512
     heads: int = 64
     head_dim: int = 128
