@@ -31,6 +31,8 @@ NOT_HERE = {  # a line's start -> why it is not run here
     "shipped text)",
     "python eval.py model=hf": "needs a local transformers model (tests/eval/test_cli.py::test_audit_mode_cli runs "
     "the audit on a tiny one)",
+    "python benchmarks/long_context.py": "minutes of one CPU thread (tests/benchmarks/test_long_context.py runs a tiny "
+    "version and checks its report)",
     "python benchmarks/gpu_check.py": "needs a CUDA GPU (its --dry-run: tests/benchmarks/test_gpu_check_dry_run.py)",
 }
 SLOW_ONLY = {  # checked by the slow test only
