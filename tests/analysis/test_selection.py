@@ -16,6 +16,7 @@ from ckv.analysis.selection import (
     ImposedSelection,
     SelectionOutcome,
     chosen_entries,
+    paired_differences,
     random_cover_probability,
     selection,
     selector_rows,
@@ -139,6 +140,27 @@ def test_straddling_phases_and_the_covered_missed_table_add_up():
     ratio = rows["layers"][-1]["straddle_ratio"]
     want = covered[-1][phases == 3].mean() / covered[-1][phases != 3].mean()
     assert ratio["value"] == pytest.approx(want) and ratio["lower"] < want < ratio["upper"] < 1
+
+
+def test_paired_differences_on_a_constructed_example():
+    """The selector loses 20 of the reference's 50 correct answers at phase 3 and none elsewhere: the paired
+    difference is -0.4 at phase 3, 0 at the others, and its excess at the straddling phase excludes 0."""
+    phases = np.tile(np.arange(4), 50)  # 50 prompts per phase, 50 base examples of 4
+    table = {"phase": phases, "base": np.repeat(np.arange(50), 4)}
+    ref = np.ones(200)
+    sel = ref.copy()
+    sel[np.flatnonzero(phases == 3)[:20]] = 0
+    outcomes = {name: type("O", (), {"correct": c, "table": table}) for name, c in (("dense", ref), ("sel", sel))}
+
+    class _Ctx:
+        options = options(Path("."))
+
+    diff = paired_differences(outcomes, "dense", 4, [3], _Ctx)["sel"]
+    assert [p["value"] for p in diff["phases"]] == pytest.approx([0, 0, 0, -0.4])
+    assert diff["mean"]["value"] == pytest.approx(-0.1)
+    excess = diff["straddle_excess"]
+    assert excess["value"] == pytest.approx(-0.4) and excess["lower"] < -0.4 < excess["upper"] < 0
+    assert paired_differences(outcomes, "dense", 4, [], _Ctx)["sel"]["straddle_excess"]["value"] is None
 
 
 @pytest.mark.parametrize(

@@ -429,19 +429,30 @@ def geometric_rows(res: SelectionOutcome, stride: int, straddling: list[int], ct
     }
 
 
-def paired_differences(outcomes: dict[str, Any], reference: str, stride: int, ctx: AnalysisContext) -> dict[str, dict]:
+def paired_differences(
+    outcomes: dict[str, Any], reference: str, stride: int, straddling: list[int], ctx: AnalysisContext
+) -> dict[str, dict]:
     """Per selector other than ``reference``: its accuracy minus the reference's on the same prompts, per phase
-    and overall, each ``{"value", "lower", "upper"}`` with a paired cluster-bootstrap interval (one resample of
-    the key->value mappings applied to both: ``ckv.analysis.paired``)."""
+    and overall, and ``straddle_excess``, the difference at the ``straddling`` phases minus the difference at the
+    others (how much more the selector costs the straddling phases; None values without straddling phases), each
+    ``{"value", "lower", "upper"}`` with a paired cluster-bootstrap interval (one resample of the key->value
+    mappings applied to every selector: ``ckv.analysis.paired``)."""
     names = [reference, *(n for n in outcomes if n != reference)]
     correct = [outcomes[n].correct for n in names]
     t, opts = outcomes[reference].table, ctx.options.stats
     reps = paired_replicates(correct, t["phase"], stride, t["base"], opts)  # (R, K, S)
     reps_all = paired_replicates(correct, np.zeros_like(t["phase"]), 1, t["base"], opts)[..., 0]  # (R, K)
     acc = [group_accuracy(c, t["phase"], stride).accuracy for c in correct]
+    side = np.isin(t["phase"], straddling).astype(np.int64)  # 1: a straddling phase
+    reps_side = paired_replicates(correct, side, 2, t["base"], opts)  # (R, K, 2)
+    acc_side = [group_accuracy(c, side, 2).accuracy for c in correct]
     out = {}
     for j, name in enumerate(names[1:], start=1):
+        excess = (reps_side[:, j, 1] - reps_side[:, 0, 1]) - (reps_side[:, j, 0] - reps_side[:, 0, 0])
+        point = (acc_side[j][1] - acc_side[0][1]) - (acc_side[j][0] - acc_side[0][0])
+        none = {"value": None, "lower": None, "upper": None}
         out[name] = {
+            "straddle_excess": interval(excess, float(point), opts.level) if straddling else none,
             "reference": reference,
             "mean": interval(reps_all[:, j] - reps_all[:, 0], float(correct[j].mean() - correct[0].mean()), opts.level),
             "phases": [
@@ -516,7 +527,9 @@ def selection(ctx: AnalysisContext) -> dict:
         "straddling_phases": straddling,
         "selectors": {name: selector_rows(res, stride, straddling, ctx) for name, res in results.items()},
         "geometric": None if k is None else geometric_rows(first, stride, straddling, ctx),
-        "paired": paired_differences({n: r.outcome for n, r in results.items()}, settings.reference, stride, ctx),
+        "paired": paired_differences(
+            {n: r.outcome for n, r in results.items()}, settings.reference, stride, straddling, ctx
+        ),
     }
     if ctx.options.plots:
         result["plots"] = [plot_selection(result, ctx.out_dir / "selection.png", ctx.model.name).name]
