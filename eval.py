@@ -18,22 +18,22 @@ JSON line.
 from __future__ import annotations
 
 import json
-import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
 
 import hydra
-from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from ckv.analysis import run_analysis
+from ckv.apps.cli import HYDRA_ERRORS, one_line_errors, run_hydra_main
 from ckv.config import ConfigError, check_bool, field_names, reject_unknown
 from ckv.data import DataError
 from ckv.eval import (
     ModelSource,
     RunOptions,
+    StatsOptions,
     build_task,
     dry_run,
     evaluate,
@@ -41,8 +41,10 @@ from ckv.eval import (
     summary_lines,
     task_from_dict,
 )
+from ckv.eval.runner import output_dir
 from ckv.io.layout import CheckpointError
 
+CONF = Path(__file__).resolve().parent / "conf" / "eval"
 PATH_KEYS = ("model.path", "model.tokenizer", "summary", "summary_out", "out_dir")
 # CheckpointMismatchError and AnalysisNotApplicable are ConfigErrors
 USER_ERRORS = (
@@ -51,8 +53,7 @@ USER_ERRORS = (
     CheckpointError,
     FileNotFoundError,
     ImportError,
-    HydraException,
-    OmegaConfBaseException,
+    *HYDRA_ERRORS,
 )
 EXIT_USER_ERROR = 2
 
@@ -72,27 +73,24 @@ def quote_path_values(overrides: list[str]) -> list[str]:
     return out
 
 
-def error_line(e: BaseException) -> str:
-    """The one line that reports a configuration or data error ``e``."""
-    if isinstance(e, OverrideParseException):
-        message = f"cannot parse the override {e.override!r}: {e.message.splitlines()[0]}"
-    elif isinstance(e, MissingConfigException) and e.options:
-        message = f"{str(e).splitlines()[0]}; choose one of {sorted(e.options)}"
-    elif isinstance(e, OmegaConfBaseException):
-        message = str(e).splitlines()[0]  # the further lines repeat the key and the node type
-    else:
-        message = str(e)
-    return "ckv: error: " + " ".join(message.split())
+def user_errors() -> AbstractContextManager[None]:
+    """Turn ``USER_ERRORS`` into one ``ckv: error:`` line on stderr and exit code 2; anything else keeps its
+    traceback."""
+    return one_line_errors(USER_ERRORS, EXIT_USER_ERROR)
 
 
-@contextmanager
-def user_errors() -> Iterator[None]:
-    """Turn ``USER_ERRORS`` into ``error_line`` on stderr and exit code 2; anything else keeps its traceback."""
-    try:
-        yield
-    except USER_ERRORS as e:
-        print(error_line(e), file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+def settings() -> list[str]:
+    """eval.py's top-level settings: the keys of ``conf/eval/config.yaml`` and the config groups it defaults."""
+    root = OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))
+    root.pop("hydra")
+    groups = [k for d in root.pop("defaults") if isinstance(d, dict) for k in d if " " not in k]
+    return [*root, *groups]
+
+
+def check_settings(c: dict) -> None:
+    """Refuse a key that eval.py does not read (``+limt=4`` would otherwise be composed in and ignored)."""
+    reject_unknown(c, settings(), "eval")
+    reject_unknown(c["stats"], field_names(StatsOptions), "stats")
 
 
 def _options(c: dict) -> RunOptions:
@@ -120,17 +118,50 @@ def _summary(c: dict, spec: object, source: ModelSource, options: RunOptions) ->
     print(f"summary of {len(result['runs'])} runs -> {out}")
 
 
-def _run(c: dict) -> None:
+def _brief(value: Any) -> str:
+    """A result value in a few words: a number or short text as is, an evaluation by its mean and phase gap, a
+    list by its length, a mapping by its keys."""
+    if isinstance(value, dict) and isinstance(value.get("headline"), dict):
+        h = value["headline"]
+        gap = "n/a" if h.get("phase_gap") is None else f"{100 * h['phase_gap']:.1f} pp"
+        return f"mean {100 * h['mean']:.1f}%, phase gap {gap}"
+    if isinstance(value, dict):
+        keys = list(value)
+        return "{" + ", ".join(map(str, keys[:6])) + (", ..." if len(keys) > 6 else "") + "}"
+    if isinstance(value, list):
+        return f"{len(value)} entries"
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def analysis_lines(analysis: dict, task_dir: Path) -> list[str]:
+    """The console report of an analysis: each top-level result in a few words (``_brief``) and the files it
+    wrote (the full results are in ``<name>.json`` there)."""
+    name, out = analysis["name"], task_dir / analysis["name"]
+    lines = [f"analysis {name}:", *(f"  {k}: {_brief(v)}" for k, v in analysis["results"].items())]
+    files = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    return [*lines, f"files -> {out}: {', '.join(files)}"]
+
+
+def parse(c: dict) -> tuple[ModelSource, Any, RunOptions]:
+    """The composed config ``c`` checked, every setting, before any work: the model source, the task spec and the
+    run options."""
+    check_settings(c)
     check_bool("dry_run", c.get("dry_run", False))
     if c.get("dry_run") and (c.get("summary") or c.get("analysis")):
         raise ConfigError("dry_run=true checks one model and task; it does not apply to summary= or analysis=")
-    source, spec, options = _source(c), task_from_dict(c["task"]), _options(c)  # every setting checked here
+    return _source(c), task_from_dict(c["task"]), _options(c)
+
+
+def _run(c: dict) -> None:
+    source, spec, options = parse(c)
     if c.get("summary"):
         _summary(c, spec, source, options)
         return
     if c.get("analysis"):
-        envelope = run_analysis(c["analysis"], source.load(c["device"]), spec, options)
-        print(json.dumps(envelope["analysis"]["results"], indent=2, default=str)[:2000])
+        model = source.load(c["device"])
+        envelope = run_analysis(c["analysis"], model, spec, options)
+        print("\n".join(analysis_lines(envelope["analysis"], output_dir(model, spec, options))))
         return
     if c.get("dry_run"):
         print("\n".join(dry_run(source, spec, options)))
@@ -152,9 +183,7 @@ def cli() -> None:
     """``python eval.py [overrides]``: Hydra's own errors (a bad override, an unknown config group option) are
     raised to here instead of printed by Hydra (``HYDRA_FULL_ERROR``) and reported like the job's."""
     sys.argv = [sys.argv[0], *quote_path_values(sys.argv[1:])]
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
-    with user_errors():
-        main()
+    run_hydra_main(main, USER_ERRORS, EXIT_USER_ERROR)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ckv.train.distributed import strip_local_rank_arg
 
@@ -22,6 +23,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa:
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import MissingMandatoryValue  # noqa: E402
 
+from ckv.apps.cli import remove_if_empty, run_hydra_main  # noqa: E402
 from ckv.config import ConfigError  # noqa: E402
 from ckv.data import DataError  # noqa: E402
 from ckv.train import (  # noqa: E402
@@ -35,6 +37,17 @@ from ckv.train import (  # noqa: E402
 )
 from ckv.train.config import trajectory_neutral  # noqa: E402
 
+USER_ERRORS = (
+    ConfigError,
+    DataError,
+    ResumeError,
+    CheckpointError,
+    DivergenceError,
+    RunLockedError,
+    FileNotFoundError,
+    ImportError,
+)
+EXIT_USER_ERROR = 1  # sys.exit(message)'s code
 MAX_DIR_NAME = 200
 # Keys that place the run folder rather than name it: ${out_dir}/${name}/ holds it (experiment sets name) and the
 # seed is appended to every folder name.
@@ -67,34 +80,30 @@ def job_dir_name(overrides: Sequence[str], seed: int) -> str:
 OmegaConf.register_new_resolver("ckv_job_dir", job_dir_name, replace=True)
 
 
+def plain_config(cfg: DictConfig) -> dict:
+    """The composed config as plain values; a key left ``???`` is a ConfigError naming it."""
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        raise ConfigError(
+            f"{e.full_key} is not set (it is marked ??? in the config): add {e.full_key}=... on the command line"
+        ) from None
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    try:
-        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except MissingMandatoryValue as e:
-        sys.exit(
-            f"ckv: error: {e.full_key} is not set (it is marked ??? in the config): add {e.full_key}=... "
-            "on the command line"
-        )
     info = {"overrides": list(hydra_cfg.overrides.task), "choices": dict(hydra_cfg.runtime.choices)}
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        train(TrainConfig.from_dict(plain, run_dir=hydra_cfg.runtime.output_dir), info)
+        train(TrainConfig.from_dict(plain_config(cfg), run_dir=str(run_dir)), info)
     except TrainingInterrupted as e:
         print(f"ckv: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except (
-        ConfigError,
-        DataError,
-        ResumeError,
-        CheckpointError,
-        DivergenceError,
-        RunLockedError,
-        FileNotFoundError,
-        ImportError,
-    ) as e:
+    except USER_ERRORS as e:  # reported in here: Hydra adds a line of its own to an exception that leaves the job
+        remove_if_empty(run_dir, Path(cfg.out_dir))  # a run refused before it wrote anything leaves no folder
         sys.exit(f"ckv: error: {e}")
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_main(main, (), EXIT_USER_ERROR)

@@ -12,8 +12,10 @@ with achieved TFLOP/s (useful matmul FLOPs: 4*D per visible (query, key) pair an
 under top-k; backward 2.5x forward), peak memory (CUDA only) and speed-ups against full attention and the
 reference (of the same selection). Prints a table and writes JSON (default under ``outputs/benchmarks/``).
 
-    python benchmarks/attention.py                 # CUDA: T in 4K..128K; CPU: a CPU-sized set
+    python benchmarks/attention.py                 # CUDA: T in 4K..128K; CPU: a CPU-sized set (> 6 min on 2 cores)
     python benchmarks/attention.py --quick         # a small set (CPU: seconds)
+
+Each finished case prints ``[i/N]`` with the elapsed time and an ETA.
     TRITON_INTERPRET=1 python benchmarks/attention.py --quick   # CPU, also runs the kernels (interpreted: slow)
 
 Needs only torch, triton and numpy (runs from a source checkout without installing ckv).
@@ -395,6 +397,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+class Progress:
+    """One line per finished case: ``[i/N]``, elapsed time and an ETA that weights each case by ``T**2``
+    (attention's cost grows with it, so the long cases at the end take most of the time)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.weights, self.total, self.count, self.t0 = [T * T for T in lengths], len(lengths), 0, time.perf_counter()
+
+    def done(self, what: str) -> None:
+        self.count += 1
+        elapsed = time.perf_counter() - self.t0
+        left = sum(self.weights[self.count :]) / sum(self.weights[: self.count]) * elapsed
+        print(f"[{self.count}/{self.total}] done: {what} | elapsed {elapsed:.0f} s, eta ~{left:.0f} s", flush=True)
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a small set of lengths")
@@ -444,6 +460,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if not args.no_check and (device.type == "cuda" or ckv_kernels.INTERPRET):
         result["check"] = check(device, dtype, topk or None)
         print("kernel vs reference (rel RMS):", json.dumps(result["check"]))
+    per_t = len(args.layouts) * len(args.geometries) * (2 if topk else 1)
+    progress = Progress([T for T in lengths for _ in range(per_t)])
+    print(f"{progress.total} cases (T in {lengths}; --quick: a small set)", flush=True)
     for T in lengths:
         kernels = device.type == "cuda" or (ckv_kernels.INTERPRET and T <= INTERPRETER_MAX_T)
         for layout in args.layouts:
@@ -451,11 +470,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
             result["rows"].append(full)
             for geometry in args.geometries:
                 result["rows"].extend(run_case(T, layout, geometry, args, device, dtype, kernels, full))
-                print(f"done: T={T} {layout} {geometry}", flush=True)
+                progress.done(f"T={T} {layout} {geometry}")
                 if topk:
                     kernels_topk = device.type == "cuda" or (ckv_kernels.INTERPRET and T <= INTERPRETER_MAX_T_TOPK)
                     result["rows"].extend(run_case(T, layout, geometry, args, device, dtype, kernels_topk, full, topk))
-                    print(f"done: T={T} {layout} {geometry} top-{topk}", flush=True)
+                    progress.done(f"T={T} {layout} {geometry} top-{topk}")
     print(table(result["rows"]))
     out = args.json or OUT_DIR / f"attention_{device.type}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

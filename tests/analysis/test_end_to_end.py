@@ -108,6 +108,12 @@ def test_eval_cli_runs_an_analysis(trained_run: Path, tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((tmp_path / "gates" / "gates.json").read_text())["analysis"]["results"]
     assert [c["step"] for c in results["checkpoints"]] == [100]
+    lines = p.stdout.splitlines()  # a short report: each result in a line, then where the files went
+    assert "analysis gates:" in lines and len(lines) <= len(results) + 3, p.stdout[-3000:]
+    assert (
+        lines[-1]
+        == f"files -> {tmp_path / 'gates'}: {', '.join(sorted(f.name for f in (tmp_path / 'gates').iterdir()))}"
+    )
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ckv import ModelConfig, Transformer
 from ckv.attention import check_attention
-from ckv.attention.indexer import top_k
+from ckv.attention.indexer import FP4_VALUES, fake_quant, index_scores, oracle_scores, oracle_selection, top_k
 from ckv.attention.rope import inverse_frequencies
 from ckv.config import ConfigError
 from ckv.options import YarnConfig
@@ -28,6 +28,82 @@ def test_top_k_breaks_ties_toward_the_lower_index_and_marks_missing_entries():
     scores = torch.tensor([[[0.0, 2.0, 0.0, 2.0, 1.0], [0.0, 0.0, 0.0, inf, inf], [3.0, inf, inf, inf, inf]]])
     assert top_k(scores, 3).tolist() == [[[1, 3, 4], [0, 1, 2], [0, -1, -1]]]
     assert top_k(scores, 9).shape == (1, 3, 5) and top_k(scores[..., :0], 2).shape == (1, 3, 0)
+
+
+@pytest.mark.parametrize("q_start", [0, 6])
+def test_chunked_selection_equals_the_whole_top_k_with_ties(q_start):
+    """The indexer's and the oracle's selections in query chunks not dividing T (and one chunk for all) equal the
+    ``top_k`` of the whole (B, T, E) scores, ties included: one index head, so a negative dot scores 0 after the
+    ReLU, and every third key 0: a fifth of the rows tie at the k-th. (Equal non-zero scores are not ties a
+    chunk keeps: the dots of equal keys can differ in the last bit with the product's shape, docs/attention.md.)"""
+    torch.manual_seed(0)
+    layer = Transformer(small_config({**SPARSE, "selection": dict(topk=3, heads=1, head_dim=16)})).layers[0]
+    indexer = layer.self_attn.indexer
+    B, T, E = 2, 45, (q_start + 45) // 4
+    x, latent = torch.randn(B, T, 32), torch.randn(B, T, indexer.q_proj.in_features)
+    keys = torch.randn(B, E, 16)
+    keys[:, 1::3] = 0.0  # score 0 exactly, as after the ReLU of a negative dot
+    positions = torch.arange(q_start, q_start + T)
+    with torch.no_grad():
+        queries, whole = indexer(x, latent, keys, positions, q_start, 4, chunk=T)
+        scores = index_scores(queries, keys, q_start, 4)
+        ranked = scores.sort(-1, descending=True).values
+        assert ((ranked[..., 2] == ranked[..., 3]) & ranked[..., 3].isfinite()).float().mean() > 0.2  # tie at k
+        assert torch.equal(whole, top_k(scores, 3)) and (whole == -1).any()
+        for chunk in (1, 4, 7, 16):
+            assert torch.equal(indexer(x, latent, keys, positions, q_start, 4, chunk=chunk)[1], whole), chunk
+        q, kc, lse = torch.randn(B, T, 4, 8), torch.randn(B, E, 1, 8), torch.randn(B, T, 4)
+        kc[:, 1::3] = 0.0  # logits 0: equal mass
+        mass = oracle_scores(q, kc, lse, q_start, 4)
+        for chunk in (1, 4, 7, 16, None):
+            assert torch.equal(oracle_selection(q, kc, lse, q_start, 4, 3, chunk=chunk), top_k(mass, 3)), chunk
+
+
+def test_fake_quantisation_keeps_each_block_on_its_format_grid():
+    """fp8 / fp4 with one scale per block (128 / 32 dims, the whole vector when shorter): each block's largest
+    magnitude is kept, every value is a scaled e4m3 / e2m1 number, and the error is within half a grid step."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 256) * torch.logspace(-3, 3, 6)[:, None]  # rows of very different magnitudes
+    assert torch.equal(fake_quant(x, "none"), x)
+    for fmt, block, top in (("fp8", 128, 448.0), ("fp4", 32, 6.0)):
+        y = fake_quant(x, fmt).reshape(6, 256 // block, block)
+        blocks = x.reshape(6, 256 // block, block)
+        amax = blocks.abs().amax(-1, keepdim=True)
+        assert torch.allclose(y.abs().amax(-1, keepdim=True), amax, rtol=1e-6)
+        scaled = y / (amax / top)
+        on_grid = scaled.to(torch.float8_e4m3fn).float() if fmt == "fp8" else scaled.abs()
+        if fmt == "fp8":
+            assert torch.allclose(on_grid, scaled, rtol=1e-5, atol=0)
+            assert ((y - blocks).abs() <= blocks.abs() * 2**-4 + amax / top * 2**-9).all()  # 3 mantissa bits
+        else:
+            grid = torch.tensor(FP4_VALUES)
+            assert ((on_grid[..., None] - grid).abs().amin(-1) < 1e-5).all()
+            assert ((y - blocks).abs() <= amax / top).all()  # the widest step of e2m1 is 2, half of it 1
+    short = torch.randn(3, 16)
+    assert fake_quant(short, "fp4").abs().amax(-1).tolist() == pytest.approx(short.abs().amax(-1).tolist())
+
+
+def test_fp8_index_queries_and_keys_change_few_selections():
+    """With ``selection.quant`` the scores that select read fake-quantised index queries and keys: on random
+    inputs fp8 changes under 10% of the selected entries against fp32, fp4 more than fp8; the returned queries
+    (the training loss's) stay fp32."""
+    torch.manual_seed(0)
+    att = {**SPARSE, "selection": dict(topk=8, heads=4, head_dim=32)}
+    indexer = Transformer(small_config(att, n_layers=1)).layers[0].self_attn.indexer
+    B, T, E = 4, 256, 64
+    x, latent, keys = torch.randn(B, T, 32), torch.randn(B, T, indexer.q_proj.in_features), torch.randn(B, E, 32)
+    picked, queries = {}, {}
+    for fmt in ("none", "fp8", "fp4"):
+        indexer.quant = fmt
+        with torch.no_grad():
+            queries[fmt], picked[fmt] = indexer(x, latent, keys, torch.arange(T), 0, 4)
+    listed = picked["none"] >= 0
+    changed = {
+        fmt: 1 - ((picked["none"][..., None] == picked[fmt][..., None, :]).any(-1) & listed).sum() / listed.sum()
+        for fmt in ("fp8", "fp4")
+    }
+    assert 0 < changed["fp8"] < 0.1 and changed["fp4"] > changed["fp8"], changed
+    assert torch.equal(queries["fp8"].q, queries["none"].q)
 
 
 def test_tied_scores_select_the_earliest_entries_alike_in_prefill_and_decoding():
@@ -153,6 +229,9 @@ def test_yarn_frequencies_equal_transformers(factor, original, dims, theta):
         (dict(selection=dict(heads="2")), r"attention.selection.heads='2' must be an integer >= 1"),
         (dict(selection=dict(topk=2, depth=1)), r"unknown attention.selection field\(s\) \['depth'\]"),
         (dict(selection=dict(head_dim=7)), r"attention.selection.head_dim=7 must hold the indexer's rotated dims"),
+        (dict(selection=dict(quant="int8")), r"attention.selection.quant='int8' is not allowed"),
+        (dict(selection=dict(quant="fp8", by="oracle")), r"quant='fp8' quantises the lightning indexer, but by="),
+        (dict(selection=dict(quant="fp4", head_dim=48)), r"head_dim=48 must be a multiple of quant='fp4'"),
         (dict(selection=dict(head_dim=8), rope=dict(mode="partial", dims=16)), r"head_dim=8 must hold .* \(16"),
         (dict(kind="full", selection=dict()), r"attention.selection is not an option of attention.kind='full'"),
         (dict(kind="full", query=dict()), r"attention.query is not an option of attention.kind='full'"),

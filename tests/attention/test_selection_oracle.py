@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckv import Transformer
-from ckv.attention.indexer import entry_logits, oracle_selection, top_k
+from ckv.attention.indexer import entry_logits, oracle_scores, oracle_selection, top_k
 from ckv.config import ConfigError
 from ckv.train.config import TrainConfig
 from tests.helpers import small_config
@@ -26,13 +26,13 @@ def test_the_oracle_ranks_entries_by_the_probability_summed_over_heads():
     second head's log-sum-exp at 5 instead of 0, entry 1 leads: e^3 + e^-5 = 20.1 against e^2.5 + e^-2.5 = 12.3."""
     q = math.sqrt(2) * torch.eye(2).reshape(1, 1, 2, 2)  # (B, T, H, D)
     kc = torch.tensor([[2.5, 2.5], [3.0, 0.0], [1.0, 1.0], [9.0, 9.0]]).reshape(1, 4, 1, 2)  # (B, E, KV, D)
-    scores, selected = oracle_selection(q, kc, torch.zeros(1, 1, 2), q_start=14, stride=4, k=2)
+    scores = oracle_scores(q, kc, torch.zeros(1, 1, 2), q_start=14, stride=4)
     want = [2 * math.exp(2.5), math.exp(3) + 1, 2 * math.e]
     assert scores[0, 0, :3].tolist() == pytest.approx(want, rel=1e-6) and scores[0, 0, 3] == float("-inf")
-    assert selected.tolist() == [[[0, 1]]]
-    _, selected = oracle_selection(q, kc, torch.tensor([[[0.0, 5.0]]]), q_start=14, stride=4, k=2)
+    assert oracle_selection(q, kc, torch.zeros(1, 1, 2), q_start=14, stride=4, k=2).tolist() == [[[0, 1]]]
+    selected = oracle_selection(q, kc, torch.tensor([[[0.0, 5.0]]]), q_start=14, stride=4, k=2)
     assert selected.tolist() == [[[1, 0]]]
-    _, selected = oracle_selection(q, kc, torch.zeros(1, 1, 2), q_start=14, stride=4, k=4)
+    selected = oracle_selection(q, kc, torch.zeros(1, 1, 2), q_start=14, stride=4, k=4)
     assert selected.tolist() == [[[0, 1, 2, -1]]]  # three visible entries: the fourth slot is empty
 
 

@@ -10,9 +10,9 @@ KV cache, attention transients and activations (the weights are already resident
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 
 import torch
 
@@ -135,4 +135,6 @@ def main(cases: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cases", nargs="+", choices=list(CASES), metavar="case", help=f"one or more of {list(CASES)}")
+    main(parser.parse_args().cases)

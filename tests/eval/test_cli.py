@@ -57,10 +57,14 @@ def test_bad_input_fails_with_a_clear_message(tmp_path: Path) -> None:
 
 
 def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
-    """Hydra's composition and override errors and a missing model folder, each as one ``ckv: error:`` line."""
+    """Hydra's composition and override errors, a key eval.py does not read and a missing model folder, each as one
+    ``ckv: error:`` line (an unknown key is never answered with a ``+key`` hint)."""
     missing = tmp_path / "runs" / "demo" / "seed=0"
     cases = {
-        "nosuch=1": "ckv: error: Could not override 'nosuch'. To append to your config use +nosuch=1",
+        "nosuch=1": "ckv: error: nosuch is not a setting (Key 'nosuch' is not in struct); check its spelling",
+        "+limt=4": "ckv: error: unknown eval field(s) ['limt']; valid fields: ['analysis', 'batch_size', 'device', "
+        "'dry_run', 'limit', 'model', 'out_dir', 'plots', 'progress', 'stats', 'summary', 'summary_out', "
+        "'summary_rerun', 'task']",  # composed in, then refused: never a full evaluation that ignores it
         "task=nosuch": "ckv: error: In 'config': Could not find 'task/nosuch'; choose one of ['demo_lookup', "
         "'lookup', 'lookup_ids', 'lookup_words', 'needle', 'probe_fp8', "
         "'probe_synthetic']",

@@ -143,12 +143,13 @@ def test_minimum_detectable_gap_is_detected_with_its_power_at_other_accuracies(p
     assert abs(power - 0.8) < 0.09
 
 
-def test_the_gap_report_says_gap_flat_or_undecided() -> None:
+def test_the_gap_report_says_gap_flat_undecided_or_not_learned() -> None:
     fast = StatsOptions(n_bootstrap=300, n_permutations=300)
     cases = {
         "gap": ([0.9, 0.9, 0.9, 0.6], 256),  # a 30 pp weak phase
         "flat": ([0.97] * 4, 1024),  # flat, and enough prompts to bound the gap under 5 pp
         "undecided": ([0.8] * 4, 32),  # flat, but too few prompts to say so
+        "not learned": ([0.0] * 4, 1024),  # flat at 0%: no phase could show a gap of the margin
     }
     for verdict, (curve, n_clusters) in cases.items():
         correct, groups, clusters = phase_data(curve, n_clusters, seed=1)

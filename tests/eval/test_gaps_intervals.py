@@ -119,3 +119,15 @@ def test_a_model_without_stride_plots_residues_only_and_summaries_refuse_mixed_m
     check_comparable([row, {**row, "run": "other"}])
     with pytest.raises(ConfigError, match="different task.modulus"):
         check_comparable([row, {**row, "modulus": 24}])
+
+
+def test_summaries_refuse_runs_evaluated_on_different_numbers_of_prompts() -> None:
+    """A run evaluated with limit= (fewer prompts) is not averaged into a grid cell of full evaluations."""
+    from ckv.eval.summary import check_comparable, summary_row
+
+    row = summary_row(
+        "w4s4,seed=0", {"model": {"attention": {"kind": "full"}, "seed": 0}, "results": _report(None, None)}
+    )
+    check_comparable([row, {**row, "run": "w4s4,seed=1"}])
+    with pytest.raises(ConfigError, match="different numbers of prompts"):
+        check_comparable([row, {**row, "run": "w4s4,seed=1", "n_prompts": 2 * row["n_prompts"]}])

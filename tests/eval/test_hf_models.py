@@ -129,6 +129,18 @@ def test_shipped_word_lookup_runs_on_a_tiny_random_qwen3(hf_dir: Path, tmp_path:
     assert png_ok(out / "lookup_words.png")
 
 
+def test_corrupt_weights_file_is_one_config_error(hf_dir: Path, tmp_path: Path) -> None:
+    """A truncated model.safetensors in a transformers folder is a ConfigError naming the folder (eval.py: one
+    line), as ckv's own weights are."""
+    import shutil
+
+    broken = Path(shutil.copytree(hf_dir, tmp_path / "broken"))
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=f"cannot load the weights of {broken}"):
+        load_hf_model(broken, device="cpu")
+
+
 def test_word_that_is_not_one_token_is_an_error(hf_dir: Path) -> None:
     model = load_hf_model(hf_dir, device="cpu")
     spec = LookupSpec(

@@ -12,7 +12,7 @@ from transformers import DeepseekV4Config
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from ckv.attention.indexer import LightningIndexer
+from ckv.attention.indexer import LightningIndexer, index_scores
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError
 from ckv.io.hf import attention_from_deepseek_v4
@@ -78,13 +78,15 @@ def in_chunks(module: torch.nn.Module, x: torch.Tensor, sizes: list[int]) -> tor
 
 
 def selections(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The indexer's scores and top-k of one ckv forward over x (read by a forward hook)."""
+    """The indexer's scores (``index_scores`` of the queries it returns and the keys it read) and top-k of one ckv
+    forward over x (read by a forward hook)."""
     seen = []
-    hook = module.indexer.register_forward_hook(lambda m, args, out: seen.append(out))
+    hook = module.indexer.register_forward_hook(lambda m, args, out: seen.append((args, out)))
     with torch.no_grad():
         module(x)
     hook.remove()
-    return seen[0]
+    (_, _, keys, _, q_start, stride), (queries, selected) = seen[0]
+    return index_scores(queries, keys, q_start, stride), selected
 
 
 CASES = [(CSA, None, 39), (HCA, None, 29), (CSA, YARN, 39)]  # lengths not multiples of the rate

@@ -51,7 +51,9 @@ def test_benchmark_writes_a_table_and_json(tmp_path, capsys):
     if result["meta"]["interpreter"] or result["meta"]["device"] != "cpu":
         assert {"triton", "pool(k+v)", "triton+pool"} <= set(impls) and "triton" in topk
     assert all(row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0 for row in result["rows"])
-    assert "x full f+b" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "x full f+b" in printed
+    assert "2 cases (T in [16]" in printed and "[2/2] done: T=16 paper w8s4 top-2 | elapsed" in printed  # progress
 
 
 def test_spread_selection_is_a_valid_binding_selection():

@@ -48,8 +48,9 @@ def test_model_compiles_without_graph_breaks(name):
 
 
 @pytest.mark.slow
-def test_trainer_compile_gives_the_same_losses(make_config):
-    """trainer.compile=true (inductor) on a compressed model: the same loss curve to 1e-4."""
+def test_trainer_compile_gives_the_same_losses(make_config, capsys):
+    """trainer.compile=true (inductor) on a compressed model: the same loss curve to 1e-4; a line says so before
+    the first (compiling) step."""
     torch._dynamo.reset()
     attention = ATTENTIONS["compressed"]
     eager = losses(train(make_config("eager", attention=attention, trainer={"max_steps": 6, "save_every": 0})))
@@ -57,3 +58,4 @@ def test_trainer_compile_gives_the_same_losses(make_config):
         train(make_config("compiled", attention=attention, trainer={"max_steps": 6, "save_every": 0, "compile": True}))
     )
     assert len(eager) == 6 and compiled == pytest.approx(eager, abs=1e-4)
+    assert "trainer.compile=true: the model compiles during the first step" in capsys.readouterr().err

@@ -258,6 +258,25 @@ def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"ckv: error: {field}"), proc.stderr
     assert not cache.exists()
+    assert list(tmp_path.iterdir()) == []  # the run folder Hydra made for the refused run is gone
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "attention=w8s44",
+            "ckv: error: In 'config': Could not find 'attention/w8s44'; choose one of ['deepseek_v4",
+        ),
+        ("limt=4", "ckv: error: limt is not a setting (Key 'limt' is not in struct); check its spelling"),
+    ],
+)
+def test_hydra_errors_are_one_line(tmp_path, override, line):
+    """Hydra's own errors (an unknown option, an unknown key) as one line: no search path, no "+key" hint."""
+    proc = _run_entry([override, f"out_dir={tmp_path}"], timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(line), proc.stderr
+    assert "+" not in lines[0]
 
 
 def _run_entry(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -315,3 +334,4 @@ def test_cpu_smoke_experiment(tmp_path, cache_dir):
     assert outputs <= {p.name for p in run.iterdir()}
     assert (run / "model" / "tokenizer.json").is_file()
     assert "eta" in proc.stderr and "tok/s" in proc.stderr
+    assert "gcc" not in proc.stdout + proc.stderr  # DeepSpeed's libaio probe stays quiet

@@ -11,12 +11,30 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckv import Transformer
+from ckv.attention.indexer import (
+    WORKING_BYTES,
+    IndexQueries,
+    chunked_top_k,
+    entry_logits,
+    index_scores,
+    index_working_bytes,
+    query_chunk,
+    top_k,
+)
 from ckv.attention.reference import joint_attention_reference
 from ckv.config import ConfigError
 from ckv.train import TrainConfig, read_metrics, train
-from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, indexer_loss_and_recall
+from ckv.train.indexer import (
+    IndexerTraining,
+    IndexerTrainingConfig,
+    indexer_loss,
+    indexer_recall,
+    kl_working_bytes,
+    recall_queries,
+)
 from tests.helpers import small_config
 from tests.train.helpers import base_config
 from tests.train.test_entry import _train_config
@@ -33,7 +51,11 @@ def test_the_loss_is_the_kl_to_the_joint_softmax_mass_on_the_entries():
     torch.manual_seed(0)
     q, kc, k = torch.randn(1, 1, 2, 4), torch.randn(1, 3, 1, 4), torch.randn(1, 1, 1, 4)
     sinks = torch.tensor([2.5, -1.0])
-    scores = torch.tensor([[[0.3, -1.0, 2.0]]], requires_grad=True)
+    # two index heads of 2 dims reading one coordinate each, weights +1 and -1: scores relu(k_0) - relu(k_1)
+    queries = IndexQueries(torch.eye(2).reshape(1, 1, 2, 2), torch.tensor([[[1.0, -1.0]]]))
+    keys = (2**0.5 * torch.tensor([[0.3, 0.0], [0.0, 1.0], [2.0, 0.0]]))[None].requires_grad_()
+    scores = index_scores(queries, keys, q_start=3, stride=1)
+    assert scores[0, 0].tolist() == pytest.approx([0.3, -1.0, 2.0], rel=1e-6)
     selected = torch.tensor([[[2, 0]]])
     logits = torch.einsum("hd,ed->he", q[0, 0], kc[0, :, 0]) / 2  # (2 heads, 3 entries), scale 1/sqrt(4)
     local = (q[0, 0] @ k[0, 0, 0] / 2)[:, None]  # (2, 1)
@@ -41,7 +63,8 @@ def test_the_loss_is_the_kl_to_the_joint_softmax_mass_on_the_entries():
         _, lse = joint_attention_reference(
             q, kc, kc, k, k, stride=1, local_window=1, q_start=3, sinks=sinks, selected=None if dense else selected
         )
-        loss, recall = indexer_loss_and_recall(q, kc, lse, scores, selected, topk=2, dense=dense)
+        loss = indexer_loss(q, kc, lse, queries, keys, None if dense else selected, q_start=3, stride=1)
+        recall = indexer_recall(q, kc, lse, selected, q_start=3, stride=1, topk=2, dense=dense)
         # the softmax the layer computed: over the attended entries (all, or the selected), local key and sink
         joint = torch.softmax(torch.cat([logits[:, keep], local, sinks[:, None]], 1), 1)[:, : len(keep)]
         p = joint.sum(0) / joint.sum()
@@ -53,6 +76,148 @@ def test_the_loss_is_the_kl_to_the_joint_softmax_mass_on_the_entries():
         heaviest = mass.topk(2).indices.tolist()
         caught = mass[[i for i in heaviest if i in (0, 2)]].sum() / mass[heaviest].sum()
         assert recall.item() == pytest.approx(caught.item(), rel=1e-5)
+
+
+def _listed(selected: torch.Tensor, n_entries: int) -> torch.Tensor:
+    listed = torch.zeros(*selected.shape[:2], n_entries + 1, dtype=torch.bool)
+    listed.scatter_(-1, torch.where(selected < 0, n_entries, selected), True)
+    return listed[..., :n_entries]
+
+
+def previous_loss_and_recall(q, kc, lse, scores, selected, topk, dense):
+    """The implementation before the chunked one (every (query, head, entry) logit at once), kept as the oracle:
+    the KL, and the per-query recall (B, T) with the queries whose selection binds."""
+    visible = torch.isfinite(scores.detach())  # (B, T, E)
+    chosen = _listed(selected, kc.shape[1]) & visible
+    attended = visible if dense else chosen
+    logits = entry_logits(q, kc)  # (B, T, H, E)
+    mass = torch.exp(logits - lse[..., None]).masked_fill(~attended[:, :, None], 0.0).sum(2)
+    total = mass.sum(-1, keepdim=True)
+    rows = attended.any(-1) & (total[..., 0] > 0)
+    target = mass / total.clamp_min(1e-30)
+    masked = scores.masked_fill(~attended, float("-inf")).masked_fill(~rows[..., None], 0.0)
+    log_q = torch.log_softmax(masked, dim=-1).masked_fill(~attended, 0.0)
+    kl = (torch.xlogy(target, target) - target * log_q).sum(-1)
+    loss = kl[rows].sum() / rows.sum().clamp_min(1)
+    with torch.no_grad():
+        unselected = visible & ~attended
+        extra = logits.masked_fill(~unselected[:, :, None], float("-inf"))
+        dense_lse = torch.logsumexp(torch.cat([lse[..., None], extra], dim=-1), dim=-1)
+        p = torch.exp(logits - dense_lse[..., None]).masked_fill(~visible[:, :, None], 0.0).sum(2)
+        heaviest = _listed(top_k(p.masked_fill(~visible, float("-inf")), topk), kc.shape[1])
+        caught = (p * (heaviest & chosen)).sum(-1) / (p * heaviest).sum(-1).clamp_min(1e-30)
+    return loss, caught, visible.sum(-1) > topk
+
+
+def _layer_inputs(T: int, q_start: int, stride: int = 4, seed: int = 0):
+    """A layer's queries, entries and index queries/keys over T queries at grid positions ``q_start ..`` (every
+    entry they see), index queries with a gradient; ties at 0 after the ReLU are common (2 index heads)."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, KV, D, Hi, Di = 2, 4, 2, 8, 2, 8
+    E = (q_start + T) // stride
+    q, kc = torch.randn(B, T, H, D, generator=g), torch.randn(B, E, KV, D, generator=g)
+    k = torch.randn(B, T, KV, D, generator=g)
+    queries = IndexQueries(
+        torch.randn(B, T, Hi, Di, generator=g).requires_grad_(), torch.randn(B, T, Hi, generator=g).requires_grad_()
+    )
+    keys = torch.randn(B, E, Di, generator=g).requires_grad_()
+    return q, kc, k, queries, keys
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+@pytest.mark.parametrize("chunk", [1, 5, 13, None])
+def test_the_chunked_loss_and_gradients_equal_the_previous_implementation(dense, chunk):
+    """The KL and the indexer's gradients (index queries, head weights, keys) equal the previous formulas over
+    every (query, head, entry) logit within 1e-5, for query chunks not dividing T; with a sample as large as the
+    binding queries the recall is the previous one."""
+    T, q_start, stride, topk = 37, 3, 4, 3
+    q, kc, k, queries, keys = _layer_inputs(T, q_start)
+    scores = index_scores(queries, keys, q_start, stride)
+    selected = top_k(scores.detach(), topk)
+    _, lse = joint_attention_reference(
+        q, kc, kc, k, k, stride=stride, local_window=1, q_start=q_start, selected=None if dense else selected
+    )
+    want, caught, binding = previous_loss_and_recall(q, kc, lse, scores, selected, topk, dense)
+    want_grads = torch.autograd.grad(want, [queries.q, queries.w, keys])
+    got = indexer_loss(q, kc, lse, queries, keys, None if dense else selected, q_start, stride, chunk=chunk)
+    got_grads = torch.autograd.grad(got, [queries.q, queries.w, keys])
+    assert got.item() == pytest.approx(want.item(), rel=1e-5) and want.item() > 0
+    for g, w in zip(got_grads, want_grads):
+        assert w.abs().max() > 0 and (g - w).abs().max() <= 1e-5 * w.abs().max()
+    recall = indexer_recall(q, kc, lse, selected, q_start, stride, topk, dense, sample=T, chunk=chunk)
+    assert binding.sum() > 20 and recall.item() == pytest.approx(caught[binding].mean().item(), rel=1e-5)
+
+
+def test_the_recall_is_measured_on_an_evenly_spaced_sample_of_binding_queries():
+    """``recall_queries`` picks ``sample`` distinct binding queries from the first to the last; the recall is the
+    previous per-query recall averaged over them (every sequence of the batch)."""
+    T, q_start, stride, topk = 37, 3, 4, 3
+    q, kc, k, queries, keys = _layer_inputs(T, q_start, seed=1)
+    scores = index_scores(queries, keys, q_start, stride)
+    selected = top_k(scores.detach(), topk)
+    _, lse = joint_attention_reference(q, kc, kc, k, k, stride=stride, local_window=1, q_start=q_start)
+    _, caught, binding = previous_loss_and_recall(q, kc, lse, scores, selected, topk, dense=True)
+    rows = recall_queries(T, kc.shape[1], q_start, stride, topk, sample=6)
+    first, last = binding[0].nonzero()[0, 0].item(), T - 1
+    assert rows.tolist()[0] == first and rows.tolist()[-1] == last and len(set(rows.tolist())) == 6
+    assert binding[:, rows].all() and (rows.diff() >= (last - first) // 5 - 1).all()  # evenly spaced
+    recall = indexer_recall(q, kc, lse, selected, q_start, stride, topk, dense=True, sample=6, chunk=4)
+    assert recall.item() == pytest.approx(caught[:, rows].mean().item(), rel=1e-5)
+    assert recall_queries(T, kc.shape[1], q_start, stride, topk, sample=T).tolist() == list(range(first, T))
+    assert len(recall_queries(T, topk, q_start, stride, topk, sample=8)) == 0  # no more entries than top-k
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
+def test_no_tensor_spans_every_query_and_entry(dense):
+    """At T = 1,024 queries and E = 256 entries, with 16-query chunks: no op of the selection, the KL (forward
+    and backward) or the recall produces a tensor of B * T * E / 4 elements or more (the largest are the inputs
+    (B, T, H, D), then a chunk's (B, 16, H, E))."""
+    T, q_start, stride, topk, chunk = 1024, 0, 4, 8, 16
+    q, kc, k, queries, keys = _layer_inputs(T, q_start)
+    B, E, H = q.shape[0], kc.shape[1], q.shape[2]
+    lse = torch.randn(B, T, H)
+    whole = B * T * E  # one (B, T, E) tensor; the previous implementation made (B, T, H, E) ones
+    with LargestTensor() as seen:
+        selected = chunked_top_k(
+            lambda t0, t1, n: index_scores(queries.span(t0, t1), keys[:, :n], q_start + t0, stride),
+            T,
+            E,
+            q_start,
+            stride,
+            topk,
+            chunk,
+        )
+        loss = indexer_loss(q, kc, lse, queries, keys, None if dense else selected, q_start, stride, chunk=chunk)
+        loss.backward()
+        indexer_recall(q, kc, lse, selected, q_start, stride, topk, dense, sample=64, chunk=chunk)
+    assert seen.largest < whole / 4, (seen.largest, whole)
+    assert keys.grad.abs().sum() > 0
+
+
+def test_the_working_bytes_bound_the_chunk():
+    """The chunk a budget allows: the largest whose working bytes fit it (at least one query)."""
+    per_query = kl_working_bytes(2, 1, 4, 2, 300)
+    assert kl_working_bytes(2, 8, 4, 2, 300) == 8 * per_query
+    assert index_working_bytes(2, 8, 2, 300) == 8 * index_working_bytes(2, 1, 2, 300)
+    c = query_chunk(per_query, 10**6)
+    assert c * per_query <= WORKING_BYTES < (c + 1) * per_query
+    assert query_chunk(per_query, 3) == 3 and query_chunk(10 * WORKING_BYTES, 100) == 1
+    assert query_chunk(per_query, 100, chunk=7) == 7
 
 
 def test_the_indexer_learns_from_its_loss():
@@ -254,7 +419,7 @@ def test_bad_configs_fail_with_one_line(tmp_path, indexer, attention, needle):
 
 def test_the_sparse_option_composes_with_the_indexer_trained_by_default():
     cfg = _train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa_sparse"])
-    assert cfg.attention["selection"] == {"topk": 4, "heads": 2, "head_dim": 16, "by": "indexer"}
+    assert cfg.attention["selection"] == {"topk": 4, "heads": 2, "head_dim": 16, "by": "indexer", "quant": "none"}
     assert cfg.attention["query"] == {"lora_rank": 32}
     assert (cfg.trainer.indexer.weight, cfg.trainer.indexer.warmup_steps) == (1.0, 0)
     plain = _train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa"])

@@ -127,6 +127,20 @@ def test_metrics_write_null_and_a_flag_for_non_finite_values(tmp_path):
     assert read_metrics(tmp_path)[0]["nonfinite"] == ["loss", "grad_norm"]
 
 
+def test_eta_leaves_out_the_first_step(tmp_path, monkeypatch, capsys):
+    """With trainer.compile the first step compiles (here 100 s, then 1 s a step): the ETA at step 5 of 10 is the
+    5 s the remaining steps take, not the average that holds the compilation."""
+    import ckv.train.metrics as metrics
+
+    clock = iter([0.0, 100.0, 104.0])  # the logger starts; step 1 ends (start_clock); step 5 is shown
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    log = MetricsLogger(tmp_path, True, WandbConfig(enabled=False), "run", {}, 0, 10, True)
+    log.start_clock(1)
+    log.progress(5, loss="1.0")
+    log.close()
+    assert capsys.readouterr().err.strip().endswith("elapsed 0:01:44 eta 0:00:05")
+
+
 def test_a_second_writer_is_refused_and_a_stale_lock_taken_over(make_config, capsys):
     cfg = make_config(trainer={"max_steps": 2})
     holder = subprocess.Popen(

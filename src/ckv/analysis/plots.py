@@ -21,7 +21,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from ckv.eval.plots import PCT, _colors, _save
+from ckv.eval.plots import PCT, _colors, _save, percent_axis
 
 ANNOTATE_MAX_CELLS = 600  # larger heatmaps get no numbers in their cells
 
@@ -200,7 +200,7 @@ def plot_gate_training(series: list[dict], window: int, path: Path, title: str) 
     for r, color in zip(range(S), _colors(S)):
         acc.plot(steps, [PCT * s["accuracy"]["phase"][r] for s in series], "o-", ms=3, color=color, label=f"phase {r}")
     acc.plot(steps, [PCT * s["accuracy"]["mean"] for s in series], "k--", lw=1.5, label="mean")
-    acc.set_ylim(-3, 103)
+    percent_axis(acc)
     acc.set_xlabel("training step (checkpoint)")
     acc.set_ylabel("top-1 accuracy (%)")
     acc.set_title("lookup accuracy on the same prompts", fontsize=9)
@@ -239,7 +239,7 @@ def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
         ax.plot(x, a0, ":", color="0.5", label="clean A_0(r)")
         ax.plot(x, PCT * np.asarray(d["predicted"]), "s--", mfc="none", color="tab:orange", label="predicted A_0(r-d)")
         ax.errorbar(x, y, yerr=err, fmt="o-", color="tab:blue", capsize=3, ms=4, label="observed A_d(r)")
-        ax.set_ylim(-3, 103)
+        percent_axis(ax)
         ax.set_xticks(x)
         ax.set_xlabel(f"phase r (mod {S}); shaded: boundary")
         ax.set_ylabel("top-1 accuracy (%)")

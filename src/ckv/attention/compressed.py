@@ -692,7 +692,7 @@ class CompressedAttention(AttentionBackend):
         elif self.oracle_topk is not None:  # the dense pass's log-sum-exp ranks the entries (no gradient)
             with torch.no_grad():
                 _, lse = joint_attention(q, kc, vc, k_all, v_all, **joint)  # (B, T, Hg)
-            _, selected = oracle_selection(q, kc, lse, start + P, self.stride, self.oracle_topk)
+            selected = oracle_selection(q, kc, lse, start + P, self.stride, self.oracle_topk)
         out, _ = self.attend(q, kc, vc, k_all, v_all, **joint, selected=selected)  # (B, T, Hg, D)
         return out
 

@@ -12,11 +12,18 @@ query's position, and one weight per index head from the input. The score of ent
 in fp32 (V4's ``DeepseekV4IndexerScorer``), ``-inf`` where ``s`` is not visible to ``t`` (``geometry.compressed_mask``:
 ``(s+1) S - 1 <= t`` in the layer's grid coordinates).
 
+Memory: the scores are computed in query chunks (``chunked_top_k``), each chunk over the entries visible to its
+last query, and each chunk's top-k is final (a query's row lies in one chunk), so neither ``(B, T, heads, E)`` nor
+``(B, T, E)`` exists at once; a chunk's working memory (``index_working_bytes``) stays within ``WORKING_BYTES``
+(a module constant, overridable per call by ``chunk``). The selection is the same for every chunk size.
+
 Its inputs are detached: the selection is hard (no gradient flows through it) and the indexer learns only from its
 own training loss (``ckv.train.indexer``), never from the language-model loss, which reaches every other
-parameter as in dense attention. ``forward`` returns ``(scores, selected)`` and the layer attends with whatever
-selection it returns, so a forward hook may read the scores and the selection or replace the selection (None:
-every visible entry, the dense warm-up of training; an oracle selection for a study).
+parameter as in dense attention. ``forward`` returns ``(queries, selected)``: the index queries and head weights
+(``IndexQueries``, linear in T; ``index_scores`` turns them and the keys into scores for any range of queries or
+any gathered entries) and the selection; the layer attends with whatever selection it returns, so a forward hook
+may read the queries (and, from its arguments, the keys) and the selection or replace the selection (None: every
+visible entry, the dense warm-up of training; an oracle selection for a study).
 
 Ties are broken toward the lower entry index (the earlier entry): ``top_k`` sorts each row stably. transformers'
 V4 calls ``torch.topk``, whose order among equal scores is unspecified; on CPU it depends on the tensor's shape,
@@ -25,20 +32,68 @@ ReLU). A decoding ckv layer scores a query's entries in the same order as a pref
 
 ``attention.selection.by: oracle`` replaces the indexer by the main attention's own ranking (``oracle_selection``):
 each query keeps the entries on which the layer's dense joint softmax puts the most probability, summed over query
-heads, the very target the indexer's loss fits. No module, no parameters; the same ``selected`` tensor.
+heads, the very target the indexer's loss fits. No module, no parameters; the same ``selected`` tensor, computed
+in query chunks the same way (``oracle_scores`` per chunk).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from ckv.attention.rope import Rotary
 from ckv.config import ModelConfig
-from ckv.geometry import compressed_mask
+from ckv.geometry import compressed_mask, visible_entries
 from ckv.norm import RMSNorm
+from ckv.options.selection import QUANT_BLOCK
+
+# the working memory of one query chunk of index scores, oracle scores or indexer loss (``query_chunk``)
+WORKING_BYTES = 128 * 2**20
+
+
+def index_working_bytes(batch: int, chunk: int, heads: int, entries: int) -> int:
+    """Bytes one query chunk of ``chunked_top_k`` holds at once: two fp32 ``(batch, chunk, heads, entries)``
+    copies of the per-head dots (the product and its ReLU'd, weighted copy; for the oracle ``heads`` is the query
+    heads and the copies are the logits and their exponential), the fp32 scores, their sorted values and int64
+    order ``(batch, chunk, entries)`` and the bool visibility ``(chunk, entries)``."""
+    return batch * chunk * entries * (8 * heads + 16) + chunk * entries
+
+
+def query_chunk(per_query_bytes: int, n_queries: int, chunk: Optional[int] = None) -> int:
+    """Queries per chunk: ``chunk`` when given (>= 1), else as many as fit ``WORKING_BYTES`` at
+    ``per_query_bytes`` each, at least 1 and at most ``n_queries``."""
+    if chunk is not None:
+        if chunk < 1:
+            raise ValueError(f"query chunk={chunk} must be >= 1")
+        return chunk
+    return max(1, min(n_queries, WORKING_BYTES // max(per_query_bytes, 1)))
+
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the magnitudes of fp4 (e2m1)
+
+
+def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x (..., D) fp32 rounded to ``fmt`` (``QUANT_BLOCK``: ``none``, ``fp8`` e4m3, ``fp4`` e2m1) with one fp32
+    scale per block of ``min(block, D)`` consecutive elements of the last dim, ``block amax / format max`` (448 for
+    e4m3, 6 for e2m1): each block's largest magnitude maps to the format's largest. fp8 rounds to nearest even
+    (torch's cast); fp4 to the nearest magnitude of ``FP4_VALUES``, a tie to the smaller one. Returns fp32."""
+    if fmt == "none":
+        return x
+    D = x.shape[-1]
+    block = min(QUANT_BLOCK[fmt], D)
+    blocks = x.float().reshape(*x.shape[:-1], D // block, block)
+    top = 448.0 if fmt == "fp8" else FP4_VALUES[-1]
+    scale = blocks.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / top
+    y = blocks / scale
+    if fmt == "fp8":
+        y = y.to(torch.float8_e4m3fn).float()
+    else:
+        values = torch.tensor(FP4_VALUES, device=x.device)
+        y = values[torch.bucketize(y.abs(), (values[1:] + values[:-1]) / 2)] * y.sign()
+    return (y * scale).reshape(x.shape)
 
 
 def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -50,29 +105,100 @@ def top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(picked == float("-inf"), torch.full_like(order, -1), order)
 
 
+def chunked_top_k(
+    scores_of: Callable[[int, int, int], torch.Tensor],
+    n_queries: int,
+    n_entries: int,
+    q_start: int,
+    stride: int,
+    k: int,
+    chunk: int,
+) -> torch.Tensor:
+    """``top_k`` of the scores of ``n_queries`` queries at grid positions ``q_start ..`` over ``n_entries``
+    entries, ``chunk`` queries at a time: ``scores_of(t0, t1, n)`` returns the scores (B, t1 - t0, n) of queries
+    ``t0 .. t1-1`` over entries ``0 .. n-1`` (``-inf`` where not visible), ``n`` the entries visible to the
+    chunk's last query (the others are ``-inf`` for the whole chunk, so leaving them out changes no row). Returns
+    (B, Tq, min(k, E)) int64, the same as ``top_k`` of the whole (B, Tq, E) scores."""
+    K = min(k, n_entries)
+    parts = []
+    for t0 in range(0, max(n_queries, 1), chunk):  # no query: one empty chunk, for the (B, 0, K) shape
+        t1 = min(n_queries, t0 + chunk)
+        n = min(n_entries, visible_entries(q_start + t1 - 1, stride))
+        picked = top_k(scores_of(t0, t1, n), k)  # (B, t1 - t0, min(k, n))
+        parts.append(nn.functional.pad(picked, (0, K - picked.shape[-1]), value=-1))
+    return torch.cat(parts, dim=1)
+
+
 def entry_logits(q: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
-    """(B, Tq, H, E) fp32: ``q_h . k_s / sqrt(D)`` for queries q (B, Tq, H, D) and entries kc (B, E, KV, D) of a
-    grouped-query layer (head ``h`` reads KV head ``h // (H / KV)``), the joint softmax's entry logits."""
+    """(B, Tq, H, E) fp32: ``q_h . k_s / sqrt(D)`` for queries q (B, Tq, H, D) and entries kc (B, E, KV, D) shared
+    by every query, or kc (B, Tq, E, KV, D) gathered per query, of a grouped-query layer (head ``h`` reads KV head
+    ``h // (H / KV)``): the joint softmax's entry logits."""
     B, T, H, D = q.shape
-    E, KV = kc.shape[1], kc.shape[2]
+    KV = kc.shape[-2]
     qg = q.float().reshape(B, T, KV, H // KV, D)
-    return torch.einsum("btkgd,bekd->btkge", qg, kc.float()).reshape(B, T, H, E) * D**-0.5
+    spec = "btkgd,bekd->btkge" if kc.dim() == 4 else "btkgd,btekd->btkge"
+    return torch.einsum(spec, qg, kc.float()).reshape(B, T, H, kc.shape[-3]) * D**-0.5
+
+
+def oracle_scores(q: torch.Tensor, kc: torch.Tensor, lse: torch.Tensor, q_start: int, stride: int) -> torch.Tensor:
+    """(B, Tq, E) fp32, the oracle's scores: for queries q (B, Tq, H, D) at grid positions ``q_start ..``, entries
+    kc (B, E, KV, D) and ``lse`` (B, Tq, H), the log-sum-exp of the layer's DENSE joint softmax (every visible
+    entry, local window and sinks), the probability mass ``sum_h exp(q_h . k_s / sqrt(D) - lse_h)`` on each visible
+    entry, ``-inf`` where not visible."""
+    mass = torch.exp(entry_logits(q, kc) - lse.float()[..., None]).sum(2)  # (B, Tq, E)
+    visible = compressed_mask(torch.arange(q_start, q_start + q.shape[1], device=q.device), kc.shape[1], stride)
+    return mass.masked_fill(~visible, float("-inf"))
 
 
 @torch.no_grad()
 def oracle_selection(
-    q: torch.Tensor, kc: torch.Tensor, lse: torch.Tensor, q_start: int, stride: int, k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle's selection (``attention.selection.by: oracle``): queries q (B, Tq, H, D) at grid positions
-    ``q_start ..``, entries kc (B, E, KV, D) and ``lse`` (B, Tq, H), the log-sum-exp of the layer's DENSE joint
-    softmax (every visible entry, local window and sinks). Returns the scores (B, Tq, E) fp32, the probability mass
-    ``sum_h exp(q_h . k_s / sqrt(D) - lse_h)`` on each visible entry (``-inf`` where not visible), and their
-    ``top_k`` (B, Tq, min(k, E)) (ties to the lower index). Without gradients: the selection is hard."""
-    T, E = q.shape[1], kc.shape[1]
-    mass = torch.exp(entry_logits(q, kc) - lse.float()[..., None]).sum(2)  # (B, T, E)
-    visible = compressed_mask(torch.arange(q_start, q_start + T, device=q.device), E, stride)  # (T, E)
-    scores = mass.masked_fill(~visible, float("-inf"))
-    return scores, top_k(scores, k)
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    lse: torch.Tensor,
+    q_start: int,
+    stride: int,
+    k: int,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """The oracle's selection (``attention.selection.by: oracle``): the ``top_k`` (B, Tq, min(k, E)) of
+    ``oracle_scores`` (ties to the lower index), in query chunks (``chunk``, default from ``WORKING_BYTES``).
+    Without gradients: the selection is hard."""
+    B, T, H, _ = q.shape
+    E = kc.shape[1]
+    c = query_chunk(index_working_bytes(B, 1, H, E), T, chunk)
+
+    def scores_of(t0: int, t1: int, n: int) -> torch.Tensor:
+        return oracle_scores(q[:, t0:t1], kc[:, :n], lse[:, t0:t1], q_start + t0, stride)
+
+    return chunked_top_k(scores_of, T, E, q_start, stride, k, c)
+
+
+class IndexQueries(NamedTuple):
+    """The lightning indexer's per-query inputs to its scores: ``q`` (B, Tq, heads, head_dim) fp32 index queries
+    (rotated at their positions) and ``w`` (B, Tq, heads) fp32 head weights (``W x / sqrt(heads)``)."""
+
+    q: torch.Tensor
+    w: torch.Tensor
+
+    def span(self, t0: int, t1: int) -> IndexQueries:
+        """The queries ``t0 .. t1-1``."""
+        return IndexQueries(self.q[:, t0:t1], self.w[:, t0:t1])
+
+
+def index_scores(
+    queries: IndexQueries, keys: torch.Tensor, q_start: Optional[int] = None, stride: Optional[int] = None
+) -> torch.Tensor:
+    """(B, Tq, E) fp32: ``sum_h w_h relu(q_h . k_s) / sqrt(head_dim)`` of ``queries`` over keys (B, E, head_dim)
+    shared by every query, or (B, Tq, E, head_dim) gathered per query. With ``q_start`` and ``stride`` (shared keys
+    ``0 .. E-1``, queries at grid positions ``q_start ..``): ``-inf`` where an entry is not visible."""
+    q, w = queries
+    spec = "bthd,bed->bthe" if keys.dim() == 3 else "bthd,bted->bthe"
+    dots = torch.einsum(spec, q, keys.float())  # (B, Tq, Hi, E)
+    scores = (torch.relu(dots) * q.shape[-1] ** -0.5 * w[..., None]).sum(2)  # (B, Tq, E)
+    if q_start is None:
+        return scores
+    visible = compressed_mask(torch.arange(q_start, q_start + q.shape[1], device=q.device), keys.shape[1], stride)
+    return scores.masked_fill(~visible, float("-inf")) + 0.0  # + 0.0: -0.0 (a negative weight x 0) -> 0.0
 
 
 class LightningIndexer(nn.Module):
@@ -85,7 +211,7 @@ class LightningIndexer(nn.Module):
     def __init__(self, config: ModelConfig, compressor: nn.Module) -> None:
         super().__init__()
         a, s = config.attention, config.attention.selection
-        self.topk, self.heads, self.head_dim = s.topk, s.heads, s.head_dim
+        self.topk, self.heads, self.head_dim, self.quant = s.topk, s.heads, s.head_dim, s.quant
         self.compressor = compressor
         self.norm = RMSNorm(s.head_dim, config.norm_eps) if a.qk_norm else None
         theta = config.rope_theta if a.rope.theta is None else a.rope.theta
@@ -112,17 +238,25 @@ class LightningIndexer(nn.Module):
         positions: torch.Tensor,
         q_start: int,
         stride: int,
-    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        chunk: Optional[int] = None,
+    ) -> tuple[IndexQueries, Optional[torch.Tensor]]:
         """x (B, Tq, d) the layer's input and ``latent`` (B, Tq, r) its query latent (both detached by the layer)
         at real ``positions`` (Tq,), grid positions ``q_start ..``; ``keys`` (B, E, head_dim) the indexer's keys of
-        entries ``0 .. E-1``. Returns the scores (B, Tq, E) fp32 (``-inf`` where not visible) and the selection
-        (B, Tq, min(topk, E)) int64 (``top_k``)."""
+        entries ``0 .. E-1``. Returns the index queries (``IndexQueries``, with their graph to the indexer's maps)
+        and the selection (B, Tq, min(topk, E)) int64: the ``top_k`` of ``index_scores``, computed in query chunks
+        (``chunk``, default from ``WORKING_BYTES``) without gradients, from queries and keys ``fake_quant``-ised
+        to ``selection.quant`` (the returned queries are not)."""
         B, T, _ = x.shape
         q = self.rotary(self.q_proj(latent).view(B, T, self.heads, self.head_dim), positions)  # (B, T, Hi, Di)
-        w = self.weights_proj(x).float() * self.heads**-0.5  # (B, T, Hi)
-        dots = torch.einsum("bthd,bed->bthe", q.float(), keys.float())  # (B, T, Hi, E)
-        scores = (torch.relu(dots) * self.head_dim**-0.5 * w[..., None]).sum(2)  # (B, T, E)
-        q_pos = torch.arange(q_start, q_start + T, device=x.device)
-        visible = compressed_mask(q_pos, keys.shape[1], stride)  # (T, E)
-        scores = scores.masked_fill(~visible, float("-inf")) + 0.0  # + 0.0: -0.0 (a negative weight x 0) -> 0.0
-        return scores, top_k(scores, self.topk)
+        queries = IndexQueries(q.float(), self.weights_proj(x).float() * self.heads**-0.5)  # w: (B, T, Hi)
+        E = keys.shape[1]
+        c = query_chunk(index_working_bytes(B, 1, self.heads, E), T, chunk)
+        scored = IndexQueries(fake_quant(queries.q.detach(), self.quant), queries.w.detach())
+        scored_keys = fake_quant(keys.detach().float(), self.quant)  # (B, E, Di)
+
+        def scores_of(t0: int, t1: int, n: int) -> torch.Tensor:
+            return index_scores(scored.span(t0, t1), scored_keys[:, :n], q_start + t0, stride)
+
+        with torch.no_grad():
+            selected = chunked_top_k(scores_of, T, E, q_start, stride, self.topk, c)
+        return queries, selected

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from safetensors import SafetensorError
 
 from ckv.config import ConfigError
 from ckv.device import resolve_device
 from ckv.eval.memory import ModelMemory, hf_model_memory
-from ckv.eval.models import LoadedModel, ModelFacts, facts_fields
+from ckv.eval.models import CheckpointMismatchError, LoadedModel, ModelFacts, facts_fields
 from ckv.eval.scoring import check_chunk
 from ckv.eval.vocab import HFTokenizer
 from ckv.io.weights import check_finite
@@ -154,9 +155,12 @@ def load_hf_model(
     p = Path(path)
     dev = resolve_device(device, "device")
     device_map = device_map_for(dev)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p), dtype=facts.dtype, local_files_only=True, trust_remote_code=trust_remote_code, device_map=device_map
-    )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), dtype=facts.dtype, local_files_only=True, trust_remote_code=trust_remote_code, device_map=device_map
+        )
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a corrupt or missing weights file
+        raise CheckpointMismatchError(f"cannot load the weights of {p}: {e}") from e
     if device_map is None:
         model = model.to(dev)
     else:  # inputs go to the device of the first layers (the embedding)

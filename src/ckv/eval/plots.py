@@ -23,6 +23,7 @@ from ckv.eval.stats import gap_is_real
 PathLike = Union[str, Path]
 PCT = 100.0
 DPI = 120
+MAX_TICKS = 8  # tick labels on a small panel's x-axis
 
 
 def _pct(x: Optional[float]) -> float:
@@ -47,6 +48,14 @@ def _save(fig: Figure, path: PathLike) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p, dpi=DPI, bbox_inches="tight")
     return p
+
+
+def percent_axis(ax: Axes, top: float = 100.0) -> None:
+    """A probability (percent) y-axis from 0 to ``top`` (at most 100): never below 0 or above 100%. Call it after
+    drawing: the lines and markers are drawn unclipped, so points at exactly 0% or 100% stay whole."""
+    ax.set_ylim(0.0, min(100.0, top))
+    for artist in (*ax.lines, *ax.collections):
+        artist.set_clip_on(False)
 
 
 def gap_text(grouping: dict, unit: str = "pp") -> str:
@@ -96,7 +105,7 @@ def _group_curve(
     )
     if mean["lower"] is not None and color is None:
         ax.axhspan(_pct(mean["lower"]), _pct(mean["upper"]), color="0.85", zorder=0)
-    ax.set_ylim(-3, 103)
+    percent_axis(ax)
     ax.set_ylabel("top-1 accuracy (%)")
     ax.grid(axis="y", alpha=0.3)
 
@@ -142,7 +151,7 @@ def plot_lookup(report: dict, path: PathLike, title: str) -> Path:
         score = "n/a" if per["score"] is None else f"{per['score']:.2f}"
         dom = "none" if per["dominant_period"] is None else f"{per['dominant_period']:g}"
         extra = f" | periodicity at {S}: {score} (chance {per['chance']:.2f}), dominant period {dom}"
-    fig.suptitle(f"{title}: lookup, n={report['n_prompts']} targets{extra}", fontsize=10)
+    fig.suptitle(f"{title}: {report['name']}, n={report['n_prompts']} targets{extra}", fontsize=10)
     return _save(fig, path)
 
 
@@ -161,13 +170,16 @@ def plot_lookup_comparison(items: Sequence[tuple[str, dict]], path: PathLike, nc
     nrows = -(-n // ncols)
     fig = Figure(figsize=(4.2 * ncols, 3.4 * nrows))
     axes = np.atleast_1d(fig.subplots(nrows, ncols, sharey=True, squeeze=False)).ravel()
-    for ax, (label, rep) in zip(axes, items):
+    for i, (ax, (label, rep)) in enumerate(zip(axes, items)):
         res = rep["residue"]
         _group_curve(ax, res, stride=rep["stride"])
         ax.set_title(f"{label}\nmean {_fmt_pct(res['mean']['value'])}%, residue {gap_text(res)}", fontsize=8)
         colour = f"; colour = phase (mod {rep['stride']})" if rep["stride"] else ""
         ax.set_xlabel(f"residue (mod {rep['modulus']}){colour}", fontsize=8)
-        ax.set_xticks(range(0, rep["modulus"], rep["stride"] or 1))
+        # every stride-th residue; without a stride at most MAX_TICKS, so that the labels never run together
+        ax.set_xticks(range(0, rep["modulus"], rep["stride"] or -(-rep["modulus"] // MAX_TICKS)))
+        if i % ncols:
+            ax.set_ylabel("")  # the shared axis is labelled once per row
         ax.legend(fontsize=7, loc="best")
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -209,7 +221,7 @@ def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Pat
     ax.set_xticks(range(S))
     ax.set_xlabel("phase of the target position (position mod stride)")
     ax.set_ylabel("top-1 accuracy (%)")
-    ax.set_ylim(-3, 103)
+    percent_axis(ax)
     ax.grid(axis="y", alpha=0.3)
     # below the axes: inside, it would hide the worst phases, which sit at the bottom
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2 if len(items) > 4 else 1)
@@ -240,7 +252,7 @@ def plot_probe(report: dict, path: PathLike, title: str) -> Path:
     top_p = max(
         (PCT * np.exp(r[f"logp[{lab}]"]) for r in rows for lab in labels if r[f"logp[{lab}]"] is not None), default=1.0
     )
-    ax.set_ylim(-2, min(103.0, 1.15 * top_p + 3))  # small probabilities stay visible
+    percent_axis(ax, 1.15 * top_p + 3)  # small probabilities stay visible
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, title="filled: the full-vocabulary top-1", title_fontsize=8)
     per = report.get("periodicity") or {}

@@ -85,6 +85,22 @@ def build_task(spec: Any, model: ModelFacts, limit: Optional[int] = None) -> Any
     return task_type(spec).build(spec, model, limit)
 
 
+def plot_title(model: ModelFacts) -> str:
+    """Who a plot is about: the model's name and, for a ckv run, its run folder (Hydra names it by the overrides
+    and seed, so the runs of a sweep, which share a name, differ), attention geometry, seed and checkpoint step."""
+    info = model.info
+    if not info.get("run_dir"):
+        return model.name
+    folder = Path(info["run_dir"]).name
+    att = info.get("attention") or {}
+    what = (
+        f"W{att['window']}/S{att['stride']} {att['pooling']}" if att.get("stride") else f"{att.get('kind')} attention"
+    )
+    seed = "" if f"seed={info.get('seed')}" in folder else f", seed {info.get('seed')}"
+    step = "" if info.get("step") is None else f", step {info['step']}"
+    return f"{model.name}/{folder} ({what}{seed}{step})"
+
+
 def output_dir(model: ModelFacts, spec: Any, options: RunOptions) -> Path:
     """``options.out_dir`` or ``<model's eval folder>/<task name>``."""
     if options.out_dir:
@@ -123,7 +139,7 @@ def evaluate(
     write_json(out / RESULTS_JSON, results)
     write_csv(out / RESULTS_CSV, result.rows)
     if options.plots:
-        kind.plot(result.report, out / f"{spec.name}.png", model.name)
+        kind.plot(result.report, out / f"{spec.name}.png", plot_title(model))
     return results, out
 
 

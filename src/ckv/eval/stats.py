@@ -241,7 +241,7 @@ def gap_is_real(
 
 
 # ---- flatness: equivalence and power ---------------------------------------------------------------------------
-VERDICTS = ("gap", "flat", "undecided")
+VERDICTS = ("gap", "flat", "undecided", "not learned")
 
 
 def gap_upper_bound(replicates: np.ndarray, alpha: float = 0.05) -> Optional[float]:
@@ -271,10 +271,19 @@ def is_flat(upper_bound: Optional[float], margin: float) -> bool:
     return upper_bound is not None and upper_bound < margin
 
 
-def gap_verdict(real: bool, flat: bool) -> str:
-    """One of ``VERDICTS``: ``flat`` when the equivalence test says so (a real gap smaller than the margin is
-    still flat at that margin), else ``gap`` when the gap is real (``gap_is_real``), else ``undecided``: the
-    evaluation can tell neither (too few prompts for the margin, or a gap between the noise and the margin)."""
+def is_learned(mean_upper: Optional[float], margin: float) -> bool:
+    """Whether flatness can mean anything: the mean accuracy's upper bound reaches the equivalence ``margin``. A
+    model under it (e.g. 0% everywhere) has every gap under the margin whatever its phases do."""
+    return mean_upper is not None and mean_upper >= margin
+
+
+def gap_verdict(real: bool, flat: bool, learned: bool = True) -> str:
+    """One of ``VERDICTS``: ``not learned`` when the model's accuracy is itself under the margin (``is_learned``),
+    else ``flat`` when the equivalence test says so (a real gap smaller than the margin is still flat at that
+    margin), else ``gap`` when the gap is real (``gap_is_real``), else ``undecided``: the evaluation can tell
+    neither (too few prompts for the margin, or a gap between the noise and the margin)."""
+    if not learned:
+        return "not learned"
     return "flat" if flat else "gap" if real else "undecided"
 
 
@@ -527,7 +536,8 @@ def summarize_groups(
     boot_kind = CLUSTER_BOOTSTRAP if clusters is not None else BOOTSTRAP
     real = gap_is_real(perm.p_value, _finite(gap.lower), perm.noise_floor, options.alpha)
     upper_one_sided = gap_upper_bound(boot_groups, options.alpha)
-    flat = is_flat(upper_one_sided, options.equivalence_margin)
+    learned = is_learned(_finite(mean.upper), options.equivalence_margin)
+    flat = learned and is_flat(upper_one_sided, options.equivalence_margin)
     mde = minimum_detectable_gap(correct, groups, n_groups, clusters, perm, options.mde_power, options.seed)
     out: dict = {
         "groups": [
@@ -570,7 +580,7 @@ def summarize_groups(
             "upper_one_sided_level": 1 - options.alpha,
             "margin": options.equivalence_margin,
             "flat": flat,
-            "verdict": gap_verdict(real, flat),
+            "verdict": gap_verdict(real, flat, learned),
             "mde": mde,
             "mde_power": options.mde_power,
             "alpha": options.alpha,

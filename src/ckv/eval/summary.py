@@ -95,15 +95,23 @@ def summary_row(label: str, results: dict) -> dict:
 
 
 def check_comparable(rows: Sequence[dict]) -> None:
-    """Runs of one summary are compared on one yardstick: the residue gap needs the same modulus for all runs
-    (``ConfigError`` otherwise: one line from eval.py); a full-attention control's phase gap is comparable only at a
-    stride some
-    compressed run has (a warning otherwise)."""
+    """Runs of one summary are compared on one yardstick: the residue gap needs the same modulus for all runs, and
+    every run the same number of prompts (``ConfigError`` otherwise: one line from eval.py); a full-attention
+    control's phase gap is comparable only at a stride some compressed run has (a warning otherwise)."""
     moduli = sorted({r["modulus"] for r in rows})
     if len(moduli) > 1:
         raise ConfigError(
             f"the runs were evaluated with different task.modulus {moduli}: their residue gaps are not "
             "comparable; re-evaluate them with one modulus (summary_rerun=true)"
+        )
+    counts: dict[int, list[str]] = {}
+    for r in rows:
+        counts.setdefault(r["n_prompts"], []).append(r["run"])
+    if len(counts) > 1:
+        shown = "; ".join(f"{n:,}: {runs[:3]}{' ...' if len(runs) > 3 else ''}" for n, runs in sorted(counts.items()))
+        raise ConfigError(
+            f"the runs were evaluated on different numbers of prompts ({shown}; a different limit=?): a grid cell "
+            "would average unequal evaluations; re-evaluate them alike (summary_rerun=true, one limit)"
         )
     strides = {r["stride"] for r in rows if r["stride"] is not None}
     for r in rows:

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from ckv.config import ModelConfig
 
 BY = ("indexer", "oracle")  # what ranks the entries: the lightning indexer, or the main attention's dense mass
+# how the selection's index queries and keys are fake-quantised, and the block of head_dim dims sharing one scale:
+# fp8 (e4m3) in blocks of 128 as DeepSeek-V3.2's indexer (``act_quant(q, block_size=128)``), fp4 (e2m1) in
+# blocks of 32 as the MXFP4 format
+QUANT_BLOCK = {"none": 0, "fp8": 128, "fp4": 32}
 
 
 @dataclass
@@ -36,18 +40,35 @@ class SelectionConfig(OptionGroup):
     training loss fits (``ckv.train.indexer``), so the oracle is a perfect indexer, and a study can tell "the
     indexer picks wrong" from "top-k itself loses the record". It has no parameters (no indexer module: ``heads``
     and ``head_dim`` are unused), no extra cache, and costs one dense attention pass per layer for its log-sum-exp
-    (``flops_per_scored_entry``: ``4 H D`` per (query, visible entry); the local window's share is not counted)."""
+    (``flops_per_scored_entry``: ``4 H D`` per (query, visible entry); the local window's share is not counted).
+
+    ``quant``: ``none`` (fp32 scores), ``fp8`` or ``fp4``: the scores that select read index queries and keys
+    fake-quantised to that format with one fp32 scale per block of ``QUANT_BLOCK`` head dims (the whole head when
+    ``head_dim`` is smaller), as the real models serve their indexer (``ckv.attention.indexer.fake_quant``); the
+    indexer's training loss stays fp32. Indexer only."""
 
     name: ClassVar[str] = "selection"
     topk: int = 512
     heads: int = 64
     head_dim: int = 128
     by: str = "indexer"
+    quant: str = "none"
 
     def __post_init__(self) -> None:
         for field in ("topk", "heads", "head_dim"):
             check_int(f"attention.selection.{field}", getattr(self, field), minimum=1)
         check_choice("attention.selection.by", self.by, BY)
+        check_choice("attention.selection.quant", self.quant, tuple(QUANT_BLOCK))
+        if self.quant != "none" and self.oracle:
+            raise ConfigError(
+                f"attention.selection.quant={self.quant!r} quantises the lightning indexer, but by='oracle' has none"
+            )
+        block = QUANT_BLOCK[self.quant]
+        if block and self.head_dim > block and self.head_dim % block:
+            raise ConfigError(
+                f"attention.selection.head_dim={self.head_dim} must be a multiple of quant={self.quant!r}'s block of "
+                f"{block} dims (or at most {block})"
+            )
 
     @property
     def oracle(self) -> bool:

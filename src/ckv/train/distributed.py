@@ -101,7 +101,15 @@ def import_deepspeed(device: str) -> ModuleType:
     if want == "cpu":
         import deepspeed.ops
 
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        # the first access probes every op; the libaio probe's compiler calls are logged at INFO on the root logger
+        # (distutils), which Hydra prints to stdout: two stray "gcc ... -laio" lines. Warnings and errors still show.
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(max(level, logging.WARNING))
+        try:
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        finally:
+            root.setLevel(level)
     return deepspeed
 
 

@@ -15,39 +15,55 @@ the queries with a non-empty ``S_t`` and over layers; the trainer adds ``weight`
 
 Two stages: first a dense stage, where every layer attends to every visible entry (the hook hands the layer no
 selection) and ``S_t`` is every visible entry; then sparse training: the layers attend to the indexer's top-k,
-``S_t`` is the selected entries, and the model trains on the LM loss while the indexer trains on its KL. The dense
-stage is either ``warmup_steps`` of warm-up, where only the indexer trains (the LM loss is not backpropagated and
-the other parameters' learning rate is 0: V4's warm-up of an indexer added to a dense-trained model), or
-``dense_steps`` of dense training, where the whole model trains on the LM loss and the indexer on its KL at once
-(neither loss reaches the other's parameters, so this is V4's dense pre-training and indexer warm-up in one stage,
-for a model trained from scratch).
+``S_t`` is the selected entries, and the model trains on the LM loss while the indexer trains on its KL. The sparse
+stage's KL over the selected set only is DeepSeek-V3.2's (DeepSeek-V3.2-Exp technical report,
+github.com/deepseek-ai/DeepSeek-V3.2-Exp ``DeepSeek_V3_2.pdf``, "Sparse Training Stage":
+``L_I = sum_t KL(p_{t, S_t} || softmax(I_{t, S_t}))``, ``S_t`` the selected tokens); ``lse`` is then the sparse
+softmax's, over the selected entries, window and sink, as the layer computed it. The dense stage is either
+``warmup_steps`` of warm-up, where only the indexer trains (the LM loss is not backpropagated and the other
+parameters' learning rate is 0: V4's warm-up of an indexer added to a dense-trained model), or ``dense_steps`` of
+dense training, where the whole model trains on the LM loss and the indexer on its KL at once (neither loss
+reaches the other's parameters, so this is V4's dense pre-training and indexer warm-up in one stage, for a model
+trained from scratch).
 
-Recall (logged): for each query whose selection binds (more visible entries than ``topk``), the fraction of the
-main attention's mass on its ``topk`` heaviest visible entries that lies on entries the indexer selected; the mass
-is the dense joint softmax's (in sparse training its log-sum-exp is extended by the unselected visible entries), so
-a perfect indexer scores 1 and one that picks at random ``topk / visible`` on average.
+Memory (``indexer_loss``): the KL runs in query chunks sized from ``ckv.attention.indexer.WORKING_BYTES`` by
+``kl_working_bytes``, each chunk under activation checkpointing, so neither its forward nor its backward holds a
+``(B, T, heads, entries)`` tensor. The sparse stage needs only the selected entries: the main logits of the
+``K`` selected entries per query (``(B, chunk, H, K)``, their keys gathered) and the indexer's scores recomputed
+for them from the index queries and the gathered index keys (``(B, chunk, K, head_dim)``); the dense stage the
+``(B, chunk, heads, visible entries)`` logits of one chunk at a time.
+
+Recall (logged), on a sample: for each sampled query whose selection binds (more visible entries than
+``topk``), the fraction of the main attention's mass on its ``topk`` heaviest visible entries that lies on entries
+the indexer selected; the mass is the dense joint softmax's (in sparse training its log-sum-exp is extended by the
+unselected visible entries), so a perfect indexer scores 1 and one that picks at random ``topk / visible`` on
+average. The exact recall needs that dense softmax over every visible entry of every query, so it is measured on
+at most ``RECALL_QUERIES`` (256) binding query positions per layer and forward, every sequence of the batch at each
+(``recall_queries``: all binding positions when there are at most 256, else 256 evenly spaced from the first
+binding position to the last; deterministic), and averaged over them.
 
 Like ``ckv.train.gate_entropy`` the model carries nothing for this: forward hooks on every ``LightningIndexer``
-(reading its scores and selection, and returning no selection during the warm-up) and on every layer's
-``attend`` (reading its queries, entries and log-sum-exp). They act only while their module trains with
+(reading its index queries, keys and selection, and returning no selection during the dense stage) and on every
+layer's ``attend`` (reading its queries, entries and log-sum-exp). They act only while their module trains with
 gradients enabled (validation, evaluation and decoding are untouched), and terms are kept only between ``start``
-and ``finish`` of one micro-step (the forward that activation checkpointing replays in backward is dropped).
-Memory: the target needs every (query, head, entry) logit, ``B * T * H * E`` fp32, as the reference attention's
-scores do.
+and ``finish`` of one micro-step (the forward that activation checkpointing replays in backward recomputes the
+loss, for its saved tensors, and drops it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ckv.attention.compressed import CompressedAttention
-from ckv.attention.indexer import entry_logits, top_k
+from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, query_chunk, top_k
 from ckv.config import ConfigError, check_float, check_int
+from ckv.geometry import compressed_mask, visible_entries
 
 
 @dataclass
@@ -77,6 +93,20 @@ class IndexerTrainingConfig:
         return self.warmup_steps + self.dense_steps
 
 
+RECALL_QUERIES = 256  # query positions per layer and forward whose recall is measured (``recall_queries``)
+
+
+def kl_working_bytes(batch: int, chunk: int, heads: int, index_heads: int, entries: int, gathered: int = 0) -> int:
+    """Bytes one query chunk of the indexer's KL holds at once, in its forward or its recomputation in backward:
+    two fp32 ``(batch, chunk, heads, entries)`` copies of the main attention's logits (the target), five of the
+    indexer's ``(batch, chunk, index_heads, entries)`` dots (product, ReLU, weighted copy and two gradients), ten
+    fp32 ``(batch, chunk, entries)`` rows (target, scores, masks, log-softmax and their gradients) and ``gathered``
+    fp32 elements per (query, entry) copied per query (the sparse stage's selected entries: ``KV * D`` main keys,
+    and ``2 * head_dim`` for the index keys and their gradient). ``entries``: the visible entries (dense stage) or
+    the top-k (sparse stage)."""
+    return 4 * batch * chunk * entries * (2 * heads + 5 * index_heads + 10 + gathered)
+
+
 def _listed(selected: torch.Tensor, n_entries: int) -> torch.Tensor:
     """(B, Tq, E) bool: entry ``s`` is listed in row ``[b, t]`` of ``selected`` (-1: an empty slot). Unchecked
     (the layer's attention already checked it), so no host sync."""
@@ -86,47 +116,139 @@ def _listed(selected: torch.Tensor, n_entries: int) -> torch.Tensor:
     return listed[..., :n_entries]
 
 
-def indexer_loss_and_recall(
+def _kl_chunk(
+    queries: IndexQueries,
+    keys: torch.Tensor,
     q: torch.Tensor,
     kc: torch.Tensor,
     lse: torch.Tensor,
-    scores: torch.Tensor,
-    selected: torch.Tensor,
-    topk: int,
-    dense: bool,
+    selected: Optional[torch.Tensor],
+    q_start: int,
+    stride: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's KL term and recall (module docstring), both 0-d fp32.
-
-    q (B, Tq, H, D), kc (B, E, KV, D), lse (B, Tq, H): the joint softmax's queries, entries and log-sum-exp
-    (detached here); scores (B, Tq, E): the indexer's (``-inf`` exactly where an entry is not visible; the only
-    input with a gradient); selected (B, Tq, K): its top-k; ``dense``: the layer attended to every visible entry
-    (warm-up) rather than to the selection. The KL is the mean over queries with a non-empty set (0 when none);
-    the recall the mean over queries whose selection binds (NaN when none does)."""
-    q, kc, lse = q.detach(), kc.detach(), lse.detach().float()
-    visible = torch.isfinite(scores.detach())  # (B, T, E)
-    chosen = _listed(selected, kc.shape[1]) & visible
-    attended = visible if dense else chosen  # the entries in the joint softmax, and the KL's set
-    logits = entry_logits(q, kc)  # (B, T, H, E)
-    mass = torch.exp(logits - lse[..., None]).masked_fill(~attended[:, :, None], 0.0).sum(2)  # (B, T, E)
-    total = mass.sum(-1, keepdim=True)
-    rows = attended.any(-1) & (total[..., 0] > 0)  # (B, T): queries with a target
-    target = mass / total.clamp_min(1e-30)
+    """The KL summed over one chunk of queries (those with a target) and their number, both 0-d. ``queries`` and
+    q (B, c, H, D), lse (B, c, H), ``selected`` (B, c, K) are the chunk's rows (grid positions ``q_start ..``),
+    keys (B, E, Di) and kc (B, E, KV, D) every entry; ``selected`` None: the dense stage, the KL over every
+    visible entry; else over the selected ones, gathered: (B, c, K, KV, D) entries and (B, c, K, Di) index keys."""
+    B, T = q.shape[:2]
+    with torch.no_grad():
+        if selected is None:
+            n = min(kc.shape[1], visible_entries(q_start + T - 1, stride))  # the entries visible to the chunk
+            attended = compressed_mask(torch.arange(q_start, q_start + T, device=q.device), n, stride)[None]
+            logits = entry_logits(q, kc[:, :n])  # (B, c, H, n)
+        else:
+            attended = selected >= 0  # (B, c, K): top_k lists visible entries only
+            at = (torch.arange(B, device=q.device)[:, None, None], selected.clamp_min(0))
+            logits = entry_logits(q, kc[at])  # (B, c, H, K)
+        mass = torch.exp(logits - lse.float()[..., None]).masked_fill(~attended[:, :, None], 0.0).sum(2)
+        total = mass.sum(-1, keepdim=True)
+        rows = attended.any(-1) & (total[..., 0] > 0)  # (B, c): queries with a target
+        target = mass / total.clamp_min(1e-30)
+    scores = index_scores(queries, keys[:, :n] if selected is None else keys[at])  # (B, c, n or K)
     # rows without a target get finite scores (0): a log-softmax over nothing would put NaN into the gradient
     masked = scores.masked_fill(~attended, float("-inf")).masked_fill(~rows[..., None], 0.0)
     log_q = torch.log_softmax(masked, dim=-1).masked_fill(~attended, 0.0)
-    kl = (torch.xlogy(target, target) - target * log_q).sum(-1)  # (B, T)
-    loss = kl[rows].sum() / rows.sum().clamp_min(1)
+    kl = (torch.xlogy(target, target) - target * log_q).sum(-1)  # (B, c)
+    return torch.where(rows, kl, 0.0).sum(), rows.sum()
 
-    with torch.no_grad():
-        unselected = visible & ~attended  # entries the sparse softmax left out: extend its log-sum-exp by them
-        extra = logits.masked_fill(~unselected[:, :, None], float("-inf"))
-        dense_lse = torch.logsumexp(torch.cat([lse[..., None], extra], dim=-1), dim=-1)  # (B, T, H)
-        p = torch.exp(logits - dense_lse[..., None]).masked_fill(~visible[:, :, None], 0.0).sum(2)  # (B, T, E)
-        heaviest = _listed(top_k(p.masked_fill(~visible, float("-inf")), topk), kc.shape[1])
-        binding = visible.sum(-1) > topk  # (B, T)
-        caught = (p * (heaviest & chosen)).sum(-1) / (p * heaviest).sum(-1).clamp_min(1e-30)
-        recall = caught[binding].mean() if binding.any() else caught.new_full((), float("nan"))
-    return loss, recall
+
+def indexer_loss(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    lse: torch.Tensor,
+    queries: IndexQueries,
+    keys: torch.Tensor,
+    selected: Optional[torch.Tensor],
+    q_start: int,
+    stride: int,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """One layer's KL term (module docstring), 0-d fp32: the mean over queries with a non-empty set (0 when none).
+
+    q (B, Tq, H, D), kc (B, E, KV, D), lse (B, Tq, H): the joint softmax's queries, entries and log-sum-exp
+    (detached here); ``queries`` (B, Tq, Hi, Di) and keys (B, E, Di): the indexer's (the only inputs with a
+    gradient), queries at grid positions ``q_start ..``; ``selected`` (B, Tq, K): the entries the layer attended
+    (the sparse stage), or None: every visible entry (the dense stage). In query chunks (``chunk``, default from
+    ``WORKING_BYTES`` by ``kl_working_bytes``), each under activation checkpointing: backward recomputes a
+    chunk's logits instead of keeping them."""
+    q, kc, lse = q.detach(), kc.detach(), lse.detach()
+    B, T, H, D = q.shape
+    KV, Hi, Di = kc.shape[2], queries.q.shape[2], queries.q.shape[3]
+    if selected is None:
+        per_query = kl_working_bytes(B, 1, H, Hi, kc.shape[1])
+    else:
+        per_query = kl_working_bytes(B, 1, H, Hi, selected.shape[-1], gathered=KV * D + 2 * Di)
+    c = query_chunk(per_query, T, chunk)
+    total, rows = torch.zeros((), device=q.device), torch.zeros((), dtype=torch.long, device=q.device)
+    for t0 in range(0, T, c):
+        t1 = min(T, t0 + c)
+        part = None if selected is None else selected[:, t0:t1]
+        kl, n = checkpoint(
+            _kl_chunk,
+            queries.span(t0, t1),
+            keys,
+            q[:, t0:t1],
+            kc,
+            lse[:, t0:t1],
+            part,
+            q_start + t0,
+            stride,
+            use_reentrant=False,
+        )
+        total, rows = total + kl, rows + n
+    return total / rows.clamp_min(1)
+
+
+def recall_queries(n_queries: int, n_entries: int, q_start: int, stride: int, topk: int, sample: int) -> torch.Tensor:
+    """(n,) int64: the queries (of ``n_queries`` at grid positions ``q_start ..`` over ``n_entries`` entries) whose
+    recall is measured: those whose selection binds (more visible entries than ``topk``), all of them when at most
+    ``sample``, else ``sample`` of them evenly spaced from the first to the last (deterministic)."""
+    visible = torch.clamp(visible_entries(torch.arange(q_start, q_start + n_queries), stride), max=n_entries)
+    binding = torch.nonzero(visible > topk)[:, 0]
+    if len(binding) <= sample:
+        return binding
+    return binding[torch.linspace(0, len(binding) - 1, sample).round().long()]
+
+
+@torch.no_grad()
+def indexer_recall(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    lse: torch.Tensor,
+    selected: torch.Tensor,
+    q_start: int,
+    stride: int,
+    topk: int,
+    dense: bool,
+    sample: int = RECALL_QUERIES,
+    chunk: Optional[int] = None,
+) -> torch.Tensor:
+    """One layer's recall (module docstring), 0-d fp32: the mean over the batch and the ``recall_queries`` sample
+    (NaN when no selection binds). q (B, Tq, H, D), kc (B, E, KV, D), lse (B, Tq, H) as ``indexer_loss``;
+    ``selected`` (B, Tq, K) the indexer's top-k; ``dense``: ``lse`` covers every visible entry (the dense stage),
+    else only the selected ones (it is extended by the others). The sample's rows go ``chunk`` at a time (default
+    from ``WORKING_BYTES``: ``kl_working_bytes`` with twice the heads for the extended log-sum-exp)."""
+    B, T, H, _ = q.shape
+    E = kc.shape[1]
+    picked = recall_queries(T, E, q_start, stride, topk, sample)  # on the host: no sync for the chunks' sizes
+    c = query_chunk(kl_working_bytes(B, 1, 2 * H, 0, E), len(picked), chunk)
+    caught = []
+    for i0 in range(0, len(picked), c):
+        n = min(E, visible_entries(q_start + int(picked[i0 : i0 + c][-1]), stride))  # rows ascend: the last sees most
+        rows = picked[i0 : i0 + c].to(q.device)
+        visible = compressed_mask(q_start + rows, n, stride)  # (r, n)
+        chosen = _listed(selected[:, rows], n) & visible  # (B, r, n)
+        logits = entry_logits(q[:, rows], kc[:, :n])  # (B, r, H, n)
+        full_lse = lse[:, rows].float()  # (B, r, H)
+        if not dense:  # extend the sparse softmax's log-sum-exp by the visible entries it left out
+            extra = logits.masked_fill(~(visible & ~chosen)[:, :, None], float("-inf"))
+            full_lse = torch.logsumexp(torch.cat([full_lse[..., None], extra], dim=-1), dim=-1)
+        p = torch.exp(logits - full_lse[..., None]).masked_fill(~visible[:, None], 0.0).sum(2)  # (B, r, n)
+        heaviest = _listed(top_k(p.masked_fill(~visible, float("-inf")), topk), n)
+        caught.append((p * (heaviest & chosen)).sum(-1) / (p * heaviest).sum(-1).clamp_min(1e-30))  # (B, r)
+    if not caught:
+        return torch.full((), float("nan"), device=q.device)
+    return torch.cat(caught, dim=1).mean()
 
 
 class IndexerTraining:
@@ -144,7 +266,8 @@ class IndexerTraining:
         self.dense = False
         self._open = False
         self._terms: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer id -> (scores, selection)
+        # layer id -> the indexer's queries, keys and selection
+        self._pending: dict[int, tuple[IndexQueries, torch.Tensor, torch.Tensor]] = {}
         self._device = next(model.parameters()).device
         layers = [m for m in model.modules() if isinstance(m, CompressedAttention) and m.indexer is not None]
         if not layers:
@@ -157,7 +280,7 @@ class IndexerTraining:
     def _on_indexer(self, layer: CompressedAttention, module: nn.Module, args: Any, output: Any) -> Any:
         if not (module.training and torch.is_grad_enabled()):
             return None
-        self._pending[id(layer)] = output
+        self._pending[id(layer)] = (output[0], args[2], output[1])
         return (output[0], None) if self.dense else None  # None: keep the indexer's selection
 
     def _on_attend(
@@ -166,11 +289,13 @@ class IndexerTraining:
         record = self._pending.pop(id(layer), None)
         if record is None:  # not training
             return
-        scores, selected = record
-        q, kc = args[0], args[1]
-        term = indexer_loss_and_recall(q, kc, output[1], scores, selected, layer.indexer.topk, self.dense)
-        if self._open:  # a checkpointed layer's replay in backward computes the same ops, and is dropped here
-            self._terms.append(term)
+        queries, keys, selected = record
+        q, kc, lse, q_start, stride = args[0], args[1], output[1], kwargs["q_start"], kwargs["stride"]
+        # a checkpointed layer's replay in backward must compute the same loss (its saved tensors), then drops it
+        loss = indexer_loss(q, kc, lse, queries, keys, None if self.dense else selected, q_start, stride)
+        if self._open:
+            recall = indexer_recall(q, kc, lse, selected, q_start, stride, layer.indexer.topk, self.dense)
+            self._terms.append((loss, recall))
 
     def start(self, dense: bool = False) -> None:
         self.dense = dense

@@ -184,6 +184,12 @@ class _Loop:
                 + (torch.cuda.get_device_name() if env.device.type == "cuda" else "a CPU")
                 + "; set trainer.peak_flops (FLOP/s per device) to report it",
             ]
+        if t.compile:
+            notes = [
+                *notes,
+                "trainer.compile=true: the model compiles during the first step (a minute or more; validation "
+                "compiles once more); the ETA is measured from the second step",
+            ]
         for note in notes:
             self.log.message(note)
 
@@ -237,10 +243,13 @@ class _Loop:
     def run(self) -> Path:
         t = self.cfg.trainer
         last_time, last_step = time.perf_counter(), self.step
+        first = self.step + 1
         with StopRequest() as stop:
             while self.step < self.target:
                 lr = self.engine.lr
                 step_loss = self.train_step()
+                if self.step == first:  # compilation and warm-up happen in the first step: the ETA leaves it out
+                    self.log.start_clock(self.step)
                 if self.step % t.log_every == 0 or self.step == self.target:
                     # the LM loss ("loss" leaves the training-only terms out) and those terms, means over ranks
                     values = {"loss": step_loss}

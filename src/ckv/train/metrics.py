@@ -73,6 +73,7 @@ class MetricsLogger:
         self._bar: Optional[tqdm] = None
         self._show, self._start, self._total = show_progress, start_step, total_steps
         self._t0 = time.perf_counter()
+        self._rate_t0, self._rate_step = self._t0, start_step  # where the ETA's step rate is measured from
         if not enabled:
             return
         self._file = open(self.run_dir / METRICS_FILE, "a")
@@ -126,6 +127,11 @@ class MetricsLogger:
                 step=record["step"],
             )
 
+    def start_clock(self, step: int) -> None:
+        """Measure the ETA's step rate from ``step`` on: the steps before it (the first one compiles the model
+        with ``trainer.compile``, and warms up) are left out of the estimate."""
+        self._rate_t0, self._rate_step = time.perf_counter(), step
+
     def progress(self, step: int, **fields: Any) -> None:
         """Show progress at ``step`` with ``fields`` (e.g. loss, tokens/s): a live bar on a terminal, otherwise
         (SLURM logs, CI) one line per call with elapsed time and ETA."""
@@ -135,8 +141,12 @@ class MetricsLogger:
             self._bar.update(step - self._bar.n)
             self._bar.set_postfix(fields, refresh=False)
             return
-        elapsed = time.perf_counter() - self._t0
-        eta = elapsed / max(step - self._start, 1) * (self._total - step)
+        now = time.perf_counter()
+        elapsed = now - self._t0
+        if step > self._rate_step:  # the rate since start_clock
+            eta = (now - self._rate_t0) / (step - self._rate_step) * (self._total - step)
+        else:
+            eta = elapsed / max(step - self._start, 1) * (self._total - step)
         shown = " ".join(f"{k} {v}" for k, v in fields.items())
         print(
             f"step {step}/{self._total} ({100 * step / self._total:.0f}%) {shown} | elapsed {_clock(elapsed)} "

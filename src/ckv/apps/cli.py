@@ -1,0 +1,62 @@
+"""What the Hydra entry points (``train.py``, ``eval.py``) share: a composition or configuration error reported as
+one ``ckv: error: ...`` line with an exit code, instead of Hydra's multi-line report (its config search path, a
+hint to append an unknown key with ``+``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+HYDRA_ERRORS = (HydraException, OmegaConfBaseException)  # composition, overrides, interpolation, unknown keys
+
+
+def error_line(e: BaseException) -> str:
+    """The one line that reports a configuration or data error ``e``: an unknown key names the key (never a ``+``
+    to append it), an unknown group option lists the options."""
+    cause = e.__cause__
+    if isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        key = cause.full_key or str(cause).splitlines()[0]
+        message = f"{key} is not a setting ({str(cause).splitlines()[0]}); check its spelling"
+    elif isinstance(e, OverrideParseException):
+        message = f"cannot parse the override {e.override!r}: {e.message.splitlines()[0]}"
+    elif isinstance(e, MissingConfigException) and e.options:
+        message = f"{str(e).splitlines()[0]}; choose one of {sorted(e.options)}"
+    elif isinstance(e, OmegaConfBaseException):
+        message = str(e).splitlines()[0]  # the further lines repeat the key and the node type
+    else:
+        message = str(e)
+    return "ckv: error: " + " ".join(message.split())
+
+
+@contextmanager
+def one_line_errors(errors: tuple[type[BaseException], ...], exit_code: int) -> Iterator[None]:
+    """Turn ``errors`` into ``error_line`` on stderr and ``exit_code``; anything else keeps its traceback."""
+    try:
+        yield
+    except errors as e:
+        print(error_line(e), file=sys.stderr)
+        sys.exit(exit_code)
+
+
+def run_hydra_main(main: Callable[[], None], errors: tuple[type[BaseException], ...], exit_code: int) -> None:
+    """Call a ``@hydra.main`` function with Hydra's own errors (a bad override, an unknown config group option)
+    raised to here (``HYDRA_FULL_ERROR``) rather than printed by Hydra, and report them like ``errors``."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    with one_line_errors((*errors, *HYDRA_ERRORS), exit_code):
+        main()
+
+
+def remove_if_empty(folder: Path, stop: Path) -> None:
+    """Remove ``folder`` and then each parent below ``stop`` (kept) while it is empty (the folders Hydra made for a job
+    that failed before writing anything); a folder that holds anything is kept."""
+    stop = stop.resolve()
+    for d in (folder.resolve(), *folder.resolve().parents):
+        if d == stop or not d.is_relative_to(stop) or not d.is_dir() or any(d.iterdir()):
+            return
+        d.rmdir()
