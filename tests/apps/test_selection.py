@@ -42,14 +42,15 @@ def test_plan_trains_every_model_for_three_seeds_with_one_attention_option():
 @pytest.mark.parametrize("quick", [False, True])
 def test_every_run_composes_with_the_same_query_path_and_selection_binds(quick):
     """Every compressed arm has V4's rank-32 query latent; the sparse arm keeps at most 1/16 of the entries the
-    final query of the longest prompt sees; its indexer has a dense stage before sparse training."""
+    final query of the longest prompt sees; its indexer trains dense, warms up, then trains sparse."""
     for run in plan(SEEDS[:1], quick):
         cfg = _train_config([f"experiment={run.experiment}", *run.train_overrides, *(QUICK_TRAIN if quick else ())])
         query = cfg.attention.get("query")  # the AttentionConfig as a dict
         assert (query is not None and query["lora_rank"] == 32) == (run.role != "control"), run.name
         ix = cfg.trainer.indexer
         assert (ix.dense_stage > 0) == (run.role == "indexer") and ix.dense_stage < cfg.trainer.max_steps
-        if run.role == "indexer":
+        if run.role == "indexer":  # the three stages: dense training, the warm-up, then sparse training
+            assert ix.dense_steps > 0 and ix.warmup_steps > 0
             visible = cfg.data.lookup.max_len // STRIDE
             assert TOPK / visible <= 1 / 16, (TOPK, visible)
 

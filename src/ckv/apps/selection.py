@@ -2,16 +2,17 @@
 (docs/selection.md)
 
 One CPU task where selection binds like V4's (``conf/experiment/select_long.yaml``: make demo's model and split
-records, 248 of them, so the final query of a ~530-token prompt sees ~130 compressed entries at S = 4, of which
-top-``TOPK`` keeps at most 1/16) and three models, ``SEEDS`` each, with the SAME query path (V4's low-rank
-latent, rank 32) wherever attention is compressed:
+records, 120 of them and 56 queries, so the final query of a ~370-token prompt sees ~92 compressed entries at
+S = 4, of which top-``TOPK`` keeps at most 1/16) and three models, ``SEEDS`` each, with the SAME query path (V4's
+low-rank latent, rank 32) wherever attention is compressed:
 
 - ``dense``: V4's dense CSA (``deepseek_v4_csa``), trained dense, then SERVED on the same prompts by every
   selector of ``eval.py analysis=selection`` at top-``TOPK``: ``dense`` (every visible entry, the reference),
   ``oracle`` (the top-k of the layer's own dense attention mass: a perfect selector imposed at inference, not a
   training regime), ``random`` (k visible entries uniformly, seeded) and ``recency`` (the k most recent);
 - ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by
-  ``SPARSE_RECIPE`` (``trainer.indexer``, docs/training.md), served by its trained indexer (``model``) and by the
+  ``SPARSE_RECIPE`` (``trainer.indexer``, docs/training.md: dense training, the indexer's warm-up on the frozen
+  model, sparse training), served by its trained indexer (``model``) and by the
   same four selectors on its own weights (the oracle on the indexer's schedule);
 - ``full``: the full-attention control, which must learn the task (mean >= ``CONTROL_LEARNED`` in every seed).
 
@@ -57,14 +58,15 @@ from ckv.train.metrics import read_metrics
 EXPERIMENT = "select_long"
 SEEDS = (0, 1, 2)
 STRIDE = 4  # the compressed models' stride; full attention's phases are taken mod this
-TOPK = 8  # entries each query keeps: at most 1/16 of the ~130 visible at the final query
+TOPK = 4  # entries each query keeps: 1/23 of the ~92 visible at the final query (at most 1/16)
 # base examples of the evaluation (x 8 shifts: 1,024 prompts, a multiple of 8**2): the MDE column states what
 # that sample can resolve; the selection analysis scores them once per selector
 N_BASE = 128
-# the sparse model's training (trainer.indexer, docs/training.md) within select_long's trainer.max_steps; quick runs:
+# the sparse model's three stages (trainer.indexer, docs/training.md) within select_long's 600 steps: dense training,
+# the indexer's warm-up on the frozen model (DeepSeek-V3.2's dense warm-up), then sparse training; quick runs: of
 # QUICK_TRAIN's 12 steps
-SPARSE_RECIPE = ("trainer.indexer.dense_steps=450",)
-QUICK_SPARSE_RECIPE = ("trainer.indexer.dense_steps=9",)
+SPARSE_RECIPE = ("trainer.indexer.dense_steps=360", "trainer.indexer.warmup_steps=120")
+QUICK_SPARSE_RECIPE = ("trainer.indexer.dense_steps=6", "trainer.indexer.warmup_steps=3")
 LAYER = 0  # the criteria's layer: its entries pool the token embeddings, so "holds the record" is literal
 CONTROL_LEARNED = 0.80  # the control must reach this mean in every seed for the comparison to mean anything
 IMPOSED = ("dense", "oracle", "random", "recency")  # the selectors every compressed run is served by
