@@ -20,6 +20,7 @@ from ckv.apps.selection import (
     selector_row,
     selector_table,
     table,
+    verdict,
 )
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
@@ -93,15 +94,29 @@ def test_the_tables_and_the_criteria_read_every_seed():
             _row("full", "control", 1, 0.79, "flat")]  # fmt: skip
     sel = [
         _sel("dense", 0, "dense", (1.0, 1.0, 1.0), 0.5, None),
+        _sel("dense", 0, "random", (0.5, 0.4, 0.6), 0.5, (0.0, -0.02, 0.02)),
         _sel("sparse", 0, "model", (0.3, 0.2, 0.4), 0.5, (-0.1, -0.15, -0.05)),  # a deficit, and it costs accuracy
         _sel("sparse", 1, "model", (0.45, 0.3, 0.6), 0.5, (-0.1, -0.2, 0.01)),  # within the geometry's interval
     ]
     assert "dense/0" in table(rows) and " 90.0 " in table(rows) and "flat" in table(rows)
     text = selector_table(sel)
     assert "0.30 [0.20, 0.40]" in text and "-10.0 [-15.0, -5.0]" in text and "90.0/50.0 (30/70)" in text
-    found = criteria(rows, sel)
-    assert [c.passed for c in found] == [False, False, False]  # a control seed under 80%; seed 1 decides neither
-    assert "seed 1: 79.0%" in found[0].detail and "vs geometric 0.50" in found[1].detail
+    checks = criteria(rows, sel)
+    found = {c.claim.split(":")[0]: c for c in checks if not c.claim.startswith("P:")}
+    control, dense, random = [c for c in checks if c.claim.startswith("P:")]
+    assert not control.passed and "seed 1: 79.0%" in control.detail  # a control seed under 80%
+    assert dense.passed and random.passed and "dense/0: 0.50 [0.40, 0.60] vs 0.50" in random.detail
+    c1, c2 = found["C1 sparse served by its trained indexer"], found["C2 sparse served by its trained indexer"]
+    assert not c1.passed and not c2.passed and "vs geometric 0.50" in c1.detail  # seed 1 decides neither
+    assert found["verdict sparse served by its trained indexer"].detail == "undecided"
+
+
+def test_the_verdict_needs_every_seed():
+    creates = [_sel("sparse", s, "model", (0.3, 0.2, 0.4), 0.5, (-0.1, -0.15, -0.05)) for s in SEEDS]
+    assert verdict(creates) == "creates"
+    even = [_sel("sparse", s, "model", (0.7, 0.55, 0.9), 0.5, (0.0, -0.03, 0.03)) for s in SEEDS]
+    assert verdict(even) == "does not create"
+    assert verdict(creates[:2] + even[2:]) == "undecided" and verdict([]) == "undecided"
 
 
 def test_a_selector_row_pools_the_straddling_phases_of_one_layer():
@@ -140,4 +155,5 @@ def test_quick_selection_writes_the_tables_a_plot_and_a_record(tmp_path):
         assert (r["paired"] is None) == (r["selector"] == "dense")
         assert r["geometric_ratio"] is None or 0 < r["geometric_ratio"] < 1
     assert "vs dense pp" in proc.stdout and png_ok(Path(record["plot"]))
-    assert {c["claim"].split(":")[0] for c in record["criteria"]} >= {"sparse served by its trained indexer"}
+    claims = {c["claim"].split(":")[0] for c in record["criteria"]}
+    assert {"C1 sparse served by its trained indexer", "C2 dense served by oracle"} <= claims

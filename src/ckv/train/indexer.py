@@ -1,5 +1,5 @@
 """Training the lightning indexer (``trainer.indexer``, docs/training.md "Training the lightning indexer"):
-DeepSeek-V3.2/V4's recipe, a training-only loss hooked onto the model.
+DeepSeek-V3.2's recipe (V4 keeps its lightning indexer), a training-only loss hooked onto the model.
 
 Top-k selection is hard, so the language-model loss gives the indexer no gradient (and its inputs are detached:
 ``CompressedAttention``). The indexer learns from its own loss instead, per query ``t`` of every layer with an
