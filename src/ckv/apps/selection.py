@@ -2,8 +2,8 @@
 (docs/selection.md)
 
 One CPU task where selection binds like V4's (``conf/experiment/select_long.yaml``: make demo's model and split
-records, 120 of them and 56 queries, so the final query of a ~370-token prompt sees ~92 compressed entries at
-S = 4, of which top-``TOPK`` keeps at most 1/16) and three models, ``SEEDS`` each, with the SAME query path (V4's
+records, 64 of them and 56 queries, so the final query of a prompt of up to 259 tokens sees up to 64 compressed
+entries at S = 4, of which top-``TOPK`` keeps 1/16) and three models, ``SEEDS`` each, with the SAME query path (V4's
 low-rank latent, rank 32) wherever attention is compressed:
 
 - ``dense``: V4's dense CSA (``deepseek_v4_csa``), trained dense, then SERVED on the same prompts by every
@@ -58,14 +58,14 @@ from ckv.train.metrics import read_metrics
 EXPERIMENT = "select_long"
 SEEDS = (0, 1, 2)
 STRIDE = 4  # the compressed models' stride; full attention's phases are taken mod this
-TOPK = 4  # entries each query keeps: 1/23 of the ~92 visible at the final query (at most 1/16)
+TOPK = 4  # entries each query keeps: 1/16 of the up to 64 visible at the final query
 # base examples of the evaluation (x 8 shifts: 1,024 prompts, a multiple of 8**2): the MDE column states what
 # that sample can resolve; the selection analysis scores them once per selector
 N_BASE = 128
-# the sparse model's three stages (trainer.indexer, docs/training.md) within select_long's 600 steps: dense training,
+# the sparse model's three stages (trainer.indexer, docs/training.md) within select_long's 2,000 steps: dense training,
 # the indexer's warm-up on the frozen model (DeepSeek-V3.2's dense warm-up), then sparse training; quick runs: of
 # QUICK_TRAIN's 12 steps
-SPARSE_RECIPE = ("trainer.indexer.dense_steps=360", "trainer.indexer.warmup_steps=120")
+SPARSE_RECIPE = ("trainer.indexer.dense_steps=1200", "trainer.indexer.warmup_steps=400")
 QUICK_SPARSE_RECIPE = ("trainer.indexer.dense_steps=6", "trainer.indexer.warmup_steps=3")
 LAYER = 0  # the criteria's layer: its entries pool the token embeddings, so "holds the record" is literal
 CONTROL_LEARNED = 0.80  # the control must reach this mean in every seed for the comparison to mean anything
