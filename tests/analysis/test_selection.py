@@ -16,15 +16,14 @@ from ckv.analysis.selection import (
     ImposedSelection,
     SelectionOutcome,
     chosen_entries,
+    imposed_selection,
     paired_differences,
     random_cover_probability,
     selection,
     selector_rows,
-    selector_scores,
     straddling_phases,
     target_entries,
 )
-from ckv.attention.indexer import top_k
 from ckv.config import ConfigError
 from ckv.eval import load_ckv_model
 from tests.helpers import small_config
@@ -52,7 +51,7 @@ def test_the_entries_holding_a_record_and_the_entries_a_query_attended():
 
 
 class _Attend(torch.nn.Module):
-    """Stands in for a layer's ``attend``: returns an ``lse`` that makes the oracle's scores the entry mass."""
+    """Stands in for a layer's ``attend``: an ``lse`` of 0 makes the oracle's scores the summed entry weights."""
 
     def forward(self, q, kc, *rest, **kwargs):
         B, T, H, _ = q.shape
@@ -62,8 +61,7 @@ class _Attend(torch.nn.Module):
 def _selections(selector: str, k: int, E: int = 6, T: int = 24, stride: int = 4, seed: int = 0) -> torch.Tensor:
     q, kc = torch.randn(2, T, 2, 8), torch.randn(2, E, 1, 8)
     gen = torch.Generator().manual_seed(seed)
-    scores = selector_scores(selector, _Attend(), (q, kc), dict(q_start=0, stride=stride), gen)
-    return top_k(scores, k)  # (B, T, k)
+    return imposed_selection(selector, _Attend(), (q, kc), dict(q_start=0, stride=stride), k, gen)  # (B, T, k)
 
 
 @pytest.mark.parametrize("selector", ["oracle", "random", "recency"])

@@ -11,7 +11,7 @@ its ``record_len`` tokens (``ckv.geometry.window_positions``, in the layer's gri
   halves of its key).
 
 ``selectors`` (default ``[model]``) serve the SAME weights on the same prompts, each in its own evaluation
-(``ImposedSelection``: forward hooks that replace the layer's selection, as the indexer's docstring allows):
+(``ImposedSelection``: forward pre-hooks that replace the layer's selection):
 
 - ``model``: the model as it is (its indexer's or oracle's top-k, or every visible entry without selection);
 - ``dense``: every visible entry (a selecting model served without selection);
@@ -121,63 +121,69 @@ def resolve_topk(settings: SelectionSettings, module: nn.Module, model_name: str
     return k
 
 
-def selector_scores(
+def imposed_selection(
     selector: str,
     attend: nn.Module,
     args: tuple,
     kwargs: dict[str, Any],
+    k: int,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """(B, Tq, E) fp32: how ``selector`` (``oracle``, ``random`` or ``recency``) ranks the entries for the
-    queries of one ``attend`` call (``args``/``kwargs``: the layer's ``joint_attention`` arguments), ``-inf``
-    where an entry is not visible (``geometry.compressed_mask``); ``top_k`` of it is the selection. ``random``
-    draws from ``generator`` (a uniformly random order of the visible entries)."""
+    """(B, Tq, min(k, E)) int64: ``selector``'s (``oracle``, ``random`` or ``recency``) top-``k`` entries for the
+    queries of one ``attend`` call (``args``/``kwargs``: the layer's ``joint_attention`` arguments), among the
+    entries visible to each (``geometry.compressed_mask``), ``-1`` in the slots beyond them (``top_k``). ``oracle``:
+    ``oracle_selection`` of the layer's dense joint softmax, as ``attention.selection.by: oracle`` computes it;
+    ``random``: a uniformly random order of the visible entries drawn from ``generator``; ``recency``: the latest."""
     q, kc = args[0], args[1]  # (B, Tq, H, D), (B, E, KV, D)
     B, T, E = q.shape[0], q.shape[1], kc.shape[1]
     q_start, stride = kwargs["q_start"], kwargs["stride"]
-    if selector == "oracle":  # the dense joint softmax's log-sum-exp (every visible entry), as attention.selection
+    if selector == "oracle":  # the dense joint softmax's log-sum-exp (every visible entry)
         with torch.no_grad():
             _, lse = attend.forward(*args, **{**kwargs, "selected": None})  # (B, Tq, H)
-        return oracle_selection(q, kc, lse, q_start, stride, 1)[0]
+        return oracle_selection(q, kc, lse, q_start, stride, k)
     if selector == "random":
         rank = torch.rand(B, T, E, generator=generator).to(q.device)
     elif selector == "recency":
         rank = torch.arange(E, dtype=torch.float32, device=q.device).expand(B, T, E)
     else:
-        raise ValueError(f"selector {selector!r} has no ranking of its own; known: oracle, random, recency")
+        raise ValueError(f"selector {selector!r} is not imposed by a ranking; known: oracle, random, recency")
     visible = compressed_mask(torch.arange(q_start, q_start + T, device=q.device), E, stride)  # (Tq, E)
-    return rank.masked_fill(~visible, float("-inf"))
+    return top_k(rank.masked_fill(~visible, float("-inf")), k)
 
 
 class ImposedSelection:
-    """Forward hooks on ``layers`` under which every layer attends with ``selector``'s selection of ``topk``
-    entries (module docstring); ``model`` adds none. A context manager; the random selector's generator is
-    seeded with ``seed`` on entry, so one evaluation draws the same selections on every run."""
+    """Under this context manager every layer of ``layers`` attends with ``selector``'s selection of ``topk``
+    entries (module docstring): a forward pre-hook on each layer's ``attend`` replaces its ``selected`` (``dense``:
+    None; ``oracle``, ``random``, ``recency``: ``imposed_selection``), and ``indexer`` sets each lightning
+    indexer's ``topk`` for the duration (its own selection code path); ``model`` changes nothing. The random
+    selector's generator is seeded with ``seed`` on entry, so one evaluation draws the same selections every run."""
 
     def __init__(self, layers: list[CompressedAttention], selector: str, topk: Optional[int], seed: int = 0) -> None:
         self.layers, self.selector, self.topk, self.seed = layers, selector, topk, seed
         self.generator = torch.Generator()
         self.handles: list[Any] = []
-
-    def _on_indexer(self, _: nn.Module, args: tuple, output: tuple) -> tuple:
-        return output[0], top_k(output[0], self.topk)  # the indexer's own scores, its top-``topk``
+        self.saved_topk: list[int] = []
 
     def _on_attend(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         if self.selector == "dense":
             return args, {**kwargs, "selected": None}
-        scores = selector_scores(self.selector, module, args, kwargs, self.generator)
-        return args, {**kwargs, "selected": top_k(scores, self.topk)}
+        selected = imposed_selection(self.selector, module, args, kwargs, self.topk, self.generator)
+        return args, {**kwargs, "selected": selected}
 
     def __enter__(self) -> ImposedSelection:
         self.generator.manual_seed(self.seed)
         for layer in self.layers:
             if self.selector == "indexer":
-                self.handles.append(layer.indexer.register_forward_hook(self._on_indexer))
+                self.saved_topk.append(layer.indexer.topk)
+                layer.indexer.topk = self.topk
             elif self.selector != "model":
                 self.handles.append(layer.attend.register_forward_pre_hook(self._on_attend, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for layer, k in zip(self.layers, self.saved_topk):
+            layer.indexer.topk = k
+        self.saved_topk = []
         for h in self.handles:
             h.remove()
         self.handles = []
