@@ -102,9 +102,9 @@ class SelectionSettings:
 
 
 def resolve_topk(settings: SelectionSettings, module: nn.Module, model_name: str) -> Optional[int]:
-    """The ``k`` the selectors keep: ``analysis.topk``, else the model's ``attention.selection.topk``; None when no
-    listed selector needs one. Raises ``AnalysisNotApplicable`` when one is needed and neither is set, or when
-    ``indexer`` is listed for a model without a lightning indexer in every compressed layer."""
+    """The ``k`` the selectors keep (and the geometric expectation's): ``analysis.topk``, else the model's
+    ``attention.selection.topk``, else None. Raises ``AnalysisNotApplicable`` when a listed selector needs one and
+    neither is set, or when ``indexer`` is listed for a model without a lightning indexer in every compressed layer."""
     selection = module.config.attention.selection
     needs = [s for s in settings.selectors if s in NEEDS_TOPK]
     if "indexer" in needs and not all(layer.indexer is not None for layer in selected_layers(module, model_name)):
