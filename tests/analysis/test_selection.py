@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -11,7 +12,18 @@ import torch
 
 from ckv import Transformer
 from ckv.analysis import run_analysis
-from ckv.analysis.selection import chosen_entries, selection, target_entries
+from ckv.analysis.selection import (
+    ImposedSelection,
+    SelectionOutcome,
+    chosen_entries,
+    imposed_selection,
+    paired_differences,
+    random_cover_probability,
+    selection,
+    selector_rows,
+    straddling_phases,
+    target_entries,
+)
 from ckv.config import ConfigError
 from ckv.eval import load_ckv_model
 from tests.helpers import small_config
@@ -38,6 +50,117 @@ def test_the_entries_holding_a_record_and_the_entries_a_query_attended():
     assert hit.tolist() == [True, True] and covered.tolist() == [True, False]  # 7 is in neither 3 nor 4
 
 
+class _Attend(torch.nn.Module):
+    """Stands in for a layer's ``attend``: an ``lse`` of 0 makes the oracle's scores the summed entry weights."""
+
+    def forward(self, q, kc, *rest, **kwargs):
+        B, T, H, _ = q.shape
+        return q, torch.zeros(B, T, H)
+
+
+def _selections(selector: str, k: int, E: int = 6, T: int = 24, stride: int = 4, seed: int = 0) -> torch.Tensor:
+    q, kc = torch.randn(2, T, 2, 8), torch.randn(2, E, 1, 8)
+    gen = torch.Generator().manual_seed(seed)
+    return imposed_selection(selector, _Attend(), (q, kc), dict(q_start=0, stride=stride), k, gen)  # (B, T, k)
+
+
+@pytest.mark.parametrize("selector", ["oracle", "random", "recency"])
+def test_every_selector_picks_visible_entries_without_repeats_and_marks_empty_slots(selector):
+    """Query t (grid position) sees entries s with 4 s + 3 <= t: visible and distinct picks, -1 exactly in the
+    slots beyond the visible count."""
+    k, sel = 3, _selections(selector, 3)
+    for t in range(sel.shape[1]):
+        n_visible = min((t + 1) // 4, 6)
+        for row in sel[:, t].tolist():
+            picked = [s for s in row if s >= 0]
+            assert len(picked) == len(set(picked)) == min(k, n_visible)
+            assert all(s < n_visible for s in picked) and row.count(-1) == k - len(picked)
+
+
+def test_recency_keeps_the_last_k_visible_entries_and_random_is_seeded_and_uniform():
+    rec = _selections("recency", 2)
+    assert rec[0, 23].tolist() == [5, 4] and rec[1, 15].tolist() == [3, 2] and rec[0, 7].tolist() == [1, 0]
+    assert torch.equal(_selections("random", 2, seed=5), _selections("random", 2, seed=5))
+    assert not torch.equal(_selections("random", 2, seed=5), _selections("random", 2, seed=6))
+    counts = torch.zeros(6)
+    for seed in range(200):  # the last query sees all 6 entries: each is picked 2/6 of the time
+        counts += torch.bincount(_selections("random", 2, seed=seed)[:, -1].reshape(-1), minlength=6)
+    share = counts / counts.sum()
+    assert torch.all((share - 1 / 6).abs() < 0.04), share
+
+
+def _brute_force(holds: np.ndarray, k: int) -> float:
+    n = len(holds)
+    subsets = list(itertools.combinations(range(n), min(k, n)))
+    return sum(holds[list(c)].any(0).all() for c in subsets) / len(subsets)
+
+
+def test_the_geometric_expectation_equals_an_enumeration_of_every_top_k():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        n, R, k = int(rng.integers(1, 8)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
+        holds = rng.random((n, R)) < 0.35
+        assert random_cover_probability(holds, k) == pytest.approx(_brute_force(holds, k))
+    # W = 8, S = 4, 15 visible entries, top-2: two entries hold a record whole (phases 0-2), or one entry holds it
+    # whole and one more holds each token (phase 3)
+    inside = np.zeros((15, 2), dtype=bool)
+    inside[[6, 7]] = True
+    straddle = np.zeros((15, 2), dtype=bool)
+    straddle[6, 0] = straddle[7] = straddle[8, 1] = True
+    assert random_cover_probability(inside, 2) == pytest.approx(1 - 78 / 105)  # 1 - C(13, 2) / C(15, 2)
+    assert random_cover_probability(straddle, 2) == pytest.approx(15 / 105)  # entry 7 with any, or entries 6 and 8
+
+
+def test_straddling_phases_and_the_covered_missed_table_add_up():
+    phases = np.tile(np.arange(4), 50)
+    whole = np.where(phases == 3, 1, 2)[None].repeat(2, 0)  # (layers, P)
+    assert straddling_phases(whole, phases, 4) == [3] and straddling_phases(np.full((1, 200), 2), phases, 4) == []
+    rng = np.random.default_rng(1)
+    covered = rng.random((2, 200)) < np.where(phases == 3, 0.3, 0.7)
+    correct = np.where(covered[-1], rng.random(200) < 0.9, rng.random(200) < 0.2)
+    table = {"phase": phases, "base": np.arange(200) // 4}
+
+    class _Ctx:
+        options = options(Path("."))
+
+        @staticmethod
+        def report(outcome):
+            return {}
+
+    res = SelectionOutcome(covered, covered, whole, None, type("O", (), {"correct": correct, "table": table}))
+    rows = selector_rows(res, 4, [3], _Ctx)
+    for p in rows["phases"]:
+        for layer in p["layers"]:
+            cov, yes, no = layer["covered"], layer["accuracy_covered"], layer["accuracy_missed"]
+            assert cov["n"] == p["n"] == yes["n"] + no["n"] and cov["successes"] == yes["n"]
+            assert yes["successes"] + no["successes"] == round(p["accuracy"] * p["n"])
+            assert cov["lower"] <= cov["rate"] <= cov["upper"]
+    ratio = rows["layers"][-1]["straddle_ratio"]
+    want = covered[-1][phases == 3].mean() / covered[-1][phases != 3].mean()
+    assert ratio["value"] == pytest.approx(want) and ratio["lower"] < want < ratio["upper"] < 1
+
+
+def test_paired_differences_on_a_constructed_example():
+    """The selector loses 20 of the reference's 50 correct answers at phase 3 and none elsewhere: the paired
+    difference is -0.4 at phase 3, 0 at the others, and its excess at the straddling phase excludes 0."""
+    phases = np.tile(np.arange(4), 50)  # 50 prompts per phase, 50 base examples of 4
+    table = {"phase": phases, "base": np.repeat(np.arange(50), 4)}
+    ref = np.ones(200)
+    sel = ref.copy()
+    sel[np.flatnonzero(phases == 3)[:20]] = 0
+    outcomes = {name: type("O", (), {"correct": c, "table": table}) for name, c in (("dense", ref), ("sel", sel))}
+
+    class _Ctx:
+        options = options(Path("."))
+
+    diff = paired_differences(outcomes, "dense", 4, [3], _Ctx)["sel"]
+    assert [p["value"] for p in diff["phases"]] == pytest.approx([0, 0, 0, -0.4])
+    assert diff["mean"]["value"] == pytest.approx(-0.1)
+    excess = diff["straddle_excess"]
+    assert excess["value"] == pytest.approx(-0.4) and excess["lower"] < -0.4 < excess["upper"] < 0
+    assert paired_differences(outcomes, "dense", 4, [], _Ctx)["sel"]["straddle_excess"]["value"] is None
+
+
 @pytest.mark.parametrize(
     "select, always",
     [(None, True), (dict(topk=64, by="oracle"), True), (dict(topk=1, by="oracle"), False)],
@@ -47,39 +170,69 @@ def test_selection_rates_on_tiny_models(tmp_path: Path, select, always):
     some prompts. The rates sit beside the accuracy of the task's own scoring, per phase."""
     model = load_ckv_model(make_run(tmp_path, attention=dict(W8S4, selection=select)), device="cpu")
     ctx = context(model, tmp_path, limit=8)
-    result = selection(ctx)
+    result = selection(ctx)["selectors"]["model"]
     plain = ctx.evaluate()
     assert result["mean_accuracy"] == pytest.approx(float(np.mean(plain.correct)))
     assert len(result["phases"]) == 4 and sum(p["n"] for p in result["phases"]) == len(plain.correct)
     for p in result["phases"]:
-        assert all(c <= h for c, h in zip(p["covered"], p["hit"]))
-    covered = [layer["covered"] for layer in result["layers"]]
+        assert all(x["covered"]["rate"] <= x["hit"] for x in p["layers"])
+    covered = [layer["covered"]["rate"] for layer in result["layers"]]
     assert all(c == 1.0 for c in covered) if always else all(c < 1.0 for c in covered)
 
 
 def test_run_analysis_writes_the_record_and_the_plot(tmp_path: Path):
     model = load_ckv_model(make_run(tmp_path, attention=dict(W8S4, selection=dict(topk=2, by="oracle"))))
-    env = run_analysis({"name": "selection"}, model, SPEC, options(tmp_path, limit=4, plots=True))
+    params = {"name": "selection", "selectors": ["model", "random"]}
+    env = run_analysis(params, model, SPEC, options(tmp_path, limit=4, plots=True))
     out = Path(env["analysis"]["results"]["plots"][0])
     written = next(tmp_path.rglob("selection.json"))
     assert json.loads(written.read_text())["analysis"]["results"]["topk"] == 2
     assert png_ok(written.parent / out.name)
 
 
-def test_oracle_selection_imposed_on_a_dense_model(tmp_path: Path):
-    """``oracle_topk`` evaluates the same weights with oracle top-k: the accuracy is that of an oracle model loaded
-    with them, the covered rate drops below 1, and the task's statistics come along."""
+def test_selectors_imposed_on_a_dense_model(tmp_path: Path):
+    """The oracle hook serves the same weights as a model built with oracle selection; ``dense`` equals the model
+    as it is; every selector misses some records at top-1; the random selector's covered rate matches the
+    geometric expectation's scale; the paired differences are taken against ``dense`` on the same prompts."""
     dense = load_ckv_model(make_run(tmp_path, attention=W8S4), device="cpu")
     oracle = load_ckv_model(make_run(tmp_path, attention=dict(W8S4, selection=dict(topk=1, by="oracle")), name="o"))
     oracle.module.load_state_dict(dense.module.state_dict())  # strict: the same parameters
     want = context(oracle, tmp_path).evaluate()
-    imposed = selection(context(dense, tmp_path, params={"oracle_topk": 1}))
-    assert imposed["mean_accuracy"] == pytest.approx(float(np.mean(want.correct)))
-    assert imposed["by"] == "oracle" and imposed["topk"] == 1 and all(x["covered"] < 1 for x in imposed["layers"])
-    assert imposed["report"]["headline"]["mean"] == pytest.approx(imposed["mean_accuracy"])
+    plain = context(dense, tmp_path).evaluate()
+    params = {"selectors": ["dense", "oracle", "random", "recency"], "topk": 1}
+    result = selection(context(dense, tmp_path, params=params))
+    by = result["selectors"]
+    assert by["oracle"]["mean_accuracy"] == pytest.approx(float(np.mean(want.correct)))
+    assert by["dense"]["mean_accuracy"] == pytest.approx(float(np.mean(plain.correct)))
+    assert all(x["covered"]["rate"] == 1 for x in by["dense"]["layers"])
+    for name in ("oracle", "random", "recency"):
+        assert all(x["covered"]["rate"] < 1 for x in by[name]["layers"]), name
+        assert by[name]["report"]["headline"]["mean"] == pytest.approx(by[name]["mean_accuracy"])
+        diff = result["paired"][name]
+        assert diff["reference"] == "dense" and len(diff["phases"]) == 4
+        assert diff["mean"]["value"] == pytest.approx(by[name]["mean_accuracy"] - by["dense"]["mean_accuracy"])
+        assert diff["mean"]["lower"] <= diff["mean"]["value"] <= diff["mean"]["upper"]
+    geo = result["geometric"]["layers"][0]["covered"]
+    assert 0 < geo < 1 and result["topk"] == 1 and result["model_selection"] is None
     assert dense.module.config.attention.selection is None  # the loaded model itself is untouched
-    with pytest.raises(ConfigError, match="already selects"):
-        selection(context(oracle, tmp_path, params={"oracle_topk": 1}))
+    with pytest.raises(ConfigError, match="set analysis.topk"):
+        selection(context(dense, tmp_path, params={"selectors": ["oracle"]}))
+    with pytest.raises(ConfigError, match="no lightning indexer"):
+        selection(context(dense, tmp_path, params={"selectors": ["indexer"], "topk": 1}))
+
+
+def test_the_indexer_selector_serves_its_own_top_k(tmp_path: Path):
+    """``indexer`` at the model's own k is the model as it is; at another k it keeps that many."""
+    model = load_ckv_model(make_run(tmp_path, attention=dict(W8S4, selection=dict(topk=2, heads=2, head_dim=8))))
+    as_is = selection(context(model, tmp_path, params={"selectors": ["model", "indexer"]}))["selectors"]
+    assert as_is["indexer"]["mean_accuracy"] == as_is["model"]["mean_accuracy"]
+    layers = [m for m in model.module.modules() if hasattr(m, "attend") and getattr(m, "indexer", None) is not None]
+    seen = []
+    hook = layers[0].attend.register_forward_hook(lambda m, a, kw, o: seen.append(kw["selected"]), with_kwargs=True)
+    with ImposedSelection(layers, "indexer", 1):
+        context(model, tmp_path).evaluate()
+    hook.remove()
+    assert seen and all(s.shape[-1] == 1 for s in seen)
 
 
 def test_models_without_compressed_layers_and_parameters_fail_with_one_line(tmp_path: Path):
@@ -89,5 +242,9 @@ def test_models_without_compressed_layers_and_parameters_fail_with_one_line(tmp_
     model = load_ckv_model(make_run(tmp_path, attention=W8S4, name="w8s4"), device="cpu")
     with pytest.raises(ConfigError, match="unknown analysis=selection parameter"):
         selection(context(model, tmp_path, params={"layers": [0]}))
-    with pytest.raises(ConfigError, match="analysis.oracle_topk=0 must be an integer >= 1"):
-        selection(context(model, tmp_path, params={"oracle_topk": 0}))
+    with pytest.raises(ConfigError, match="analysis.topk=0 must be an integer >= 1"):
+        selection(context(model, tmp_path, params={"topk": 0}))
+    with pytest.raises(ConfigError, match="analysis.selectors='best' is not allowed"):
+        selection(context(model, tmp_path, params={"selectors": ["best"]}))
+    with pytest.raises(ConfigError, match="lists a selector twice"):
+        selection(context(model, tmp_path, params={"selectors": ["dense", "dense"]}))

@@ -1,4 +1,4 @@
-"""make selection: the plan's runs, the table and checks on constructed rows, and the quick pipeline run."""
+"""make selection: the plan's runs, the tables and criteria on constructed rows, and the quick pipeline run."""
 
 from __future__ import annotations
 
@@ -7,21 +7,33 @@ from pathlib import Path
 
 import pytest
 
-from ckv.apps.demo import QUICK_TRAIN
-from ckv.apps.selection import MODELS, N_BASE, SEEDS, STRIDE, TOPK, checks, plan, table
+from ckv.apps.demo import QUICK_TRAIN, DemoRun
+from ckv.apps.selection import (
+    IMPOSED,
+    MODELS,
+    N_BASE,
+    SEEDS,
+    STRIDE,
+    TOPK,
+    criteria,
+    plan,
+    selector_row,
+    selector_table,
+    table,
+    verdict,
+)
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 from tests.train.test_entry import _train_config
 
 
-def test_plan_trains_every_model_for_every_seed_with_one_attention_option():
+def test_plan_trains_every_model_for_three_seeds_with_one_attention_option():
     runs = plan(SEEDS)
-    assert len(runs) == len(MODELS) * len(SEEDS) == 8
-    assert {r.experiment for r in runs} == {"select_lookup"}
+    assert len(SEEDS) >= 3 and len(runs) == len(MODELS) * len(SEEDS)
+    assert {r.experiment for r in runs} == {"select_long"}
     by = {(r.name, r.seed): r for r in runs}
     assert by[("dense", 0)].train_overrides == ("attention=deepseek_v4_csa",)
-    for name in ("sparse", "oracle"):
-        assert by[(name, 1)].train_overrides[1] == f"attention.selection.topk={TOPK}"
+    assert by[("sparse", 1)].train_overrides[1] == f"attention.selection.topk={TOPK}"
     # full attention's phases: mod the stride
     assert by[("full", 0)].eval_overrides == (f"task.n_base={N_BASE}", f"task.stride={STRIDE}")
     assert all(r.eval_overrides == (f"task.n_base={N_BASE}",) for r in runs if r.role != "control")
@@ -29,66 +41,119 @@ def test_plan_trains_every_model_for_every_seed_with_one_attention_option():
 
 
 @pytest.mark.parametrize("quick", [False, True])
-def test_every_run_composes_and_the_sparse_model_trains_dense_then_sparse(quick):
+def test_every_run_composes_with_the_same_query_path_and_selection_binds(quick):
+    """Every compressed arm has V4's rank-32 query latent; the sparse arm keeps at most 1/16 of the entries the
+    final query of the longest prompt sees; its indexer trains dense, warms up, then trains sparse."""
     for run in plan(SEEDS[:1], quick):
         cfg = _train_config([f"experiment={run.experiment}", *run.train_overrides, *(QUICK_TRAIN if quick else ())])
-        dense = cfg.trainer.indexer.dense_steps
-        assert (dense > 0) == (run.role == "indexer"), run.name
-        assert dense < cfg.trainer.max_steps
-        if run.role == "indexer" and not quick:
-            assert (dense, cfg.trainer.max_steps) == (900, 1200)  # V4's order: mostly dense, then sparse
+        query = cfg.attention.get("query")  # the AttentionConfig as a dict
+        assert (query is not None and query["lora_rank"] == 32) == (run.role != "control"), run.name
+        ix = cfg.trainer.indexer
+        assert (ix.dense_stage > 0) == (run.role == "indexer") and ix.dense_stage < cfg.trainer.max_steps
+        if run.role == "indexer":  # the three stages: dense training, the warm-up, then sparse training
+            assert ix.dense_steps > 0 and ix.warmup_steps > 0
+            visible = cfg.data.lookup.max_len // STRIDE
+            assert TOPK / visible <= 1 / 16, (TOPK, visible)
 
 
-def _row(model: str, role: str, seed: int, mean: float, verdict: str, covered=None) -> dict:
+def _sel(model: str, seed: int, selector: str, ratio: tuple, geometric: float, excess: tuple | None) -> dict:
+    paired = (
+        None
+        if excess is None
+        else {
+            "mean": dict(value=-0.01, lower=-0.03, upper=0.01),
+            "straddle_excess": dict(zip(("value", "lower", "upper"), excess)),
+        }
+    )
     return dict(
         model=model,
-        role=role,
         seed=seed,
-        steps=1000,
-        train_seconds=100.0,
-        stride=4,
-        mean=mean,
-        per_phase=[mean] * 4,
-        worst_phase=0,
-        worst_phase_accuracy=mean,
-        phase_gap=0.01,
-        phase_gap_lower=0.0,
-        phase_gap_upper=0.03,
-        phase_p_value=0.5,
-        phase_noise_floor=0.02,
-        phase_upper_one_sided=0.03,
-        phase_mde=0.04,
-        phase_margin=0.05,
-        phase_verdict=verdict,
-        recall=0.9 if role == "indexer" else None,
-        covered=covered,
+        selector=selector,
+        mean=0.8,
+        paired=paired,
+        covered_straddle=0.3,
+        covered_others=0.6,
+        ratio=dict(zip(("value", "lower", "upper"), ratio)),
+        geometric_ratio=geometric,
+        accuracy_covered_straddle=dict(n=30, rate=0.9),
+        accuracy_missed_straddle=dict(n=70, rate=0.5),
     )
 
 
-def test_the_table_and_the_checks_read_every_seed():
-    cov = [[1.0, 0.5]] * 4  # per phase, layers L0 / L1
-    rows = [
-        _row("dense", "dense", 0, 0.9, "flat"),
-        _row("sparse", "indexer", 0, 0.8, "gap", cov),
-        _row("full", "control", 0, 0.95, "flat"),
-        _row("full", "control", 1, 0.79, "flat"),
+def _row(model: str, role: str, seed: int, mean: float, verdict: str) -> dict:
+    return dict(
+        model=model, role=role, seed=seed, steps=600, train_seconds=100.0, mean=mean, per_phase=[mean] * 4,
+        worst_phase=0, phase_gap=0.01, phase_gap_lower=0.0, phase_gap_upper=0.03, phase_p_value=0.5,
+        phase_noise_floor=0.02, phase_upper_one_sided=0.03, phase_mde=0.04, phase_margin=0.05,
+        phase_verdict=verdict, recall=0.9 if role == "indexer" else None,
+    )  # fmt: skip
+
+
+def test_the_tables_and_the_criteria_read_every_seed():
+    rows = [_row("dense", "dense", 0, 0.9, "flat"), _row("full", "control", 0, 0.95, "flat"),
+            _row("full", "control", 1, 0.79, "flat")]  # fmt: skip
+    sel = [
+        _sel("dense", 0, "dense", (1.0, 1.0, 1.0), 0.5, None),
+        _sel("dense", 0, "random", (0.5, 0.4, 0.6), 0.5, (0.0, -0.02, 0.02)),
+        _sel("sparse", 0, "model", (0.3, 0.2, 0.4), 0.5, (-0.1, -0.15, -0.05)),  # a deficit, and it costs accuracy
+        _sel("sparse", 1, "model", (0.45, 0.3, 0.6), 0.5, (-0.1, -0.2, 0.01)),  # within the geometry's interval
     ]
-    text = table(rows)
-    assert "100/50 | 100/50 | 100/50 | 100/50" in text and "0.90" in text and "every visible entry" in text
-    found = checks(rows)
-    assert [c.passed for c in found] == [False, False]  # a control seed under 80%; the sparse model has a gap
-    assert "seed 1: 79.0%" in found[0].detail and "dense: flat" in found[1].detail
+    assert "dense/0" in table(rows) and " 90.0 " in table(rows) and "flat" in table(rows)
+    text = selector_table(sel)
+    assert "0.30 [0.20, 0.40]" in text and "-10.0 [-15.0, -5.0]" in text and "90.0/50.0 (30/70)" in text
+    checks = criteria(rows, sel)
+    found = {c.claim.split(":")[0]: c for c in checks if not c.claim.startswith("P:")}
+    control, dense, random = [c for c in checks if c.claim.startswith("P:")]
+    assert not control.passed and "seed 1: 79.0%" in control.detail  # a control seed under 80%
+    assert dense.passed and random.passed and "dense/0: 0.50 [0.40, 0.60] vs 0.50" in random.detail
+    c1, c2 = found["C1 sparse served by its trained indexer"], found["C2 sparse served by its trained indexer"]
+    assert not c1.passed and not c2.passed and "vs geometric 0.50" in c1.detail  # seed 1 decides neither
+    assert found["verdict sparse served by its trained indexer"].detail == "undecided"
+
+
+def test_the_verdict_needs_every_seed():
+    creates = [_sel("sparse", s, "model", (0.3, 0.2, 0.4), 0.5, (-0.1, -0.15, -0.05)) for s in SEEDS]
+    assert verdict(creates) == "creates"
+    even = [_sel("sparse", s, "model", (0.7, 0.55, 0.9), 0.5, (0.0, -0.03, 0.03)) for s in SEEDS]
+    assert verdict(even) == "does not create"
+    assert verdict(creates[:2] + even[2:]) == "undecided" and verdict([]) == "undecided"
+
+
+def test_a_selector_row_pools_the_straddling_phases_of_one_layer():
+    def cell(n: int, k: int) -> dict:
+        return {"n": n, "successes": k}
+
+    def phase(r: int, cov: int) -> dict:
+        layer = {"covered": cell(10, cov), "accuracy_covered": cell(cov, cov), "accuracy_missed": cell(10 - cov, 0)}
+        return {"phase": r, "layers": [layer]}
+
+    ratio = {"value": 0.25, "lower": 0.1, "upper": 0.4}
+    analysis = {
+        "straddling_phases": [3],
+        "selectors": {"oracle": {"mean_accuracy": 0.5, "phases": [phase(r, 8 if r < 3 else 2) for r in range(4)],
+                                 "layers": [{"straddle_ratio": ratio}]}},
+        "geometric": {"layers": [{"straddle_ratio": {"value": 0.56}}]},
+        "paired": {"oracle": {"mean": None}},
+    }  # fmt: skip
+    r = selector_row(DemoRun("select_long", 0, "dense", name="dense"), "oracle", analysis, layer=0)
+    assert (r["covered_straddle"], r["covered_others"]) == (0.2, 0.8)
+    assert r["accuracy_covered_straddle"] == {"n": 2, "rate": 1.0} and r["accuracy_missed_straddle"]["n"] == 8
+    assert r["ratio"] == ratio and r["geometric_ratio"] == 0.56
 
 
 @pytest.mark.slow
-def test_quick_selection_writes_a_table_a_plot_and_a_record(tmp_path):
+def test_quick_selection_writes_the_tables_a_plot_and_a_record(tmp_path):
     out = tmp_path / "selection"
     proc = run_quick("ckv.apps.selection", out)
     record = json.loads((out / "selection.json").read_text())
-    assert [r["model"] for r in record["rows"]] == [m.name for m in MODELS] + ["dense+oracle"]
+    assert [r["model"] for r in record["rows"]] == [m.name for m in MODELS]
     for r in record["rows"]:
         assert r["steps"] == 12 and len(r["per_phase"]) == STRIDE
-        assert (r["covered"] is None) == (r["role"] in ("dense", "control"))
-    imposed = record["rows"][-1]  # the dense run's weights, oracle top-k imposed: its steps, its own statistics
-    assert imposed["role"] == "imposed" and imposed["results"] == record["rows"][0]["results"]
-    assert "target covered" in proc.stdout and png_ok(Path(record["plot"]))
+    served = {(r["model"], r["selector"]) for r in record["selectors"]}
+    assert served == {("dense", s) for s in IMPOSED} | {("sparse", s) for s in ("model", *IMPOSED)}
+    for r in record["selectors"]:
+        assert (r["paired"] is None) == (r["selector"] == "dense")
+        assert r["geometric_ratio"] is None or 0 < r["geometric_ratio"] < 1
+    assert "vs dense pp" in proc.stdout and png_ok(Path(record["plot"]))
+    claims = {c["claim"].split(":")[0] for c in record["criteria"]}
+    assert {"C1 sparse served by its trained indexer", "C2 dense served by oracle"} <= claims

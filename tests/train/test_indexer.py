@@ -370,6 +370,27 @@ def test_dense_training_trains_the_whole_model_attending_every_visible_entry(run
     assert not any(torch.equal(value, init[name]) for name, value in step2.items() if name.endswith("weight"))
 
 
+def test_three_stages_dense_training_then_the_warm_up_then_sparse(run):
+    """``dense_steps=2, warmup_steps=2`` of 6 steps: steps 1-2 train the whole model (every weight moves), steps
+    3-4 only the indexers (the model's groups at lr 0, its weights unchanged), steps 5-6 the whole model again."""
+    cfg = run("three", max_steps=6, indexer={"dense_steps": 2, "warmup_steps": 2})
+    rows = _rows(cfg.run_dir)
+    assert [r["lr"] == 0 for r in rows] == [False, False, True, True, False, False]
+    assert all(r["indexer_loss"] > 0 for r in rows)
+
+    def weights(step: int) -> dict:
+        name = f"step_{step:08d}"
+        return load_file(str(Path(cfg.run_dir) / "checkpoints" / name / "weights" / "model.safetensors"))
+
+    step2, step4, step6 = weights(2), weights(4), weights(6)
+    for name, value in step4.items():
+        assert torch.equal(value, step2[name]) != (".indexer." in name), name  # the warm-up moved the indexers only
+    assert not torch.equal(step6["layers.0.self_attn.q_proj.weight"], step4["layers.0.self_attn.q_proj.weight"])
+    torch.manual_seed(cfg.seed)  # the run's initial weights: dense training moved every matrix
+    init = Transformer(cfg.model.build(cfg.attention, data_vocab_size=step2["embed_tokens.weight"].shape[0]))
+    assert not any(torch.equal(v, init.state_dict()[k]) for k, v in step2.items() if k.endswith("weight"))
+
+
 def test_resume_with_the_indexer_is_exact(run):
     straight = run("warmup")
     split = run.make("split", stop_at_step=1)
@@ -399,7 +420,11 @@ def test_activation_checkpointing_gives_the_same_losses_with_the_indexer(run):
         (dict(weight=0.0), SPARSE, r"trainer.indexer.weight=0.0 would leave the lightning indexer .* untrained"),
         (dict(warmup_steps=3), dict(SPARSE, selection=None), r"trainer.indexer.warmup_steps=3 is a dense stage"),
         (dict(dense_steps=3), dict(SPARSE, selection=None), r"trainer.indexer.dense_steps=3 is a dense stage"),
-        (dict(dense_steps=2, warmup_steps=2), SPARSE, r"warmup_steps=2 and dense_steps=2 are two dense stages"),
+        (
+            dict(dense_steps=4, warmup_steps=4),
+            SPARSE,
+            r"trainer.indexer.dense_steps=4 \+ trainer.indexer.warmup_steps=4 covers all trainer.max_steps=8",
+        ),
         (dict(dense_steps=8), SPARSE, r"trainer.indexer.dense_steps=8 covers all trainer.max_steps=8"),
         (dict(dense_steps=-1), SPARSE, r"trainer.indexer.dense_steps=-1 must be an integer >= 0"),
         (dict(weight=-1.0), SPARSE, r"trainer.indexer.weight=-1.0 must be a finite number >= 0"),

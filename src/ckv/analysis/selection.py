@@ -1,32 +1,44 @@
-"""Selection: how often top-k selection keeps the target record, per phase (``eval.py analysis=selection``).
+"""Selection: how often top-k selection keeps the target record, per phase, under named selectors
+(``eval.py analysis=selection``).
 
 For every compressed layer the analysis reads the selection the layer attended with at the final query position
 (the last prompt token, whose logits the lookup task scores) from a forward hook on its joint softmax
-(``CompressedAttention.attend``: the lightning indexer's top-k, the oracle's, or every visible entry without
-``attention.selection``), and finds the entries that hold the target record: those whose window pools one of its
-``record_len`` tokens (``ckv.geometry.window_positions``, in the layer's grid coordinates). Per prompt and layer:
+(``CompressedAttention.attend``), and finds the entries that hold the target record: those whose window pools one of
+its ``record_len`` tokens (``ckv.geometry.window_positions``, in the layer's grid coordinates). Per prompt and layer:
 
 - ``hit``: at least one selected entry holds a token of the target record;
 - ``covered``: every token of the target record lies in some selected entry (what a split record needs: both
   halves of its key).
 
-Per phase of the target (position mod the task's stride) it reports both rates beside the accuracy, and per layer
-the accuracy of the prompts whose record was covered and of those whose record was not. The scores come from the
-same forward passes, so the accuracy is the task's; ``report`` holds the task's full statistics of them (the
-``results`` block of ``eval.py``'s results.json: phase gap, interval, noise floor, equivalence verdict, MDE).
+``selectors`` (default ``[model]``) serve the SAME weights on the same prompts, each in its own evaluation
+(``ImposedSelection``: forward pre-hooks that replace the layer's selection):
 
-``oracle_topk`` (default null) evaluates the model with oracle selection imposed at inference
-(``attention.selection: {by: oracle, topk: oracle_topk}``, ``with_oracle``): the same weights (oracle selection has
-no parameters), each query attending only to the top-k entries of its layer's own dense attention. On a model
-trained dense this asks what a perfect selector would cost it, per phase.
+- ``model``: the model as it is (its indexer's or oracle's top-k, or every visible entry without selection);
+- ``dense``: every visible entry (a selecting model served without selection);
+- ``indexer``: the model's own lightning indexer's top-``topk`` (needs an indexer in every layer);
+- ``oracle``: the top-``topk`` entries of the layer's own DENSE joint softmax mass (``oracle_selection``);
+- ``random``: ``topk`` visible entries uniformly at random (seeded by ``seed``);
+- ``recency``: the ``topk`` most recent visible entries.
+
+``topk`` defaults to the model's ``attention.selection.topk``. Per selector and phase: the accuracy, each layer's
+hit and covered rates with Wilson intervals, the accuracy when the record was covered and when it was missed (with
+Wilson intervals and their counts), and the straddling ratio (the covered rate at the phases where the fewest
+visible entries hold the whole record over the rate at the other phases, with a cluster-bootstrap interval). Beside
+them, ``geometric``: the exact probability that a uniformly random ``topk`` of the visible entries covers the
+record (``random_cover_probability``), averaged per phase, and its straddling ratio. ``paired``: every selector's
+accuracy minus the reference's (``dense`` when listed, else the first selector), per phase and overall, with a
+paired cluster-bootstrap interval (``ckv.analysis.paired``). ``report`` holds each selector's task statistics (the
+``results`` block of ``eval.py``'s results.json: phase gap, interval, noise floor, equivalence verdict, MDE).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any, Optional
 
 import numpy as np
@@ -34,13 +46,14 @@ import torch
 from torch import nn
 
 from ckv.analysis.hooks import AnalysisNotApplicable, settings_from_params
+from ckv.analysis.paired import interval, paired_replicates
 from ckv.analysis.registry import AnalysisContext, register_analysis
 from ckv.attention.compressed import CompressedAttention
-from ckv.checks import check_int
-from ckv.config import ModelConfig
-from ckv.eval.models import CkvLastLogits, LoadedModel
+from ckv.attention.indexer import oracle_selection, top_k
+from ckv.checks import check_choice, check_int
+from ckv.config import ConfigError
 from ckv.eval.scoring import length_batches
-from ckv.eval.stats import group_accuracy
+from ckv.eval.stats import bootstrap_group_accuracy, group_accuracy, wilson_interval
 from ckv.geometry import compressed_mask, window_positions
 
 
@@ -55,34 +68,141 @@ def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttent
     return layers
 
 
+SELECTORS = ("model", "dense", "indexer", "oracle", "random", "recency")
+NEEDS_TOPK = ("indexer", "oracle", "random", "recency")
+
+
 @dataclass(frozen=True)
 class SelectionSettings:
-    """``oracle_topk``: impose oracle selection of this many entries at evaluation (``with_oracle``); None: the
-    model as it is."""
+    """``selectors``: the selectors that serve the model, each in its own evaluation of the same prompts (module
+    docstring); ``topk``: the entries they keep (None: the model's ``attention.selection.topk``); ``seed``: the
+    random selector's seed."""
 
-    oracle_topk: Optional[int] = None
+    selectors: tuple[str, ...] = ("model",)
+    topk: Optional[int] = None
+    seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.oracle_topk is not None:
-            check_int("analysis.oracle_topk", self.oracle_topk, 1)
+        if isinstance(self.selectors, str):
+            object.__setattr__(self, "selectors", (self.selectors,))
+        if not self.selectors:
+            raise ConfigError(f"analysis.selectors is empty: name one or more of {list(SELECTORS)}")
+        for name in self.selectors:
+            check_choice("analysis.selectors", name, SELECTORS)
+        if len(set(self.selectors)) != len(self.selectors):
+            raise ConfigError(f"analysis.selectors={list(self.selectors)} lists a selector twice")
+        if self.topk is not None:
+            check_int("analysis.topk", self.topk, 1)
+        check_int("analysis.seed", self.seed, 0)
+
+    @property
+    def reference(self) -> str:
+        """The selector the paired differences are taken against: ``dense`` when listed, else the first."""
+        return "dense" if "dense" in self.selectors else self.selectors[0]
 
 
-def with_oracle(model: LoadedModel, topk: int) -> LoadedModel:
-    """``model`` (a ckv model whose compressed layers attend without selection) rebuilt with oracle selection of
-    ``topk`` entries and the same weights, in eval mode on the same device."""
-    config = model.module.config
-    if config.attention.selection is not None:
+def resolve_topk(settings: SelectionSettings, module: nn.Module, model_name: str) -> Optional[int]:
+    """The ``k`` the selectors keep (and the geometric expectation's): ``analysis.topk``, else the model's
+    ``attention.selection.topk``, else None. Raises ``AnalysisNotApplicable`` when a listed selector needs one and
+    neither is set, or when ``indexer`` is listed for a model without a lightning indexer in every compressed layer."""
+    selection = module.config.attention.selection
+    needs = [s for s in settings.selectors if s in NEEDS_TOPK]
+    if "indexer" in needs and not all(layer.indexer is not None for layer in selected_layers(module, model_name)):
         raise AnalysisNotApplicable(
-            f"analysis.oracle_topk={topk} imposes oracle selection, but {model.name} already selects "
-            f"(attention.selection.by={config.attention.selection.by!r}): use oracle_topk=null"
+            f"analysis.selectors lists 'indexer', but {model_name} has no lightning indexer "
+            "(attention.selection with by=indexer): drop it from the list"
         )
-    d = config.to_dict()
-    d["attention"] = {**d["attention"], "selection": {"topk": topk, "by": "oracle"}}
-    module = type(model.module)(ModelConfig.from_dict(d))
-    module.load_state_dict(model.module.state_dict())  # strict: oracle selection adds no parameter
-    module.to(model.device).eval()
-    name = f"{model.name} + oracle top-{topk}"
-    return dataclasses.replace(model, name=name, module=module, logits=CkvLastLogits(module))
+    k = settings.topk if settings.topk is not None else (None if selection is None else selection.topk)
+    if needs and k is None:
+        raise AnalysisNotApplicable(
+            f"analysis.selectors {needs} keep top-k entries, but {model_name} does not select "
+            "(no attention.selection): set analysis.topk"
+        )
+    return k
+
+
+def imposed_selection(
+    selector: str,
+    attend: nn.Module,
+    args: tuple,
+    kwargs: dict[str, Any],
+    k: int,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """(B, Tq, min(k, E)) int64: ``selector``'s (``oracle``, ``random`` or ``recency``) top-``k`` entries for the
+    queries of one ``attend`` call (``args``/``kwargs``: the layer's ``joint_attention`` arguments), among the
+    entries visible to each (``geometry.compressed_mask``), ``-1`` in the slots beyond them (``top_k``). ``oracle``:
+    ``oracle_selection`` of the layer's dense joint softmax, as ``attention.selection.by: oracle`` computes it;
+    ``random``: a uniformly random order of the visible entries drawn from ``generator``; ``recency``: the latest."""
+    q, kc = args[0], args[1]  # (B, Tq, H, D), (B, E, KV, D)
+    B, T, E = q.shape[0], q.shape[1], kc.shape[1]
+    q_start, stride = kwargs["q_start"], kwargs["stride"]
+    if selector == "oracle":  # the dense joint softmax's log-sum-exp (every visible entry)
+        with torch.no_grad():
+            _, lse = attend.forward(*args, **{**kwargs, "selected": None})  # (B, Tq, H)
+        return oracle_selection(q, kc, lse, q_start, stride, k)
+    if selector == "random":
+        rank = torch.rand(B, T, E, generator=generator).to(q.device)
+    elif selector == "recency":
+        rank = torch.arange(E, dtype=torch.float32, device=q.device).expand(B, T, E)
+    else:
+        raise ValueError(f"selector {selector!r} is not imposed by a ranking; known: oracle, random, recency")
+    visible = compressed_mask(torch.arange(q_start, q_start + T, device=q.device), E, stride)  # (Tq, E)
+    return top_k(rank.masked_fill(~visible, float("-inf")), k)
+
+
+class ImposedSelection:
+    """Under this context manager every layer of ``layers`` attends with ``selector``'s selection of ``topk``
+    entries (module docstring): a forward pre-hook on each layer's ``attend`` replaces its ``selected`` (``dense``:
+    None; ``oracle``, ``random``, ``recency``: ``imposed_selection``), and ``indexer`` sets each lightning
+    indexer's ``topk`` for the duration (its own selection code path); ``model`` changes nothing. The random
+    selector's generator is seeded with ``seed`` on entry, so one evaluation draws the same selections every run."""
+
+    def __init__(self, layers: list[CompressedAttention], selector: str, topk: Optional[int], seed: int = 0) -> None:
+        self.layers, self.selector, self.topk, self.seed = layers, selector, topk, seed
+        self.generator = torch.Generator()
+        self.handles: list[Any] = []
+        self.saved_topk: list[int] = []
+
+    def _on_attend(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if self.selector == "dense":
+            return args, {**kwargs, "selected": None}
+        selected = imposed_selection(self.selector, module, args, kwargs, self.topk, self.generator)
+        return args, {**kwargs, "selected": selected}
+
+    def __enter__(self) -> ImposedSelection:
+        self.generator.manual_seed(self.seed)
+        for layer in self.layers:
+            if self.selector == "indexer":
+                self.saved_topk.append(layer.indexer.topk)
+                layer.indexer.topk = self.topk
+            elif self.selector != "model":
+                self.handles.append(layer.attend.register_forward_pre_hook(self._on_attend, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer, k in zip(self.layers, self.saved_topk):
+            layer.indexer.topk = k
+        self.saved_topk = []
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def random_cover_probability(holds: np.ndarray, k: int) -> float:
+    """The probability that ``k`` entries drawn uniformly without replacement from ``n`` visible entries cover a
+    record: ``holds`` (n, R) bool says which visible entry holds which of its ``R`` tokens. Exact, by
+    inclusion-exclusion over the sets of tokens left out: ``sum_J (-1)^|J| C(n - |U_J|, k) / C(n, k)`` with
+    ``U_J`` the entries holding a token of ``J``."""
+    n, R = holds.shape
+    k = min(k, n)
+    if n == 0:
+        return 0.0
+    total = 0.0
+    for J in itertools.chain.from_iterable(itertools.combinations(range(R), m) for m in range(R + 1)):
+        held = int(holds[:, list(J)].any(1).sum()) if J else 0
+        total += (-1) ** len(J) * math.comb(n - held, k)
+    return total / math.comb(n, k)
 
 
 def target_entries(layer: CompressedAttention, n_entries: int, starts: torch.Tensor, record_len: int) -> torch.Tensor:
@@ -137,14 +257,33 @@ class SelectionRecorder:
         self.handles = []
 
 
-def selection_outcome(ctx: AnalysisContext, layers: list[CompressedAttention]) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Score the task once with hooks on ``layers``: ``hit`` and ``covered`` (n_layers, P) bool and the outcome."""
+@dataclass
+class SelectionOutcome:
+    """One evaluation of the task with hooks on the layers: ``hit`` and ``covered`` (n_layers, P) bool,
+    ``whole`` (n_layers, P) the number of entries visible to the final query that hold every token of the target
+    record, ``geometric`` (n_layers, P) the probability that a uniformly random top-k of them covers it (None
+    without a k), and the task's ``outcome``."""
+
+    hit: np.ndarray
+    covered: np.ndarray
+    whole: np.ndarray
+    geometric: Optional[np.ndarray]
+    outcome: Any
+
+
+def selection_outcome(
+    ctx: AnalysisContext, layers: list[CompressedAttention], topk: Optional[int] = None
+) -> SelectionOutcome:
+    """Score the task once with hooks on ``layers`` (``SelectionOutcome``; ``topk`` sizes the geometric
+    expectation)."""
     task, R = ctx.task, ctx.task.codec.record_len
     starts_all = torch.as_tensor(task.table["target_position"])
     lengths = np.array([len(p) for p in task.prompts], dtype=np.int64)
     batches = iter(length_batches(lengths, ctx.options.batch_size))  # score_next_token's order
     hit = np.zeros((len(layers), len(lengths)), dtype=bool)
     covered = np.zeros_like(hit)
+    whole = np.zeros(hit.shape, dtype=np.int64)
+    geometric = None if topk is None else np.zeros(hit.shape)
     recorder = SelectionRecorder(layers)
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
@@ -159,64 +298,207 @@ def selection_outcome(ctx: AnalysisContext, layers: list[CompressedAttention]) -
             chosen = chosen_entries(last, n_entries, q_grid, layer.stride, len(idx))  # (B, E)
             hit[i, idx] = (holds.any(-1) & chosen).any(-1).numpy()
             covered[i, idx] = (holds & chosen[..., None]).any(1).all(-1).numpy()
+            visible = chosen_entries(None, n_entries, q_grid, layer.stride, 1)[0]  # (E,)
+            whole[i, idx] = (holds.all(-1) & visible).sum(-1).numpy()
+            if geometric is not None:
+                seen = holds[:, visible].numpy()  # (B, n_visible, R)
+                geometric[i, idx] = [random_cover_probability(h, topk) for h in seen]
         return out
 
     try:
         outcome = ctx.evaluate(logits)
     finally:
         recorder.remove()
-    return hit, covered, outcome
+    return SelectionOutcome(hit, covered, whole, geometric, outcome)
 
 
 def _rate(x: np.ndarray) -> float | None:
     return float(x.mean()) if len(x) else None
 
 
-def selection_rows(hit: np.ndarray, covered: np.ndarray, correct: np.ndarray, phases: np.ndarray, stride: int) -> dict:
-    """Per phase: accuracy and, per layer, the hit and covered rates; per layer the accuracy where the record was
-    covered and where it was not (None without such prompts)."""
+def _proportion(x: np.ndarray, level_z: float) -> dict:
+    """``{"n", "successes", "rate", "lower", "upper"}`` of the 0/1 array ``x`` (Wilson interval; rate None when
+    empty)."""
+    k, n = int(np.sum(x)), len(x)
+    lo, hi = wilson_interval(k, n, level_z)
+    return {"n": n, "successes": k, "rate": k / n if n else None, "lower": float(lo), "upper": float(hi)}
+
+
+def straddling_phases(whole: np.ndarray, phases: np.ndarray, stride: int) -> list[int]:
+    """The phases at which the fewest visible entries hold the whole target record (mean over prompts, the last
+    layer's grid): where the record straddles a stride boundary. Empty when every phase has as many."""
+    mean = np.array([whole[-1][phases == r].mean() if (phases == r).any() else np.nan for r in range(stride)])
+    low = np.nanmin(mean)
+    return [] if np.allclose(mean[np.isfinite(mean)], low) else [int(r) for r in np.flatnonzero(mean == low)]
+
+
+def straddle_ratio(
+    rate: np.ndarray,
+    phases: np.ndarray,
+    straddling: list[int],
+    clusters: np.ndarray,
+    n_boot: int,
+    seed: int,
+    level: float,
+) -> dict:
+    """``{"value", "lower", "upper"}``: the mean of ``rate`` (P,) (0/1 or a probability) at the ``straddling``
+    phases over its mean at the other phases, with a cluster-bootstrap interval (the same clusters and seed as
+    the task's statistics); None values without straddling phases or without a rate at the others."""
+    if not straddling:
+        return {"value": None, "lower": None, "upper": None}
+    group = np.isin(phases, straddling).astype(np.int64)  # 1: straddling
+    means = np.array([rate[group == g].mean() for g in (0, 1)])
+    reps, _ = bootstrap_group_accuracy(rate, group, 2, clusters, n_boot, seed)  # (n_boot, 2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        value = means[1] / means[0] if means[0] > 0 else float("nan")
+        return interval(reps[:, 1] / reps[:, 0], value, level)
+
+
+def selector_rows(res: SelectionOutcome, stride: int, straddling: list[int], ctx: AnalysisContext) -> dict:
+    """One selector's results: per phase the accuracy and, per layer, the hit rate, the covered rate (with a
+    Wilson interval) and the accuracy when covered and when missed (``_proportion``: counts, rate, Wilson
+    interval); per layer the same over every phase and the straddling ratio of the covered rate."""
+    correct, t, opts = res.outcome.correct, res.outcome.table, ctx.options.stats
+    phases = t["phase"]
+    z = NormalDist().inv_cdf((1 + opts.level) / 2)  # the two-sided normal quantile of the level
     acc = group_accuracy(correct, phases, stride).accuracy
+
+    def cell(mask: np.ndarray, i: int) -> dict:
+        cov = res.covered[i][mask]
+        return {
+            "hit": _rate(res.hit[i][mask]),
+            "covered": _proportion(cov, z),
+            "accuracy_covered": _proportion(correct[mask][cov], z),
+            "accuracy_missed": _proportion(correct[mask][~cov], z),
+        }
+
+    n_layers = len(res.covered)
     per_phase = [
         {
             "phase": r,
             "n": int((phases == r).sum()),
             "accuracy": float(acc[r]),
-            "hit": [_rate(h[phases == r]) for h in hit],
-            "covered": [_rate(c[phases == r]) for c in covered],
+            "layers": [cell(phases == r, i) for i in range(n_layers)],
         }
         for r in range(stride)
     ]
+    every = np.ones(len(correct), dtype=bool)
     per_layer = [
         {
             "layer": i,
-            "hit": _rate(hit[i]),
-            "covered": _rate(covered[i]),
-            "accuracy_covered": _rate(correct[covered[i]]),
-            "accuracy_missed": _rate(correct[~covered[i]]),
+            **cell(every, i),
+            "straddle_ratio": straddle_ratio(
+                res.covered[i].astype(np.float64),
+                phases,
+                straddling,
+                t["base"],
+                opts.n_bootstrap,
+                opts.seed,
+                opts.level,
+            ),
         }
-        for i in range(len(hit))
+        for i in range(n_layers)
     ]
-    return {"mean_accuracy": float(correct.mean()), "phases": per_phase, "layers": per_layer}
+    return {
+        "mean_accuracy": float(correct.mean()),
+        "phases": per_phase,
+        "layers": per_layer,
+        "report": ctx.report(res.outcome),
+    }
+
+
+def geometric_rows(res: SelectionOutcome, stride: int, straddling: list[int], ctx: AnalysisContext) -> dict:
+    """The random-selection expectation from the geometry alone: per phase and layer, the mean probability that
+    a uniformly random top-k of the visible entries covers the target record, and the mean number of visible
+    entries holding it whole; per layer its straddling ratio (with the same bootstrap as the selectors')."""
+    t, opts = res.outcome.table, ctx.options.stats
+    phases, geo = t["phase"], res.geometric
+    return {
+        "phases": [
+            {
+                "phase": r,
+                "covered": [float(g[phases == r].mean()) for g in geo],
+                "whole_entries": [float(w[phases == r].mean()) for w in res.whole],
+            }
+            for r in range(stride)
+        ],
+        "layers": [
+            {
+                "layer": i,
+                "covered": float(geo[i].mean()),
+                "straddle_ratio": straddle_ratio(
+                    geo[i], phases, straddling, t["base"], opts.n_bootstrap, opts.seed, opts.level
+                ),
+            }
+            for i in range(len(geo))
+        ],
+    }
+
+
+def paired_differences(
+    outcomes: dict[str, Any], reference: str, stride: int, straddling: list[int], ctx: AnalysisContext
+) -> dict[str, dict]:
+    """Per selector other than ``reference``: its accuracy minus the reference's on the same prompts, per phase
+    and overall, and ``straddle_excess``, the difference at the ``straddling`` phases minus the difference at the
+    others (how much more the selector costs the straddling phases; None values without straddling phases), each
+    ``{"value", "lower", "upper"}`` with a paired cluster-bootstrap interval (one resample of the key->value
+    mappings applied to every selector: ``ckv.analysis.paired``)."""
+    names = [reference, *(n for n in outcomes if n != reference)]
+    correct = [outcomes[n].correct for n in names]
+    t, opts = outcomes[reference].table, ctx.options.stats
+    reps = paired_replicates(correct, t["phase"], stride, t["base"], opts)  # (R, K, S)
+    reps_all = paired_replicates(correct, np.zeros_like(t["phase"]), 1, t["base"], opts)[..., 0]  # (R, K)
+    acc = [group_accuracy(c, t["phase"], stride).accuracy for c in correct]
+    side = np.isin(t["phase"], straddling).astype(np.int64)  # 1: a straddling phase
+    reps_side = paired_replicates(correct, side, 2, t["base"], opts)  # (R, K, 2)
+    acc_side = [group_accuracy(c, side, 2).accuracy for c in correct]
+    out = {}
+    for j, name in enumerate(names[1:], start=1):
+        excess = (reps_side[:, j, 1] - reps_side[:, 0, 1]) - (reps_side[:, j, 0] - reps_side[:, 0, 0])
+        point = (acc_side[j][1] - acc_side[0][1]) - (acc_side[j][0] - acc_side[0][0])
+        none = {"value": None, "lower": None, "upper": None}
+        out[name] = {
+            "straddle_excess": interval(excess, float(point), opts.level) if straddling else none,
+            "reference": reference,
+            "mean": interval(reps_all[:, j] - reps_all[:, 0], float(correct[j].mean() - correct[0].mean()), opts.level),
+            "phases": [
+                interval(reps[:, j, r] - reps[:, 0, r], float(acc[j][r] - acc[0][r]), opts.level) for r in range(stride)
+            ],
+        }
+    return out
 
 
 def plot_selection(result: dict, path: Path, title: str) -> Path:
-    """Per phase: accuracy (black) and each layer's covered rate (coloured, hit rate dashed)."""
+    """Left: accuracy per phase, one line per selector. Right: the last layer's covered rate per phase, one line
+    per selector with its Wilson interval, and the geometric expectation of a random top-k (dashed, black)."""
     import matplotlib.pyplot as plt
 
-    phases = [p["phase"] for p in result["phases"]]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    ax.plot(phases, [100 * p["accuracy"] for p in result["phases"]], "k-o", label="accuracy")
-    for i in range(len(result["layers"])):
-        color = plt.cm.tab10(i)
-        ax.plot(phases, [100 * p["covered"][i] for p in result["phases"]], "-s", color=color, label=f"L{i} covered")
-        ax.plot(phases, [100 * p["hit"][i] for p in result["phases"]], "--", color=color, alpha=0.6, label=f"L{i} hit")
-    ax.set_xlabel(f"phase of the target record (position mod {result['stride']})")
-    ax.set_ylabel("%")
-    ax.set_ylim(-2, 102)
-    ax.set_xticks(phases)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    fig, (acc, cov) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for j, (name, res) in enumerate(result["selectors"].items()):
+        color = plt.cm.tab10(j)
+        phases = [p["phase"] for p in res["phases"]]
+        acc.plot(phases, [100 * p["accuracy"] for p in res["phases"]], "-o", color=color, label=name)
+        last = [p["layers"][-1]["covered"] for p in res["phases"]]
+        cov.errorbar(
+            phases,
+            [100 * c["rate"] for c in last],
+            yerr=[[100 * (c["rate"] - c["lower"]) for c in last], [100 * (c["upper"] - c["rate"]) for c in last]],
+            fmt="-s",
+            color=color,
+            capsize=3,
+            label=name,
+        )
+    if result["geometric"] is not None:
+        geo = result["geometric"]["phases"]
+        cov.plot([p["phase"] for p in geo], [100 * p["covered"][-1] for p in geo], "k--", label="random (geometry)")
+    for ax, what in ((acc, "accuracy (%)"), (cov, "target record covered by the last layer's selection (%)")):
+        ax.set_xlabel(f"phase of the target record (position mod {result['stride']})")
+        ax.set_ylabel(what)
+        ax.set_ylim(-2, 102)
+        ax.set_xticks(range(result["stride"]))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{title}: top-{result['topk']}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -226,23 +508,34 @@ def plot_selection(result: dict, path: Path, title: str) -> Path:
 
 @register_analysis("selection")
 def selection(ctx: AnalysisContext) -> dict:
-    """``eval.py analysis=selection``: per phase of the target, how often each layer's selection at the query
-    holds (``hit``) and covers (``covered``) the target record, beside the accuracy; a plot."""
+    """``eval.py analysis=selection``: the model served by each of ``analysis.selectors`` on the same prompts;
+    per phase and selector, how often each layer's selection at the query holds (``hit``) and covers
+    (``covered``) the target record, the accuracy when covered and when missed, the geometric expectation of a
+    random top-k, the straddling ratios, and the paired accuracy differences against the reference; a plot."""
     settings = settings_from_params(SelectionSettings, ctx.params, "selection")
-    if settings.oracle_topk is not None:
-        selected_layers(ctx.model.module, ctx.model.name)
-        ctx = dataclasses.replace(ctx, model=with_oracle(ctx.model, settings.oracle_topk))
     layers = selected_layers(ctx.model.module, ctx.model.name)
+    k = resolve_topk(settings, ctx.model.module, ctx.model.name)
     stride = ctx.task.require_stride("analysis=selection")
-    hit, covered, outcome = selection_outcome(ctx, layers)
+    results: dict[str, SelectionOutcome] = {}
+    for name in settings.selectors:
+        with ImposedSelection(layers, name, k, settings.seed):
+            results[name] = selection_outcome(ctx, layers, k)
+        print(f"analysis=selection: {ctx.model.name} served by {name}: done", flush=True)
+    first = results[settings.selectors[0]]
+    straddling = straddling_phases(first.whole, first.outcome.table["phase"], stride)
     a = ctx.model.module.config.attention
     result = {
         "stride": stride,
         "record_len": ctx.task.codec.record_len,
-        "topk": None if a.selection is None else a.selection.topk,
-        "by": None if a.selection is None else a.selection.by,
-        **selection_rows(hit, covered, outcome.correct, outcome.table["phase"], stride),
-        "report": ctx.report(outcome),
+        "topk": k,
+        "model_selection": None if a.selection is None else {"by": a.selection.by, "topk": a.selection.topk},
+        "seed": settings.seed,
+        "straddling_phases": straddling,
+        "selectors": {name: selector_rows(res, stride, straddling, ctx) for name, res in results.items()},
+        "geometric": None if k is None else geometric_rows(first, stride, straddling, ctx),
+        "paired": paired_differences(
+            {n: r.outcome for n, r in results.items()}, settings.reference, stride, straddling, ctx
+        ),
     }
     if ctx.options.plots:
         result["plots"] = [plot_selection(result, ctx.out_dir / "selection.png", ctx.model.name).name]

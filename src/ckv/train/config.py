@@ -261,11 +261,12 @@ class TrainConfig:
                 "1-token window's gate has nothing to spread over)",
             )
         ix, selection = self.trainer.indexer, model.attention.selection
-        stage_name = f"warmup_steps={ix.warmup_steps}" if ix.warmup_steps else f"dense_steps={ix.dense_steps}"
+        stages = [(k, v) for k, v in (("dense_steps", ix.dense_steps), ("warmup_steps", ix.warmup_steps)) if v]
+        stage_name = " + ".join(f"trainer.indexer.{k}={v}" for k, v in stages) or "trainer.indexer.dense_steps=0"
         if selection is not None and selection.oracle:
             _check(
                 ix.dense_stage == 0,
-                f"trainer.indexer.{stage_name} is a dense stage for a lightning indexer, but "
+                f"{stage_name} is a dense stage for a lightning indexer, but "
                 "attention.selection.by='oracle' selects by the main attention's own scores (no indexer to train): "
                 "set it to 0",
             )
@@ -277,13 +278,13 @@ class TrainConfig:
             )
             _check(
                 ix.dense_stage < self.trainer.max_steps,
-                f"trainer.indexer.{stage_name} covers all trainer.max_steps={self.trainer.max_steps}: the model "
+                f"{stage_name} covers all trainer.max_steps={self.trainer.max_steps}: the model "
                 "would never train sparse; make the dense stage shorter",
             )
         else:
             _check(
                 ix.dense_stage == 0,
-                f"trainer.indexer.{stage_name} is a dense stage for a lightning indexer, which the model does not "
+                f"{stage_name} is a dense stage for a lightning indexer, which the model does not "
                 "have: set attention.selection (attention/selection=indexer) or set it to 0",
             )
         stage = (self.deepspeed.get("zero_optimization") or {}).get("stage", 0)

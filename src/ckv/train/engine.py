@@ -115,9 +115,8 @@ class Engine:
     penalty; ``micro_step`` still returns the LM loss and ``step_deficit`` the gate-entropy deficit of the last step.
     A model with a lightning indexer (``attention.selection``) gets ``trainer.indexer``'s hooks
     (``ckv.train.indexer``): the objective adds ``weight`` times the indexer's KL (the layers attend every visible
-    entry during ``dense_steps`` or the warm-up), and during the warm-up it is that term alone while every other
-    parameter group's learning rate is 0; ``step_indexer`` returns the last
-    step's KL and recall.
+    entry during ``dense_steps`` and the warm-up that follows), and during the warm-up it is that term alone while
+    every other parameter group's learning rate is 0; ``step_indexer`` returns the last step's KL and recall.
     """
 
     def __init__(self, model: Transformer, cfg: TrainConfig, env: DistEnv) -> None:
@@ -133,7 +132,8 @@ class Engine:
         ix = t.indexer
         self.indexer = IndexerTraining(model, ix) if has_indexer(model) else None
         self._indexer_terms: list[tuple[torch.Tensor, torch.Tensor]] = []  # (KL, recall) per micro-batch
-        # the dense warm-up trains the indexers alone: they get their own parameter groups, the others lr 0 meanwhile
+        # the warm-up (after dense_steps) trains the indexers alone: they get their own parameter groups, the others
+        # lr 0 meanwhile
         apart = indexer_parameters(model) if self.indexer is not None and ix.warmup_steps else []
         frozen = [ix.warmup_steps] * 2 + [0] * 2 if apart else None
         if t.compile:
@@ -150,7 +150,7 @@ class Engine:
             optimizer=optimizer,
             config=config,
             dist_init_required=False,
-            lr_scheduler=lambda opt: build_scheduler(opt, o, cfg.trainer.max_steps, frozen),
+            lr_scheduler=lambda opt: build_scheduler(opt, o, cfg.trainer.max_steps, frozen, ix.dense_steps),
         )
 
     @property

@@ -1,5 +1,5 @@
 """Training the lightning indexer (``trainer.indexer``, docs/training.md "Training the lightning indexer"):
-DeepSeek-V3.2/V4's recipe, a training-only loss hooked onto the model.
+DeepSeek-V3.2's recipe (V4 keeps its lightning indexer), a training-only loss hooked onto the model.
 
 Top-k selection is hard, so the language-model loss gives the indexer no gradient (and its inputs are detached:
 ``CompressedAttention``). The indexer learns from its own loss instead, per query ``t`` of every layer with an
@@ -19,12 +19,19 @@ selection) and ``S_t`` is every visible entry; then sparse training: the layers 
 stage's KL over the selected set only is DeepSeek-V3.2's (DeepSeek-V3.2-Exp technical report,
 github.com/deepseek-ai/DeepSeek-V3.2-Exp ``DeepSeek_V3_2.pdf``, "Sparse Training Stage":
 ``L_I = sum_t KL(p_{t, S_t} || softmax(I_{t, S_t}))``, ``S_t`` the selected tokens); ``lse`` is then the sparse
-softmax's, over the selected entries, window and sink, as the layer computed it. The dense stage is either
-``warmup_steps`` of warm-up, where only the indexer trains (the LM loss is not backpropagated and the other
-parameters' learning rate is 0: V4's warm-up of an indexer added to a dense-trained model), or ``dense_steps`` of
-dense training, where the whole model trains on the LM loss and the indexer on its KL at once (neither loss
-reaches the other's parameters, so this is V4's dense pre-training and indexer warm-up in one stage, for a model
-trained from scratch).
+softmax's, over the selected entries, window and sink, as the layer computed it. Before sparse training come up
+to two dense stages, in this order (``dense_steps``, then ``warmup_steps``; either may be 0):
+
+1. ``dense_steps`` of dense training: the whole model trains on the LM loss while the indexer trains on its KL at
+   once (neither loss reaches the other's parameters). For a model trained from scratch: DeepSeek-V3.2 starts from
+   an already trained dense checkpoint (DeepSeek-V3.1-Terminus), which this stage stands in for.
+2. ``warmup_steps`` of indexer warm-up: only the indexer trains (the LM loss is not backpropagated and the other
+   parameters' learning rate is 0), every layer attending every visible entry: DeepSeek-V3.2's "Dense Warm-up
+   Stage" (the report above: the main model frozen, the indexer's KL to the dense attention).
+3. Sparse training: DeepSeek-V3.2's "Sparse Training Stage" (above).
+
+``dense_steps`` then ``warmup_steps`` then sparse is the three-stage recipe; ``dense_steps`` alone (no warm-up) is
+co-training, ckv's alternative, which no source describes as DeepSeek's.
 
 Memory (``indexer_loss``): the KL runs in query chunks sized from ``ckv.attention.indexer.WORKING_BYTES`` by
 ``kl_working_bytes``, each chunk under activation checkpointing, so neither its forward nor its backward holds a
@@ -62,16 +69,16 @@ from torch.utils.checkpoint import checkpoint
 
 from ckv.attention.compressed import CompressedAttention
 from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, query_chunk, top_k
-from ckv.config import ConfigError, check_float, check_int
+from ckv.config import check_float, check_int
 from ckv.geometry import compressed_mask, visible_entries
 
 
 @dataclass
 class IndexerTrainingConfig:
     """``trainer.indexer``: the lightning indexer's loss ``weight`` (> 0 wherever the model has an indexer: at 0
-    the indexer would never train) and its dense stage before sparse training, at most one of ``warmup_steps``
-    (only the indexer trains) and ``dense_steps`` (the whole model trains, attending every visible entry). Used
-    only by models with ``attention.selection``."""
+    the indexer would never train) and its dense stages before sparse training, in this order: ``dense_steps``
+    (the whole model trains, attending every visible entry), then ``warmup_steps`` (only the indexer trains; the
+    module docstring). Used only by models with ``attention.selection``."""
 
     weight: float = 1.0
     warmup_steps: int = 0
@@ -81,15 +88,10 @@ class IndexerTrainingConfig:
         check_float("trainer.indexer.weight", self.weight, 0)
         check_int("trainer.indexer.warmup_steps", self.warmup_steps, 0)
         check_int("trainer.indexer.dense_steps", self.dense_steps, 0)
-        if self.warmup_steps and self.dense_steps:
-            raise ConfigError(
-                f"trainer.indexer.warmup_steps={self.warmup_steps} and dense_steps={self.dense_steps} are two dense "
-                "stages (warm-up: only the indexer trains; dense: the whole model trains): set one of them to 0"
-            )
 
     @property
     def dense_stage(self) -> int:
-        """The optimizer steps before sparse training (warm-up or dense training)."""
+        """The optimizer steps before sparse training (dense training, then the warm-up)."""
         return self.warmup_steps + self.dense_steps
 
 
@@ -313,8 +315,9 @@ class IndexerTraining:
         return torch.stack(losses).mean(), torch.stack(recalls).nanmean()
 
     def in_warmup(self, step: int) -> bool:
-        """Whether 0-based optimizer step ``step`` belongs to the warm-up (only the indexer trains)."""
-        return step < self.cfg.warmup_steps
+        """Whether 0-based optimizer step ``step`` belongs to the warm-up (only the indexer trains), which follows
+        the ``dense_steps`` of dense training."""
+        return self.cfg.dense_steps <= step < self.cfg.dense_stage
 
     def attends_densely(self, step: int) -> bool:
         """Whether 0-based optimizer step ``step`` belongs to the dense stage (warm-up or dense training)."""

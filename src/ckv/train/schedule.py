@@ -18,8 +18,9 @@ class LRSchedule:
 
     Warmup rises linearly to 1 over ``warmup_steps`` (the first update already uses ``1 / warmup_steps``). Then
     ``cosine`` decays to ``min_ratio`` at the last step, ``wsd`` stays at 1 until the final ``decay_fraction`` of
-    the steps and decays linearly to ``min_ratio``, ``constant`` stays at 1. The first ``frozen_steps`` steps
-    get 0 (a parameter group held still, e.g. everything but the lightning indexer during its dense warm-up). A
+    the steps and decays linearly to ``min_ratio``, ``constant`` stays at 1. The ``frozen_steps`` steps from
+    ``frozen_start`` on get 0 (a parameter group held still, e.g. everything but the lightning indexer during its
+    warm-up, which follows ``trainer.indexer.dense_steps``). A
     plain dataclass so that ``LambdaLR.state_dict`` saves it.
     """
 
@@ -29,9 +30,10 @@ class LRSchedule:
     min_ratio: float = 0.0
     decay_fraction: float = 0.2
     frozen_steps: int = 0
+    frozen_start: int = 0
 
     def __call__(self, step: int) -> float:
-        if step < self.frozen_steps:
+        if self.frozen_start <= step < self.frozen_start + self.frozen_steps:
             return 0.0
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
@@ -57,9 +59,11 @@ def build_scheduler(
     optim: OptimConfig,
     total_steps: int,
     frozen_steps: Optional[Sequence[int]] = None,
+    frozen_start: int = 0,
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` over ``optimizer`` following ``optim.schedule`` for a run of ``total_steps`` updates;
-    ``frozen_steps`` (one per parameter group) holds groups at learning rate 0 for their first steps."""
+    ``frozen_steps`` (one per parameter group) holds groups at learning rate 0 for that many steps from
+    ``frozen_start`` on."""
 
     def schedule(frozen: int = 0) -> LRSchedule:
         return LRSchedule(
@@ -69,6 +73,7 @@ def build_scheduler(
             min_ratio=optim.min_lr_ratio,
             decay_fraction=optim.decay_fraction,
             frozen_steps=frozen,
+            frozen_start=frozen_start,
         )
 
     if frozen_steps is None:
