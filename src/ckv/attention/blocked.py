@@ -5,7 +5,8 @@ a block scores only the entry prefix visible to its last query (grown by about `
 a top-k ``selected`` only each query's listed entries, gathered) and its local band as a slice of the exact keys
 (``block + local_span - 1`` keys, no per-query copy), in one joint softmax with the sink logit. The G query heads
 of a KV head share one matmul. The backward is a custom ``torch.autograd.Function`` that saves only the inputs,
-the output and the log-sum-exps (with and without the sink) and recomputes each block's probabilities
+the output, the log-sum-exps (with and without the sink) and, without a selection, each block's small mask
+(blk x (band + partly visible entries) bools), and recomputes each block's probabilities
 (flash-attention style, ``dS = P * (dP - rowsum(dO * O))``), so working memory is O(block * (entries + band)),
 never O(T * entries).
 The log-sum-exp is returned without a gradient (every consumer in ckv detaches it: the indexer's loss, the
