@@ -5,7 +5,8 @@ a block scores only the entry prefix visible to its last query (grown by about `
 a top-k ``selected`` only each query's listed entries, gathered) and its local band as a slice of the exact keys
 (``block + local_span - 1`` keys, no per-query copy), in one joint softmax with the sink logit. The G query heads
 of a KV head share one matmul. The backward is a custom ``torch.autograd.Function`` that saves only the inputs,
-the output and the log-sum-exps (with and without the sink) and recomputes each block's probabilities
+the output, the log-sum-exps (with and without the sink) and, without a selection, each block's small mask
+(blk x (band + partly visible entries) bools), and recomputes each block's probabilities
 (flash-attention style, ``dS = P * (dP - rowsum(dO * O))``), so working memory is O(block * (entries + band)),
 never O(T * entries).
 The log-sum-exp is returned without a gradient (every consumer in ckv detaches it: the indexer's loss, the
@@ -166,6 +167,7 @@ class _Inputs:
         self.k = k.float().permute(0, 2, 1, 3)  # (B, KV, Tk, D)
         self.v = self.k if v is None else v.float().permute(0, 2, 1, 3)
         self.sinks = None if sinks is None else sinks.float().view(1, KV, 1, self.G)
+        self.tied = vc is None and v is None  # values are the keys: a dense block's columns are concatenated once
 
     def keys(self, b: _Block, which: str) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's scored entries and band of ``which`` ("k" or "v"): entries (B, KV, n, D) dense or
@@ -178,28 +180,36 @@ class _Inputs:
         gathered = rows[torch.arange(rows.shape[0], device=b.sel.device)[:, None, None], b.sel]  # (B, blk, K, KV, D)
         return gathered.permute(0, 3, 1, 2, 4), band
 
-    def scores(self, b: _Block) -> torch.Tensor:
-        """(B, KV, blk, G, n + nb) masked scores (``MASKED`` where masked)."""
+    def columns(self, b: _Block) -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense block's scored keys and values, entries then band, (B, KV, n + nb, D) each (one tensor twice
+        with tied K = V)."""
+        kcat = torch.cat(self.keys(b, "k"), dim=2)
+        return kcat, kcat if self.tied else torch.cat(self.keys(b, "v"), dim=2)
+
+    def scores(self, b: _Block, kcat: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, KV, blk, G, n + nb) masked scores (``MASKED`` where masked); ``kcat``: a dense block's ``columns``
+        keys."""
         qb = self.q[:, :, b.i0 : b.i1]  # (B, KV, blk, G, D)
         B, KV, blk, G, D = qb.shape
-        ke, kb = self.keys(b, "k")
         if b.sel is None:
-            s = qb.reshape(B, KV, blk * G, D) @ torch.cat([ke, kb], dim=2).transpose(-1, -2)
+            s = qb.reshape(B, KV, blk * G, D) @ kcat.transpose(-1, -2)
             s = s.view(B, KV, blk, G, -1)
         else:
+            ke, kb = self.keys(b, "k")
             s_e = qb @ ke.transpose(-1, -2)  # (B, KV, blk, G, K)
             s_b = (qb.reshape(B, KV, blk * G, D) @ kb.transpose(-1, -2)).view(B, KV, blk, G, -1)
             s = torch.cat([s_e, s_b], dim=-1)
         s[..., b.full :].masked_fill_(~b.mask, MASKED)
         return s
 
-    def apply(self, b: _Block, p: torch.Tensor) -> torch.Tensor:
-        """Probabilities p (B, KV, blk, G, n + nb) times the block's values: (B, KV, blk, G, D)."""
-        ve, vb = self.keys(b, "v")
+    def apply(self, b: _Block, p: torch.Tensor, vcat: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Probabilities p (B, KV, blk, G, n + nb) times the block's values: (B, KV, blk, G, D); ``vcat``: a dense
+        block's ``columns`` values."""
         B, KV, blk, G, _ = p.shape
         if b.sel is None:
-            o = p.reshape(B, KV, blk * G, -1) @ torch.cat([ve, vb], dim=2)
+            o = p.reshape(B, KV, blk * G, -1) @ vcat
             return o.view(B, KV, blk, G, -1)
+        ve, vb = self.keys(b, "v")
         o = p[..., : b.n] @ ve  # (B, KV, blk, G, D)
         return o + (p[..., b.n :].reshape(B, KV, blk * G, -1) @ vb).view(B, KV, blk, G, -1)
 
@@ -251,15 +261,21 @@ class _JointAttention(torch.autograd.Function):
         out = q.new_empty(B, KV, Tq, G, D, dtype=torch.float32)
         lse = q.new_empty(B, KV, Tq, G, dtype=torch.float32)
         columns = q.new_empty(B, KV, Tq, G, dtype=torch.float32)  # the log-sum-exp without the sink
+        # a dense block's mask is small (blk x (band + partly visible entries)): the backward reuses them; a
+        # selection's blocks (masks and indices O(blk * K)) are built one at a time, here and in the backward
+        blocks = []
         for i0, i1 in plan.blocks(Tq):
             b = _block(plan, i0, i1, selected, q.device)
-            p, columns[:, :, i0:i1] = _softmax(x.scores(b))
+            if selected is None:
+                blocks.append(b)
+            kcat, vcat = x.columns(b) if b.sel is None else (None, None)
+            p, columns[:, :, i0:i1] = _softmax(x.scores(b, kcat))
             lse[:, :, i0:i1], share = _share(columns[:, :, i0:i1], x.sinks)
-            out[:, :, i0:i1] = x.apply(b, p).mul_(share[..., None])
+            out[:, :, i0:i1] = x.apply(b, p, vcat).mul_(share[..., None])
         out = out.permute(0, 2, 1, 3, 4).reshape(B, Tq, H, D)  # (B, Tq, H, D) fp32
         lse = lse.permute(0, 2, 1, 3).reshape(B, Tq, H)
         ctx.save_for_backward(q, kc, vc, k, v, sinks, selected, out, lse, columns)
-        ctx.plan = plan
+        ctx.plan, ctx.blocks = plan, blocks
         ctx.mark_non_differentiable(lse)
         return out.to(q.dtype), lse
 
@@ -278,22 +294,23 @@ class _JointAttention(torch.autograd.Function):
         dkc, dvc = torch.zeros_like(x.kc_e), torch.zeros_like(x.kc_e)  # (B, E, KV, D)
         dk, dv = torch.zeros_like(x.k), torch.zeros_like(x.v)  # (B, KV, Tk, D)
         dsinks = None if sinks is None else torch.zeros_like(x.sinks)
-        for i0, i1 in plan.blocks(Tq):
-            b = _block(plan, i0, i1, selected, q.device)
+        blocks = (
+            ctx.blocks if selected is None else (_block(plan, i0, i1, selected, q.device) for i0, i1 in plan.blocks(Tq))
+        )
+        for b in blocks:
+            i0, i1 = b.i0, b.i1
             qb, do = x.q[:, :, i0:i1], d_out[:, :, i0:i1]  # (B, KV, blk, G, D)
-            s = x.scores(b)  # (B, KV, blk, G, n + nb)
-            p = torch.softmax(s, dim=-1) if s.shape[-1] else s
             delta = (do * out[:, :, i0:i1]).sum(-1)  # (B, KV, blk, G)
             if dsinks is not None:  # the sink's column: p_sink * (0 - delta)
                 dsinks -= (torch.exp(x.sinks - lse[:, :, i0:i1]) * delta).sum(dim=(0, 2), keepdim=True)
             # the columns' P is share * p: dS = P (dP - delta) = p ((share dO) V^T - share delta), dV = p^T (share dO)
             do = do * share[:, :, i0:i1, :, None]
             delta = delta * share[:, :, i0:i1]
-            ke, kb = x.keys(b, "k")
-            ve, vb = x.keys(b, "v")
             n = b.n
             if b.sel is None:
-                kcat, vcat = torch.cat([ke, kb], dim=2), torch.cat([ve, vb], dim=2)  # (B, KV, n + nb, D)
+                kcat, vcat = x.columns(b)  # (B, KV, n + nb, D)
+                s = x.scores(b, kcat)  # (B, KV, blk, G, n + nb)
+                p = torch.softmax(s, dim=-1) if s.shape[-1] else s
                 ds = (_rows(do) @ vcat.transpose(-1, -2)).sub_(_rows(delta[..., None])).mul_(_rows(p))  # (B, KV, r, C)
                 dq[:, :, i0:i1] = (ds @ kcat).view_as(qb)
                 dk_cat = ds.transpose(-1, -2) @ _rows(qb)  # (B, KV, n + nb, D)
@@ -303,6 +320,10 @@ class _JointAttention(torch.autograd.Function):
                 dk[:, :, b.c0 : b.c1] += dk_cat[:, :, n:]
                 dv[:, :, b.c0 : b.c1] += dv_cat[:, :, n:]
                 continue
+            s = x.scores(b)  # (B, KV, blk, G, K + nb)
+            p = torch.softmax(s, dim=-1) if s.shape[-1] else s
+            ke, kb = x.keys(b, "k")
+            ve, vb = x.keys(b, "v")
             pe, pb = p[..., :n], _rows(p[..., n:])  # (B, KV, blk, G, K), (B, KV, rows, nb)
             ds_e = (do @ ve.transpose(-1, -2)).sub_(delta[..., None]).mul_(pe)
             ds_b = (_rows(do) @ vb.transpose(-1, -2)).sub_(_rows(delta[..., None])).mul_(pb)
