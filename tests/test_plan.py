@@ -8,12 +8,11 @@ import torch
 
 from ckv import Transformer
 from ckv.attention import check_attention
-from ckv.attention.indexer import WORKING_BYTES, index_working_bytes
+from ckv.attention.indexer import WORKING_BYTES, index_working_bytes, kl_working_bytes
 from ckv.config import ConfigError
 from ckv.flops import PEAK_BF16_FLOPS, flops_per_token
 from ckv.loss import logits_bytes
 from ckv.plan import GIB, activation_bytes_per_token, compose_train_config, format_plan, model_config, plan
-from ckv.train.indexer import kl_working_bytes
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from ckv.attention.indexer import (
     entry_logits,
     index_scores,
     index_working_bytes,
+    kl_working_bytes,
     query_chunk,
     top_k,
 )
@@ -32,7 +33,6 @@ from ckv.train.indexer import (
     IndexerTrainingConfig,
     indexer_loss,
     indexer_recall,
-    kl_working_bytes,
     recall_queries,
 )
 from tests.helpers import small_config

@@ -19,7 +19,13 @@ from torch import nn
 
 from ckv.attention.base import AttentionBackend, LayerFlops
 from ckv.attention.blocked import choose_block, joint_attention_blocked, working_bytes
-from ckv.attention.indexer import LightningIndexer, index_working_bytes, oracle_selection, query_chunk
+from ckv.attention.indexer import (
+    LightningIndexer,
+    index_working_bytes,
+    kl_working_bytes,
+    oracle_selection,
+    query_chunk,
+)
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError, ModelConfig
@@ -562,10 +568,8 @@ class CompressedAttention(AttentionBackend):
     @classmethod
     def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int) -> float:
         """The indexer loss's working memory over ``tokens`` queries of a ``seq_len``-token sequence in training (0
-        without an indexer): one of its query chunks (``train.indexer.kl_working_bytes``), the larger of the dense
+        without an indexer): one of its query chunks (``attention.indexer.kl_working_bytes``), the larger of the dense
         stage (every visible entry) and the sparse one (the top-k, their keys gathered)."""
-        from ckv.train.indexer import kl_working_bytes
-
         a, s = config.attention, config.attention.selection
         if s is None or s.oracle:
             return 0.0

@@ -64,6 +64,17 @@ def index_working_bytes(batch: int, chunk: int, heads: int, entries: int) -> int
     return batch * chunk * entries * (8 * heads + 16) + chunk * entries
 
 
+def kl_working_bytes(batch: int, chunk: int, heads: int, index_heads: int, entries: int, gathered: int = 0) -> int:
+    """Bytes one query chunk of the indexer's KL holds at once, in its forward or its recomputation in backward:
+    two fp32 ``(batch, chunk, heads, entries)`` copies of the main attention's logits (the target), five of the
+    indexer's ``(batch, chunk, index_heads, entries)`` dots (product, ReLU, weighted copy and two gradients), ten
+    fp32 ``(batch, chunk, entries)`` rows (target, scores, masks, log-softmax and their gradients) and ``gathered``
+    fp32 elements per (query, entry) copied per query (the sparse stage's selected entries: ``KV * D`` main keys,
+    and ``2 * head_dim`` for the index keys and their gradient). ``entries``: the visible entries (dense stage) or
+    the top-k (sparse stage)."""
+    return 4 * batch * chunk * entries * (2 * heads + 5 * index_heads + 10 + gathered)
+
+
 def query_chunk(per_query_bytes: int, n_queries: int, chunk: Optional[int] = None) -> int:
     """Queries per chunk: ``chunk`` when given (>= 1), else as many as fit ``WORKING_BYTES`` at
     ``per_query_bytes`` each, at least 1 and at most ``n_queries``."""

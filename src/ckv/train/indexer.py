@@ -68,7 +68,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ckv.attention.compressed import CompressedAttention
-from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, query_chunk, top_k
+from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, kl_working_bytes, query_chunk, top_k
 from ckv.config import check_float, check_int
 from ckv.geometry import compressed_mask, visible_entries
 
@@ -96,17 +96,6 @@ class IndexerTrainingConfig:
 
 
 RECALL_QUERIES = 256  # query positions per layer and forward whose recall is measured (``recall_queries``)
-
-
-def kl_working_bytes(batch: int, chunk: int, heads: int, index_heads: int, entries: int, gathered: int = 0) -> int:
-    """Bytes one query chunk of the indexer's KL holds at once, in its forward or its recomputation in backward:
-    two fp32 ``(batch, chunk, heads, entries)`` copies of the main attention's logits (the target), five of the
-    indexer's ``(batch, chunk, index_heads, entries)`` dots (product, ReLU, weighted copy and two gradients), ten
-    fp32 ``(batch, chunk, entries)`` rows (target, scores, masks, log-softmax and their gradients) and ``gathered``
-    fp32 elements per (query, entry) copied per query (the sparse stage's selected entries: ``KV * D`` main keys,
-    and ``2 * head_dim`` for the index keys and their gradient). ``entries``: the visible entries (dense stage) or
-    the top-k (sparse stage)."""
-    return 4 * batch * chunk * entries * (2 * heads + 5 * index_heads + 10 + gathered)
 
 
 def _listed(selected: torch.Tensor, n_entries: int) -> torch.Tensor:
