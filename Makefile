@@ -31,7 +31,7 @@ format: $(STAMP)  ## ruff: fix what is fixable and format the tree
 
 # pytest-xdist: one worker per core, at most 4 (TEST_WORKERS=1 for one process); a worker keeps to one thread
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
-PYTEST_XDIST := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST_XDIST := -n $(TEST_WORKERS) --dist worksteal
 
 test: lint  ## the CI set: ruff, then the fast tests plus one end-to-end smoke run, on every core (about 4 min on 2)
 	$(BIN)/python -m pytest -m "not slow" -q $(PYTEST_XDIST)

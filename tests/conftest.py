@@ -37,24 +37,6 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
-# session fixtures that train or run something once (shared_folder): their tests run on one xdist worker
-SHARED_RUNS = ("trained_run", "cpu_smoke_run")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the node ids
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` the tests that use a module-scoped fixture of their module run on one worker,
-    so the fixture (a trained model, a prepared corpus) is built once, not once per worker; so do the tests of
-    each shared run (a worker never waits idle for a run another one is building)."""
-    for item in items:
-        shared = [name for name in SHARED_RUNS if name in getattr(item, "fixturenames", ())]
-        info = getattr(item, "_fixtureinfo", None)
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
-        elif info is not None and any(defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
 @dataclass(frozen=True)
 class SmokeRun:
     """What ``python train.py experiment=cpu_smoke out_dir=<out_dir>`` left: its exit status and its output."""
