@@ -29,7 +29,7 @@ format: $(STAMP)  ## ruff: fix what is fixable and format the tree
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# pytest-xdist: one worker per core, at most 4 (TEST_WORKERS=1 for one process); a worker keeps to one thread
+# pytest-xdist: one worker per core, at most 4, each on one thread (TEST_WORKERS=0: no workers, one process)
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 PYTEST_XDIST := -n $(TEST_WORKERS) --dist worksteal
 
