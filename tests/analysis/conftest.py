@@ -7,6 +7,7 @@ position-matched lookup, with checkpoints at steps 100, 200 and 250 for the anal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,18 +54,15 @@ def context(model: LoadedModel, tmp_path: Path, limit: int = 8, params: dict | N
 
 
 @pytest.fixture(scope="session")
-def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def trained_run(shared_folder: Callable[[str, Callable[[Path], object]], Path]) -> Path:
+    """The tiny model, trained once per session (xdist workers share it)."""
     from ckv.train import TrainConfig, train
 
-    root = tmp_path_factory.mktemp("analysis")
-    cfg = TrainConfig.from_dict(
-        {
-            **TINY_RUN,
-            "run_dir": str(root / "tiny_gate"),
-            "trainer": {**TINY_RUN["trainer"], "data_cache_dir": str(root / "cache")},
-        }
-    )
-    return Path(train(cfg))
+    def build(root: Path) -> None:
+        trainer = {**TINY_RUN["trainer"], "data_cache_dir": str(root / "cache")}
+        train(TrainConfig.from_dict({**TINY_RUN, "run_dir": str(root / "tiny_gate"), "trainer": trainer}))
+
+    return shared_folder("analysis", build) / "tiny_gate"
 
 
 @pytest.fixture()

@@ -38,6 +38,6 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory, docs: list[str]) -> Pat
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One tokenizer cache for the whole session, so each small BPE is trained once."""
-    return str(tmp_path_factory.mktemp("ckv_cache"))
+def cache_dir(ckv_cache: Path) -> str:
+    """The session's one tokenizer cache (tests/conftest.py), so each small BPE is trained once."""
+    return str(ckv_cache)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from ..train.helpers import child_env
 from .helpers import make_run, png_ok
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,31 +144,14 @@ def test_audit_mode_cli(tmp_path: Path) -> None:
 
 
 @pytest.mark.smoke
-def test_default_evaluation_of_a_text_trained_run(tmp_path: Path) -> None:
-    """A new user's path: ``train.py experiment=cpu_smoke`` (2 steps here), then ``eval.py model.path=`` followed by
-    the run folder exactly as train.py printed it (it holds '=' and ','); the default task draws single-token keys
-    and values from the run's own tokenizer and names them."""
-    env = {**child_env(), "WANDB_MODE": "offline"}  # no rank variables an in-process training test left behind
-    train = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            "experiment=cpu_smoke",
-            "trainer.max_steps=2",
-            "trainer.val_every=0",
-            "trainer.save_every=0",
-            f"out_dir={tmp_path}",
-            f"trainer.data_cache_dir={tmp_path / 'cache'}",
-            "wandb.enabled=false",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_default_evaluation_of_a_text_trained_run(cpu_smoke_run) -> None:
+    """A new user's path: ``train.py experiment=cpu_smoke`` (CI's smoke run, tests/conftest.py), then ``eval.py
+    model.path=`` followed by the run folder exactly as train.py printed it (it holds '=' and ','); the default task
+    draws single-token keys and values from the run's own tokenizer and names them."""
+    train = cpu_smoke_run
     assert train.returncode == 0, train.stderr[-3000:]
-    printed = train.stderr.splitlines()[0].removeprefix("ckv: ").split(" | ")[0]  # "ckv: <run folder> | ..."
+    first = next(line for line in train.stderr.splitlines() if line.startswith("ckv: "))  # after wandb's lines
+    printed = first.removeprefix("ckv: ").split(" | ")[0]  # "ckv: <run folder> | ..."
     assert "=" in printed and Path(printed).is_dir()
     p = _eval(f"model.path={printed}", "limit=2")
     assert p.returncode == 0, p.stderr[-3000:]

@@ -14,9 +14,9 @@ from .helpers import MERGED_SECTIONS, base_config
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One tokenizer cache for the session (the shipped-corpus BPE is trained once)."""
-    return tmp_path_factory.mktemp("ckv_cache")
+def cache_dir(ckv_cache: Path) -> Path:
+    """The session's one tokenizer cache (tests/conftest.py): the shipped-corpus BPE is trained once."""
+    return ckv_cache
 
 
 @pytest.fixture

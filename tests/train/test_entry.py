@@ -320,13 +320,12 @@ def test_multirun_two_strides(tmp_path, cache_dir):
 
 
 @pytest.mark.smoke
-def test_cpu_smoke_experiment(tmp_path, cache_dir):
-    """CI's end-to-end run: python train.py experiment=cpu_smoke (shipped corpus, compressed W4/S4, wandb offline)."""
-    proc = _run_entry(
-        ["experiment=cpu_smoke", f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache_dir}", "wandb.mode=offline"]
-    )
+def test_cpu_smoke_experiment(cpu_smoke_run):
+    """CI's end-to-end run: python train.py experiment=cpu_smoke (shipped corpus, compressed W4/S4, wandb offline;
+    run once per session by tests/conftest.py, whose run tests/eval/test_cli.py evaluates)."""
+    proc = cpu_smoke_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    run = tmp_path / "cpu_smoke" / "seed=0"
+    run = proc.out_dir / "cpu_smoke" / "seed=0"
     records = read_metrics(run)
     train_loss = [r["loss"] for r in records if "loss" in r]
     assert train_loss[-1] < train_loss[0] and any("val_loss" in r for r in records)
