@@ -32,7 +32,7 @@ from ckv.config import ConfigError
 from ckv.data.config import MANIFEST_FILE, TOKENIZER_FILE, DataConfig
 from ckv.data.corpus import DataError
 from ckv.data.lookup import LookupFormat
-from ckv.data.stream import BatchStream, rng_for
+from ckv.data.stream import BatchStream, check_identity, rng_for
 
 SHARD_SALT = 2  # keeps window permutations apart from the other sources' draws with the same seed
 MIX_SALT = 3
@@ -252,13 +252,7 @@ class ShardBatches(BatchStream):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the ``state["samples"]`` global samples consumed; refuses another data config, and a
         count that this rank layout cannot continue from (not a multiple of ``world_size * batch_size``)."""
-        saved = state["identity"]
-        diff = {k: (saved.get(k), v) for k, v in self.identity.items() if saved.get(k) != v}
-        if diff:
-            raise ValueError(
-                "data state was saved by a differently configured stream; (saved, now) per field: "
-                + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in sorted(diff.items()))
-            )
+        check_identity(state["identity"], self.identity)
         samples, per_batch = int(state["samples"]), self.world_size * self.batch_size
         if samples % per_batch:
             raise ValueError(

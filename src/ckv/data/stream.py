@@ -29,6 +29,17 @@ def rng_for(seed: int, *salt: int) -> np.random.Generator:
     return np.random.default_rng([seed, *salt])
 
 
+def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Raise ValueError naming every field (saved -> now) where a saved data state's identity differs from the
+    stream's that loads it."""
+    diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+    if diff:
+        raise ValueError(
+            "data state was saved by a differently configured stream; (saved, now) per field: "
+            + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in sorted(diff.items()))
+        )
+
+
 class BatchStream:
     """Endless iterator of ``{"input_ids": LongTensor (B, T), "labels": LongTensor (B, T)}``.
 
@@ -98,12 +109,6 @@ class BatchStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; refuses a state saved by a stream with different arguments."""
-        saved = state["identity"]
-        diff = {k: (saved.get(k), v) for k, v in self.identity.items() if saved.get(k) != v}
-        if diff:
-            raise ValueError(
-                "data state was saved by a differently configured stream; (saved, now) per field: "
-                + ", ".join(f"{k}={a!r}->{b!r}" for k, (a, b) in sorted(diff.items()))
-            )
+        check_identity(state["identity"], self.identity)
         self.source.load_state_dict(state["source"])
         self.batches = int(state["batches"])
