@@ -1,7 +1,7 @@
 """Long context on one CPU thread: compressed attention against the full attention it replaces.
 
     python benchmarks/long_context.py --quick          # a few minutes: T = 1K, 4K steps, 8K forward, the op at 4K
-    python benchmarks/long_context.py                  # the full table (8 min on the shared 2-core box; <= 12 expected)
+    python benchmarks/long_context.py                  # the full table (3 min 34 s on 2 quiet cores)
     python benchmarks/long_context.py --impl reference # every compressed row on the oracle (attention.impl)
 
 Two tables, each row in its own fresh Python process (``torch.set_num_threads(1)``; its peak resident set is the
