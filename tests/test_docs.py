@@ -69,7 +69,8 @@ def _experiment_commands() -> list[list[str]]:
 def test_experiment_comment_command_composes(overrides: list[str]) -> None:
     """An option a comment names must exist (the sweep itself is conf/hydra's business: one job composed)."""
     cfg = _compose(overrides)
-    TrainConfig.from_dict(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True), run_dir="unused")
+    config = TrainConfig.from_dict(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True), run_dir="unused")
+    assert isinstance(config, TrainConfig)
 
 
 def test_measure_memory_prints_its_usage() -> None:

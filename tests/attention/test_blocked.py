@@ -62,7 +62,7 @@ def _run(fn, tensors: dict, kwargs: dict, d_out: torch.Tensor) -> tuple[torch.Te
     return out, lse, {name: gr for name, gr in zip(t, grads)}
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+def assert_close_rel(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert a.shape == b.shape, what
     finite = torch.isfinite(b)
     assert torch.equal(finite, torch.isfinite(a)) and torch.equal(a[~finite], b[~finite]), what
@@ -75,13 +75,13 @@ def assert_matches_reference(tensors: dict, kwargs: dict, block: Optional[int]) 
     ref_out, ref_lse, ref_grads = _run(joint_attention_reference, tensors, kwargs, _d_out(tensors))
     out, lse, grads = _run(lambda **kw: joint_attention_blocked(**kw, block=block), tensors, kwargs, _d_out(tensors))
     assert out.dtype == tensors["q"].dtype and lse.dtype == torch.float32 and not lse.requires_grad
-    _close(out.float(), ref_out.float(), "out")
-    _close(lse, ref_lse, "lse")
+    assert_close_rel(out.float(), ref_out.float(), "out")
+    assert_close_rel(lse, ref_lse, "lse")
     for name, g in ref_grads.items():
         if g is None:  # the reference never touched it (no entries, no band key): the fast path gives zeros
             assert grads[name] is None or not grads[name].any(), name
         else:
-            _close(grads[name].float(), g.float(), f"d{name}")
+            assert_close_rel(grads[name].float(), g.float(), f"d{name}")
 
 
 def _d_out(tensors: dict) -> torch.Tensor:
@@ -159,7 +159,7 @@ def test_bf16_inputs_compute_in_fp32_like_the_reference():
     out, lse = joint_attention_blocked(**tensors, **kwargs, block=7)
     assert out.dtype == torch.bfloat16
     assert (out.float() - ref.float()).abs().max() <= 2**-7 * ref.float().abs().max()  # one bf16 rounding
-    _close(lse, ref_lse, "lse")
+    assert_close_rel(lse, ref_lse, "lse")
 
 
 def test_missing_local_keys_are_a_clear_error():
@@ -227,7 +227,7 @@ def test_tied_keys_and_values_match_the_reference(topk):
         out, _ = fn(q, kc, kc, k, k, sinks=tensors["sinks"], **kwargs)
         grads.append(torch.autograd.grad(out, (q, kc, k), _d_out(tensors)))
     for name, g, ref in zip(("q", "kc", "k"), *reversed(grads)):
-        _close(g, ref, f"d{name}")
+        assert_close_rel(g, ref, f"d{name}")
 
 
 def test_the_configured_block_reaches_the_fast_path(monkeypatch):

@@ -19,6 +19,7 @@ so the engine's ``non_blocking`` copy overlaps with compute).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -188,10 +189,8 @@ class _Prefetch:
     def close(self) -> None:
         self.stop.set()
         while self.thread.is_alive():
-            try:
+            with contextlib.suppress(queue.Empty):
                 self.queue.get_nowait()
-            except queue.Empty:
-                pass
             self.thread.join(timeout=0.01)
 
 
