@@ -96,6 +96,9 @@ def model_config(attention: str, seq_len: int, impl: Optional[str] = None) -> An
     return ModelConfig.from_dict({**_composed(attention, impl), "max_seq_len": seq_len})
 
 
+OP_REPEATS = 3  # the op rows: the fastest of 3 calls at every length (a first call at a new length is cold)
+
+
 def repeats(seq_len: int) -> int:
     """Timed repeats of a row (the fastest counts): 3 up to ``SHORT_T`` tokens, where one call is short and noisy
     on a shared machine, else 1."""
@@ -298,7 +301,7 @@ def op_error(
 
 def op_child(op: str, seq_len: int, grad: bool) -> dict[str, Any]:
     """Check the op against the reference at ``CHECK_T`` tokens (its warm-up), then time it at ``seq_len`` (the
-    fastest of ``repeats``; FlexAttention after a first call that compiles it for ``seq_len``), in this process."""
+    fastest of ``OP_REPEATS``; FlexAttention after a first call that compiles it for ``seq_len``), in this process."""
     import torch
 
     torch.set_num_threads(1)
@@ -313,9 +316,7 @@ def op_child(op: str, seq_len: int, grad: bool) -> dict[str, Any]:
     fn = fn_check if op in ("sdpa", "reference") else build_op(op, seq_len)
     x = op_inputs(seq_len, grad)
     times = []
-    for _ in range(
-        repeats(seq_len) + (op == "flex")
-    ):  # flex compiles for T at its first call; the others ran at CHECK_T
+    for _ in range(OP_REPEATS + (op == "flex")):  # flex compiles for T at its first call; the others ran at CHECK_T
         start = time.perf_counter()
         out = fn(x) if grad else _no_grad(fn, x)
         if grad:
