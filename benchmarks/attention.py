@@ -14,9 +14,9 @@ reference (of the same selection). Prints a table and writes JSON (default under
 
     python benchmarks/attention.py                 # CUDA: T in 4K..128K; CPU: a CPU-sized set (> 6 min on 2 cores)
     python benchmarks/attention.py --quick         # a small set (CPU: seconds)
+    TRITON_INTERPRET=1 python benchmarks/attention.py --quick   # CPU, also runs the kernels (interpreted: slow)
 
 Each finished case prints ``[i/N]`` with the elapsed time and an ETA.
-    TRITON_INTERPRET=1 python benchmarks/attention.py --quick   # CPU, also runs the kernels (interpreted: slow)
 
 Needs only torch, triton and numpy (runs from a source checkout without installing ckv).
 """

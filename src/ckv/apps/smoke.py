@@ -2,7 +2,8 @@
 option of each group folder conf/attention/<group>/ composed onto ``GROUP_BASES``) builds a tiny model,
 runs forward and backward, decodes incrementally (compared with a full forward) and reports its cache memory.
 With ``--triton`` every compressed variant runs a second time with ``impl=triton`` (on a CPU under the Triton
-interpreter, which this sets up: slow, minutes per variant) and is compared with ``impl=torch``.
+interpreter, which this sets up: slow, minutes per variant) and is compared with the config's impl (``auto``:
+the reference at these sizes).
 
 Run: ``python -m ckv.apps.smoke [conf/attention] [--triton] [--only NAME ...]``."""
 

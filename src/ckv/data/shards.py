@@ -166,6 +166,7 @@ class _Prefetch:
     def __init__(self, make: Any, first: int, depth: int) -> None:
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
+        self.error: Optional[Exception] = None  # what the thread raised, once the consumer has seen it
         self.thread = threading.Thread(target=self._run, args=(make, first), daemon=True)
         self.thread.start()
 
@@ -181,8 +182,11 @@ class _Prefetch:
             b += 1
 
     def get(self) -> dict[str, torch.Tensor]:
+        if self.error is not None:  # the thread has ended: raise again rather than wait on an empty queue
+            raise self.error
         item = self.queue.get()
         if isinstance(item, Exception):
+            self.error = item
             raise item
         return item
 

@@ -159,6 +159,8 @@ def load_hf_model(
         model = AutoModelForCausalLM.from_pretrained(
             str(p), dtype=facts.dtype, local_files_only=True, trust_remote_code=trust_remote_code, device_map=device_map
         )
+    except torch.cuda.OutOfMemoryError:  # a RuntimeError, but not a damaged file
+        raise
     except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a corrupt or missing weights file
         raise CheckpointMismatchError(f"cannot load the weights of {p}: {e}") from e
     if device_map is None:
