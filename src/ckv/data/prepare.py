@@ -7,7 +7,8 @@ Pipeline (``datasets`` and ``tokenizers`` do the work; nothing is downloaded):
 
 1. Read each input file (jsonl/json, parquet, txt) with ``datasets.load_dataset`` or a saved ``datasets`` folder
    with ``load_from_disk``. Each document gets a stable id: its ``id`` column when present, else
-   ``<file name>:<row>``.
+   ``<file>:<row>``, the file named by its path relative to the inputs' common folder (two ``part-0.jsonl`` in
+   different folders get different ids; moving the whole corpus keeps them).
 2. Tokenise with ``Dataset.map(batched=True, num_proc=N)`` and the tokenizer's batch encoder (with ``N = 1`` the
    encoder uses its own threads; with ``N > 1`` one thread per process). Special-token text
    inside a document stays text (``Tokenizer.encode_special_tokens``); the end-of-document id is appended.
@@ -109,8 +110,10 @@ def _input_size(path: str) -> int:
 def _read(files: list[str], text_field: str, id_field: str, txt_sample_by: str, cache_dir: str) -> datasets.Dataset:
     """All input documents, in input order, with the text and a stable id column."""
     parts = []
-    for path in files:
-        name = os.path.basename(os.path.normpath(path))
+    paths = [os.path.abspath(os.path.normpath(path)) for path in files]
+    root = os.path.commonpath([os.path.dirname(path) for path in paths])  # ids name files relative to it
+    for path, full in zip(files, paths):
+        name = os.path.basename(full)
         if os.path.isdir(path):
             ds = _load_saved(path)
         else:
@@ -128,7 +131,7 @@ def _read(files: list[str], text_field: str, id_field: str, txt_sample_by: str, 
             _keys,
             batched=True,
             with_indices=True,
-            fn_kwargs={"name": name, "id_field": id_field},
+            fn_kwargs={"name": os.path.relpath(full, root), "id_field": id_field},
             desc=f"ids of {name}",
         )
         parts.append(ds.select_columns([text_field, KEY_COLUMN]))
