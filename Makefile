@@ -42,7 +42,7 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-demo: $(STAMP)  ## periodic weak spots on a CPU: three models at once, a full-attention control among them (9 min 15 s on 2 cores after the install, fresh clone 2026-12-01; README)
+demo: $(STAMP)  ## periodic weak spots on a CPU: three models at once, a full-attention control among them (4 min 20 s on 2 cores after the install, fresh clone 2026-12-02; 9 min 15 s on 2026-12-01: the machine varies; README)
 	$(BIN)/python -m ckv.apps.demo --out outputs/demo
 
 demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 models, about 35 min on 2 cores
