@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import resource
@@ -124,21 +125,10 @@ def train_child(config: dict[str, Any], seq_len: int, mode: str) -> dict[str, An
     warm = min(seq_len, WARMUP_T)  # first-call costs are not the step's: a warm-up on the first tokens
     if mode == "forward":
         model.eval()
-        times = []
         with torch.no_grad():
             model.hidden_states(ids[:, :warm])
-            for _ in range(repeats(seq_len)):
-                start = time.perf_counter()
-                hidden = model.hidden_states(ids)  # (B, T, d)
-                times.append(time.perf_counter() - start)
-        seconds = min(times)
-        return {
-            "seconds": seconds,
-            "tokens_per_s": seq_len / seconds,
-            "loss": None,
-            "peak_rss": peak_rss_bytes(),
-            "finite": bool(torch.isfinite(hidden).all()),
-        }
+            seconds, hidden = best_of(lambda: model.hidden_states(ids), repeats(seq_len))  # (B, T, d)
+        return step_row(seq_len, seconds, None, bool(torch.isfinite(hidden).all()))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     indexer = IndexerTraining(model, IndexerTrainingConfig()) if has_indexer(model) else None
 
@@ -154,18 +144,28 @@ def train_child(config: dict[str, Any], seq_len: int, mode: str) -> dict[str, An
         return loss.item()
 
     step(warm)
-    times = []
-    for _ in range(repeats(seq_len)):
+    seconds, loss = best_of(lambda: step(seq_len), repeats(seq_len))
+    return step_row(seq_len, seconds, loss, math.isfinite(loss))
+
+
+def best_of(fn: Callable[[], Any], n: int) -> tuple[float, Any]:
+    """The fastest of ``n`` timed calls of ``fn`` (seconds) and the last call's result."""
+    times, out = [], None
+    for _ in range(n):
         start = time.perf_counter()
-        loss = step(seq_len)
+        out = fn()
         times.append(time.perf_counter() - start)
-    seconds = min(times)
+    return min(times), out
+
+
+def step_row(seq_len: int, seconds: float, loss: Optional[float], finite: bool) -> dict[str, Any]:
+    """A training-step or forward row: its time, tokens/s, last loss (None for a forward), peak RSS, finiteness."""
     return {
         "seconds": seconds,
         "tokens_per_s": seq_len / seconds,
         "loss": loss,
         "peak_rss": peak_rss_bytes(),
-        "finite": bool(torch.isfinite(torch.tensor(loss))),
+        "finite": finite,
     }
 
 
@@ -315,16 +315,18 @@ def op_child(op: str, seq_len: int, grad: bool) -> dict[str, Any]:
         return {"status": f"not timed: differs from the reference by {error:.1e}", "error": error}
     fn = fn_check if op in ("sdpa", "reference") else build_op(op, seq_len)
     x = op_inputs(seq_len, grad)
-    times = []
-    for _ in range(OP_REPEATS + (op == "flex")):  # flex compiles for T at its first call; the others ran at CHECK_T
-        start = time.perf_counter()
+
+    def call() -> None:
         out = fn(x) if grad else _no_grad(fn, x)
         if grad:
             out.backward(torch.ones_like(out))
             for t in x.values():
                 t.grad = None
-        times.append(time.perf_counter() - start)
-    return {"status": "ok", "error": error, "seconds": min(times[op == "flex" :]), "peak_rss": peak_rss_bytes()}
+
+    if op == "flex":  # flex compiles for T at its first call; the others ran at CHECK_T
+        call()
+    seconds, _ = best_of(call, OP_REPEATS)
+    return {"status": "ok", "error": error, "seconds": seconds, "peak_rss": peak_rss_bytes()}
 
 
 def _no_grad(fn: Callable[[dict[str, Any]], Any], x: dict[str, Any]) -> Any:
