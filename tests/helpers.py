@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckv import ModelConfig, Transformer
 from ckv.apps.smoke import load_variant, option_names
@@ -47,3 +49,26 @@ def assert_influence(attention: dict, T: int, sees: Callable[[int, int], bool]) 
         row = [sees(t, p) for p in range(T)]
         expected = torch.tensor([s or (p == t and any(row)) for p, s in enumerate(row)])
         assert torch.equal(touched, expected), f"query {t}"
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an op produces (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def eval_cli():
+    """The checkout's ``eval.py`` as a module (it is a script, not part of the ckv package)."""
+    spec = importlib.util.spec_from_file_location("ckv_eval_cli", Path(__file__).resolve().parents[1] / "eval.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

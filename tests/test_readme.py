@@ -7,7 +7,6 @@ the CPU lines end to end (training shortened by overrides appended to the line, 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import re
 import shlex
@@ -22,6 +21,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from ckv.train import TrainConfig
+from tests.helpers import eval_cli
 
 REPO = Path(__file__).resolve().parents[1]
 NOT_HERE = {  # a line's start -> why it is not run here
@@ -78,13 +78,6 @@ def train_jobs(args: list[str]) -> list[list[str]]:
     return list(itertools.chain.from_iterable(batches))
 
 
-def _eval_module():
-    spec = importlib.util.spec_from_file_location("ckv_eval_readme", REPO / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_line_is_checked_or_says_why_not() -> None:
     lines, _ = using_it()
     scripts = {"train.py", "eval.py"}
@@ -105,7 +98,7 @@ def test_train_line_composes_into_valid_configs(args: list[str]) -> None:
 
 @pytest.mark.parametrize("args", _lines("eval.py"), ids=" ".join)
 def test_eval_line_composes_and_passes_evals_checks(args: list[str], tmp_path: Path) -> None:
-    cli = _eval_module()
+    cli = eval_cli()
     run = str(tmp_path / "run")  # a path: eval.py checks that it exists when it loads, after these checks
     overrides = cli.quote_path_values([a.replace(RUN_DIR, run) for a in args])
     with initialize_config_dir(config_dir=str(REPO / "conf" / "eval"), version_base="1.3"):

@@ -9,13 +9,13 @@ from typing import Optional
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckv import AttentionConfig
 from ckv.attention.blocked import choose_block, joint_attention_blocked, working_bytes
 from ckv.attention.reference import joint_attention_reference
 from ckv.config import ConfigError
 from ckv.geometry import LocalWindow, local_keep, local_span, num_entries
+from tests.helpers import LargestTensor
 from tests.kernels.test_model import assert_impls_match
 
 RTOL = 1e-5
@@ -169,21 +169,6 @@ def test_missing_local_keys_are_a_clear_error():
         joint_attention_blocked(**tensors, **kwargs)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op creates (numel)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(x, torch.Tensor):
-                self.largest = max(self.largest, x.numel())
-        return out
-
-
 def test_working_memory_is_bounded_by_the_block_not_t_times_entries():
     """T = 512, stride 4 (E = 128), block 16: no op of the forward or the backward creates a tensor beyond the
     inputs' size or one block's (heads x block x (entries + band + sink)) scores, far below the reference's
@@ -201,7 +186,7 @@ def test_working_memory_is_bounded_by_the_block_not_t_times_entries():
         saved.append(x.numel())
         return x
 
-    with _LargestTensor() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+    with LargestTensor() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         out, _ = joint_attention_blocked(**tensors, **kwargs, block=block)
         out.backward(torch.ones_like(out))
     assert max(saved) <= inputs

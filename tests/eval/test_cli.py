@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import eval_cli
 
 from .helpers import make_run, png_ok
 
@@ -74,15 +75,8 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
         assert (p.returncode, p.stderr.splitlines()) == (2, [line]), override
 
 
-def _cli_module():
-    spec = importlib.util.spec_from_file_location("ckv_eval_cli", ROOT / "eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_path_values_are_quoted_for_hydra() -> None:
-    quote = _cli_module().quote_path_values
+    quote = eval_cli().quote_path_values
     assert quote(["model.path=/r/a=1,seed=0", "summary=/s", "out_dir=o", "+model.tokenizer=t"]) == [
         "model.path='/r/a=1,seed=0'",
         "summary='/s'",

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckv import Transformer
 from ckv.attention.indexer import (
@@ -35,7 +34,7 @@ from ckv.train.indexer import (
     indexer_recall,
     recall_queries,
 )
-from tests.helpers import small_config
+from tests.helpers import LargestTensor, small_config
 from tests.train.helpers import base_config
 from tests.train.test_entry import _train_config
 
@@ -165,21 +164,6 @@ def test_the_recall_is_measured_on_an_evenly_spaced_sample_of_binding_queries():
     assert recall.item() == pytest.approx(caught[:, rows].mean().item(), rel=1e-5)
     assert recall_queries(T, kc.shape[1], q_start, stride, topk, sample=T).tolist() == list(range(first, T))
     assert len(recall_queries(T, topk, q_start, stride, topk, sample=8)) == 0  # no more entries than top-k
-
-
-class LargestTensor(TorchDispatchMode):
-    """Records the largest number of elements of any tensor an op produces (forward and backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "sparse"])
