@@ -11,6 +11,7 @@ from ckv.apps.demo import QUICK_TRAIN, DemoRun
 from ckv.apps.selection import (
     IMPOSED,
     MODELS,
+    QUANTISED,
     N_BASE,
     SEEDS,
     STRIDE,
@@ -150,7 +151,10 @@ def test_quick_selection_writes_the_tables_a_plot_and_a_record(tmp_path):
     for r in record["rows"]:
         assert r["steps"] == 12 and len(r["per_phase"]) == STRIDE
     served = {(r["model"], r["selector"]) for r in record["selectors"]}
-    assert served == {("dense", s) for s in IMPOSED} | {("sparse", s) for s in ("model", *IMPOSED)}
+    assert served == {("dense", s) for s in IMPOSED} | {("sparse", s) for s in ("model", *IMPOSED, *QUANTISED)}
+    changed = [r["changed"] for r in record["selectors"] if r["selector"] in QUANTISED]
+    assert changed and all(len(c) == STRIDE and all(0 <= x["rate"] <= 1 for x in c) for c in changed)
+    assert "selections changed against fp32" in proc.stdout
     for r in record["selectors"]:
         assert (r["paired"] is None) == (r["selector"] == "dense")
         assert r["geometric_ratio"] is None or 0 < r["geometric_ratio"] < 1

@@ -10,10 +10,11 @@ low-rank latent, rank 32) wherever attention is compressed:
   selector of ``eval.py analysis=selection`` at top-``TOPK``: ``dense`` (every visible entry, the reference),
   ``oracle`` (the top-k of the layer's own dense attention mass: a perfect selector imposed at inference, not a
   training regime), ``random`` (k visible entries uniformly, seeded) and ``recency`` (the k most recent);
-- ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by
-  ``SPARSE_RECIPE`` (``trainer.indexer``, docs/training.md: dense training, the indexer's warm-up on the frozen
-  model, sparse training), served by its trained indexer (``model``) and by the
-  same four selectors on its own weights (the oracle on the indexer's schedule);
+- ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by its default
+  recipe (``trainer.indexer.recipe=three_stage``, docs/training.md: 60% dense training, 20% the indexer's warm-up
+  on the frozen model, 20% sparse training), served by its trained indexer (``model``), by the same four selectors
+  on its own weights (the oracle on the indexer's schedule) and by its indexer fake-quantised to FP8 and FP4
+  (``QUANTISED``: how many selections change against fp32, and at which phase);
 - ``full``: the full-attention control, which must learn the task (mean >= ``CONTROL_LEARNED`` in every seed).
 
 Each run is trained with ``train.py`` and evaluated with ``eval.py``'s fixed-query position-matched lookup
@@ -62,11 +63,6 @@ TOPK = 4  # entries each query keeps: 1/16 of the up to 64 visible at the final 
 # base examples of the evaluation (x 8 shifts: 1,024 prompts, a multiple of 8**2): the MDE column states what
 # that sample can resolve; the selection analysis scores them once per selector
 N_BASE = 128
-# the sparse model's three stages (trainer.indexer, docs/training.md) within select_long's 2,000 steps: dense training,
-# the indexer's warm-up on the frozen model (DeepSeek-V3.2's dense warm-up), then sparse training; quick runs: of
-# QUICK_TRAIN's 12 steps
-SPARSE_RECIPE = ("trainer.indexer.dense_steps=1200", "trainer.indexer.warmup_steps=400")
-QUICK_SPARSE_RECIPE = ("trainer.indexer.dense_steps=6", "trainer.indexer.warmup_steps=3")
 LAYER = 0  # the criteria's layer: its entries pool the token embeddings, so "holds the record" is literal
 CONTROL_LEARNED = 0.80  # the control must reach this mean in every seed for the comparison to mean anything
 DENSE_LEARNED = 0.50  # and dense V4 this one: coverage cannot cost a model accuracy it never had
@@ -75,6 +71,7 @@ EQUIVALENCE = 0.05  # C2 fails (no cost) when the straddling excess's interval l
 # weights (does top-k itself, perfectly chosen, do it?)
 PRIMARY = (("sparse", "model"), ("dense", "oracle"))
 IMPOSED = ("dense", "oracle", "random", "recency")  # the selectors every compressed run is served by
+QUANTISED = ("indexer_fp8", "indexer_fp4")  # the sparse runs' indexer as the real models serve it (reported only)
 
 
 @dataclass(frozen=True)
@@ -91,7 +88,10 @@ class Model:
 MODELS = (
     Model("dense", "attention=deepseek_v4_csa", "dense", IMPOSED),
     Model(
-        "sparse", f"attention=deepseek_v4_csa_sparse attention.selection.topk={TOPK}", "indexer", ("model", *IMPOSED)
+        "sparse",
+        f"attention=deepseek_v4_csa_sparse attention.selection.topk={TOPK}",
+        "indexer",
+        ("model", *IMPOSED, *QUANTISED),
     ),
     Model("full", "attention=full attention.query=null", "control"),
 )
@@ -101,13 +101,12 @@ MODEL_BY_NAME = {m.name: m for m in MODELS}
 def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[DemoRun, ...]:
     """Every (model, seed) run, named after the model (``<out>/runs/<model>/seed=<seed>``), evaluated on ``N_BASE``
     base examples (quick: ``QUICK_EVAL``'s)."""
-    recipe = QUICK_SPARSE_RECIPE if quick else SPARSE_RECIPE
     return tuple(
         DemoRun(
             EXPERIMENT,
             seed,
             m.role,
-            tuple(m.option.split()) + (recipe if m.role == "indexer" else ()),
+            tuple(m.option.split()),
             (() if quick else (f"task.n_base={N_BASE}",)) + ((f"task.stride={STRIDE}",) if m.role == "control" else ()),
             name=m.name,
         )
@@ -178,7 +177,8 @@ def selector_row(run: DemoRun, name: str, analysis: dict, layer: int = LAYER) ->
     """One (run, selector) row of ``analysis=selection``'s results at ``layer``: mean accuracy, the paired
     difference against the reference and its straddling excess, the covered rate at the straddling phases and at
     the others, the straddling ratio beside the geometric one, and the accuracy when covered / missed at the
-    straddling phases (pooled counts)."""
+    straddling phases (pooled counts); for a quantised indexer, per phase the share of final-query selections that
+    differ from the fp32 indexer's (``changed``)."""
     res, straddling = analysis["selectors"][name], analysis["straddling_phases"]
     cells = [(p["phase"] in straddling, p["layers"][layer]) for p in res["phases"]]
 
@@ -188,6 +188,7 @@ def selector_row(run: DemoRun, name: str, analysis: dict, layer: int = LAYER) ->
         return {"n": n, "rate": k / n if n else None}
 
     geo = analysis["geometric"]
+    quantised = (analysis.get("quantisation") or {}).get(name)  # per phase: selections changed against fp32
     return {
         "model": run.name,
         "seed": run.seed,
@@ -200,6 +201,7 @@ def selector_row(run: DemoRun, name: str, analysis: dict, layer: int = LAYER) ->
         "geometric_ratio": None if geo is None else geo["layers"][layer]["straddle_ratio"]["value"],
         "accuracy_covered_straddle": pooled("accuracy_covered", True),
         "accuracy_missed_straddle": pooled("accuracy_missed", True),
+        "changed": None if quantised is None else [p["layers"][layer] for p in quantised["phases"]],
     }
 
 
@@ -258,7 +260,7 @@ def selector_table(rows: list[dict]) -> str:
     at the others, the straddling ratio with interval beside the geometric expectation of a random top-k, and the
     accuracy when covered / missed at the straddling phase (with counts)."""
     lines = [
-        f"{'model/seed':10s} {'selector':8s} {'mean %':>6s} {'vs dense pp [95%]':>20s} {'straddle excess pp':>20s} "
+        f"{'model/seed':10s} {'selector':11s} {'mean %':>6s} {'vs dense pp [95%]':>20s} {'straddle excess pp':>20s} "
         f"{'cov% str/oth':>12s} {'ratio [95%]':>18s} {'geom':>5s}  acc% covered/missed at straddle (n)"
     ]
     for r in rows:
@@ -266,11 +268,23 @@ def selector_table(rows: list[dict]) -> str:
         yes, no = r["accuracy_covered_straddle"], r["accuracy_missed_straddle"]
         geo = _number(r["geometric_ratio"])
         lines.append(
-            f"{r['model'] + '/' + str(r['seed']):10s} {r['selector']:8s} {100 * r['mean']:6.1f} "
+            f"{r['model'] + '/' + str(r['seed']):10s} {r['selector']:11s} {100 * r['mean']:6.1f} "
             f"{_iv(pr.get('mean')):>20s} {_iv(pr.get('straddle_excess')):>20s} "
             f"{pp(r['covered_straddle']):>5s}/{pp(r['covered_others']):<6s} {_ratio(r['ratio']):>18s} {geo:>5s}  "
             f"{pp(yes['rate'])}/{pp(no['rate'])} ({yes['n']}/{no['n']})"
         )
+    return "\n".join(lines)
+
+
+def quantisation_table(rows: list[dict]) -> str:
+    """Per run served by a quantised indexer: the share of final-query selections (layer ``LAYER``) that differ
+    from the fp32 indexer's, per phase, with Wilson intervals."""
+    lines = [f"{'model/seed':10s} {'selector':11s}  selections changed against fp32, % [95%], per phase"]
+    for r in (r for r in rows if r["changed"] is not None):
+        cells = "  ".join(
+            f"{i}: {pp(c['rate'])} [{pp(c['lower'])}, {pp(c['upper'])}]" for i, c in enumerate(r["changed"])
+        )
+        lines.append(f"{r['model'] + '/' + str(r['seed']):10s} {r['selector']:11s}  {cells}")
     return "\n".join(lines)
 
 
@@ -441,6 +455,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     sel_rows = selector_rows(done, analyses)
     print("\n" + table(rows) + "\n")
     print(selector_table(sel_rows) + "\n")
+    print(quantisation_table(sel_rows) + "\n")
     found = criteria(rows, sel_rows)
     for c in found:
         print(f"  [{'yes' if c.passed else 'no'}] {c.claim}: {c.detail}")
