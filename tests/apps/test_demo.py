@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from ckv.apps.demo import PLAN, TASK, Check, exit_code
+from ckv.apps.demo import DEMO
+from ckv.apps.study import TASK, Check, exit_code
 
 from .helpers import run_quick
 
@@ -19,7 +20,7 @@ def test_quick_demo_writes_well_formed_outputs(tmp_path):
 
     demo = json.loads((out / "demo.json").read_text())
     assert demo["quick"] is True
-    assert [r["label"] for r in demo["runs"]] == [r.label for r in PLAN]
+    assert [r["label"] for r in demo["runs"]] == [r.label for r in DEMO.runs]
     roles = [c["claim"] for c in demo["checks"]]
     assert len(roles) == 4 and all(isinstance(c["passed"], bool) and c["detail"] for c in demo["checks"])
     for run in demo["runs"]:
@@ -32,7 +33,7 @@ def test_quick_demo_writes_well_formed_outputs(tmp_path):
         assert 0.0 <= h["phase_p_value"] <= 1.0
         assert (Path(run["dir"]) / "model" / "model.safetensors").is_file()
     with open(out / "summary.csv") as f:
-        assert len(list(csv.DictReader(f))) == len(PLAN)
+        assert len(list(csv.DictReader(f))) == len(DEMO.runs)
     for png in demo["plots"].values():  # phases, residues and the grid summary
         data = Path(png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

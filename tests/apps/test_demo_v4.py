@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from ckv.apps.demo import ROOT, TASK, DemoRun
 from ckv.apps.demo_v4 import hf_eval_overrides, mechanisms, v4_plan
+from ckv.apps.study import ROOT, TASK, Run
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
 
-from .helpers import run_quick
+from .helpers import finished, run_quick
 
 
-@pytest.mark.slow  # make demo-v4 shares make demo's pipeline (ckv.apps.demo.run_plan), whose quick run CI keeps
+@pytest.mark.slow  # make demo-v4 shares make demo's pipeline (ckv.apps.study.run_plan), whose quick run CI keeps
 def test_quick_demo_v4_writes_one_table_one_plot_and_the_findings(tmp_path):
     out = tmp_path / "demo-v4"
     run_quick("ckv.apps.demo_v4", out)
@@ -69,17 +69,16 @@ def test_every_model_trains_with_the_ckv_demo_budget():
     assert len(budgets) == 1
 
 
-def _done(worst: int, p: float, lower: float, floor: float, mean: float = 0.6) -> dict:
-    headline = {
-        "mean": mean,
-        "phase_gap": lower + 0.05,
-        "phase_gap_lower": lower,
-        "phase_gap_upper": lower + 0.1,
-        "phase_p_value": p,
-        "phase_noise_floor": floor,
-        "worst_phase": worst,
-    }
-    return {"run": DemoRun("demo_gate_s4", 0, "gate"), "results": {"headline": headline, "stride": 4}}
+def _done(worst: int, p: float, lower: float, floor: float) -> dict:
+    return finished(
+        Run("demo_gate_s4", 0, "gate"),
+        phase_gap=lower + 0.05,
+        phase_gap_lower=lower,
+        phase_gap_upper=lower + 0.1,
+        phase_p_value=p,
+        phase_noise_floor=floor,
+        worst_phase=worst,
+    )
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from ckv.apps.demo import ROOT
 from ckv.apps.robust import (
     ABLATION_SEEDS,
     CONFIRM_SEEDS,
@@ -14,11 +13,11 @@ from ckv.apps.robust import (
     SEEDS,
     confirm_verdicts,
     criteria,
-    noninferiority_bound,
     plan,
     resolve_seeds,
 )
 from ckv.apps.robust import main as robust_main
+from ckv.apps.study import ROOT
 from tests.apps.helpers import run_quick
 
 
@@ -178,14 +177,6 @@ def _confirm_row(model: str, seed: int, phases: list[float], half: float = 0.02,
     )
 
 
-def test_noninferiority_bound_is_the_one_sided_normal_bound_of_each_phase_minus_the_control_mean():
-    fix = _confirm_row("v4_csa_w8s4", 100, [0.86, 0.84], half=0.0392)  # se 0.02 per phase
-    ctrl = _confirm_row("full", 100, [0.88, 0.88], half=0.0392 * 2)  # mean interval half-width 0.0392: se 0.02
-    got = noninferiority_bound(fix, ctrl)
-    se = (0.02**2 + 0.02**2) ** 0.5
-    assert got == pytest.approx([0.86 - 0.88 - 1.6449 * se, 0.84 - 0.88 - 1.6449 * se], abs=1e-4)
-
-
 def test_confirm_verdicts_follow_the_committed_criteria():
     seeds = CONFIRM_SEEDS
     rows = [_confirm_row("gate_w4s4", s, [0.6, 0.9, 0.6, 0.1], verdict="gap") for s in seeds]
@@ -224,7 +215,7 @@ def test_confirm_verdicts_follow_the_committed_criteria():
     assert confirm_verdicts([r for r in rows if (r["model"], r["seed"]) != ("full", seeds[1])]) == []
 
 
-@pytest.mark.slow  # make robust shares make demo's pipeline (ckv.apps.demo.run_plan), whose quick run CI keeps
+@pytest.mark.slow  # make robust shares make demo's pipeline (ckv.apps.study.run_plan), whose quick run CI keeps
 def test_quick_robust_writes_a_table_a_plot_and_a_record(tmp_path):
     out = tmp_path / "robust"
     proc = run_quick("ckv.apps.robust", out, "--task", "dense", "--add", "entropy_w8s4", "gate_w8s8")

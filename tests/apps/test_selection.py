@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from ckv.apps.demo import QUICK_TRAIN, DemoRun
 from ckv.apps.selection import (
     IMPOSED,
     MODELS,
@@ -23,6 +22,8 @@ from ckv.apps.selection import (
     table,
     verdict,
 )
+from ckv.apps.study import QUICK_TRAIN
+from ckv.apps.study import Run as DemoRun
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 from tests.train.test_entry import _train_config

@@ -16,10 +16,12 @@ from ckv.eval.stats import (
     f_survival,
     gap_is_real,
     group_accuracy,
+    noninferiority_bounds,
     period_pvalue,
     periodicity_chance,
     periodicity_score,
     permutation_test,
+    se_from_interval,
     summarize_groups,
     wilson_interval,
 )
@@ -150,3 +152,17 @@ def test_a_gap_is_real_only_when_significant_and_above_the_noise_floor():
     assert not gap_is_real(0.0005, 0.04, 0.05)  # interval reaches down into the noise floor
     assert not gap_is_real(0.05, 0.20, 0.05)  # p must be below alpha, not equal
     assert gap_is_real(None, 0.20, 0.05) and gap_is_real(0.001, None, None)  # uncomputed statistics do not veto
+
+
+def test_noninferiority_bound_is_each_estimate_minus_the_reference_less_the_one_sided_normal_margin() -> None:
+    # 95% intervals of half-width 1.96 * 0.02: standard error 0.02 each, so the difference's is 0.02 * sqrt(2)
+    half = 1.959963984540054 * 0.02
+    assert se_from_interval(0.5 - half, 0.5 + half) == pytest.approx(0.02)
+    got = noninferiority_bounds(
+        [0.86, 0.84], [0.86 - half, 0.84 - half], [0.86 + half, 0.84 + half], 0.88, 0.88 - half, 0.88 + half
+    )
+    se = 0.02 * 2**0.5
+    assert got == pytest.approx([0.86 - 0.88 - 1.6449 * se, 0.84 - 0.88 - 1.6449 * se], abs=1e-4)
+    # a point estimate equal to the reference is still inferior at margin 0: the bound is below zero by its noise
+    (tied,) = noninferiority_bounds([0.88], [0.88 - half], [0.88 + half], 0.88, 0.88 - half, 0.88 + half)
+    assert tied < 0 and noninferiority_bounds([0.9], [0.9], [0.9], 0.8, 0.8, 0.8) == pytest.approx([0.1])

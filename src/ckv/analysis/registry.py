@@ -19,6 +19,7 @@ from ckv.eval.lookup import LookupOutcome, LookupSpec, LookupTask
 from ckv.eval.models import LoadedModel
 from ckv.eval.runner import RunOptions, build_task, output_dir, results_envelope
 from ckv.eval.scoring import LogitsFn
+from ckv.io.layout import analysis_file
 from ckv.io.results import write_json
 
 
@@ -76,11 +77,11 @@ def run_analysis(
     if not isinstance(spec, LookupSpec):
         raise ConfigError(f"analyses run on a lookup task; task.kind is {type(spec).__name__}")
     task = build_task(spec, model, options.limit)
-    out = output_dir(model, spec, options) / name
-    result = ANALYSES[name](AnalysisContext(model, task, options, params, out))
+    path = analysis_file(output_dir(model, spec, options), name)
+    result = ANALYSES[name](AnalysisContext(model, task, options, params, path.parent))
     envelope = {
         **results_envelope(model, spec, options, {"task": "lookup", **task.describe()}),
         "analysis": {"name": name, "params": params, "results": result},
     }
-    write_json(out / f"{name}.json", envelope)
+    write_json(path, envelope)
     return envelope

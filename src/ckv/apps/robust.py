@@ -6,7 +6,8 @@ split records, ``conf/experiment/robust_split.yaml``) and **dense** (crowding: f
 8-token window, ``conf/experiment/robust_dense.yaml``). On each: the task's baseline gate, DeepSeek-V4's compressor
 and the full-attention control (the core set; every other fix of ``MODELS`` on request), seed 0 (more with
 ``--seeds``), the same budget for all, each trained with ``train.py`` and evaluated with ``eval.py``'s
-position-matched lookup (``ckv.apps.demo``'s machinery); then one table (mean, per-phase
+position-matched lookup: the study ``conf/study/robust.yaml`` (``--confirm``: ``robust_confirm.yaml``,
+``--ablation``: ``robust_ablation.yaml``) over ``ckv.apps.study``; then one table (mean, per-phase
 accuracy, worst phase, phase and residue gaps with intervals and noise floors, KV bytes per token, parameters,
 training time), the success criteria per fix (``criteria``), the crowding analysis of the dense task's compressed
 models (``analyse``: gate concentration beside knock-outs), and one plot of worst-phase accuracy against KV bytes
@@ -33,122 +34,64 @@ from pathlib import Path
 from typing import Optional
 
 from ckv import flops
-from ckv.apps.demo import (
+from ckv.apps.study import (
     QUICK_EVAL,
-    TASK,
     Check,
-    DemoRun,
+    Run,
     Timer,
-    demo_arguments,
-    job_env,
+    check_lines,
+    load_study,
     pp,
+    result_row,
     run_command,
     run_plan,
+    start,
+    study_arguments,
     write_study_record,
 )
-from ckv.eval.summary import flatness_fields
+from ckv.eval.stats import CONTROL_LEARNED, noninferiority_bounds
 from ckv.flops import parameter_count
-from ckv.io.layout import MODEL_DIR, read_run_config
+from ckv.io.layout import MODEL_DIR, analysis_file, eval_dir, read_run_config
 from ckv.io.results import read_json
 from ckv.io.weights import load_config
 
 BYTES_PER_ELEMENT = 2  # KV memory is reported for a bf16 cache (ckv.flops.kv_bytes_per_token)
-SEEDS = (0,)  # make robust's default: the seed replication is make robust-confirm's (three fresh seeds)
-ABLATION_SEEDS = (0, 1)
+STUDY, CONFIRM, ABLATION = load_study("robust"), load_study("robust_confirm"), load_study("robust_ablation")
 
 
 @dataclass(frozen=True)
 class Model:
-    """One model of a task: its ``train.py`` overrides (an attention option plus option groups, e.g.
-    ``attention=w4s4 attention/mixing=conv``), its role, the equal-memory baseline a fix is compared with,
-    and whether ``make robust`` trains it (``core``: each task's baseline, V4's compressor and the control, the six
-    runs of one seed that fit 30 minutes of 2 cores at make demo's budget) or only ``--all``, ``--add`` and
-    ``--models`` do."""
+    """One model of a task (conf/study/robust.yaml): its ``train.py`` overrides (an attention option plus option
+    groups, e.g. ``attention=w4s4 attention/mixing=conv``), its role, the equal-memory baseline a fix is compared
+    with, and whether ``make robust`` trains it (``core``) or only ``--all``, ``--add`` and ``--models`` do."""
 
     name: str
     option: str  # space-separated train.py overrides
     role: str  # "baseline", "fix" or "control"
     baseline: Optional[str] = None  # a fix's equal-memory baseline (same entries per token, heads, local window)
-    core: bool = True
+    core: bool = False
 
 
-# the ablation ladder (docs/robustness.md, "Ablation"): conf/attention/v4_<step>.yaml, each the previous step plus
-# one change; the ladder starts at the W8/S4 gate (split's overlap_w8s4) and its last step is deepseek_v4_csa
-LADDER_STEPS = (
-    "ladder1_series",
-    "ladder2_vector_gate",
-    "ladder3_tied",
-    "ladder4_postnorm",
-    "ladder5_rope",
-    "ladder6_sink",
-    "ladder7_output_rope",
-)
-LADDER = ("overlap_w8s4", *LADDER_STEPS)
-# the confirmation (docs/robustness.md, "Confirmation: criteria"): the finalists, their baseline and the control
-# on seeds no earlier run used, judged by confirm_verdicts
-CONFIRM_TASK = "split"
-# run in this order: the baseline and the control first, so each finalist's verdict is complete after its seeds
-CONFIRM_MODELS = ("gate_w4s4", "full", "v4_csa_w8s4", "v4_csa_conv_w8s4")
-CONFIRM_FINALISTS = ("v4_csa_w8s4", "v4_csa_conv_w8s4")
-CONFIRM_SEEDS = (100, 101, 102)
-NONINFERIORITY_MARGIN = 0.05  # C2: every phase of a finalist within this of the control's mean (one-sided 5%)
-Z_ONE_SIDED_95 = 1.6448536269514722
-Z_TWO_SIDED_95 = 1.959963984540054
-
-# task -> models; the run folder is <out>/runs/<task>_<model>/seed=<seed>. Every model of a task shares the
-# experiment's model, data, optimiser, budget and local window (4 tokens); only the attention option differs.
+TASKS: dict[str, dict] = STUDY.params["tasks"]
+# task -> models; the run folder is <out>/runs/<task>_<model>/seed=<seed>
 MODELS: dict[str, tuple[Model, ...]] = {
-    # straddling: every compressed model stores one entry per 4 tokens (S = 4)
-    "split": (
-        Model("gate_w4s4", "attention=w4s4", "baseline"),
-        # fix 2: causal mixing before pooling
-        Model("conv_w4s4", "attention=w4s4 attention/mixing=conv", "fix", "gate_w4s4", core=False),
-        # fix 3: layer grids shifted by 0, 2
-        Model("stagger_w4s4", "attention=w4s4 attention/grid=stagger", "fix", "gate_w4s4", core=False),
-        # fix 1: W = 2S, offset-specific maps; shared maps; V4's two series; V4's with mixing (fixes 1 + 2)
-        Model("overlap_w8s4", "attention=w8s4", "fix", "gate_w4s4", core=False),
-        Model("overlap_shared_w8s4", "attention=w8s4_shared", "fix", "gate_w4s4", core=False),
-        Model("v4_csa_w8s4", "attention=deepseek_v4_csa", "fix", "gate_w4s4"),
-        Model("v4_csa_conv_w8s4", "attention=deepseek_v4_csa attention/mixing=conv", "fix", "gate_w4s4", core=False),
-        # fix 4 (a crowding fix)
-        Model("entropy_w4s4", "attention=w4s4 trainer/gate_entropy=floor", "fix", "gate_w4s4", core=False),
-        # the ablation ladder from the W8/S4 gate (overlap_w8s4) to V4's CSA, one change per step (LADDER)
-        *(Model(name, f"attention=v4_{name}", "fix", "gate_w4s4", core=False) for name in LADDER_STEPS),
-        Model("full", "attention=full", "control"),
-    ),
-    # crowding: the paper's W = 8 / S = 4 (every 2-token record fits one window) and W = S = 8 (one entry per 8)
-    "dense": (
-        Model("gate_w8s4", "attention=w8s4", "baseline"),
-        # fix 4: gate-entropy floor
-        Model("entropy_w8s4", "attention=w8s4 trainer/gate_entropy=floor", "fix", "gate_w8s4", core=False),
-        Model("overlap_shared_w8s4", "attention=w8s4_shared", "fix", "gate_w8s4", core=False),
-        Model("v4_csa_w8s4", "attention=deepseek_v4_csa", "fix", "gate_w8s4"),
-        Model("v4_csa_conv_w8s4", "attention=deepseek_v4_csa attention/mixing=conv", "fix", "gate_w8s4", core=False),
-        Model("gate_w8s8", "attention=w8s8", "baseline", core=False),
-        Model(
-            "conv_w8s8",
-            "attention=w8s8 attention/mixing=conv attention.mixing.kernel=4",
-            "fix",
-            "gate_w8s8",
-            core=False,
-        ),
-        Model("stagger_w8s8", "attention=w8s8 attention/grid=stagger", "fix", "gate_w8s8", core=False),
-        # a crowding family: two KV heads on window grids offset by 0 and 4, W = S = 8: the W8/S4 1-KV-head gate's
-        # long-sequence KV bytes per token (two entries per 8 tokens), its baseline
-        Model("heads_w8s8_kv2", "attention=w8s8_kv2_heads", "fix", "gate_w8s4", core=False),
-        Model("full", "attention=full", "control"),
-    ),
+    task: tuple(
+        Model(m["name"], m["train"], m["role"], m.get("baseline"), m.get("core", False)) for m in spec["models"]
+    )
+    for task, spec in TASKS.items()
 }
-CONTROL_STRIDE = {"split": 4, "dense": 8}  # full attention has no stride: its phases are taken mod this
-ANALYSED_TASKS = ("dense",)  # the crowding analysis (gate concentration beside knock-outs) runs on these
-# base examples of the crowding analysis: its knock-outs re-evaluate the task once per layer and KV head, and read
-# phase effects of tens of pp, which need no flatness test (the benchmark's own evaluation uses the task's 1,024)
-ANALYSIS_N_BASE = 512
-MIN_GAIN = 0.30  # the minimum: a fix raises the worst phase by >= 30 pp over its baseline, in every seed
-CONTROL_LEARNED = 0.40  # the goal is judged only against a control whose mean reaches this (make demo's bar)
-GOAL_MARGIN = 0.05  # the goal: worst phase within 5 pp of full attention's and flat (equivalence), every seed
-
-
+CONTROL_STRIDE = {task: spec["control_stride"] for task, spec in TASKS.items()}
+SEEDS, CONFIRM_SEEDS, ABLATION_SEEDS = STUDY.seeds, CONFIRM.seeds, ABLATION.seeds
+LADDER = tuple(STUDY.params["ladder"])  # the ablation ladder's steps, the W8/S4 gate first
+LADDER_STEPS = LADDER[1:]
+CONFIRM_TASK = CONFIRM.params["task"]
+CONFIRM_MODELS = tuple(CONFIRM.params["models"])
+CONFIRM_FINALISTS = tuple(CONFIRM.params["finalists"])
+CONFIRM_BASELINE, CONFIRM_CONTROL = CONFIRM.params["baseline"], CONFIRM.params["control"]
+NONINFERIORITY_MARGIN = CONFIRM.criteria["noninferiority_margin"]
+ANALYSED_TASKS = tuple(STUDY.params["analysed_tasks"])
+ANALYSIS_N_BASE = STUDY.params["analysis_n_base"]
+MIN_GAIN, GOAL_MARGIN = STUDY.criteria["min_gain"], STUDY.criteria["goal_margin"]
 MODEL_BY_RUN = {f"{task}_{m.name}": m for task, models in MODELS.items() for m in models}
 
 
@@ -158,7 +101,7 @@ def plan(
     everything: bool = False,
     add: tuple[str, ...] = (),
     only: tuple[str, ...] = (),
-) -> tuple[DemoRun, ...]:
+) -> tuple[Run, ...]:
     """Every (task, model, seed) run, named ``<task>_<model>`` under ``<out>/runs``: the core models and those
     named in ``add`` with their baselines (in every task that has them), or with ``everything`` every model, or
     with ``only`` exactly the models it names (in every task that has them, in its order)."""
@@ -171,8 +114,8 @@ def plan(
             )
     add = tuple(add) + tuple(m.baseline for models in MODELS.values() for m in models if m.name in add and m.baseline)
     return tuple(
-        DemoRun(
-            f"robust_{task}",
+        Run(
+            TASKS[task]["experiment"],
             seed,
             m.role,
             tuple(m.option.split()),
@@ -198,45 +141,20 @@ def resolve_seeds(seeds: Optional[list[int]], confirm: bool, ablation: bool, qui
 
 
 def row(d: dict) -> dict:
-    """One table row of a finished run: its results' headline, per-phase accuracy, memory and cost."""
-    rep = d["results"]
-    h = rep["headline"]
+    """One table row of a finished run: its task, model and baseline, the study's one row of its results
+    (``ckv.apps.study.result_row``), and its memory and cost."""
     cfg = load_config(Path(d["dir"]) / MODEL_DIR)
     task_tokens = read_run_config(d["dir"])["data"]["seq_len"]  # the task's longest example
-    residue = rep["residue"]["gap"]
+    task, model = d["run"].name.split("_", 1)
     return {
-        "task": d["run"].experiment.removeprefix("robust_"),
-        "model": d["run"].name.split("_", 1)[1],
-        "role": d["run"].role,
+        "task": task,
+        "model": model,
         "baseline": MODEL_BY_RUN[d["run"].name].baseline,
-        "seed": d["run"].seed,
-        "steps": d["steps"],
-        "train_seconds": d["train_seconds"],
-        "stride": rep["stride"],
-        "mean": h["mean"],
-        "per_phase": [g["accuracy"] for g in rep["phase"]["groups"]],
-        "per_phase_lower": [g["lower"] for g in rep["phase"]["groups"]],
-        "per_phase_upper": [g["upper"] for g in rep["phase"]["groups"]],
-        "mean_lower": rep["phase"]["mean"]["lower"],
-        "mean_upper": rep["phase"]["mean"]["upper"],
-        "worst_phase": h["worst_phase"],
-        "worst_phase_accuracy": h["worst_phase_accuracy"],
-        "phase_gap": h["phase_gap"],
-        "phase_gap_lower": h["phase_gap_lower"],
-        "phase_gap_upper": h["phase_gap_upper"],
-        "phase_p_value": h["phase_p_value"],
-        "phase_noise_floor": h["phase_noise_floor"],
-        "residue_gap": residue["value"],
-        "residue_gap_lower": residue["lower"],
-        "residue_gap_upper": residue["upper"],
-        "residue_noise_floor": residue["noise_floor"],
-        **flatness_fields(rep, "phase"),
-        **flatness_fields(rep, "residue"),
+        **result_row(d),
         "kv_bytes_per_token": flops.kv_bytes_per_token(cfg, None, BYTES_PER_ELEMENT),
         "task_tokens": task_tokens,
         "kv_bytes_per_token_task": flops.kv_bytes_per_token(cfg, task_tokens, BYTES_PER_ELEMENT),
         "parameters": parameter_count(cfg),
-        "results": str(d["dir"]),
     }
 
 
@@ -372,21 +290,6 @@ def criteria(rows: list[dict]) -> list[Check]:
     return checks
 
 
-def _se(lower: float, upper: float) -> float:
-    """The standard error a 95% interval implies (its half-width over z_0.975)."""
-    return (upper - lower) / (2 * Z_TWO_SIDED_95)
-
-
-def noninferiority_bound(fix: dict, control: dict) -> list[float]:
-    """Per phase of ``fix``: the one-sided 95% lower bound of (phase accuracy - the control's mean accuracy), each
-    from the two runs' 95% cluster-bootstrap intervals as normal standard errors (independent models)."""
-    se_c = _se(control["mean_lower"], control["mean_upper"])
-    return [
-        a - control["mean"] - Z_ONE_SIDED_95 * (_se(lo, hi) ** 2 + se_c**2) ** 0.5
-        for a, lo, hi in zip(fix["per_phase"], fix["per_phase_lower"], fix["per_phase_upper"])
-    ]
-
-
 def confirm_verdicts(rows: list[dict]) -> list[Check]:
     """The confirmation's verdicts, as committed in docs/robustness.md ("Confirmation: criteria"): validity
     (the control learned, the baseline shows a real gap, in every seed), then per finalist C1 (phase-gap verdict
@@ -396,12 +299,13 @@ def confirm_verdicts(rows: list[dict]) -> list[Check]:
     baseline or the control missing a seed leaves it unjudged (no check)."""
     by = {(r["model"], r["seed"]): r for r in rows if r["task"] == CONFIRM_TASK}
     seeds = sorted({s for _, s in by})
-    base = [by.get(("gate_w4s4", s)) for s in seeds]
-    ctrl = [by.get(("full", s)) for s in seeds]
+    base = [by.get((CONFIRM_BASELINE, s)) for s in seeds]
+    ctrl = [by.get((CONFIRM_CONTROL, s)) for s in seeds]
     if not seeds or any(r is None for r in base + ctrl):
         return []
     learned = Check(
-        f"validity: the control (full) learns the task (mean >= {100 * CONTROL_LEARNED:.0f}%) in every seed",
+        f"validity: the control ({CONFIRM_CONTROL}) learns the task (mean >= {100 * CONTROL_LEARNED:.0f}%) "
+        "in every seed",
         all(c["mean"] >= CONTROL_LEARNED for c in ctrl),
         "; ".join(
             f"seed {s}: mean {100 * c['mean']:.1f}% [{100 * c['mean_lower']:.1f}, {100 * c['mean_upper']:.1f}], "
@@ -410,7 +314,7 @@ def confirm_verdicts(rows: list[dict]) -> list[Check]:
         ),
     )
     mechanism = Check(
-        "validity: the baseline (gate_w4s4) shows a real phase gap in every seed",
+        f"validity: the baseline ({CONFIRM_BASELINE}) shows a real phase gap in every seed",
         all(b["phase_verdict"] == "gap" for b in base),
         "; ".join(
             f"seed {s}: gap {100 * b['phase_gap']:.1f} pp [{100 * b['phase_gap_lower']:.1f}, "
@@ -426,7 +330,19 @@ def confirm_verdicts(rows: list[dict]) -> list[Check]:
         if any(f is None for f in fixes):
             continue
         flat = [f["phase_verdict"] == "flat" for f in fixes]
-        bounds = [min(noninferiority_bound(f, c)) for f, c in zip(fixes, ctrl)]
+        bounds = [
+            min(
+                noninferiority_bounds(
+                    f["per_phase"],
+                    f["per_phase_lower"],
+                    f["per_phase_upper"],
+                    c["mean"],
+                    c["mean_lower"],
+                    c["mean_upper"],
+                )
+            )
+            for f, c in zip(fixes, ctrl)
+        ]
         near = [b > -NONINFERIORITY_MARGIN for b in bounds]
         checks.append(
             Check(
@@ -497,9 +413,7 @@ def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, c
     """The crowding analysis on ``ANALYSED_TASKS``' compressed models: ``eval.py analysis=joint`` (per layer and KV
     head, the knock-out effect per phase beside the K and V gate profiles, docs/analysis.md), one summary per run.
     ``static`` is the effective number of offsets of the window-averaged gate (1 = one offset, W = uniform)."""
-    todo = [
-        d for d in done if d["run"].experiment.removeprefix("robust_") in ANALYSED_TASKS and d["run"].role != "control"
-    ]
+    todo = [d for d in done if d["run"].name.split("_", 1)[0] in ANALYSED_TASKS and d["run"].role != "control"]
 
     def one(d: dict) -> dict:
         run_command(
@@ -507,7 +421,7 @@ def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, c
                 sys.executable,
                 "eval.py",
                 f"model.path='{d['dir']}'",
-                f"task={TASK}",
+                f"task={STUDY.task}",
                 "analysis=joint",
                 "progress=false",
                 *(QUICK_EVAL if quick else (f"task.n_base={ANALYSIS_N_BASE}",)),
@@ -515,7 +429,8 @@ def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, c
             out / "logs" / f"joint_{d['run'].name}_seed{d['run'].seed}.log",
             env,
         )
-        res = read_json(Path(d["dir"]) / "eval" / TASK / "joint" / "joint.json")["analysis"]["results"]
+        path = analysis_file(eval_dir(d["dir"], STUDY.task), "joint")
+        res = read_json(path)["analysis"]["results"]
         print(f"[{clock}] {d['run'].label}: crowding analysis done", flush=True)
         return {
             "label": d["run"].label,
@@ -540,7 +455,7 @@ def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, c
                 }
                 for u in res["rows"]
             ],
-            "file": str(Path(d["dir"]) / "eval" / TASK / "joint" / "joint.json"),
+            "file": str(path),
         }
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -566,7 +481,7 @@ def crowding_lines(analyses: list[dict]) -> list[str]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = demo_arguments(__doc__, "outputs/robust", "the first seed only, a few steps per model: pipeline check only")
+    ap = study_arguments(__doc__, STUDY.out, "the first seed only, a few steps per model: pipeline check only")
     ap.add_argument("--task", choices=("both", *MODELS), default="both", help="which task(s) to run")
     ap.add_argument("--all", action="store_true", help="every model of MODELS, not only the core set")
     ap.add_argument(
@@ -593,7 +508,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "--confirm",
         action="store_true",
         help=f"the confirmation: {', '.join(CONFIRM_MODELS)} on the split task, seeds "
-        f"{', '.join(map(str, CONFIRM_SEEDS))} (default --out outputs/robust_confirm), and its verdicts",
+        f"{', '.join(map(str, CONFIRM_SEEDS))} (default --out {CONFIRM.out}), and its verdicts",
     )
     ap.add_argument(
         "--seeds",
@@ -606,12 +521,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     ap.add_argument("--replot", action="store_true", help="only redraw the plot from --out's robust.json")
     args = ap.parse_args(argv)
-    if args.confirm and args.out == ap.get_default("out"):
-        args.out = "outputs/robust_confirm"
+    study = CONFIRM if args.confirm else ABLATION if args.ablation else STUDY
+    if args.out == ap.get_default("out"):
+        args.out = study.out
     out = Path(args.out).resolve()
     png = out / "worst_phase_vs_kv_bytes.png"
     if args.replot:
-        plot(read_json(out / "robust.json")["rows"], png)
+        plot(read_json(out / f"{study.record}.json")["rows"], png)
         print(f"plot: {png}")
         return 0
     try:
@@ -632,24 +548,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
     except ValueError as e:
         ap.error(str(e))
-    clock, env = Timer(), job_env()
-    print(
-        f"ckv robust -> {out}: {len(runs)} models, {args.workers} at a time"
-        f"{' (quick: pipeline check, not the science)' if args.quick else ''}",
-        flush=True,
-    )
-    done = run_plan(runs, out, args.quick, args.workers, env, clock)
+    clock, env = start(study, runs, out, args.quick, args.workers)
+    done = run_plan(runs, out, args.quick, args.workers, env, clock, study.task)
     rows = [row(d) for d in done]
     analyses = analyse(done, out, args.quick, args.workers, env, clock)
     print("\n" + table(rows) + "\n")
     checks = criteria(rows)
-    for c in checks:
-        print(f"  [{'MET' if c.passed else 'not met'}] {c.claim}: {c.detail}")
+    for line in check_lines(checks, ("MET", "not met")):
+        print(line)
     verdicts = confirm_verdicts(rows) if args.confirm else []
     if verdicts:
         print("\nconfirmation (criteria committed in docs/robustness.md, 'Confirmation: criteria'):")
-        for c in verdicts:
-            print(f"  [{'MET' if c.passed else 'not met'}] {c.claim}: {c.detail}")
+        for line in check_lines(verdicts, ("MET", "not met")):
+            print(line)
     ladder = ladder_lines(rows)
     if ladder:
         print("\nablation ladder (split task; each step adds one change to the previous one):")
@@ -662,7 +573,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     plot(rows, png)
     write_study_record(
         out,
-        "robust",
+        study.record,
         args.quick,
         clock,
         png,

@@ -39,19 +39,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ckv.apps.demo import (
+from ckv.apps.study import (
     QUICK_EVAL,
     TASK,
     Check,
-    DemoRun,
     Timer,
-    demo_arguments,
     job_env,
     pp,
     run_command,
     run_plan,
     write_study_record,
 )
+from ckv.apps.study import Run as DemoRun
+from ckv.apps.study import study_arguments as demo_arguments
 from ckv.eval.summary import flatness_fields
 from ckv.io.results import read_json
 from ckv.train.metrics import read_metrics

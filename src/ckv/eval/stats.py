@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
 Z95 = 1.959963984540054  # two-sided 95% standard-normal quantile
+Z_ONE_SIDED_95 = 1.6448536269514722  # one-sided 95% standard-normal quantile
 WILSON = "wilson"  # interval kinds, named in every output that carries an interval
 CLUSTER_BOOTSTRAP = "cluster_bootstrap"
 BOOTSTRAP = "bootstrap"  # over single samples (no clusters given)
@@ -285,6 +287,35 @@ def gap_verdict(real: bool, flat: bool, learned: bool = True) -> str:
     if not learned:
         return "not learned"
     return "flat" if flat else "gap" if real else "undecided"
+
+
+# a full-attention control has learned a lookup task when its mean accuracy reaches this; below it, "as good as full
+# attention" means nothing (the bar of make demo, make demo-v4 and make robust's goal and confirmation)
+CONTROL_LEARNED = 0.40
+
+
+def se_from_interval(lower: float, upper: float, z: float = Z95) -> float:
+    """The standard error a two-sided interval ``[lower, upper]`` implies when read as normal: half-width over ``z``."""
+    return (upper - lower) / (2 * z)
+
+
+def noninferiority_bounds(
+    values: Sequence[float],
+    lowers: Sequence[float],
+    uppers: Sequence[float],
+    reference: float,
+    reference_lower: float,
+    reference_upper: float,
+) -> list[float]:
+    """Per estimate ``values[i]`` with its 95% interval ``[lowers[i], uppers[i]]``: the one-sided 95% lower bound of
+    ``values[i] - reference`` (``reference`` with its own 95% interval), each interval read as a normal standard
+    error (``se_from_interval``) and the two estimates independent (e.g. two models' bootstrap intervals). An
+    estimate is non-inferior at margin ``m`` when its bound exceeds ``-m``."""
+    se_ref = se_from_interval(reference_lower, reference_upper)
+    return [
+        v - reference - Z_ONE_SIDED_95 * (se_from_interval(lo, hi) ** 2 + se_ref**2) ** 0.5
+        for v, lo, hi in zip(values, lowers, uppers)
+    ]
 
 
 def minimum_detectable_gap(

@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 from ckv.config import ConfigError
 from ckv.eval.plots import plot_grid_summary, plot_lookup_comparison, plot_phase_overlay
-from ckv.io.layout import CHECKPOINTS_DIR, EVAL_DIR, MODEL_DIR, is_run_dir
+from ckv.io.layout import CHECKPOINTS_DIR, EVAL_DIR, MODEL_DIR, eval_dir, is_run_dir
 from ckv.io.results import RESULTS_JSON, read_json, write_csv, write_json
 
 PathLike = Union[str, Path]
@@ -37,7 +37,7 @@ def find_runs(root: PathLike, max_depth: int = 3) -> list[Path]:
 
 def results_file(run_dir: Path, task_name: str) -> Path:
     """Where ``eval.py`` writes a run's final-model results for ``task_name``."""
-    return run_dir / EVAL_DIR / task_name / RESULTS_JSON
+    return eval_dir(run_dir, task_name) / RESULTS_JSON
 
 
 def run_label(results: dict, run_dir: Optional[Path] = None) -> str:

@@ -8,7 +8,8 @@
         checkpoints/         step_XXXXXXXX/ {engine/, rank_XXXXX.pt, weights/, trainer_state.json}, latest;
                              damaged_step_XXXXXXXX/: a damaged checkpoint set aside by a fallback resume
         model/               the final consolidated weights (MODEL_DIR; ``ckv.io.weights`` format)
-        eval/<task>/         results.json, results.csv, plots (written by evaluation)
+        eval/<task>/         results.json, results.csv, plots (written by evaluation; ``eval_dir``)
+            <analysis>/      <analysis>.json and its plots (``eval.py analysis=<analysis>``; ``analysis_file``)
 
 Training writes run folders, evaluation and the analyses read them, both through this module.
 """
@@ -42,6 +43,17 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
+
+
+def eval_dir(run_dir: PathLike, task: str) -> Path:
+    """Where evaluation writes a run's results on ``task``: ``<run_dir>/eval/<task>``."""
+    return Path(run_dir) / EVAL_DIR / task
+
+
+def analysis_file(task_dir: PathLike, analysis: str) -> Path:
+    """The results file of ``analysis`` run on a task whose output folder is ``task_dir`` (``eval_dir`` for a run's
+    own): ``<task_dir>/<analysis>/<analysis>.json``."""
+    return Path(task_dir) / analysis / f"{analysis}.json"
 
 
 def is_run_dir(path: PathLike) -> bool:

@@ -1,0 +1,417 @@
+"""The one runner of ckv's studies: a study is a YAML in ``conf/study/`` (its runs, seeds and criteria numbers) and at
+most a small module (its science checks, extra tables and plots).
+
+``make demo``, ``make demo-grid``, ``make demo-v4``, ``make robust`` (``-confirm``, ``-ablation``) and ``make
+selection`` all go through here: ``load_study`` reads ``conf/study/<name>.yaml``; ``run_plan`` trains every run with
+``train.py`` (a finished folder is resumed, i.e. reused) and evaluates it with ``eval.py`` on the study's lookup task,
+``workers`` at a time; ``result_row`` is the one row of a run's results every table, criterion and record reads;
+``table`` prints the per-phase table; ``write_study_record`` writes ``<out>/<record>.json``.
+
+A study's YAML (``Study``; every key optional but ``out``):
+
+    base: robust            # start from conf/study/robust.yaml; keys here replace its keys (criteria, params merged)
+    title: robust           # the study's name in its first printed line (default: the file's name)
+    out: outputs/robust     # the default output folder
+    record: robust          # <out>/<record>.json (default: the file's name)
+    task: demo_lookup       # eval.py's task (conf/eval/task/) every run is scored on
+    workers: all            # models trained at once: a number, ``all`` (every run) or absent (default_workers)
+    seeds: [0]              # every run once per seed (run-major order)
+    runs:                   # experiment (conf/experiment/) + role, and optionally name (the run folder's),
+      - {experiment: demo_full, role: control, eval: [task.stride=4]}   # train/eval overrides, entry (trainer)
+    criteria: {min_gain: 0.30}   # the numbers the study's checks compare with
+    params: {...}           # anything else the study's module reads (e.g. a model table its flags choose from)
+
+Values are OmegaConf: ``${params.stride}`` interpolates. The "control learned" bar every study's control is judged
+against is not a study number: ``ckv.eval.stats.CONTROL_LEARNED``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from omegaconf import OmegaConf
+
+from ckv.checks import ConfigError
+from ckv.eval.summary import flatness_fields, results_file
+from ckv.io.layout import read_run_config
+from ckv.io.results import read_json, write_json
+
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
+STUDY_DIR = ROOT / "conf" / "study"
+TASK = "demo_lookup"  # the lookup task of every study so far (a study's ``task`` key)
+DISTRIBUTED_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+# --quick: a few steps per model and a small evaluation: checks the pipeline, not the science
+QUICK_TRAIN = (
+    "trainer.max_steps=12",
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.log_every=4",
+    "optim.warmup_steps=2",
+)
+QUICK_EVAL = ("task.n_base=64", "stats.n_bootstrap=200", "stats.n_permutations=200")
+STUDY_KEYS = {"base", "title", "out", "record", "task", "workers", "seeds", "runs", "criteria", "params"}
+RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One model of a study: an experiment config, a seed, its role in the checks, and extra overrides."""
+
+    experiment: str
+    seed: int
+    role: str  # what the study's checks make of it, e.g. "gate", "baseline", "fix", "control"
+    train_overrides: tuple[str, ...] = ()
+    eval_overrides: tuple[str, ...] = ()
+    name: str = ""  # the run folder's name under <out>/runs (default: the experiment)
+    entry: tuple[str, ...] = ("train.py",)  # the trainer command after ``python``; it takes train.py's overrides
+
+    @property
+    def label(self) -> str:
+        return f"{(self.name or self.experiment).removeprefix('demo_')}/seed={self.seed}"
+
+
+@dataclass(frozen=True)
+class Study:
+    """A study as its ``conf/study/<name>.yaml`` declares it (the module docstring lists the keys); ``runs`` is the
+    plan: every declared run once per seed."""
+
+    name: str
+    title: str
+    out: str
+    record: str
+    task: str
+    workers: Union[int, str, None]
+    seeds: tuple[int, ...]
+    runs: tuple[Run, ...]
+    criteria: dict[str, float]
+    params: dict[str, Any]
+
+    def workers_for(self, n_runs: int) -> int:
+        """Models trained at once when ``--workers`` is not given: ``workers`` (``all``: ``n_runs``), else
+        ``default_workers``."""
+        if self.workers == "all":
+            return n_runs
+        return default_workers() if self.workers is None else int(self.workers)
+
+
+def _overrides(value: Any, where: str) -> tuple[str, ...]:
+    """Overrides as a YAML list or one space-separated string."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return tuple(value.split())
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{where}: overrides are a list of strings or one space-separated string, not {value!r}")
+
+
+def _raw_study(name: str) -> Any:
+    """The OmegaConf node of ``conf/study/<name>.yaml`` merged over its ``base`` (recursively)."""
+    path = STUDY_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
+        raise ConfigError(f"no study {name!r} in {STUDY_DIR}; known: {known}")
+    node = OmegaConf.load(path)
+    unknown = sorted(set(node) - STUDY_KEYS)
+    if unknown:
+        raise ConfigError(f"conf/study/{name}.yaml: unknown keys {unknown}; a study takes {sorted(STUDY_KEYS)}")
+    base = node.get("base")
+    return node if base is None else OmegaConf.merge(_raw_study(base), node)
+
+
+def load_study(name: str) -> Study:
+    """``conf/study/<name>.yaml`` as a ``Study`` (``ConfigError``, one line, for a missing study or a bad key)."""
+    raw = OmegaConf.to_container(_raw_study(name), resolve=True)
+    if "out" not in raw:
+        raise ConfigError(f"conf/study/{name}.yaml: no out (the default output folder)")
+    seeds = tuple(raw.get("seeds") or (0,))
+    if len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or s < 0 for s in seeds):
+        raise ConfigError(f"conf/study/{name}.yaml: seeds {list(seeds)}: distinct integers >= 0, please")
+    templates = []
+    for i, r in enumerate(raw.get("runs") or ()):
+        where = f"conf/study/{name}.yaml runs[{i}]"
+        unknown = sorted(set(r) - RUN_KEYS)
+        if unknown or "experiment" not in r or "role" not in r:
+            raise ConfigError(
+                f"{where}: a run takes experiment, role and optionally "
+                f"{sorted(RUN_KEYS - {'experiment', 'role'})}; got {sorted(r)}"
+            )
+        templates.append(
+            Run(
+                r["experiment"],
+                0,
+                r["role"],
+                _overrides(r.get("train"), where),
+                _overrides(r.get("eval"), where),
+                name=r.get("name", ""),
+                entry=_overrides(r.get("entry"), where) or ("train.py",),
+            )
+        )
+    workers = raw.get("workers")
+    if not (workers is None or workers == "all" or (isinstance(workers, int) and workers > 0)):
+        raise ConfigError(f"conf/study/{name}.yaml: workers {workers!r}: a number > 0, all, or absent")
+    return Study(
+        name=name,
+        title=raw.get("title", name),
+        out=raw["out"],
+        record=raw.get("record", name),
+        task=raw.get("task", TASK),
+        workers=workers,
+        seeds=seeds,
+        runs=tuple(dataclasses.replace(t, seed=s) for t in templates for s in seeds),
+        criteria=dict(raw.get("criteria") or {}),
+        params=dict(raw.get("params") or {}),
+    )
+
+
+@dataclass
+class Check:
+    """One claim of a study and whether the run's numbers support it."""
+
+    claim: str
+    passed: bool
+    detail: str
+
+
+def check_lines(checks: list[Check], words: tuple[str, str]) -> list[str]:
+    """One printed line per check: ``  [<words[0]>] claim: detail`` when it passed, ``[<words[1]>]`` when not."""
+    return [f"  [{words[0] if c.passed else words[1]}] {c.claim}: {c.detail}" for c in checks]
+
+
+@dataclass
+class Timer:
+    """Wall time since the study started, printed as ``m:ss``."""
+
+    start: float = field(default_factory=time.monotonic)
+
+    def __str__(self) -> str:
+        s = int(time.monotonic() - self.start)
+        return f"{s // 60:d}:{s % 60:02d}"
+
+
+def run_command(cmd: list[str], log: Path, env: dict) -> None:
+    """Run ``cmd`` in the checkout with its output in ``log``; a failure raises with the log's last lines."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}")
+
+
+def run_dir(out: Path, run: Run) -> Path:
+    """The run folder a study gives ``train.py`` (``hydra.run.dir``): ``<out>/runs/<name or experiment>/seed=<s>``."""
+    return out / "runs" / (run.name or run.experiment) / f"seed={run.seed}"
+
+
+def train_and_evaluate(run: Run, out: Path, quick: bool, env: dict, clock: Timer, task: str = TASK) -> dict:
+    """Train one model with ``train.py`` (resuming if its folder exists), then evaluate it with ``eval.py`` on
+    ``task``. Returns ``{"run", "dir", "train_seconds", "steps", "results"}`` (``results``: the task's report)."""
+    py = sys.executable
+    t0 = time.monotonic()
+    rdir = run_dir(out, run)
+    train_cmd = [
+        py,
+        *run.entry,
+        f"experiment={run.experiment}",
+        f"seed={run.seed}",
+        f"hydra.run.dir='{rdir}'",
+        "trainer.progress=false",
+        "wandb.enabled=false",
+        *run.train_overrides,
+        *(QUICK_TRAIN if quick else ()),
+    ]
+    run_command(train_cmd, out / "logs" / f"train_{run.name or run.experiment}_seed{run.seed}.log", env)
+    train_s = time.monotonic() - t0
+    eval_cmd = [
+        py,
+        "eval.py",
+        f"model.path='{rdir}'",
+        f"task={task}",
+        "progress=false",
+        *run.eval_overrides,
+        *(QUICK_EVAL if quick else ()),
+    ]
+    run_command(eval_cmd, out / "logs" / f"eval_{run.name or run.experiment}_seed{run.seed}.log", env)
+    steps = read_run_config(rdir)["trainer"]["max_steps"]
+    print(
+        f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
+        flush=True,
+    )
+    results = read_json(results_file(rdir, task))["results"]
+    return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps, "results": results}
+
+
+def job_env() -> dict:
+    """The environment of every train/eval job: one thread, offline, headless plots, no launcher rank variables
+    (every run is its own single-process job: rank variables left behind would make two runs rendezvous on the
+    same port)."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    return {
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MPLBACKEND": "Agg",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
+
+
+def run_plan(
+    plan: tuple[Run, ...], out: Path, quick: bool, workers: int, env: dict, clock: Timer, task: str = TASK
+) -> list[dict]:
+    """Train and evaluate every run, ``workers`` at a time; returns ``train_and_evaluate``'s records in plan order.
+    The first failure stops the plan: queued runs never start."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(train_and_evaluate, r, out, quick, env, clock, task): r for r in plan}
+        results = {}
+        for fut in as_completed(futures):
+            if fut.exception() is not None:
+                for f in futures:
+                    f.cancel()
+                raise fut.exception()
+            results[futures[fut]] = fut.result()
+    return [results[r] for r in plan]
+
+
+def start(study: Study, runs: tuple[Run, ...], out: Path, quick: bool, workers: int) -> tuple[Timer, dict]:
+    """Print the study's first line and return its clock and the jobs' environment."""
+    print(
+        f"ckv {study.title} -> {out}: {len(runs)} models, {workers} at a time"
+        f"{' (quick: pipeline check, not the science)' if quick else ''}",
+        flush=True,
+    )
+    return Timer(), job_env()
+
+
+def result_row(d: dict) -> dict:
+    """The one row of a finished run (``train_and_evaluate``'s record) every study's tables, criteria and records
+    read: its role, seed, budget, and its lookup report's mean, per-phase accuracy with intervals, worst phase,
+    phase gap (interval, permutation p, noise floor), residue gap, both gaps' flatness fields
+    (``ckv.eval.summary.flatness_fields``: one-sided upper bound, margin, verdict, MDE), the dominant period, and
+    the run folder (``results``)."""
+    rep, run = d["results"], d["run"]
+    h, phase, residue = rep["headline"], rep["phase"], rep["residue"]["gap"]
+    return {
+        "role": run.role,
+        "seed": run.seed,
+        "steps": d["steps"],
+        "train_seconds": d["train_seconds"],
+        "stride": rep["stride"],
+        "mean": h["mean"],
+        "per_phase": [g["accuracy"] for g in phase["groups"]],
+        "per_phase_lower": [g["lower"] for g in phase["groups"]],
+        "per_phase_upper": [g["upper"] for g in phase["groups"]],
+        "mean_lower": phase["mean"]["lower"],
+        "mean_upper": phase["mean"]["upper"],
+        "worst_phase": h["worst_phase"],
+        "worst_phase_accuracy": h["worst_phase_accuracy"],
+        "phase_gap": h["phase_gap"],
+        "phase_gap_lower": h["phase_gap_lower"],
+        "phase_gap_upper": h["phase_gap_upper"],
+        "phase_p_value": h["phase_p_value"],
+        "phase_noise_floor": h["phase_noise_floor"],
+        "residue_gap": residue["value"],
+        "residue_gap_lower": residue["lower"],
+        "residue_gap_upper": residue["upper"],
+        "residue_noise_floor": residue["noise_floor"],
+        **flatness_fields(rep, "phase"),
+        **flatness_fields(rep, "residue"),
+        "dominant_period": h["dominant_period"],
+        "periodicity_score": h["periodicity_score"],
+        "results": str(d["dir"]),
+    }
+
+
+def pp(x: Optional[float]) -> str:
+    """A fraction as percentage points with one decimal, ``-`` when not computed."""
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def table(done: list[dict]) -> str:
+    """The per-phase table (make demo, make demo-v4), one line per run: mean, per-phase accuracy, phase gap
+    (mod S) with interval, permutation p and noise floor, the gap's one-sided 95% upper bound, the minimum
+    detectable gap (80% power), the verdict (gap / flat / undecided, ``ckv.eval.stats.gap_verdict``) and the
+    dominant period."""
+    lines = [
+        f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
+        f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'<= pp':>5s} {'MDE pp':>6s} {'verdict':>9s}"
+        f" {'period':>6s}"
+    ]
+    for d in done:
+        r = result_row(d)
+        per = " / ".join(f"{100 * a:.1f}" for a in r["per_phase"]) + f"  (S={r['stride']})"
+        gap = f"{100 * r['phase_gap']:.1f} [{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}]"
+        lines.append(
+            f"{d['run'].label:22s} {r['steps']:6d} {r['train_seconds']:8.0f} {100 * r['mean']:7.1f}"
+            f"  {per:44s} {gap:>20s} {r['phase_p_value']:7.4f}"
+            f" {100 * r['phase_noise_floor']:8.1f} {pp(r['phase_upper_one_sided']):>5s} {pp(r['phase_mde']):>6s}"
+            f" {str(r['phase_verdict']):>9s} {str(r['dominant_period']):>6s}"
+        )
+    return "\n".join(lines)
+
+
+def run_records(done: list[dict], task: str = TASK) -> list[dict]:
+    """The runs as a study's JSON record lists them: label, role, folder, budget, results file."""
+    return [
+        {
+            "label": d["run"].label,
+            "role": d["run"].role,
+            "dir": str(d["dir"]),
+            "steps": d["steps"],
+            "train_seconds": d["train_seconds"],
+            "results": str(results_file(d["dir"], task)),
+        }
+        for d in done
+    ]
+
+
+def exit_code(checks: list[Check], quick: bool) -> int:
+    """1 when a science check failed, else 0 (no checks: 0). Quick mode (a pipeline check whose thresholds are not
+    expected to hold) always gives 0."""
+    return 0 if quick or all(c.passed for c in checks) else 1
+
+
+def write_study_record(out: Path, name: str, quick: bool, clock: Timer, png: Path, record: dict) -> None:
+    """A study's last step (``make robust``, ``make selection``): ``<out>/<name>.json`` holds ``quick``, the
+    seconds so far, ``record`` and the plot's path; then the quick-mode warning and where everything is."""
+    path = out / f"{name}.json"
+    write_json(path, {"quick": quick, "seconds": time.monotonic() - clock.start, **record, "plot": str(png)})
+    if quick:
+        print("quick mode: a few steps per model; the numbers above check the pipeline, not the science")
+    print(f"[{clock}] plot: {png}; record: {path}")
+
+
+def default_workers() -> int:
+    """Models trained at once unless a study says otherwise: one per core, at most two (each job has one thread)."""
+    return min(2, os.cpu_count() or 1)
+
+
+def study_arguments(
+    doc: str, out: str, quick_help: str = "a few steps per model: pipeline check only"
+) -> argparse.ArgumentParser:
+    """The options every study's command shares: ``--out``, ``--workers`` (models trained at once), ``--quick``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=out, help=f"output folder (default: {out})")
+    ap.add_argument("--workers", type=int, default=default_workers(), help="models trained at once")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    return ap

@@ -1,0 +1,96 @@
+"""The study runner: every conf/study YAML loads into the runs its command trains, a bad YAML is one line, and
+the one results row every table reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckv.apps import study
+from ckv.apps.study import Check, Run, check_lines, load_study, result_row
+from ckv.checks import ConfigError
+
+from .helpers import finished
+
+STUDIES = sorted(p.stem for p in study.STUDY_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_every_study_loads_with_existing_experiments_and_distinct_run_folders(name):
+    s = load_study(name)
+    assert s.out and s.record and s.title and s.seeds
+    for r in s.runs:
+        assert (study.ROOT / "conf" / "experiment" / f"{r.experiment}.yaml").is_file(), r
+        assert r.seed in s.seeds
+    assert len({(r.name or r.experiment, r.seed) for r in s.runs}) == len(s.runs)
+    assert all(isinstance(v, float) for v in s.criteria.values())
+
+
+def test_a_base_study_is_merged_under_its_variant():
+    robust, confirm = load_study("robust"), load_study("robust_confirm")
+    assert confirm.params["tasks"] == robust.params["tasks"] and confirm.title == robust.title == "robust"
+    assert confirm.criteria == {**robust.criteria, "noninferiority_margin": 0.05}
+    assert confirm.seeds == (100, 101, 102) and confirm.out != robust.out
+    assert load_study("robust_ablation").params["models"] == robust.params["ladder"]  # an interpolation
+
+
+def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(tmp_path, monkeypatch):
+    (tmp_path / "two.yaml").write_text(
+        "out: outputs/two\nseeds: [3, 4]\nworkers: all\nparams: {stride: 8}\nruns:\n"
+        "  - {experiment: demo_gate_s4, role: gate, train: attention.stride=2 attention.window=2}\n"
+        "  - {name: ctrl, experiment: demo_full, role: control, entry: [-m, x],\n"
+        "     eval: ['task.stride=${params.stride}']}\n"
+    )
+    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    s = load_study("two")
+    assert [(r.label, r.seed) for r in s.runs] == [
+        ("gate_s4/seed=3", 3),
+        ("gate_s4/seed=4", 4),
+        ("ctrl/seed=3", 3),
+        ("ctrl/seed=4", 4),
+    ]
+    assert s.runs[0].train_overrides == ("attention.stride=2", "attention.window=2") and s.runs[0].entry == (
+        "train.py",
+    )
+    assert s.runs[2] == Run("demo_full", 3, "control", (), ("task.stride=8",), name="ctrl", entry=("-m", "x"))
+    assert (s.title, s.record, s.task, s.workers_for(4)) == ("two", "two", study.TASK, 4)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("out: o\nrun: []\n", "unknown keys ['run']"),
+        ("seeds: [0]\n", "no out"),
+        ("out: o\nseeds: [1, 1]\n", "distinct integers >= 0"),
+        ("out: o\nruns:\n  - {experiment: demo_full}\n", "a run takes experiment, role"),
+        ("out: o\nruns:\n  - {experiment: demo_full, role: c, train: [1]}\n", "overrides are a list of strings"),
+        ("out: o\nworkers: 0\n", "workers 0"),
+    ],
+)
+def test_a_bad_study_is_one_line(text, message, tmp_path, monkeypatch):
+    (tmp_path / "bad.yaml").write_text(text)
+    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
+        load_study("bad")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="no study 'nothing'"):
+        load_study("nothing")
+
+
+def test_result_row_reads_the_report_once_for_every_table():
+    d = finished(Run("demo_full", 0, "control"), stride=8, mean=0.9, phase_gap=0.02, dominant_period=4)
+    r = result_row(d)
+    assert (r["role"], r["seed"], r["steps"], r["stride"], r["mean"], r["phase_gap"]) == (
+        "control",
+        0,
+        12,
+        8,
+        0.9,
+        0.02,
+    )
+    assert r["per_phase"] == [0.9] * 8 and r["dominant_period"] == 4 and r["residue_gap"] == 0.0
+    assert {"phase_verdict", "phase_mde", "residue_upper_one_sided"} <= set(r)  # the flatness fields of both gaps
+
+
+def test_check_lines_name_each_outcome_in_the_studys_words():
+    checks = [Check("a", True, "x"), Check("b", False, "y")]
+    assert check_lines(checks, ("MET", "not met")) == ["  [MET] a: x", "  [not met] b: y"]
