@@ -23,7 +23,7 @@ from ckv.apps.selection import (
     verdict,
 )
 from ckv.apps.study import QUICK_TRAIN
-from ckv.apps.study import Run as DemoRun
+from ckv.apps.study import Run
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 from tests.train.test_entry import _train_config
@@ -137,7 +137,7 @@ def test_a_selector_row_pools_the_straddling_phases_of_one_layer():
         "geometric": {"layers": [{"straddle_ratio": {"value": 0.56}}]},
         "paired": {"oracle": {"mean": None}},
     }  # fmt: skip
-    r = selector_row(DemoRun("select_long", 0, "dense", name="dense"), "oracle", analysis, layer=0)
+    r = selector_row(Run("select_long", 0, "dense", name="dense"), "oracle", analysis, layer=0)
     assert (r["covered_straddle"], r["covered_others"]) == (0.2, 0.8)
     assert r["accuracy_covered_straddle"] == {"n": 2, "rate": 1.0} and r["accuracy_missed_straddle"]["n"] == 8
     assert r["ratio"] == ratio and r["geometric_ratio"] == 0.56
@@ -148,7 +148,7 @@ def test_quick_selection_writes_the_tables_a_plot_and_a_record(tmp_path):
     out = tmp_path / "selection"
     proc = run_quick("ckv.apps.selection", out)
     record = json.loads((out / "selection.json").read_text())
-    assert [r["model"] for r in record["rows"]] == [m.name for m in MODELS]
+    assert [r["model"] for r in record["rows"]] == list(MODELS)
     for r in record["rows"]:
         assert r["steps"] == 12 and len(r["per_phase"]) == STRIDE
     served = {(r["model"], r["selector"]) for r in record["selectors"]}
