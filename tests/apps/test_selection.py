@@ -39,7 +39,7 @@ def test_plan_trains_every_model_for_three_seeds_with_one_attention_option():
     # full attention's phases: mod the stride
     assert by[("full", 0)].eval_overrides == (f"task.n_base={N_BASE}", f"task.stride={STRIDE}")
     assert all(r.eval_overrides == (f"task.n_base={N_BASE}",) for r in runs if r.role != "control")
-    assert plan(SEEDS[:1], quick=True)[-1].eval_overrides == (f"task.stride={STRIDE}",)  # QUICK_EVAL sets n_base
+    assert plan(SEEDS[:1], quick=True)[0].eval_overrides == (f"task.stride={STRIDE}",)  # QUICK_EVAL sets n_base
 
 
 @pytest.mark.parametrize("quick", [False, True])

@@ -414,7 +414,7 @@ def test_activation_checkpointing_gives_the_same_losses_with_the_indexer(run):
         (dict(warmup_steps=-1), SPARSE, r"trainer.indexer.warmup_steps=-1 must be an integer >= 0"),
         (dict(weight="1"), SPARSE, r"trainer.indexer.weight='1' must be a finite number"),
         (dict(steps=1), SPARSE, r"unknown trainer.indexer field\(s\) \['steps'\]"),
-        (dict(recipe="v4"), SPARSE, r"trainer.indexer.recipe='v4' must be one of"),
+        (dict(recipe="v4"), SPARSE, r"trainer.indexer.recipe='v4' is not allowed; choose one of"),
     ],
 )
 def test_bad_configs_fail_with_one_line(tmp_path, indexer, attention, needle):
