@@ -10,8 +10,8 @@ import pytest
 from ckv.apps.selection import (
     IMPOSED,
     MODELS,
-    QUANTISED,
     N_BASE,
+    QUANTISED,
     SEEDS,
     STRIDE,
     TOPK,
@@ -22,8 +22,7 @@ from ckv.apps.selection import (
     table,
     verdict,
 )
-from ckv.apps.study import QUICK_TRAIN
-from ckv.apps.study import Run
+from ckv.apps.study import QUICK_TRAIN, Run
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 from tests.train.test_entry import _train_config

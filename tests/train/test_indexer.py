@@ -442,7 +442,7 @@ def test_the_recipe_gives_each_stage_left_unset_its_share_of_max_steps(given, ha
     assert (resolved.dense_steps, resolved.warmup_steps) == expected
     assert resolved.resolved(1000, has_indexer) == resolved
     with pytest.raises(ValueError, match="not resolved"):
-        IndexerTrainingConfig().dense_stage
+        _ = IndexerTrainingConfig().dense_stage
 
 
 def test_the_sparse_option_composes_with_the_indexer_trained_by_default():

@@ -2,7 +2,7 @@
 (docs/selection.md)
 
 One CPU task where selection binds like V4's (``conf/experiment/select_long.yaml``: make demo's model and split
-records, 64 of them and 56 queries, so the final query of a prompt of up to 259 tokens sees up to 64 compressed
+records, 32 of them and 31 queries, so the final query of a 136-token evaluation prompt sees about 33 compressed
 entries at S = 4, of which top-``TOPK`` keeps 1/16) and three models, ``SEEDS`` each, with the SAME query path (V4's
 low-rank latent, rank 32) wherever attention is compressed:
 
@@ -17,9 +17,10 @@ low-rank latent, rank 32) wherever attention is compressed:
   (``QUANTISED``: how many selections change against fp32, and at which phase);
 - ``full``: the full-attention control, which must learn the task (mean >= ``CONTROL_LEARNED`` in every seed).
 
-Each run is trained with ``train.py`` and evaluated with ``eval.py``'s fixed-query position-matched lookup
-(the study runner ``ckv.apps.study`` over ``conf/study/selection.yaml``), then analysed with ``eval.py analysis=selection`` on the same prompts. Printed:
-the per-run table (mean, per-phase accuracy, phase gap with interval, noise floor, verdict), the per-selector
+The runs, seeds, top-k, selectors and the criteria's numbers are ``conf/study/selection.yaml``; the study runner
+(``ckv.apps.study``) trains each with ``train.py`` and evaluates it with ``eval.py``'s fixed-query position-matched
+lookup, then this module analyses it with ``eval.py analysis=selection`` on the same prompts. Printed: the per-run
+table (mean, per-phase accuracy, phase gap with interval, noise floor, verdict), the per-selector
 table (paired accuracy difference against dense serving of the same weights, covered rate at the straddling phase
 and at the others, its ratio with interval beside the geometric expectation of a random top-k, and the accuracy
 when the record was covered vs missed at the straddling phase) and the criteria of docs/selection.md

@@ -74,7 +74,6 @@ from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, kl_w
 from ckv.config import check_choice, check_float, check_int
 from ckv.geometry import compressed_mask, visible_entries
 
-
 RECIPES = {  # trainer.indexer.recipe -> (dense training, indexer warm-up) in % of trainer.max_steps; then sparse
     "three_stage": (60, 20),  # DeepSeek-V3.2: a trained dense model, the indexer's warm-up on it (frozen), sparse
     "cotrain": (80, 0),  # ckv's alternative: dense training with the indexer fitted meanwhile, then sparse
