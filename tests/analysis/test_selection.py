@@ -235,6 +235,28 @@ def test_the_indexer_selector_serves_its_own_top_k(tmp_path: Path):
     assert seen and all(s.shape[-1] == 1 for s in seen)
 
 
+def test_quantised_indexer_selectors_count_the_selections_they_change(tmp_path: Path):
+    """``indexer_fp8``/``indexer_fp4`` serve the model's indexer fake-quantised (its ``quant`` restored after);
+    ``quantisation`` counts the prompts whose final-query selection differs from the fp32 indexer's, per layer and
+    phase, and fp4 (coarser) changes at least as many as fp8 here; without an fp32 reference listed: one line."""
+    model = load_ckv_model(make_run(tmp_path, attention=dict(W8S4, selection=dict(topk=2, heads=2, head_dim=8))))
+    params = {"selectors": ["indexer", "indexer_fp8", "indexer_fp4"]}
+    result = selection(context(model, tmp_path, params=params))
+    q = result["quantisation"]
+    assert set(q) == {"indexer_fp8", "indexer_fp4"} and q["indexer_fp8"]["against"] == "indexer"
+    n = len(context(model, tmp_path).task.prompts)
+    for name, rows in q.items():
+        layer = rows["layers"][0]
+        assert layer["n"] == n and 0 <= layer["successes"] <= n and layer["lower"] <= layer["rate"] <= layer["upper"]
+        assert sum(p["layers"][0]["successes"] for p in rows["phases"]) == layer["successes"], name
+    assert q["indexer_fp4"]["layers"][0]["successes"] >= q["indexer_fp8"]["layers"][0]["successes"] > 0
+    assert all(m.indexer.quant == "none" for m in model.module.modules() if getattr(m, "indexer", None) is not None)
+    same = selection(context(model, tmp_path, params={"selectors": ["indexer", "model"]}))
+    assert same["quantisation"] is None
+    with pytest.raises(ConfigError, match="compared with the selection of an indexer in fp32"):
+        selection(context(model, tmp_path, params={"selectors": ["indexer_fp8"]}))
+
+
 def test_models_without_compressed_layers_and_parameters_fail_with_one_line(tmp_path: Path):
     full = load_ckv_model(make_run(tmp_path, attention=dict(kind="full"), name="full"), device="cpu")
     with pytest.raises(ConfigError, match="no compressed attention layer"):

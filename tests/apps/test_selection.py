@@ -11,6 +11,7 @@ from ckv.apps.selection import (
     IMPOSED,
     MODELS,
     N_BASE,
+    QUANTISED,
     SEEDS,
     STRIDE,
     TOPK,
@@ -21,8 +22,7 @@ from ckv.apps.selection import (
     table,
     verdict,
 )
-from ckv.apps.study import QUICK_TRAIN
-from ckv.apps.study import Run as DemoRun
+from ckv.apps.study import QUICK_TRAIN, Run
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 from tests.train.test_entry import _train_config
@@ -38,7 +38,7 @@ def test_plan_trains_every_model_for_three_seeds_with_one_attention_option():
     # full attention's phases: mod the stride
     assert by[("full", 0)].eval_overrides == (f"task.n_base={N_BASE}", f"task.stride={STRIDE}")
     assert all(r.eval_overrides == (f"task.n_base={N_BASE}",) for r in runs if r.role != "control")
-    assert plan(SEEDS[:1], quick=True)[-1].eval_overrides == (f"task.stride={STRIDE}",)  # QUICK_EVAL sets n_base
+    assert plan(SEEDS[:1], quick=True)[0].eval_overrides == (f"task.stride={STRIDE}",)  # QUICK_EVAL sets n_base
 
 
 @pytest.mark.parametrize("quick", [False, True])
@@ -136,7 +136,7 @@ def test_a_selector_row_pools_the_straddling_phases_of_one_layer():
         "geometric": {"layers": [{"straddle_ratio": {"value": 0.56}}]},
         "paired": {"oracle": {"mean": None}},
     }  # fmt: skip
-    r = selector_row(DemoRun("select_long", 0, "dense", name="dense"), "oracle", analysis, layer=0)
+    r = selector_row(Run("select_long", 0, "dense", name="dense"), "oracle", analysis, layer=0)
     assert (r["covered_straddle"], r["covered_others"]) == (0.2, 0.8)
     assert r["accuracy_covered_straddle"] == {"n": 2, "rate": 1.0} and r["accuracy_missed_straddle"]["n"] == 8
     assert r["ratio"] == ratio and r["geometric_ratio"] == 0.56
@@ -147,11 +147,14 @@ def test_quick_selection_writes_the_tables_a_plot_and_a_record(tmp_path):
     out = tmp_path / "selection"
     proc = run_quick("ckv.apps.selection", out)
     record = json.loads((out / "selection.json").read_text())
-    assert [r["model"] for r in record["rows"]] == [m.name for m in MODELS]
+    assert [r["model"] for r in record["rows"]] == list(MODELS)
     for r in record["rows"]:
         assert r["steps"] == 12 and len(r["per_phase"]) == STRIDE
     served = {(r["model"], r["selector"]) for r in record["selectors"]}
-    assert served == {("dense", s) for s in IMPOSED} | {("sparse", s) for s in ("model", *IMPOSED)}
+    assert served == {("dense", s) for s in IMPOSED} | {("sparse", s) for s in ("model", *IMPOSED, *QUANTISED)}
+    changed = [r["changed"] for r in record["selectors"] if r["selector"] in QUANTISED]
+    assert changed and all(len(c) == STRIDE and all(0 <= x["rate"] <= 1 for x in c) for c in changed)
+    assert "selections changed against fp32" in proc.stdout
     for r in record["selectors"]:
         assert (r["paired"] is None) == (r["selector"] == "dense")
         assert r["geometric_ratio"] is None or 0 < r["geometric_ratio"] < 1

@@ -66,6 +66,23 @@ def test_the_training_stream_draws_the_tail_range() -> None:
     assert tails == set(range(9))
 
 
+@pytest.mark.parametrize("min_records", [None, 8])
+def test_min_records_draws_each_sequence_s_record_count_from_the_range(min_records) -> None:
+    d = data_preset("lookup_split").to_dict()
+    d["lookup"]["min_records"] = min_records
+    cfg = DataConfig.from_dict(d)
+    fmt = cfg.lookup.format(0)
+    stream = LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    counts = set()
+    for _ in range(300):
+        tokens, labels = stream.next()
+        sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
+        records = ~np.isin(tokens[1:sep], [fmt.pad_id, *fmt.filler_ids])  # after bos: record tokens only
+        counts.add(int(records.sum()) // fmt.record_len)
+        assert (labels != -100).sum() == cfg.lookup.n_queries  # every sequence still asks n_queries
+    assert counts == ({16} if min_records is None else set(range(8, 17)))
+
+
 def test_the_demo_evaluation_uses_only_layouts_the_demo_data_draws(caplog: pytest.LogCaptureFixture) -> None:
     for name in ("lookup_split", "lookup_dense"):
         training = data_preset(name).lookup

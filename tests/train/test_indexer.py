@@ -295,9 +295,8 @@ def run(tmp_path_factory: pytest.TempPathFactory):
     def make(name: str, **trainer) -> TrainConfig:
         d = base_config(root / name, root / "cache")
         d["attention"] = SPARSE
-        d["trainer"].update(
-            {"max_steps": 4, "save_every": 2, "keep_last": 3, "indexer": {"warmup_steps": 2}, **trainer}
-        )
+        indexer = {"recipe": "sparse", **trainer.pop("indexer", {"warmup_steps": 2})}  # stages as given, else 0
+        d["trainer"].update({"max_steps": 4, "save_every": 2, "keep_last": 3, "indexer": indexer, **trainer})
         return TrainConfig.from_dict(d)
 
     def run_once(name: str, **trainer) -> TrainConfig:
@@ -415,22 +414,49 @@ def test_activation_checkpointing_gives_the_same_losses_with_the_indexer(run):
         (dict(warmup_steps=-1), SPARSE, r"trainer.indexer.warmup_steps=-1 must be an integer >= 0"),
         (dict(weight="1"), SPARSE, r"trainer.indexer.weight='1' must be a finite number"),
         (dict(steps=1), SPARSE, r"unknown trainer.indexer field\(s\) \['steps'\]"),
+        (dict(recipe="v4"), SPARSE, r"trainer.indexer.recipe='v4' is not allowed; choose one of"),
     ],
 )
 def test_bad_configs_fail_with_one_line(tmp_path, indexer, attention, needle):
     d = base_config(tmp_path / "bad", tmp_path / "cache")
     d["attention"] = attention
-    d["trainer"]["indexer"] = indexer
+    d["trainer"]["indexer"] = {"recipe": "sparse", **indexer}  # the stages as given (else 0)
     with pytest.raises(ConfigError, match=needle) as err:
         TrainConfig.from_dict(d)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "given, has_indexer, expected",
+    [
+        (dict(), True, (600, 200)),
+        (dict(recipe="cotrain"), True, (800, 0)),
+        (dict(recipe="sparse"), True, (0, 0)),
+        (dict(dense_steps=50), True, (50, 200)),  # a stage given keeps its steps, the other takes its share
+        (dict(recipe="cotrain", warmup_steps=7), True, (800, 7)),
+        (dict(), False, (0, 0)),  # no lightning indexer (or oracle selection): no stages
+    ],
+)
+def test_the_recipe_gives_each_stage_left_unset_its_share_of_max_steps(given, has_indexer, expected):
+    resolved = IndexerTrainingConfig(**given).resolved(1000, has_indexer)
+    assert (resolved.dense_steps, resolved.warmup_steps) == expected
+    assert resolved.resolved(1000, has_indexer) == resolved
+    with pytest.raises(ValueError, match="not resolved"):
+        _ = IndexerTrainingConfig().dense_stage
 
 
 def test_the_sparse_option_composes_with_the_indexer_trained_by_default():
     cfg = _train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa_sparse"])
     assert cfg.attention["selection"] == {"topk": 4, "heads": 2, "head_dim": 16, "by": "indexer", "quant": "none"}
     assert cfg.attention["query"] == {"lora_rank": 32}
-    assert (cfg.trainer.indexer.weight, cfg.trainer.indexer.warmup_steps) == (1.0, 0)
+    max_steps = cfg.trainer.max_steps
+    ix = cfg.trainer.indexer  # DeepSeek-V3.2's three stages by default: 60% dense, 20% warm-up, 20% sparse
+    assert (ix.weight, ix.recipe, ix.dense_steps, ix.warmup_steps) == (
+        1.0,
+        "three_stage",
+        max_steps * 60 // 100,
+        max_steps * 20 // 100,
+    )
     plain = _train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa"])
     assert {k: v for k, v in cfg.attention.items() if k not in ("selection", "query")} == {
         k: v for k, v in plain.attention.items() if k not in ("selection", "query")

@@ -16,6 +16,10 @@ its ``record_len`` tokens (``ckv.geometry.window_positions``, in the layer's gri
 - ``model``: the model as it is (its indexer's or oracle's top-k, or every visible entry without selection);
 - ``dense``: every visible entry (a selecting model served without selection);
 - ``indexer``: the model's own lightning indexer's top-``topk`` (needs an indexer in every layer);
+- ``indexer_fp8``, ``indexer_fp4``: the same with its index queries and keys fake-quantised as the real models
+  serve them (``attention.selection.quant``); ``quantisation`` then reports, per layer and phase, how often the
+  final query's selection differs from the fp32 indexer's (``indexer`` when listed, else ``model`` when the model's
+  own indexer runs in fp32), with Wilson intervals;
 - ``oracle``: the top-``topk`` entries of the layer's own DENSE joint softmax mass (``oracle_selection``);
 - ``random``: ``topk`` visible entries uniformly at random (seeded by ``seed``);
 - ``recency``: the ``topk`` most recent visible entries.
@@ -68,8 +72,9 @@ def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttent
     return layers
 
 
-SELECTORS = ("model", "dense", "indexer", "oracle", "random", "recency")
-NEEDS_TOPK = ("indexer", "oracle", "random", "recency")
+QUANTISED = {"indexer_fp8": "fp8", "indexer_fp4": "fp4"}  # selector -> the indexer's attention.selection.quant
+SELECTORS = ("model", "dense", "indexer", *QUANTISED, "oracle", "random", "recency")
+NEEDS_TOPK = ("indexer", *QUANTISED, "oracle", "random", "recency")
 
 
 @dataclass(frozen=True)
@@ -107,9 +112,10 @@ def resolve_topk(settings: SelectionSettings, module: nn.Module, model_name: str
     neither is set, or when ``indexer`` is listed for a model without a lightning indexer in every compressed layer."""
     selection = module.config.attention.selection
     needs = [s for s in settings.selectors if s in NEEDS_TOPK]
-    if "indexer" in needs and not all(layer.indexer is not None for layer in selected_layers(module, model_name)):
+    indexers = [s for s in needs if s.startswith("indexer")]
+    if indexers and not all(layer.indexer is not None for layer in selected_layers(module, model_name)):
         raise AnalysisNotApplicable(
-            f"analysis.selectors lists 'indexer', but {model_name} has no lightning indexer "
+            f"analysis.selectors lists {indexers}, but {model_name} has no lightning indexer "
             "(attention.selection with by=indexer): drop it from the list"
         )
     k = settings.topk if settings.topk is not None else (None if selection is None else selection.topk)
@@ -155,14 +161,15 @@ class ImposedSelection:
     """Under this context manager every layer of ``layers`` attends with ``selector``'s selection of ``topk``
     entries (module docstring): a forward pre-hook on each layer's ``attend`` replaces its ``selected`` (``dense``:
     None; ``oracle``, ``random``, ``recency``: ``imposed_selection``), and ``indexer`` sets each lightning
-    indexer's ``topk`` for the duration (its own selection code path); ``model`` changes nothing. The random
+    indexer's ``topk`` for the duration (its own selection code path; ``indexer_fp8``/``indexer_fp4`` its
+    ``quant`` too); ``model`` changes nothing. The random
     selector's generator is seeded with ``seed`` on entry, so one evaluation draws the same selections every run."""
 
     def __init__(self, layers: list[CompressedAttention], selector: str, topk: Optional[int], seed: int = 0) -> None:
         self.layers, self.selector, self.topk, self.seed = layers, selector, topk, seed
         self.generator = torch.Generator()
         self.handles: list[Any] = []
-        self.saved_topk: list[int] = []
+        self.saved: list[tuple[int, str]] = []  # each indexer's (topk, quant) while an indexer selector serves
 
     def _on_attend(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         if self.selector == "dense":
@@ -173,17 +180,18 @@ class ImposedSelection:
     def __enter__(self) -> ImposedSelection:
         self.generator.manual_seed(self.seed)
         for layer in self.layers:
-            if self.selector == "indexer":
-                self.saved_topk.append(layer.indexer.topk)
+            if self.selector.startswith("indexer"):
+                self.saved.append((layer.indexer.topk, layer.indexer.quant))
                 layer.indexer.topk = self.topk
+                layer.indexer.quant = QUANTISED.get(self.selector, layer.indexer.quant)
             elif self.selector != "model":
                 self.handles.append(layer.attend.register_forward_pre_hook(self._on_attend, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for layer, k in zip(self.layers, self.saved_topk):
-            layer.indexer.topk = k
-        self.saved_topk = []
+        for layer, (k, quant) in zip(self.layers, self.saved):
+            layer.indexer.topk, layer.indexer.quant = k, quant
+        self.saved = []
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -262,12 +270,14 @@ class SelectionOutcome:
     """One evaluation of the task with hooks on the layers: ``hit`` and ``covered`` (n_layers, P) bool,
     ``whole`` (n_layers, P) the number of entries visible to the final query that hold every token of the target
     record, ``geometric`` (n_layers, P) the probability that a uniformly random top-k of them covers it (None
-    without a k), and the task's ``outcome``."""
+    without a k), ``chosen`` (n_layers, P, longest prompt) the entries the final query attended (columns past its
+    entries False), and the task's ``outcome``."""
 
     hit: np.ndarray
     covered: np.ndarray
     whole: np.ndarray
     geometric: Optional[np.ndarray]
+    chosen: np.ndarray
     outcome: Any
 
 
@@ -284,6 +294,7 @@ def selection_outcome(
     covered = np.zeros_like(hit)
     whole = np.zeros(hit.shape, dtype=np.int64)
     geometric = None if topk is None else np.zeros(hit.shape)
+    chosen_all = np.zeros((*hit.shape, int(lengths.max())), dtype=bool)  # entries <= tokens
     recorder = SelectionRecorder(layers)
 
     def logits(ids: torch.Tensor) -> torch.Tensor:
@@ -298,6 +309,7 @@ def selection_outcome(
             chosen = chosen_entries(last, n_entries, q_grid, layer.stride, len(idx))  # (B, E)
             hit[i, idx] = (holds.any(-1) & chosen).any(-1).numpy()
             covered[i, idx] = (holds & chosen[..., None]).any(1).all(-1).numpy()
+            chosen_all[i, idx, :n_entries] = chosen.numpy()
             visible = chosen_entries(None, n_entries, q_grid, layer.stride, 1)[0]  # (E,)
             whole[i, idx] = (holds.all(-1) & visible).sum(-1).numpy()
             if geometric is not None:
@@ -309,7 +321,7 @@ def selection_outcome(
         outcome = ctx.evaluate(logits)
     finally:
         recorder.remove()
-    return SelectionOutcome(hit, covered, whole, geometric, outcome)
+    return SelectionOutcome(hit, covered, whole, geometric, chosen_all, outcome)
 
 
 def _rate(x: np.ndarray) -> float | None:
@@ -468,6 +480,25 @@ def paired_differences(
     return out
 
 
+def quantisation_rows(results: dict[str, SelectionOutcome], against: str, stride: int, level: float) -> dict:
+    """Per quantised indexer selector (``QUANTISED``) in ``results``: how often the final query's selection differs
+    from ``against``'s (the fp32 indexer), per layer over every prompt and per phase (``_proportion``: counts, rate,
+    Wilson interval)."""
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    phases = results[against].outcome.table["phase"]
+    out = {}
+    for name in (n for n in results if n in QUANTISED):
+        changed = (results[name].chosen != results[against].chosen).any(-1)  # (n_layers, P)
+        out[name] = {
+            "against": against,
+            "layers": [_proportion(c, z) for c in changed],
+            "phases": [
+                {"phase": r, "layers": [_proportion(c[phases == r], z) for c in changed]} for r in range(stride)
+            ],
+        }
+    return out
+
+
 def plot_selection(result: dict, path: Path, title: str) -> Path:
     """Left: accuracy per phase, one line per selector. Right: the last layer's covered rate per phase, one line
     per selector with its Wilson interval, and the geometric expectation of a random top-k (dashed, black)."""
@@ -516,6 +547,14 @@ def selection(ctx: AnalysisContext) -> dict:
     layers = selected_layers(ctx.model.module, ctx.model.name)
     k = resolve_topk(settings, ctx.model.module, ctx.model.name)
     stride = ctx.task.require_stride("analysis=selection")
+    a = ctx.model.module.config.attention
+    quantised = [n for n in settings.selectors if n in QUANTISED]
+    fp32 = next((n for n in ("indexer", "model") if n in settings.selectors), None)  # the fp32 selection to compare
+    if quantised and (fp32 is None or a.selection.quant != "none"):  # quantised selectors need an indexer: a.selection
+        raise AnalysisNotApplicable(
+            f"analysis.selectors {quantised} are compared with the selection of an indexer in fp32: list 'indexer' "
+            f"(or 'model') too, on a model with attention.selection.quant=none (this one: {a.selection.quant!r})"
+        )
     results: dict[str, SelectionOutcome] = {}
     for name in settings.selectors:
         with ImposedSelection(layers, name, k, settings.seed):
@@ -523,7 +562,6 @@ def selection(ctx: AnalysisContext) -> dict:
         print(f"analysis=selection: {ctx.model.name} served by {name}: done", flush=True)
     first = results[settings.selectors[0]]
     straddling = straddling_phases(first.whole, first.outcome.table["phase"], stride)
-    a = ctx.model.module.config.attention
     result = {
         "stride": stride,
         "record_len": ctx.task.codec.record_len,
@@ -536,6 +574,7 @@ def selection(ctx: AnalysisContext) -> dict:
         "paired": paired_differences(
             {n: r.outcome for n, r in results.items()}, settings.reference, stride, straddling, ctx
         ),
+        "quantisation": quantisation_rows(results, fp32, stride, ctx.options.stats.level) if quantised else None,
     }
     if ctx.options.plots:
         result["plots"] = [plot_selection(result, ctx.out_dir / "selection.png", ctx.model.name).name]

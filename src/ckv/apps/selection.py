@@ -2,7 +2,7 @@
 (docs/selection.md)
 
 One CPU task where selection binds like V4's (``conf/experiment/select_long.yaml``: make demo's model and split
-records, 64 of them and 56 queries, so the final query of a prompt of up to 259 tokens sees up to 64 compressed
+records, 32 of them and 31 queries, so the final query of a 136-token evaluation prompt sees about 33 compressed
 entries at S = 4, of which top-``TOPK`` keeps 1/16) and three models, ``SEEDS`` each, with the SAME query path (V4's
 low-rank latent, rank 32) wherever attention is compressed:
 
@@ -10,15 +10,17 @@ low-rank latent, rank 32) wherever attention is compressed:
   selector of ``eval.py analysis=selection`` at top-``TOPK``: ``dense`` (every visible entry, the reference),
   ``oracle`` (the top-k of the layer's own dense attention mass: a perfect selector imposed at inference, not a
   training regime), ``random`` (k visible entries uniformly, seeded) and ``recency`` (the k most recent);
-- ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by
-  ``SPARSE_RECIPE`` (``trainer.indexer``, docs/training.md: dense training, the indexer's warm-up on the frozen
-  model, sparse training), served by its trained indexer (``model``) and by the
-  same four selectors on its own weights (the oracle on the indexer's schedule);
+- ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by its default
+  recipe (``trainer.indexer.recipe=three_stage``, docs/training.md: 60% dense training, 20% the indexer's warm-up
+  on the frozen model, 20% sparse training), served by its trained indexer (``model``), by the same four selectors
+  on its own weights (the oracle on the indexer's schedule) and by its indexer fake-quantised to FP8 and FP4
+  (``QUANTISED``: how many selections change against fp32, and at which phase);
 - ``full``: the full-attention control, which must learn the task (mean >= ``CONTROL_LEARNED`` in every seed).
 
-Each run is trained with ``train.py`` and evaluated with ``eval.py``'s fixed-query position-matched lookup
-(``ckv.apps.demo``'s machinery), then analysed with ``eval.py analysis=selection`` on the same prompts. Printed:
-the per-run table (mean, per-phase accuracy, phase gap with interval, noise floor, verdict), the per-selector
+The runs, seeds, top-k, selectors and the criteria's numbers are ``conf/study/selection.yaml``; the study runner
+(``ckv.apps.study``) trains each with ``train.py`` and evaluates it with ``eval.py``'s fixed-query position-matched
+lookup, then this module analyses it with ``eval.py analysis=selection`` on the same prompts. Printed: the per-run
+table (mean, per-phase accuracy, phase gap with interval, noise floor, verdict), the per-selector
 table (paired accuracy difference against dense serving of the same weights, covered rate at the straddling phase
 and at the others, its ratio with interval beside the geometric expectation of a random top-k, and the accuracy
 when the record was covered vs missed at the straddling phase) and the criteria of docs/selection.md
@@ -32,9 +34,9 @@ The criteria are reported, not enforced: the run exits 0 when every command succ
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -42,88 +44,54 @@ from ckv.apps.study import (
     QUICK_EVAL,
     TASK,
     Check,
+    Run,
     Timer,
-    job_env,
+    check_lines,
+    load_study,
     pp,
+    result_row,
     run_command,
     run_plan,
+    start,
+    study_arguments,
     write_study_record,
 )
-from ckv.apps.study import Run as DemoRun
-from ckv.apps.study import study_arguments as demo_arguments
-from ckv.eval.summary import flatness_fields
 from ckv.io.results import read_json
 from ckv.train.metrics import read_metrics
 
-EXPERIMENT = "select_long"
-SEEDS = (0, 1, 2)
-STRIDE = 4  # the compressed models' stride; full attention's phases are taken mod this
-TOPK = 4  # entries each query keeps: 1/16 of the up to 64 visible at the final query
-# base examples of the evaluation (x 8 shifts: 1,024 prompts, a multiple of 8**2): the MDE column states what
-# that sample can resolve; the selection analysis scores them once per selector
-N_BASE = 128
-# the sparse model's three stages (trainer.indexer, docs/training.md) within select_long's 2,000 steps: dense training,
-# the indexer's warm-up on the frozen model (DeepSeek-V3.2's dense warm-up), then sparse training; quick runs: of
-# QUICK_TRAIN's 12 steps
-SPARSE_RECIPE = ("trainer.indexer.dense_steps=1200", "trainer.indexer.warmup_steps=400")
-QUICK_SPARSE_RECIPE = ("trainer.indexer.dense_steps=6", "trainer.indexer.warmup_steps=3")
-LAYER = 0  # the criteria's layer: its entries pool the token embeddings, so "holds the record" is literal
-CONTROL_LEARNED = 0.80  # the control must reach this mean in every seed for the comparison to mean anything
-DENSE_LEARNED = 0.50  # and dense V4 this one: coverage cannot cost a model accuracy it never had
-EQUIVALENCE = 0.05  # C2 fails (no cost) when the straddling excess's interval lies within +-5 pp (the flatness margin)
-# the criteria's (model, selector) pairs: the trained indexer on its own weights (the claim), the oracle on the dense
-# weights (does top-k itself, perfectly chosen, do it?)
-PRIMARY = (("sparse", "model"), ("dense", "oracle"))
-IMPOSED = ("dense", "oracle", "random", "recency")  # the selectors every compressed run is served by
-
-
-@dataclass(frozen=True)
-class Model:
-    """One model of the study: its ``train.py`` overrides, its role (``dense``, ``indexer`` or ``control``) and
-    the selectors ``analysis=selection`` serves it with (none for the control)."""
-
-    name: str
-    option: str
-    role: str
-    selectors: tuple[str, ...] = ()
-
-
-MODELS = (
-    Model("dense", "attention=deepseek_v4_csa", "dense", IMPOSED),
-    Model(
-        "sparse", f"attention=deepseek_v4_csa_sparse attention.selection.topk={TOPK}", "indexer", ("model", *IMPOSED)
-    ),
-    Model("full", "attention=full attention.query=null", "control"),
+STUDY = load_study("selection")  # conf/study/selection.yaml: the runs, seeds and the criteria's numbers
+SEEDS = STUDY.seeds
+STRIDE, TOPK, N_BASE, LAYER = (STUDY.params[k] for k in ("stride", "topk", "n_base", "layer"))
+CONTROL_LEARNED, DENSE_LEARNED, EQUIVALENCE = (
+    STUDY.criteria[k] for k in ("control_learned", "dense_learned", "equivalence")
 )
-MODEL_BY_NAME = {m.name: m for m in MODELS}
+PRIMARY = tuple(tuple(pair) for pair in STUDY.params["primary"])
+SELECTORS = {name: tuple(names) for name, names in STUDY.params["selectors"].items()}  # per model; control: none
+MODELS = tuple(dict.fromkeys(r.name for r in STUDY.runs))  # the model names in plan order
+IMPOSED = SELECTORS["dense"]  # the selectors every compressed run is served by
+QUANTISED = tuple(s for s in SELECTORS["sparse"] if s.startswith("indexer_"))  # reported, not judged
 
 
-def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[DemoRun, ...]:
-    """Every (model, seed) run, named after the model (``<out>/runs/<model>/seed=<seed>``), evaluated on ``N_BASE``
-    base examples (quick: ``QUICK_EVAL``'s)."""
-    recipe = QUICK_SPARSE_RECIPE if quick else SPARSE_RECIPE
+def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[Run, ...]:
+    """The study's runs of ``seeds``, named after the model (``<out>/runs/<model>/seed=<seed>``), evaluated on
+    ``N_BASE`` base examples (quick: ``QUICK_EVAL``'s)."""
     return tuple(
-        DemoRun(
-            EXPERIMENT,
-            seed,
-            m.role,
-            tuple(m.option.split()) + (recipe if m.role == "indexer" else ()),
-            (() if quick else (f"task.n_base={N_BASE}",)) + ((f"task.stride={STRIDE}",) if m.role == "control" else ()),
-            name=m.name,
+        dataclasses.replace(
+            r, eval_overrides=tuple(o for o in r.eval_overrides if not (quick and o.startswith("task.n_base=")))
         )
-        for m in MODELS
-        for seed in seeds
+        for r in STUDY.runs
+        if r.seed in seeds
     )
 
 
 def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> dict[str, dict]:
     """``eval.py analysis=selection`` on the same prompts as the evaluation, every compressed run served by its
     model's selectors at top-``TOPK``. Returns the results by run label."""
-    todo = [d for d in done if MODEL_BY_NAME[d["run"].name].selectors]
+    todo = [d for d in done if SELECTORS.get(d["run"].name)]
 
     def one(d: dict) -> tuple[str, dict]:
         run = d["run"]
-        selectors = ",".join(MODEL_BY_NAME[run.name].selectors)
+        selectors = ",".join(SELECTORS[run.name])
         cmd = [sys.executable, "eval.py", f"model.path='{d['dir']}'", f"task={TASK}", "analysis=selection"]
         run_command(
             [
@@ -151,34 +119,17 @@ def final_recall(run_dir: Path) -> Optional[float]:
 
 
 def row(d: dict) -> dict:
-    """One run's row: its headline, per-phase accuracy and flatness, the indexer's final recall."""
-    rep, run = d["results"], d["run"]
-    h = rep["headline"]
-    return {
-        "model": run.name,
-        "role": run.role,
-        "seed": run.seed,
-        "steps": d["steps"],
-        "train_seconds": d["train_seconds"],
-        "mean": h["mean"],
-        "per_phase": [g["accuracy"] for g in rep["phase"]["groups"]],
-        "worst_phase": h["worst_phase"],
-        "phase_gap": h["phase_gap"],
-        "phase_gap_lower": h["phase_gap_lower"],
-        "phase_gap_upper": h["phase_gap_upper"],
-        "phase_p_value": h["phase_p_value"],
-        "phase_noise_floor": h["phase_noise_floor"],
-        **flatness_fields(rep, "phase"),
-        "recall": final_recall(Path(d["dir"])),
-        "results": str(d["dir"]),
-    }
+    """One run's row: the studies' one results row (``ckv.apps.study.result_row``), its model and the indexer's
+    final recall."""
+    return {"model": d["run"].name, **result_row(d), "recall": final_recall(Path(d["dir"]))}
 
 
-def selector_row(run: DemoRun, name: str, analysis: dict, layer: int = LAYER) -> dict:
+def selector_row(run: Run, name: str, analysis: dict, layer: int = LAYER) -> dict:
     """One (run, selector) row of ``analysis=selection``'s results at ``layer``: mean accuracy, the paired
     difference against the reference and its straddling excess, the covered rate at the straddling phases and at
     the others, the straddling ratio beside the geometric one, and the accuracy when covered / missed at the
-    straddling phases (pooled counts)."""
+    straddling phases (pooled counts); for a quantised indexer, per phase the share of final-query selections that
+    differ from the fp32 indexer's (``changed``)."""
     res, straddling = analysis["selectors"][name], analysis["straddling_phases"]
     cells = [(p["phase"] in straddling, p["layers"][layer]) for p in res["phases"]]
 
@@ -188,6 +139,7 @@ def selector_row(run: DemoRun, name: str, analysis: dict, layer: int = LAYER) ->
         return {"n": n, "rate": k / n if n else None}
 
     geo = analysis["geometric"]
+    quantised = (analysis.get("quantisation") or {}).get(name)  # per phase: selections changed against fp32
     return {
         "model": run.name,
         "seed": run.seed,
@@ -200,6 +152,7 @@ def selector_row(run: DemoRun, name: str, analysis: dict, layer: int = LAYER) ->
         "geometric_ratio": None if geo is None else geo["layers"][layer]["straddle_ratio"]["value"],
         "accuracy_covered_straddle": pooled("accuracy_covered", True),
         "accuracy_missed_straddle": pooled("accuracy_missed", True),
+        "changed": None if quantised is None else [p["layers"][layer] for p in quantised["phases"]],
     }
 
 
@@ -258,7 +211,7 @@ def selector_table(rows: list[dict]) -> str:
     at the others, the straddling ratio with interval beside the geometric expectation of a random top-k, and the
     accuracy when covered / missed at the straddling phase (with counts)."""
     lines = [
-        f"{'model/seed':10s} {'selector':8s} {'mean %':>6s} {'vs dense pp [95%]':>20s} {'straddle excess pp':>20s} "
+        f"{'model/seed':10s} {'selector':11s} {'mean %':>6s} {'vs dense pp [95%]':>20s} {'straddle excess pp':>20s} "
         f"{'cov% str/oth':>12s} {'ratio [95%]':>18s} {'geom':>5s}  acc% covered/missed at straddle (n)"
     ]
     for r in rows:
@@ -266,11 +219,23 @@ def selector_table(rows: list[dict]) -> str:
         yes, no = r["accuracy_covered_straddle"], r["accuracy_missed_straddle"]
         geo = _number(r["geometric_ratio"])
         lines.append(
-            f"{r['model'] + '/' + str(r['seed']):10s} {r['selector']:8s} {100 * r['mean']:6.1f} "
+            f"{r['model'] + '/' + str(r['seed']):10s} {r['selector']:11s} {100 * r['mean']:6.1f} "
             f"{_iv(pr.get('mean')):>20s} {_iv(pr.get('straddle_excess')):>20s} "
             f"{pp(r['covered_straddle']):>5s}/{pp(r['covered_others']):<6s} {_ratio(r['ratio']):>18s} {geo:>5s}  "
             f"{pp(yes['rate'])}/{pp(no['rate'])} ({yes['n']}/{no['n']})"
         )
+    return "\n".join(lines)
+
+
+def quantisation_table(rows: list[dict]) -> str:
+    """Per run served by a quantised indexer: the share of final-query selections (layer ``LAYER``) that differ
+    from the fp32 indexer's, per phase, with Wilson intervals."""
+    lines = [f"{'model/seed':10s} {'selector':11s}  selections changed against fp32, % [95%], per phase"]
+    for r in (r for r in rows if r["changed"] is not None):
+        cells = "  ".join(
+            f"{i}: {pp(c['rate'])} [{pp(c['lower'])}, {pp(c['upper'])}]" for i, c in enumerate(r["changed"])
+        )
+        lines.append(f"{r['model'] + '/' + str(r['seed']):10s} {r['selector']:11s}  {cells}")
     return "\n".join(lines)
 
 
@@ -375,7 +340,7 @@ def plot(rows: list[dict], sel_rows: list[dict], analyses: dict[str, dict], path
     fig, (acc, cov) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = ("-", "--", ":", "-.")
     for r in rows:
-        colour = plt.cm.tab10(list(MODEL_BY_NAME).index(r["model"]))
+        colour = plt.cm.tab10(MODELS.index(r["model"]))
         ls = styles[SEEDS.index(r["seed"]) % len(styles)] if r["seed"] in SEEDS else "-"
         acc.plot(
             range(len(r["per_phase"])),
@@ -425,30 +390,25 @@ def plot(rows: list[dict], sel_rows: list[dict], analyses: dict[str, dict], path
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = demo_arguments(__doc__, "outputs/selection", "seed 0 only, a few steps per model: pipeline check only")
+    args = study_arguments(__doc__, STUDY.out, "seed 0 only, a few steps per model: pipeline check only")
     args = args.parse_args(argv)
     out = Path(args.out).resolve()
     runs = plan(SEEDS[:1] if args.quick else SEEDS, args.quick)
-    clock, env = Timer(), job_env()
-    print(
-        f"ckv selection -> {out}: {len(runs)} models, {args.workers} at a time"
-        f"{' (quick: pipeline check, not the science)' if args.quick else ''}",
-        flush=True,
-    )
+    clock, env = start(STUDY, runs, out, args.quick, args.workers)
     done = run_plan(runs, out, args.quick, args.workers, env, clock)
     analyses = analyse(done, out, args.quick, args.workers, env, clock)
     rows = [row(d) for d in done]
     sel_rows = selector_rows(done, analyses)
     print("\n" + table(rows) + "\n")
     print(selector_table(sel_rows) + "\n")
+    print(quantisation_table(sel_rows) + "\n")
     found = criteria(rows, sel_rows)
-    for c in found:
-        print(f"  [{'yes' if c.passed else 'no'}] {c.claim}: {c.detail}")
+    print("\n".join(check_lines(found, ("yes", "no"))))
     png = out / "selection.png"
     plot(rows, sel_rows, analyses, png)
     write_study_record(
         out,
-        "selection",
+        STUDY.record,
         args.quick,
         clock,
         png,

@@ -99,6 +99,10 @@ class LookupConfig:
     between the prefix and the tail: the layouts of an evaluation that keeps the query position fixed
     (``fixed_query``) while the target moves through every phase (``pads_outside`` checks a set of them).
     ``loss_on``: ``answers`` (default) trains only on answer tokens; ``all`` on every non-pad token.
+    ``min_records``: ``None`` (default) draws ``n_records`` records in every sequence; an integer draws each
+    sequence's record count uniformly from ``[min_records, n_records]`` (its queries ask only its own records), a
+    mixture of short and long prompts that lets long-prompt lookup leave the chance plateau (docs/selection.md);
+    evaluations still lay out ``n_records`` records.
     ``offset``: first id of the layout. ``None`` means 0 for ``kind: lookup``; for ``kind: mixture`` it means
     "reserve": the BPE that ckv trains gets one special token per layout id (``<|lookup_i|>``, ids
     ``1..layout_size``, right after the end-of-document token), so text never produces them. An integer offset
@@ -114,6 +118,7 @@ class LookupConfig:
     value_base: Optional[int] = None
     offset: Optional[int] = None
     n_records: int = 16
+    min_records: Optional[int] = None
     n_queries: int = 8
     filler: Union[int, tuple[int, int], list[int]] = (0, 0)
     prefix_pad: Union[int, tuple[int, int], list[int]] = (0, 0)
@@ -129,6 +134,10 @@ class LookupConfig:
         check_choice(f"{o}.loss_on", self.loss_on, LOSS_ON)
         check_int(f"{o}.n_records", self.n_records, 1)
         check_int(f"{o}.n_queries", self.n_queries, 1)
+        if self.min_records is not None:
+            check_int(f"{o}.min_records", self.min_records, 1)
+            if self.min_records > self.n_records:
+                raise ConfigError(f"{o}.min_records={self.min_records} exceeds n_records={self.n_records}")
         if self.offset is not None:
             check_int(f"{o}.offset", self.offset, 0)
         fmt = self.format(0)  # validates the layout fields

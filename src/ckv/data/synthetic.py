@@ -37,8 +37,10 @@ class LookupSequences:
         c = self.cfg
         rng = rng_for(self.seed, self.split, LOOKUP_SALT, g)
         pad = int(rng.integers(c.prefix_pad[0], c.prefix_pad[1] + 1))
+        # drawn only with min_records set: streams without it stay the draws they always were
+        n_records = c.n_records if c.min_records is None else int(rng.integers(c.min_records, c.n_records + 1))
         ex = make_lookup_example(
-            self.fmt, rng, c.n_records, c.n_queries, filler=c.filler, prefix_pad=pad, tail_filler=c.tail_filler
+            self.fmt, rng, n_records, c.n_queries, filler=c.filler, prefix_pad=pad, tail_filler=c.tail_filler
         )
         n = len(ex.tokens)
         tokens = np.full(self.seq_len + 1, self.fmt.pad_id, dtype=np.int64)  # (T+1,)

@@ -260,7 +260,11 @@ class TrainConfig:
                 f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} needs attention.window >= 2 (a "
                 "1-token window's gate has nothing to spread over)",
             )
-        ix, selection = self.trainer.indexer, model.attention.selection
+        selection = model.attention.selection
+        self.trainer.indexer = self.trainer.indexer.resolved(
+            self.trainer.max_steps, has_indexer=selection is not None and not selection.oracle
+        )
+        ix = self.trainer.indexer
         stages = [(k, v) for k, v in (("dense_steps", ix.dense_steps), ("warmup_steps", ix.warmup_steps)) if v]
         stage_name = " + ".join(f"trainer.indexer.{k}={v}" for k, v in stages) or "trainer.indexer.dense_steps=0"
         if selection is not None and selection.oracle:

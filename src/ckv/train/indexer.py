@@ -30,8 +30,10 @@ to two dense stages, in this order (``dense_steps``, then ``warmup_steps``; eith
    Stage" (the report above: the main model frozen, the indexer's KL to the dense attention).
 3. Sparse training: DeepSeek-V3.2's "Sparse Training Stage" (above).
 
-``dense_steps`` then ``warmup_steps`` then sparse is the three-stage recipe; ``dense_steps`` alone (no warm-up) is
-co-training, ckv's alternative, which no source describes as DeepSeek's.
+``dense_steps`` then ``warmup_steps`` then sparse is the three-stage recipe, the default (``recipe: three_stage``:
+60% / 20% / 20% of ``trainer.max_steps`` unless the steps are given); ``dense_steps`` alone (no warm-up) is
+co-training (``recipe: cotrain``: 80% dense, then sparse), ckv's alternative, which no source describes as
+DeepSeek's; ``recipe: sparse`` trains sparse from step 0.
 
 Memory (``indexer_loss``): the KL runs in query chunks sized from ``ckv.attention.indexer.WORKING_BYTES`` by
 ``kl_working_bytes``, each chunk under activation checkpointing, so neither its forward nor its backward holds a
@@ -69,8 +71,14 @@ from torch.utils.checkpoint import checkpoint
 
 from ckv.attention.compressed import CompressedAttention
 from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, kl_working_bytes, query_chunk, top_k
-from ckv.config import check_float, check_int
+from ckv.config import check_choice, check_float, check_int
 from ckv.geometry import compressed_mask, visible_entries
+
+RECIPES = {  # trainer.indexer.recipe -> (dense training, indexer warm-up) in % of trainer.max_steps; then sparse
+    "three_stage": (60, 20),  # DeepSeek-V3.2: a trained dense model, the indexer's warm-up on it (frozen), sparse
+    "cotrain": (80, 0),  # ckv's alternative: dense training with the indexer fitted meanwhile, then sparse
+    "sparse": (0, 0),  # sparse training from step 0
+}
 
 
 @dataclass
@@ -78,20 +86,36 @@ class IndexerTrainingConfig:
     """``trainer.indexer``: the lightning indexer's loss ``weight`` (> 0 wherever the model has an indexer: at 0
     the indexer would never train) and its dense stages before sparse training, in this order: ``dense_steps``
     (the whole model trains, attending every visible entry), then ``warmup_steps`` (only the indexer trains; the
-    module docstring). Used only by models with ``attention.selection``."""
+    module docstring). ``recipe`` (``RECIPES``) gives each stage left ``None`` its share of ``trainer.max_steps``
+    (floored); ``resolved`` turns them into steps. Used only by models with ``attention.selection``."""
 
     weight: float = 1.0
-    warmup_steps: int = 0
-    dense_steps: int = 0
+    recipe: str = "three_stage"
+    dense_steps: Optional[int] = None
+    warmup_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_float("trainer.indexer.weight", self.weight, 0)
-        check_int("trainer.indexer.warmup_steps", self.warmup_steps, 0)
-        check_int("trainer.indexer.dense_steps", self.dense_steps, 0)
+        check_choice("trainer.indexer.recipe", self.recipe, tuple(RECIPES))
+        for name in ("dense_steps", "warmup_steps"):
+            if getattr(self, name) is not None:
+                check_int(f"trainer.indexer.{name}", getattr(self, name), 0)
+
+    def resolved(self, max_steps: int, has_indexer: bool) -> IndexerTrainingConfig:
+        """The stages in steps: a stage left ``None`` takes the recipe's share of ``max_steps`` with a lightning
+        indexer to train and 0 without one."""
+        shares = RECIPES[self.recipe] if has_indexer else (0, 0)
+        dense, warmup = (
+            max_steps * share // 100 if steps is None else steps
+            for steps, share in zip((self.dense_steps, self.warmup_steps), shares)
+        )
+        return IndexerTrainingConfig(self.weight, self.recipe, dense, warmup)
 
     @property
     def dense_stage(self) -> int:
         """The optimizer steps before sparse training (dense training, then the warm-up)."""
+        if self.dense_steps is None or self.warmup_steps is None:
+            raise ValueError("trainer.indexer's stages are not resolved: call resolved(max_steps, has_indexer)")
         return self.warmup_steps + self.dense_steps
 
 
