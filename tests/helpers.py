@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckv import ModelConfig, Transformer
-from ckv.apps.smoke import load_variant, option_names
+from ckv.apps.variants import load_variant, option_names
 
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "conf" / "attention"
 VARIANTS = option_names(ATTENTION_DIR)  # every conf/attention/*.yaml, and each group option on the group bases
