@@ -5,7 +5,9 @@ exist, at the paper's local window."""
 import pytest
 
 from ckv.apps.robust import MODELS
-from tests.train.test_entry import USER_DATA, _sweep, _train_config
+from tests.train.helpers import USER_DATA
+from tests.train.helpers import sweep as _sweep
+from tests.train.helpers import train_config as _train_config
 
 
 @pytest.mark.parametrize("task", sorted(MODELS))
