@@ -376,7 +376,7 @@ def long_context_op(op: str, T: int, grad: bool, device: torch.device, repeats: 
 def long_context_train(attention: str, T: int, device: torch.device) -> dict[str, Any]:
     """The tiny model's training step (``long_context.py``'s) at T tokens on the GPU (bf16 weights): tokens/s and
     peak memory. Composes ``conf/attention`` with hydra (imported here, never by the dry run)."""
-    from ckv.apps.smoke import load_variant
+    from ckv.apps.variants import load_variant
     from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
 
     torch.manual_seed(0)

@@ -1,4 +1,5 @@
-"""Small builders shared by the model and attention tests."""
+"""Small builders shared by test modules of several packages: tiny model configs and the attention option matrix,
+brute-force readings of the geometry, tiny DeepSeek-V4 layers, a dispatch recorder and the eval.py loader."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckv import ModelConfig, Transformer
-from ckv.apps.smoke import load_variant, option_names
+from ckv.apps.variants import load_variant, option_names
 
+# DeepSeek-V4's layer types in transformers, and the tiny V4 attention layer of the V4 parity and loading tests:
+# width, query heads, head dim, rotated dims, sliding window
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+V4_DIMS = (32, 4, 16, 8, 5)
 ATTENTION_DIR = Path(__file__).resolve().parents[1] / "conf" / "attention"
 VARIANTS = option_names(ATTENTION_DIR)  # every conf/attention/*.yaml, and each group option on the group bases
 
@@ -34,6 +39,23 @@ def small_config(attention: dict, **overrides) -> ModelConfig:
         vocab_size=64, d_model=32, n_layers=2, n_heads=8, n_kv_heads=2, head_dim=16, mlp_dim=64, max_seq_len=128
     )
     return ModelConfig(**{**base, **overrides}, attention=attention)
+
+
+def brute_covers(j: int, p: int, window: int, stride: int) -> bool:
+    """Entry ``j`` pools token ``p`` (the geometry's convention read literally: entry j ends at (j + 1) * stride)."""
+    return (j + 1) * stride - window <= p <= (j + 1) * stride - 1 and p >= 0
+
+
+def brute_influence(t: int, p: int, window: int, stride: int, local: int | str) -> bool:
+    """Token ``p`` acts on query ``t``: through a closed entry that pools it, or through t's local window."""
+    if p > t:
+        return False
+    via_entry = any(brute_covers(j, p, window, stride) for j in range(t + 1) if (j + 1) * stride - 1 <= t)
+    if local == "tail":
+        in_local = p >= ((t + 1) // stride) * stride
+    else:
+        in_local = t - local + 1 <= p
+    return via_entry or in_local
 
 
 def assert_influence(attention: dict, T: int, sees: Callable[[int, int], bool]) -> None:
@@ -72,3 +94,41 @@ def eval_cli():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def tiny_v4_config(layer_type: str, **fields):  # -> transformers.DeepseekV4Config
+    """transformers' config of one tiny DeepSeek-V4 ``layer_type`` layer at ``V4_DIMS`` (low-rank query 24, grouped
+    output 16 x 2, 2 index heads of 16 dims, hc_mult 1, eager attention); ``fields`` set or override the rest."""
+    from transformers import DeepseekV4Config
+
+    d_model, heads, head_dim, rope_dims, sliding = V4_DIMS
+    base = dict(
+        vocab_size=64,
+        hidden_size=d_model,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        q_lora_rank=24,
+        o_lora_rank=16,
+        o_groups=2,
+        sliding_window=sliding,
+        index_n_heads=2,
+        index_head_dim=16,
+        partial_rotary_factor=rope_dims / head_dim,
+        layer_types=[layer_type],
+        hc_mult=1,
+        attn_implementation="eager",
+    )
+    return DeepseekV4Config(**{**base, **fields})
+
+
+@torch.no_grad()
+def randomise(module: torch.nn.Module) -> None:
+    """Non-trivial values everywhere (V4 initialises position_bias and sinks at 0, norm gains at 1)."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.2 * torch.randn_like(p))
+        elif name.endswith(("position_bias", "sinks")):
+            p.copy_(torch.randn_like(p))
+        else:
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)

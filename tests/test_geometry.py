@@ -4,22 +4,7 @@ import pytest
 import torch
 
 from ckv import geometry as g
-
-
-def brute_covers(j, p, window, stride):
-    return (j + 1) * stride - window <= p <= (j + 1) * stride - 1 and p >= 0
-
-
-def brute_influence(t, p, window, stride, local):
-    if p > t:
-        return False
-    via_entry = any(brute_covers(j, p, window, stride) for j in range(t + 1) if (j + 1) * stride - 1 <= t)
-    if local == "tail":
-        in_local = p >= ((t + 1) // stride) * stride
-    else:
-        in_local = t - local + 1 <= p
-    return via_entry or in_local
-
+from tests.helpers import brute_covers, brute_influence
 
 GEOMETRIES = [(4, 4), (8, 4), (8, 6), (5, 2), (3, 1)]
 

@@ -149,3 +149,24 @@ def test_imports_follow_the_layers() -> None:
             if why:
                 edges[f"{path.relative_to(REPO)}:{line}: {source} -> {target} ({why})"] = None
     assert not edges, "imports against the layer order:\n" + "\n".join(edges)
+
+
+def test_no_test_module_imports_another() -> None:
+    """What test modules share lives in ``tests/helpers.py``, a package's ``helpers.py`` or a conftest fixture
+    (docs/architecture.md): no test module imports from a ``test_*`` module."""
+    found = []
+    for path in sorted((REPO / "tests").rglob("*.py")):
+        package = list(path.relative_to(REPO).parent.parts)  # ["tests", "eval"]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                names = [".".join(base + [node.module or "", a.name]) for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                parts = [p for p in name.split(".") if p]
+                if parts[0] == "tests" and any(p.startswith("test_") for p in parts):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
+    assert not found, "test modules importing test modules:\n" + "\n".join(found)

@@ -5,7 +5,9 @@ exist, at the paper's local window."""
 import pytest
 
 from ckv.apps.robust import MODELS
-from tests.train.test_entry import USER_DATA, _sweep, _train_config
+from tests.train.helpers import USER_DATA
+from tests.train.helpers import sweep as _sweep
+from tests.train.helpers import train_config as _train_config
 
 
 @pytest.mark.parametrize("task", sorted(MODELS))
@@ -61,9 +63,9 @@ def test_ablation_ladder_changes_one_thing_per_step_from_the_w8s4_gate_to_deepse
     """Each ladder YAML composes to its predecessor plus exactly the change its name states, and the last step is
     deepseek_v4_csa but for the local window (which the benchmark sets to 4 for every model)."""
     from ckv.apps.robust import LADDER, LADDER_STEPS
-    from ckv.apps.smoke import load_variant
+    from ckv.apps.variants import load_variant
     from ckv.config import AttentionConfig
-    from tests.train.golden_attention import ATTENTION_DIR
+    from tests.helpers import ATTENTION_DIR
 
     def composed(name: str) -> dict:
         return _flat(AttentionConfig.from_dict(load_variant(ATTENTION_DIR, name)).to_dict())

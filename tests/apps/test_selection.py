@@ -25,7 +25,7 @@ from ckv.apps.selection import (
 from ckv.apps.study import QUICK_TRAIN, Run
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
-from tests.train.test_entry import _train_config
+from tests.train.helpers import train_config
 
 
 def test_plan_trains_every_model_for_three_seeds_with_one_attention_option():
@@ -46,7 +46,7 @@ def test_every_run_composes_with_the_same_query_path_and_selection_binds(quick):
     """Every compressed arm has V4's rank-32 query latent; the sparse arm keeps at most 1/16 of the entries the
     final query of the longest prompt sees; its indexer trains dense, warms up, then trains sparse."""
     for run in plan(SEEDS[:1], quick):
-        cfg = _train_config([f"experiment={run.experiment}", *run.train_overrides, *(QUICK_TRAIN if quick else ())])
+        cfg = train_config([f"experiment={run.experiment}", *run.train_overrides, *(QUICK_TRAIN if quick else ())])
         query = cfg.attention.get("query")  # the AttentionConfig as a dict
         assert (query is not None and query["lora_rank"] == 32) == (run.role != "control"), run.name
         ix = cfg.trainer.indexer

@@ -16,7 +16,7 @@ from ckv.attention.reference import joint_attention_reference
 from ckv.config import ConfigError
 from ckv.geometry import LocalWindow, local_keep, local_span, num_entries
 from tests.helpers import LargestTensor
-from tests.kernels.test_model import assert_impls_match
+from tests.kernels.helpers import assert_impls_match
 
 RTOL = 1e-5
 

@@ -6,8 +6,7 @@ import torch
 from ckv import Transformer
 from ckv.attention.reference import joint_attention_reference, pool_reference
 from ckv.geometry import window_positions
-from tests.helpers import assert_influence, small_config, variant
-from tests.test_geometry import brute_covers, brute_influence
+from tests.helpers import assert_influence, brute_covers, brute_influence, small_config, variant
 
 
 # geometries no conf/attention option has (the property matrix, test_properties.py, runs every option's own):

@@ -10,7 +10,7 @@ from ckv import ModelConfig, Transformer
 from ckv.config import ConfigError
 from ckv.options.mixing import CausalMixing
 from tests.helpers import small_config, variant
-from tests.kernels.test_model import assert_impls_match
+from tests.kernels.helpers import assert_impls_match
 
 
 def test_mixing_is_the_residual_causal_depthwise_convolution_with_zero_history():

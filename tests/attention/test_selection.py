@@ -15,7 +15,7 @@ from ckv.attention.indexer import FP4_VALUES, fake_quant, index_scores, oracle_s
 from ckv.attention.rope import inverse_frequencies
 from ckv.config import ConfigError
 from ckv.options import YarnConfig
-from tests.attention.test_properties import expected_influence
+from tests.attention.helpers import expected_influence
 from tests.helpers import small_config, variant
 
 SPARSE = dict(

@@ -247,8 +247,7 @@ def test_each_kv_head_reads_through_its_own_grid(window, stride, local):
 
 def test_decoding_a_staggered_model_with_kernels_matches_the_full_forward():
     """Cache continuation through the kernels: q_start in grid coordinates, exact keys trimmed at the origin."""
-    from tests.kernels.helpers import DEVICE, rel_rms
-    from tests.kernels.test_model import model_config
+    from tests.kernels.helpers import DEVICE, model_config, rel_rms
 
     model = Transformer(model_config("triton", window=8, stride=4, local_window=3, grid=dict(offsets=[1, 3]))).to(
         DEVICE

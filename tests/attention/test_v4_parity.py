@@ -31,36 +31,20 @@ from ckv.attention.compressed import CompressedAttention  # noqa: E402
 from ckv.attention.reference import joint_attention_reference  # noqa: E402
 from ckv.cache import CompressedLayerCache  # noqa: E402
 from ckv.io.hf import attention_from_deepseek_v4  # noqa: E402
-from tests.helpers import variant  # noqa: E402
+from tests.helpers import CSA, HCA, V4_DIMS, randomise, tiny_v4_config, variant  # noqa: E402
 
-D_MODEL, HEADS, HEAD_DIM, ROPE_DIMS, SLIDING = 32, 4, 16, 8, 5
-CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+D_MODEL, HEADS, HEAD_DIM, ROPE_DIMS, SLIDING = V4_DIMS
 VARIANT = {CSA: "deepseek_v4_csa", HCA: "deepseek_v4_hca"}
 TOL = 1e-5
 
 
 def v4_config(layer_type: str) -> DeepseekV4Config:
     """One V4 layer at ckv's stride for that layer type (CSA 4, HCA 128, the configs' values)."""
-    att = variant(VARIANT[layer_type])
-    return DeepseekV4Config(
-        vocab_size=64,
-        hidden_size=D_MODEL,
-        num_hidden_layers=1,
-        num_attention_heads=HEADS,
-        head_dim=HEAD_DIM,
-        q_lora_rank=24,
-        o_lora_rank=16,
-        o_groups=2,
-        sliding_window=SLIDING,
+    return tiny_v4_config(
+        layer_type,
         index_topk=1024,
-        index_n_heads=2,
-        index_head_dim=16,
-        partial_rotary_factor=ROPE_DIMS / HEAD_DIM,
-        layer_types=[layer_type],
         compress_rates={CSA: variant(VARIANT[CSA])["stride"], HCA: variant(VARIANT[HCA])["stride"]},
-        compress_rope_theta=att["rope"]["theta"],
-        hc_mult=1,
-        attn_implementation="eager",
+        compress_rope_theta=variant(VARIANT[layer_type])["rope"]["theta"],
     )
 
 
@@ -80,18 +64,6 @@ def ckv_layer(layer_type: str) -> CompressedAttention:
         attention=att,
     )
     return build_attention(cfg, 0)
-
-
-@torch.no_grad()
-def randomise(module: torch.nn.Module) -> None:
-    """Non-trivial values everywhere (V4 initialises position_bias and sinks at 0, norm gains at 1)."""
-    for name, p in module.named_parameters():
-        if name.endswith("norm.weight"):
-            p.copy_(1 + 0.2 * torch.randn_like(p))
-        elif name.endswith(("position_bias", "sinks")):
-            p.copy_(torch.randn_like(p))
-        else:
-            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
 
 
 @torch.no_grad()
@@ -206,27 +178,14 @@ def test_the_sink_changes_the_output_and_its_gradient_matches_the_definition():
 def tiny_v4_lm(sliding_window: int):
     from transformers import DeepseekV4ForCausalLM
 
-    cfg = DeepseekV4Config(
-        vocab_size=64,
-        hidden_size=D_MODEL,
-        num_hidden_layers=1,
-        num_attention_heads=HEADS,
-        head_dim=HEAD_DIM,
-        q_lora_rank=24,
-        o_lora_rank=16,
-        o_groups=2,
+    cfg = tiny_v4_config(
+        CSA,
         sliding_window=sliding_window,
         index_topk=2,
-        index_n_heads=2,
-        index_head_dim=16,
-        partial_rotary_factor=ROPE_DIMS / HEAD_DIM,
-        layer_types=[CSA],
-        hc_mult=1,
         moe_intermediate_size=32,
         n_routed_experts=2,
         num_experts_per_tok=1,
         mlp_layer_types=["moe"],
-        attn_implementation="eager",
     )
     torch.manual_seed(0)
     return DeepseekV4ForCausalLM(cfg)

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from .helpers import ROOT, png_ok, run_eval
-from .test_hf_models import save_tiny, tiny_qwen3
+from .helpers import ROOT, png_ok, run_eval, save_tiny, tiny_qwen3
 
 FAST = ["device=cpu", "progress=false", "stats.n_bootstrap=50", "stats.n_permutations=50", "limit=1"]
 QUICK = {"needle": ["task.context_tokens=2048"]}  # the tiny model's context is 4096 tokens, not 128K

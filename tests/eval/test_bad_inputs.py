@@ -25,9 +25,7 @@ from ckv.data.config import DataConfig
 from ckv.eval import TASKS, ModelFacts, ModelSource, RunOptions, StatsOptions, VocabSpec, build_task, task_from_dict
 from ckv.eval.vocab import HFTokenizer
 
-from .helpers import ROOT, SPLIT_LOOKUP
-from .test_hf_models import word_tokenizer
-from .test_probe import TOK
+from .helpers import ROOT, SPLIT_LOOKUP, TOK, word_tokenizer
 
 POOL: list[Any] = ["x", "", 1.5, True, None, -1, 0, 3, 10**6, [], [1], [3, 1], [1, 10**6], ["a", "b"], {"a": 1}]
 TASK_CONFIGS = ROOT / "conf" / "eval" / "task"

@@ -5,11 +5,11 @@ the summary; the same model with top-k over every entry, or with ties broken by 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,36 +21,19 @@ from ckv.eval.chunking import check_sample
 from ckv.eval.hf_models import HFLastLogits
 from ckv.eval.needle import NeedleKind
 
-from .test_hf_models import _task_config, save_tiny, tiny_deepseek_v4, word_tokenizer
+from .helpers import task_config, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = StatsOptions(n_bootstrap=50, n_permutations=50)
-CONTEXT, CHUNK, TOPK = 256, 16, 2  # 64 compressed entries at the question, 2 of them selected
-
-
-class TinyV4:
-    """The same tiny random DeepseekV4ForCausalLM (seed 0, word tokenizer) saved with a given index_topk, once
-    per value: 2 binds (64 compressed entries at a 256-token question), 64 selects every entry (dense)."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.dirs = root, {}
-
-    def __getitem__(self, topk: int) -> Path:
-        if topk not in self.dirs:
-            build = functools.partial(tiny_deepseek_v4, index_topk=topk)
-            self.dirs[topk] = save_tiny(build, self.root / f"v4_top{topk}")
-        return self.dirs[topk]
-
-
-@pytest.fixture(scope="module")
-def v4_dirs(tmp_path_factory: pytest.TempPathFactory) -> TinyV4:
-    return TinyV4(tmp_path_factory.mktemp("v4"))
+# 64 compressed entries at the question: the tiny V4 (tests/eval/conftest.py) with index_topk 2 selects 2 of them
+# (binds), with 64 every entry (dense)
+CONTEXT, CHUNK, TOPK = 256, 16, 2
 
 
 def needle_args(**kw: object) -> dict:
     """The shipped needle config at 256 tokens (32 records) over ids of the word tokenizer."""
     ids = word_tokenizer().convert_tokens_to_ids
-    cfg = _task_config("needle")
+    cfg = task_config("needle")
     cfg.update({"context_tokens": CONTEXT, "n_records": CONTEXT // 8, "prefill_chunk": CHUNK, **kw})
     cfg["vocab"] = dict(
         source="ids",
@@ -87,8 +70,8 @@ def recompute(model: object, prompts: list[np.ndarray], answers: np.ndarray) -> 
     return diff, top, score
 
 
-def test_the_needle_measures_where_chunked_prefill_differs(v4_dirs: TinyV4, tmp_path: Path) -> None:
-    results, lines, model = run_needle(v4_dirs[TOPK], tmp_path / "sparse")
+def test_the_needle_measures_where_chunked_prefill_differs(tiny_v4: Callable[[int], Path], tmp_path: Path) -> None:
+    results, lines, model = run_needle(tiny_v4(TOPK), tmp_path / "sparse")
     rec = results["results"]["chunking"]
     assert rec["chunk"] == CHUNK and rec["prompt_tokens"] == CONTEXT and rec["checked_prompts"] == 4
     assert rec["prompt_indices"] == check_sample(8, 4).tolist() == [0, 2, 5, 7]  # spread over the 8 prompts
@@ -110,9 +93,9 @@ def test_the_needle_measures_where_chunked_prefill_differs(v4_dirs: TinyV4, tmp_
 
 @pytest.mark.slow
 def test_no_difference_where_every_entry_is_selected_or_ties_go_by_index(
-    v4_dirs: TinyV4, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_v4: Callable[[int], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    dense, lines, _ = run_needle(v4_dirs[64], tmp_path / "dense")
+    dense, lines, _ = run_needle(tiny_v4(64), tmp_path / "dense")
     rec = dense["results"]["chunking"]
     assert rec["checked_prompts"] == 4 and rec["max_abs_logit_diff"] < 1e-4 and rec["answers_changed"] == 0
     assert not rec["depends_on_chunk"] and any("same top-1" in line for line in lines)
@@ -122,22 +105,22 @@ def test_no_difference_where_every_entry_is_selected_or_ties_go_by_index(
         return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
 
     monkeypatch.setattr(torch.Tensor, "topk", topk_ties_by_index)  # the indexer calls scores.topk(k)
-    stable, _, _ = run_needle(v4_dirs[TOPK], tmp_path / "stable")
+    stable, _, _ = run_needle(tiny_v4(TOPK), tmp_path / "stable")
     assert stable["results"]["chunking"]["max_abs_logit_diff"] < 1e-4  # the binding model's gap is the ties
 
 
 @pytest.mark.slow
-def test_nothing_to_check_off_and_the_lookup(v4_dirs: TinyV4, tmp_path: Path) -> None:
-    fits, lines, model = run_needle(v4_dirs[TOPK], tmp_path / "fits", prefill_chunk=CONTEXT)
+def test_nothing_to_check_off_and_the_lookup(tiny_v4: Callable[[int], Path], tmp_path: Path) -> None:
+    fits, lines, model = run_needle(tiny_v4(TOPK), tmp_path / "fits", prefill_chunk=CONTEXT)
     rec = fits["results"]["chunking"]
     assert rec["checked_prompts"] == 0 and "fits one prefill chunk of 256" in rec["note"]
     assert "max_abs_logit_diff" not in rec and any("nothing to check" in line for line in lines)
-    off, _, _ = run_needle(v4_dirs[TOPK], tmp_path / "off", chunk_check=0)
+    off, _, _ = run_needle(tiny_v4(TOPK), tmp_path / "off", chunk_check=0)
     assert off["results"]["chunking"]["note"] == "the chunk check is off (task.chunk_check=0)"
-    small, _, _ = run_needle(v4_dirs[TOPK], tmp_path / "small", memory_budget_gb=1e-4)  # the chunk runs, warned
+    small, _, _ = run_needle(tiny_v4(TOPK), tmp_path / "small", memory_budget_gb=1e-4)  # the chunk runs, warned
     rec = small["results"]["chunking"]
     assert rec["checked_prompts"] == 0 and rec["note"].startswith("not checked: one full forward of 256 tokens needs")
-    cfg = _task_config("lookup_words")
+    cfg = task_config("lookup_words")
     cfg["vocab"].update(pad="pad", separator=":")
     cfg.update(n_records=16, n_demos=2, modulus=8)
     lookup, _ = evaluate(
@@ -162,8 +145,8 @@ class Shifted(HFLastLogits):
         return out
 
 
-def test_changed_answers_give_the_warning(v4_dirs: TinyV4, tmp_path: Path) -> None:
-    model = load_hf_model(v4_dirs[TOPK], device="cpu", stride=4)
+def test_changed_answers_give_the_warning(tiny_v4: Callable[[int], Path], tmp_path: Path) -> None:
+    model = load_hf_model(tiny_v4(TOPK), device="cpu", stride=4)
     spec = task_from_dict(needle_args())
     kind = NeedleKind()
     built = kind.build(spec, model, limit=1)
@@ -176,10 +159,10 @@ def test_changed_answers_give_the_warning(v4_dirs: TinyV4, tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_eval_py_reports_the_check_and_refuses_a_bad_value(v4_dirs: TinyV4, tmp_path: Path) -> None:
+def test_eval_py_reports_the_check_and_refuses_a_bad_value(tiny_v4: Callable[[int], Path], tmp_path: Path) -> None:
     cfg = needle_args()
     v = cfg["vocab"]
-    common = ["model=hf", f"model.path={v4_dirs[TOPK]}", "model.stride=4", "task=needle", "device=cpu"]
+    common = ["model=hf", f"model.path={tiny_v4(TOPK)}", "model.stride=4", "task=needle", "device=cpu"]
     args = [
         *common,
         f"task.context_tokens={CONTEXT}",

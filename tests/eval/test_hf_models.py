@@ -4,102 +4,20 @@ from configs (nothing downloaded), with a word-level tokenizer saved as a PreTra
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pytest
-import yaml
 
 from ckv.config import ConfigError
 from ckv.eval import LookupSpec, ProbeSpec, RunOptions, StatsOptions, evaluate, load_hf_model, task_from_dict
 from ckv.eval.hf_models import HFLastLogits, device_map_for
 from ckv.eval.runner import build_task
 
-from .helpers import png_ok
+from .helpers import png_ok, save_tiny, task_config, tiny_deepseek_v4, tiny_qwen3
 
-TASKS = Path(__file__).resolve().parents[2] / "conf" / "eval" / "task"
 FAST = StatsOptions(n_bootstrap=50, n_permutations=50)
-EXTRA_WORDS = ["pad", ":", "def", "return", "filler", "8", "32", "x"]
-
-
-def _task_config(name: str) -> dict:
-    return yaml.safe_load((TASKS / f"{name}.yaml").read_text())
-
-
-def word_tokenizer():  # -> transformers.PreTrainedTokenizerFast
-    """A word-level tokenizer over the shipped animal/name lists and a few extra words."""
-    transformers = pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = _task_config("lookup_words")["vocab"]
-    vocab = {w: i for i, w in enumerate(["[UNK]", *words["keys"], *words["values"], *EXTRA_WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-
-
-def tiny_qwen3(vocab_size: int, max_len: int = 512, n_layers: int = 1):  # -> transformers.Qwen3ForCausalLM
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=n_layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=max_len,
-        tie_word_embeddings=True,
-    )
-    return transformers.Qwen3ForCausalLM(cfg)
-
-
-def tiny_deepseek_v4(vocab_size: int, max_len: int = 4096, index_topk: int = 64):  # -> DeepseekV4ForCausalLM
-    """2 CSA layers, hidden 128, 4 heads, 1 KV head, head_dim 64 (8 RoPE dims), sliding window 4, index_topk 64
-    (every entry of a prompt up to 259 tokens selected; fewer binds), a small MoE, hc_mult 1 (a config that trains
-    on CPU: conf/hf/deepseek_v4_demo.yaml)."""
-    transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "DeepseekV4ForCausalLM"):
-        pytest.skip(f"transformers {transformers.__version__} has no DeepseekV4ForCausalLM")
-    cfg = transformers.DeepseekV4Config(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=64,
-        q_lora_rank=64,
-        o_lora_rank=64,
-        o_groups=2,
-        num_experts_per_tok=2,
-        n_routed_experts=4,
-        n_shared_experts=1,
-        sliding_window=4,
-        index_topk=index_topk,
-        index_n_heads=2,
-        index_head_dim=32,
-        hc_mult=1,
-        layer_types=["compressed_sparse_attention"] * 2,
-        mlp_layer_types=["moe", "moe"],
-        max_position_embeddings=max_len,
-        partial_rotary_factor=8 / 64,
-        num_nextn_predict_layers=0,
-        initializer_range=0.05,
-    )
-    return transformers.DeepseekV4ForCausalLM(cfg)
-
-
-def save_tiny(build, out: Path, max_len: Optional[int] = None) -> Path:
-    """A tiny random transformers model from ``build`` (seed 0) with the word tokenizer, saved in ``out``."""
-    import torch
-
-    fast = word_tokenizer()
-    torch.manual_seed(0)
-    build(len(fast), **({} if max_len is None else {"max_len": max_len})).save_pretrained(out)
-    fast.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +25,8 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny(tiny_qwen3, tmp_path_factory.mktemp("qwen3"))
 
 
-@pytest.fixture(scope="module")
-def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An untrained tiny DeepseekV4ForCausalLM with the word tokenizer (the text tasks' pipeline; the one trained on
-    ckv's synthetic lookup is tests/apps/test_demo_v4.py's)."""
-    return save_tiny(tiny_deepseek_v4, tmp_path_factory.mktemp("deepseek_v4"))
-
-
 def test_shipped_word_lookup_runs_on_a_tiny_random_qwen3(hf_dir: Path, tmp_path: Path) -> None:
-    cfg = _task_config("lookup_words")
+    cfg = task_config("lookup_words")
     cfg["vocab"].update(pad="pad", separator=":")  # the word-level tokenizer has no newline token
     model = load_hf_model(hf_dir, device="cpu", stride=4)
     results, out = evaluate(
@@ -182,7 +93,7 @@ def test_text_probe_runs_and_groups_by_phase(hf_dir: Path, tmp_path: Path) -> No
 
 
 def test_shipped_fp8_probe_config_parses(hf_dir: Path) -> None:
-    spec = task_from_dict(_task_config("probe_fp8"))
+    spec = task_from_dict(task_config("probe_fp8"))
     assert isinstance(spec, ProbeSpec) and spec.lengths == (24, 39) and spec.stride == 4
     assert spec.unit == "=" and spec.candidates == ("8", "32")
     # a word-level tokenizer makes any run of "=" one token: no filler of 24 tokens exists, and that is an error
@@ -204,11 +115,11 @@ def test_chunked_prefill_equals_one_full_forward(build) -> None:
             torch.testing.assert_close(HFLastLogits(model, chunk)(ids), full, atol=1e-5, rtol=0)
 
 
-def test_deepseek_v4_loads_and_runs_lookup_and_probe(v4_dir: Path, tmp_path: Path) -> None:
-    model = load_hf_model(v4_dir, device="cpu", stride=4)
+def test_deepseek_v4_loads_and_runs_lookup_and_probe(tiny_v4: Callable[[int], Path], tmp_path: Path) -> None:
+    model = load_hf_model(tiny_v4(64), device="cpu", stride=4)
     assert model.info["architecture"] == "DeepseekV4ForCausalLM" and model.max_len == 4096
     assert model.info["device_map"] is None  # CPU: one device, no device_map
-    cfg = _task_config("lookup_words")
+    cfg = task_config("lookup_words")
     cfg["vocab"].update(pad="pad", separator=":")
     results, out = evaluate(
         model, task_from_dict(cfg), RunOptions(limit=1, progress=False, stats=FAST, out_dir=str(tmp_path / "lookup"))

@@ -18,8 +18,7 @@ from ckv.config import ConfigError
 from ckv.eval import RunOptions, StatsOptions, evaluate, load_ckv_model, task_from_dict
 from ckv.eval.memory import GB, LayerGroup, ModelMemory, ckv_model_memory, estimate, hf_model_memory, pick_chunk
 
-from .helpers import ROOT, make_run, run_eval
-from .test_hf_models import save_tiny, tiny_qwen3
+from .helpers import ROOT, make_run, run_eval, save_tiny, tiny_qwen3
 
 # the estimate may exceed the measured peak by up to 2x and fall short of it by at most 20%
 LOW, HIGH = 0.5, 1.25

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,7 @@ from ckv.eval.scoring import CkvChunkedLastLogits
 from ckv.model import Transformer
 from ckv.train.config import ModelSpec
 
-from .helpers import make_run, png_ok
-from .test_hf_models import save_tiny, tiny_deepseek_v4, tiny_qwen3, word_tokenizer
+from .helpers import make_run, png_ok, save_tiny, tiny_qwen3, word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = StatsOptions(n_bootstrap=50, n_permutations=50)
@@ -143,11 +143,8 @@ def test_needle_on_a_ckv_run_with_a_four_token_layout(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return {
-        name: save_tiny(build, tmp_path_factory.mktemp(name), max_len=4096)
-        for name, build in (("qwen3", tiny_qwen3), ("deepseek_v4", tiny_deepseek_v4))
-    }
+def hf_models(tmp_path_factory: pytest.TempPathFactory, tiny_v4: Callable[[int], Path]) -> dict[str, Path]:
+    return {"qwen3": save_tiny(tiny_qwen3, tmp_path_factory.mktemp("qwen3"), max_len=4096), "deepseek_v4": tiny_v4(64)}
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v4"])

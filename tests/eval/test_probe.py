@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import pytest
@@ -15,36 +14,10 @@ import yaml
 from ckv.config import ConfigError
 from ckv.eval.probe import ProbeSpec, ProbeTask, exact_fillers, probe_summary, text_prompt
 
+from .helpers import TOK
+
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 400
-RUN = 300  # ids 300..303: runs of 1..4 "=" (a BPE-like merge)
-
-
-class RunMergingTokenizer:
-    """Characters are tokens (id = code point), except that runs of ``=`` merge greedily into tokens of up to 4."""
-
-    bos_id: Optional[int] = None
-    unk_id: Optional[int] = None
-
-    def encode(self, text: str) -> list[int]:
-        ids, i = [], 0
-        while i < len(text):
-            if text[i] == "=":
-                j = i
-                while j < len(text) and text[j] == "=" and j - i < 4:
-                    j += 1
-                ids.append(RUN + j - i - 1)
-                i = j
-            else:
-                ids.append(ord(text[i]))
-                i += 1
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join("=" * (i - RUN + 1) if i >= RUN else chr(i) for i in ids)
-
-
-TOK = RunMergingTokenizer()
 SPEC = ProbeSpec(
     template='def f():\n    """{filler}"""\n    return torch.float',
     unit="=",

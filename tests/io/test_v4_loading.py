@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV4Config
 from transformers.masking_utils import create_sliding_window_causal_mask
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
@@ -16,10 +15,9 @@ from ckv.attention.indexer import LightningIndexer, index_scores
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError
 from ckv.io.hf import attention_from_deepseek_v4
-from tests.attention.test_v4_parity import randomise
+from tests.helpers import CSA, HCA, V4_DIMS, randomise, tiny_v4_config
 
-CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
-D_MODEL, HEADS, HEAD_DIM, ROPE_DIMS, SLIDING, TOPK = 32, 4, 16, 8, 5, 2
+D_MODEL, TOPK = V4_DIMS[0], 2
 TOL = 1e-5
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 
@@ -28,26 +26,13 @@ def v4_layer(layer_type: str, rope_parameters: dict | None = None, seed: int = 0
     """One randomised V4 attention layer: CSA at rate 4 with top-2 of its entries (8 index heads of 16 dims), or
     HCA at rate 8 (a short rate keeps the test fast; V4's is 128)."""
     torch.manual_seed(seed)
-    cfg = DeepseekV4Config(
-        vocab_size=64,
-        hidden_size=D_MODEL,
-        num_hidden_layers=1,
-        num_attention_heads=HEADS,
-        head_dim=HEAD_DIM,
-        q_lora_rank=24,
-        o_lora_rank=16,
-        o_groups=2,
-        sliding_window=SLIDING,
+    cfg = tiny_v4_config(
+        layer_type,
         index_topk=TOPK,
         index_n_heads=8,
-        index_head_dim=16,
-        partial_rotary_factor=ROPE_DIMS / HEAD_DIM,
-        layer_types=[layer_type],
         compress_rates={CSA: 4, HCA: 8},
         rope_parameters=rope_parameters,
         max_position_embeddings=64,
-        hc_mult=1,
-        attn_implementation="eager",
     )
     layer = v4.DeepseekV4Attention(cfg, 0).eval()
     randomise(layer)

@@ -1,14 +1,22 @@
-"""Builders and error measures shared by the kernel tests."""
+"""Builders, tolerances and error measures shared by the kernel tests, and the whole-model comparison of one ``impl``
+against the reference that the attention tests run too."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import ckv_kernels
+from ckv import ModelConfig, Transformer
 from ckv.geometry import LocalWindow, compressed_mask, local_span, num_entries
+from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
 
 # CUDA when the kernels are compiled for it (TRITON_INTERPRET=0 on a GPU machine), else the interpreter on CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not ckv_kernels.INTERPRET else "cpu")
+# Relative RMS error of a kernel against the reference allowed per input dtype; observed under the interpreter:
+# fp32 ~5e-7, fp16 ~3e-4, bf16 ~4e-3. fp32 also bounds the max-abs error (relative to the largest reference value)
+# at 10x this.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
 def local_args(local_window: LocalWindow, stride: int) -> dict:
@@ -90,3 +98,49 @@ def random_selection(
     sel = torch.where(keep, idx, -1)
     sel = torch.cat([sel, sel.new_full((B, Tq, K - sel.shape[-1]), -1)], dim=-1)  # K > E: more empty slots
     return sel.gather(-1, torch.rand(B, Tq, K, device=DEVICE).argsort(-1))
+
+
+def model_config(impl: str, **attention) -> ModelConfig:
+    """A tiny 2-layer model with compressed attention at ``impl`` (W8/S8, 1 KV head, a 16-token local window);
+    ``attention`` sets or overrides fields."""
+    att = {**dict(kind="compressed", impl=impl, window=8, stride=8, kv_heads=1, local_window=16), **attention}
+    return ModelConfig(
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_seq_len=128,
+        attention=att,
+    )
+
+
+def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The LM loss, plus a lightning indexer's training loss where the model has one (its only gradient)."""
+    indexer = IndexerTraining(model, IndexerTrainingConfig()) if has_indexer(model) else None
+    if indexer is not None:
+        indexer.start()
+    logits = model(ids[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    if indexer is not None:
+        loss = loss + indexer.finish()[0]
+        indexer.remove()
+    names, params = zip(*model.named_parameters())
+    return loss, dict(zip(names, torch.autograd.grad(loss, params)))
+
+
+# fp32 model; the kernels and the reference differ by summation order only. Loss: relative difference < 1e-6;
+# every parameter's gradient: relative RMS < 1e-4.
+def assert_impls_match(attention: dict, seq_len: int, impl: str = "triton") -> None:
+    """The same model with impl=reference and ``impl``: equal loss (1e-6 relative) and gradients (1e-4 rel. RMS)."""
+    reference = Transformer(model_config("reference", **attention)).to(DEVICE)
+    kernels = Transformer(model_config(impl, **attention)).to(DEVICE)
+    kernels.load_state_dict(reference.state_dict())
+    ids = torch.randint(0, 64, (2, seq_len), device=DEVICE)
+    loss_ref, grads_ref = loss_and_grads(reference, ids)
+    loss_k, grads_k = loss_and_grads(kernels, ids)
+    assert abs(loss_k.item() - loss_ref.item()) <= 1e-6 * abs(loss_ref.item())
+    for name, g in grads_ref.items():
+        assert rel_rms(grads_k[name], g) < 1e-4, name

@@ -12,11 +12,8 @@ import ckv_kernels
 from ckv.attention.reference import joint_attention_reference
 from ckv_kernels import joint_attention
 
-from .helpers import attention_inputs, fp32_leaves, local_args, rel_max, rel_rms
+from .helpers import TOL, attention_inputs, fp32_leaves, local_args, rel_max, rel_rms
 
-# Relative RMS error allowed per input dtype; observed under the interpreter: fp32 ~5e-7, fp16 ~3e-4,
-# bf16 ~4e-3. fp32 also bounds the max-abs error (relative to the largest reference value) at 10x this.
-TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 NAMES = ("dq", "dkc", "dvc", "dk", "dv")
 
 

@@ -14,8 +14,7 @@ from ckv.attention.reference import joint_attention_reference
 from ckv.geometry import num_entries
 from ckv_kernels import joint_attention
 
-from .helpers import DEVICE, attention_inputs, fp32_leaves, local_args, random_selection, rel_max, rel_rms
-from .test_attention import TOL
+from .helpers import DEVICE, TOL, attention_inputs, fp32_leaves, local_args, random_selection, rel_max, rel_rms
 
 NAMES = ("dq", "dkc", "dvc", "dk", "dv", "dsinks")
 

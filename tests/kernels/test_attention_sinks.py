@@ -10,8 +10,7 @@ import torch
 from ckv.attention.reference import joint_attention_reference
 from ckv_kernels import joint_attention
 
-from .helpers import DEVICE, attention_inputs, fp32_leaves, local_args, rel_max, rel_rms
-from .test_attention import TOL
+from .helpers import DEVICE, TOL, attention_inputs, fp32_leaves, local_args, rel_max, rel_rms
 
 NAMES = ("dq", "dkc", "dvc", "dk", "dv", "dsinks")
 

@@ -5,60 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ckv_kernels
-from ckv import ModelConfig, Transformer
+from ckv import Transformer
 from ckv.attention import compressed
 from ckv.attention.reference import pool_reference
 from ckv.geometry import window_positions
-from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
 
-from .helpers import DEVICE, rel_rms
-
-
-def model_config(impl: str, **attention) -> ModelConfig:
-    att = {**dict(kind="compressed", impl=impl, window=8, stride=8, kv_heads=1, local_window=16), **attention}
-    return ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        mlp_dim=64,
-        max_seq_len=128,
-        attention=att,
-    )
-
-
-def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The LM loss, plus a lightning indexer's training loss where the model has one (its only gradient)."""
-    indexer = IndexerTraining(model, IndexerTrainingConfig()) if has_indexer(model) else None
-    if indexer is not None:
-        indexer.start()
-    logits = model(ids[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    if indexer is not None:
-        loss = loss + indexer.finish()[0]
-        indexer.remove()
-    names, params = zip(*model.named_parameters())
-    return loss, dict(zip(names, torch.autograd.grad(loss, params)))
-
-
-# fp32 model; the kernels and the reference differ by summation order only. Loss: relative difference < 1e-6;
-# every parameter's gradient: relative RMS < 1e-4.
-def assert_impls_match(attention: dict, seq_len: int, impl: str = "triton") -> None:
-    """The same model with impl=reference and ``impl``: equal loss (1e-6 relative) and gradients (1e-4 rel. RMS)."""
-    reference = Transformer(model_config("reference", **attention)).to(DEVICE)
-    kernels = Transformer(model_config(impl, **attention)).to(DEVICE)
-    kernels.load_state_dict(reference.state_dict())
-    ids = torch.randint(0, 64, (2, seq_len), device=DEVICE)
-    loss_ref, grads_ref = loss_and_grads(reference, ids)
-    loss_k, grads_k = loss_and_grads(kernels, ids)
-    assert abs(loss_k.item() - loss_ref.item()) <= 1e-6 * abs(loss_ref.item())
-    for name, g in grads_ref.items():
-        assert rel_rms(grads_k[name], g) < 1e-4, name
+from .helpers import DEVICE, assert_impls_match, model_config, rel_rms
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The golden file of every attention option's composed config (tests/train/golden/attention_options.json).
 
 ``test_entry.py`` checks that each option (each conf/attention/*.yaml and each group option on the group bases,
-``ckv.apps.smoke.option_names``) still composes to the values recorded here, so a change to a YAML, a group or a
+``tests.helpers.VARIANTS``) still composes to the values recorded here, so a change to a YAML, a group or a
 default shows up as a diff. After an intended change, regenerate and review the diff:
 
     .venv/bin/python -m tests.train.golden_attention
@@ -12,20 +12,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ckv.apps.smoke import load_variant, option_names
 from ckv.config import AttentionConfig
+from tests.helpers import VARIANTS, variant
 
 REPO = Path(__file__).resolve().parents[2]
-ATTENTION_DIR = REPO / "conf" / "attention"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "attention_options.json"
 
 
 def composed_options() -> dict[str, dict]:
     """Every attention option's composed and validated config, as ``AttentionConfig.to_dict``."""
-    return {
-        name: AttentionConfig.from_dict(load_variant(ATTENTION_DIR, name)).to_dict()
-        for name in option_names(ATTENTION_DIR)
-    }
+    return {name: AttentionConfig.from_dict(variant(name)).to_dict() for name in VARIANTS}
 
 
 def main() -> None:

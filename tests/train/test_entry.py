@@ -11,8 +11,6 @@ import sys
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -21,26 +19,14 @@ from ckv.train import TrainConfig, read_metrics
 from ckv.train.config import RESUMABLE_CHANGES, TrainerConfig, trajectory_neutral
 
 from .golden_attention import GOLDEN, composed_options
-from .helpers import REPO, child_env
+from .helpers import REPO, USER_DATA, child_env, compose_config, sweep, train_config
 
 ENTRY = runpy.run_path(str(REPO / "train.py"), run_name="ckv_train_entry")  # registers the ckv_job_dir resolver
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
-USER_DATA = ["data.shards.path=/data/shards/pretrain"]  # a folder written by python -m ckv.data.prepare
-
-
-def _compose(overrides: list[str], hydra_node: bool = False):
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="train"):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_node)
-
-
-def _train_config(overrides: list[str]) -> TrainConfig:
-    return TrainConfig.from_dict(
-        OmegaConf.to_container(_compose(overrides), resolve=True, throw_on_missing=True), run_dir="unused"
-    )
 
 
 def test_default_config_composes():  # plain `python train.py`
-    cfg = _train_config([])
+    cfg = train_config([])
     assert (cfg.name, cfg.model.preset, cfg.data.kind, cfg.deepspeed["zero_optimization"]["stage"]) == (
         "default",
         "tiny",
@@ -59,7 +45,7 @@ def _leaves(d: dict, prefix: str = "") -> dict:
 def test_default_options_state_the_dataclass_defaults():
     """One source of defaults: what `python train.py` composes (each group's default option) states exactly the
     TrainConfig field defaults; optim, trainer and wandb state every field (so any field can be overridden)."""
-    composed = OmegaConf.to_container(_compose([]), resolve=True)
+    composed = OmegaConf.to_container(compose_config([]), resolve=True)
     defaults = TrainConfig(run_dir="unused").to_dict()
     for section in ("name", "seed", "attention", "data", "optim", "trainer", "deepspeed", "wandb"):
         stated, default = _leaves({section: composed[section]}), _leaves({section: defaults[section]})
@@ -81,7 +67,8 @@ def test_group_options_state_only_their_difference(group):
     """Every option of these groups starts (Hydra defaults) from the group's default option or another option of
     the group, and states only the fields whose value it changes."""
     base = GROUP_BASES[group]
-    assert _compose([]).get(group) == _compose([f"{group}={base}"]).get(group)  # config.yaml's default option
+    # config.yaml's default option
+    assert compose_config([]).get(group) == compose_config([f"{group}={base}"]).get(group)
     for path in sorted((REPO / "conf" / group).glob("*.yaml")):
         raw = yaml.safe_load(path.read_text())
         defaults = raw.pop("defaults", [])
@@ -93,7 +80,7 @@ def test_group_options_state_only_their_difference(group):
         assert not nested, path.name
         parents = [d for d in defaults if d != "_self_"]
         assert len(parents) == 1 and (REPO / "conf" / group / f"{parents[0]}.yaml").is_file(), path.name
-        inherited = _leaves(OmegaConf.to_container(_compose([f"{group}={parents[0]}"])[group]))
+        inherited = _leaves(OmegaConf.to_container(compose_config([f"{group}={parents[0]}"])[group]))
         same = {k: v for k, v in _leaves(raw).items() if k in inherited and inherited[k] == v}
         assert raw and not same, f"{path.name} restates {same}"
 
@@ -112,14 +99,14 @@ def test_every_attention_option_composes_as_the_golden_file():
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_composes(experiment):
     paper = experiment.startswith("paper")
-    cfg = _train_config([f"experiment={experiment}"] + (USER_DATA if paper else []))
+    cfg = train_config([f"experiment={experiment}"] + (USER_DATA if paper else []))
     robust = experiment.startswith("paper_robust")
     assert cfg.name == ("paper_robust" if robust else "paper" if paper else experiment)
 
 
 def test_demo_models_differ_only_in_attention():
     """make demo's fairness: the control and the S = 2 model are the S = 4 gate model with one attention change."""
-    gate4, gate2, full = (_train_config([f"experiment={e}"]) for e in ("demo_gate_s4", "demo_gate_s2", "demo_full"))
+    gate4, gate2, full = (train_config([f"experiment={e}"]) for e in ("demo_gate_s4", "demo_gate_s2", "demo_full"))
     for other in (gate2, full):
         assert (other.model, other.data, other.optim, other.trainer) == (
             gate4.model,
@@ -136,7 +123,7 @@ def test_demo_models_differ_only_in_attention():
 
 
 def test_paper_setup():
-    cfg = _train_config(["experiment=paper_base"] + USER_DATA)
+    cfg = train_config(["experiment=paper_base"] + USER_DATA)
     model = cfg.model.build(cfg.attention, data_vocab_size=151_669)
     assert (model.n_layers, model.d_model, model.n_heads, model.head_dim) == (28, 1024, 16, 128)
     a = model.attention
@@ -155,23 +142,17 @@ def test_paper_setup():
     assert cfg.trainer.precision == "bf16" and cfg.seed == 42
 
 
-def _sweep(experiment: str) -> dict[str, list[str]]:
-    params = _compose([f"experiment={experiment}"], hydra_node=True).hydra.sweeper.params
-    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
-    return {o.key_or_group: [str(v) for v in o.sweep_string_iterator()] for o in parsed}
-
-
 def test_paper_grid():
     attention = {p.stem for p in (REPO / "conf" / "attention").glob("*.yaml")}
-    assert _sweep("paper_seeds") == {"seed": ["42", "43", "44", "45"]}
-    variants = _sweep("paper_variants")["attention"]
-    full = _sweep("paper_full")["attention"]
+    assert sweep("paper_seeds") == {"seed": ["42", "43", "44", "45"]}
+    variants = sweep("paper_variants")["attention"]
+    full = sweep("paper_full")["attention"]
     assert len(variants) == 19 and len(set(variants)) == 19  # with the 4 seeds of W8/S8: 23 compressed runs
     assert set(variants) | set(full) <= attention and full == ["full_kv1", "full_kv4", "full_kv8"]
     for name in variants:
-        cfg = _train_config(["experiment=paper_base", f"attention={name}"] + USER_DATA)
+        cfg = train_config(["experiment=paper_base", f"attention={name}"] + USER_DATA)
         assert cfg.attention["kind"] == "compressed"
-    assert _sweep("cpu_grid") == {"attention": ["full", "w4s4", "w8s8"], "seed": ["0", "1"]}
+    assert sweep("cpu_grid") == {"attention": ["full", "w4s4", "w8s8"], "seed": ["0", "1"]}
 
 
 def test_slurm_launcher_config(monkeypatch, tmp_path):
@@ -179,7 +160,7 @@ def test_slurm_launcher_config(monkeypatch, tmp_path):
     pre-timeout signal; nothing is submitted (map_array is intercepted)."""
     import submitit
 
-    cfg = _compose(
+    cfg = compose_config(
         ["experiment=paper_seeds", "hydra/launcher=slurm", f"out_dir={tmp_path}"] + USER_DATA, hydra_node=True
     )
     launcher = instantiate(cfg.hydra.launcher)
@@ -233,7 +214,7 @@ def test_run_folder_name_leaves_out_exactly_the_resumable_keys():
     ]
     assert len(kept) >= 4 and "trainer.max_steps=4" in kept
     placement = ["experiment=cpu_smoke", "out_dir=/runs", "seed=3"]
-    cfg = _compose(neutral + kept + placement + ["attention=w8s8"], hydra_node=True)
+    cfg = compose_config(neutral + kept + placement + ["attention=w8s8"], hydra_node=True)
     expected = ",".join(sorted(kept + ["attention=w8s8"])) + ",seed=3"
     assert cfg.hydra.run.dir == f"/runs/other/{expected}"
     assert (cfg.hydra.sweep.dir, cfg.hydra.sweep.subdir) == ("/runs/other", expected)

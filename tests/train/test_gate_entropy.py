@@ -20,9 +20,7 @@ from ckv.geometry import window_positions
 from ckv.train import TrainConfig, read_metrics, train
 from ckv.train.gate_entropy import GateEntropyFloor, gate_entropy_deficit
 from tests.helpers import small_config
-from tests.train.helpers import base_config, losses
-from tests.train.test_entry import _train_config
-from tests.train.test_hot_path import _syncs_per_step
+from tests.train.helpers import base_config, losses, syncs_per_step, train_config
 
 W8S4 = dict(kind="compressed", window=8, stride=4, local_window=4, kv_heads=1)
 FLOOR = dict(floor=0.5, weight=0.1)
@@ -204,7 +202,7 @@ def test_activation_checkpointing_gives_the_same_losses_with_the_floor(make_conf
 def test_no_host_sync_between_log_steps_with_the_floor(make_config, monkeypatch):
     """As tests/train/test_hot_path.py, plus one read at the log step: the penalty (item)."""
     cfg = make_config("sync", W8S4, FLOOR, max_steps=8, log_every=4, stop_check_every=4)
-    steps = _syncs_per_step(monkeypatch, cfg)
+    steps = syncs_per_step(monkeypatch, cfg)
     assert [sum(c.values()) for i, c in enumerate(steps, 1) if i != 4] == [0] * 6, steps
     assert steps[3] == {"item": 2, "tolist": 3, "__int__": 1}, steps[3]
 
@@ -234,8 +232,8 @@ def test_the_floor_option_composes_and_leaves_the_model_as_it_is():
     """``trainer/gate_entropy=floor`` (conf/trainer/gate_entropy/floor.yaml) on any attention option: the trainer
     gets floor 0.5 and weight 0.1, the model is exactly the plain option's."""
     for base in ("w8s4", "w8s8", "w4s4"):
-        plain = _train_config([f"attention={base}"])
-        floored = _train_config([f"attention={base}", "trainer/gate_entropy=floor"])
+        plain = train_config([f"attention={base}"])
+        floored = train_config([f"attention={base}", "trainer/gate_entropy=floor"])
         assert (floored.trainer.gate_entropy.floor, floored.trainer.gate_entropy.weight) == (0.5, 0.1)
         assert (plain.trainer.gate_entropy.floor, plain.trainer.gate_entropy.weight) == (0.0, 0.0)
         assert floored.attention == plain.attention and floored.model == plain.model

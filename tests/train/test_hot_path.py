@@ -3,60 +3,20 @@ and the throughput accounting in the metrics rows."""
 
 from __future__ import annotations
 
-import collections
-import traceback
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from ckv.config import ConfigError
 from ckv.data import BatchStream, DataError
 from ckv.flops import flops_per_token
 from ckv.io.weights import load_weights
-from ckv.train import loop as loop_module
 from ckv.train import read_metrics, train
 
-from .helpers import losses
+from .helpers import losses, syncs_per_step
 
 COMPRESSED = {"kind": "compressed", "window": 8, "stride": 4}
-# what reads a tensor's value into Python (a device-to-host sync when the tensor lives on an accelerator)
-SYNC_METHODS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy")
-# AdamW keeps each parameter's step count as a host (CPU) tensor also on a GPU and reads it with .item(): no sync
-HOST_ONLY_CALLERS = ("torch/optim/",)
-
-
-def _syncs_per_step(monkeypatch: pytest.MonkeyPatch, cfg) -> list[collections.Counter]:
-    """Value reads between consecutive ``train_step`` entries: element i covers step i's loop iteration
-    (the log/validation/stop work after step i, then nothing else) minus the host-only reads above."""
-    current: collections.Counter = collections.Counter()
-    per_step: list[collections.Counter] = []
-
-    def counting(name: str):
-        real = getattr(torch.Tensor, name)
-
-        def read(self, *args, **kwargs):
-            caller = traceback.extract_stack(limit=2)[0].filename
-            if not any(part in caller for part in HOST_ONLY_CALLERS):
-                current[name] += 1
-            return real(self, *args, **kwargs)
-
-        return read
-
-    real_step = loop_module._Loop.train_step
-
-    def train_step(self):
-        per_step.append(collections.Counter(current))
-        current.clear()
-        return real_step(self)
-
-    monkeypatch.setattr(loop_module._Loop, "train_step", train_step)
-    for name in SYNC_METHODS:
-        monkeypatch.setattr(torch.Tensor, name, counting(name))
-    train(cfg)
-    monkeypatch.undo()
-    return per_step[1:]  # per_step[0] is the setup before step 1
 
 
 @pytest.mark.parametrize("attention", [{"kind": "full"}, COMPRESSED], ids=["full", "compressed"])
@@ -68,7 +28,7 @@ def test_no_host_sync_between_log_steps(make_config, monkeypatch, attention):
     cfg = make_config(
         attention=attention, trainer={"max_steps": 8, "log_every": 4, "stop_check_every": 4, "save_every": 0}
     )
-    steps = _syncs_per_step(monkeypatch, cfg)
+    steps = syncs_per_step(monkeypatch, cfg)
     assert len(steps) == 7
     assert [sum(c.values()) for i, c in enumerate(steps, 1) if i != 4] == [0] * 6, steps
     assert steps[3] == {"item": 1, "tolist": 3, "__int__": 1}, steps[3]
@@ -78,7 +38,7 @@ def test_debug_checks_turn_the_model_id_check_back_on(make_config, monkeypatch):
     cfg = make_config(
         trainer={"max_steps": 3, "log_every": 4, "stop_check_every": 4, "save_every": 0, "debug_checks": True}
     )
-    steps = _syncs_per_step(monkeypatch, cfg)
+    steps = syncs_per_step(monkeypatch, cfg)
     # two micro-batches per step, min and max each
     assert [c["__int__"] for c in steps] == [4, 4], steps
 

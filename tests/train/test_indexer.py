@@ -35,8 +35,7 @@ from ckv.train.indexer import (
     recall_queries,
 )
 from tests.helpers import LargestTensor, small_config
-from tests.train.helpers import base_config
-from tests.train.test_entry import _train_config
+from tests.train.helpers import base_config, train_config
 
 SPARSE = dict(
     kind="compressed", window=8, stride=4, local_window=2, kv_heads=1, selection=dict(topk=2, heads=2, head_dim=16)
@@ -446,7 +445,7 @@ def test_the_recipe_gives_each_stage_left_unset_its_share_of_max_steps(given, ha
 
 
 def test_the_sparse_option_composes_with_the_indexer_trained_by_default():
-    cfg = _train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa_sparse"])
+    cfg = train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa_sparse"])
     assert cfg.attention["selection"] == {"topk": 4, "heads": 2, "head_dim": 16, "by": "indexer", "quant": "none"}
     assert cfg.attention["query"] == {"lora_rank": 32}
     max_steps = cfg.trainer.max_steps
@@ -457,7 +456,7 @@ def test_the_sparse_option_composes_with_the_indexer_trained_by_default():
         max_steps * 60 // 100,
         max_steps * 20 // 100,
     )
-    plain = _train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa"])
+    plain = train_config(["experiment=cpu_smoke", "attention=deepseek_v4_csa"])
     assert {k: v for k, v in cfg.attention.items() if k not in ("selection", "query")} == {
         k: v for k, v in plain.attention.items() if k not in ("selection", "query")
     }

@@ -1,6 +1,7 @@
-"""End-to-end check of the foundation on a CPU: every attention option (each conf/attention/*.yaml, and each
-option of each group folder conf/attention/<group>/ composed onto ``GROUP_BASES``) builds a tiny model,
-runs forward and backward, decodes incrementally (compared with a full forward) and reports its cache memory.
+"""End-to-end check of the foundation on a CPU: every attention option (``ckv.apps.variants.option_names``: each
+conf/attention/*.yaml, and each option of each group folder conf/attention/<group>/ composed onto the group bases)
+builds a tiny model, runs forward and backward, decodes incrementally (compared with a full forward) and reports its
+cache memory.
 With ``--triton`` every compressed variant runs a second time with ``impl=triton`` (on a CPU under the Triton
 interpreter, which this sets up: slow, minutes per variant) and is compared with the config's impl (``auto``:
 the reference at these sizes).
@@ -13,36 +14,12 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from ckv import ModelConfig, Transformer
+from ckv.apps.variants import load_variant, option_names
 from ckv.attention import REGISTRY
-
-# every option of a group folder (conf/attention/mixing/conv.yaml, ...) is composed onto these bases: W = S, an
-# overlapping window with offset-specific maps, and DeepSeek-V4's CSA
-GROUP_BASES = ("w4s4", "w8s4", "deepseek_v4_csa")
-
-
-def load_variant(conf_dir: str | Path, name: str) -> dict:
-    """Attention option ``name`` of ``conf_dir`` composed by Hydra: the option it starts from (its ``defaults``,
-    e.g. ``w8s8``) with its own fields merged over it. ``base+group=option`` composes a group folder's option onto
-    a base (``w4s4+mixing=conv``: ``python train.py attention=w4s4 attention/mixing=conv``)."""
-    base, *groups = name.split("+")
-    with initialize_config_dir(config_dir=str(Path(conf_dir).resolve()), version_base="1.3"):
-        return OmegaConf.to_container(compose(config_name=base, overrides=groups))
-
-
-def option_names(conf_dir: str | Path) -> list[str]:
-    """Every attention option to check: each YAML of ``conf_dir``, then each option of each group folder composed
-    onto ``GROUP_BASES`` (``w4s4+mixing=conv``, ...)."""
-    root = Path(conf_dir)
-    names = sorted(p.stem for p in root.glob("*.yaml"))
-    groups = sorted((g.name, p.stem) for g in root.iterdir() if g.is_dir() for p in g.glob("*.yaml"))
-    return names + [f"{base}+{group}={option}" for group, option in groups for base in GROUP_BASES]
 
 
 def check_variant(attention: dict, seq_len: int = 61, seed: int = 0) -> dict:
