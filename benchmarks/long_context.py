@@ -256,7 +256,7 @@ def flex_op(seq_len: int, device: str = "cpu") -> Callable[[dict[str, Any]], Any
 
 def triton_op(x: dict[str, Any]) -> Any:
     """ckv's Triton kernels of the joint attention (CUDA; ``benchmarks/gpu_check.py``)."""
-    from ckv.attention.compressed import joint_attention
+    from ckv.attention.dispatch import joint_attention
 
     return joint_attention(
         x["q"], x["kc"], x["vc"], x["k"], x["v"], stride=OP_STRIDE, local_window=OP_LOCAL_WINDOW, impl="triton",

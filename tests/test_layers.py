@@ -134,7 +134,7 @@ def test_the_rules() -> None:
     assert violation("ckv.io.weights", "ckv.data") is not None
     assert violation("ckv_kernels.attention", "ckv.geometry") is not None
     assert violation("ckv.model", "ckv_kernels") is not None
-    assert violation("ckv.attention.compressed", "ckv_kernels") is None
+    assert violation("ckv.attention.dispatch", "ckv_kernels") is None
     assert violation("ckv.apps.demo", "ckv.analysis.gates") is None
     assert violation("ckv.train.loop", "ckv.train.engine") is None
     assert violation("ckv.io.hf", "transformers") is None

@@ -53,6 +53,44 @@ class CompressedLayerCache:
     length: int = 0
     grids: list[CompressedLayerCache] = field(default_factory=list)
 
+    def pooling_input(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """The hidden states a forward of x (B, T, d) pools its new entries from, ``pending`` then x (B, P + T, d),
+        and the real position of the first."""
+        h = _cat(self.pending, x)
+        return h, self.length + x.shape[1] - h.shape[1]
+
+    def append(
+        self,
+        kc: torch.Tensor,
+        vc: Optional[torch.Tensor],
+        ki: Optional[torch.Tensor],
+        k: torch.Tensor,
+        v: Optional[torch.Tensor],
+        hidden: torch.Tensor,
+        *,
+        local_keep: int,
+        pending_keep: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Append one forward of T tokens: its finished entries kc, vc (B, n, KV, D) (vc None: tied K/V, the values
+        are the keys), the indexer's keys ki (B, n, Di) (None without one), the exact keys and values k, v
+        (B, T, KV, D) (v None when tied) and ``hidden``, the hidden states it pooled from (``pooling_input``).
+        Keeps every entry, the last ``local_keep`` exact tokens and the last ``pending_keep`` hidden states (at most
+        those given); returns every entry and the exact tokens held before the forward with its own (kc, vc, ki, k,
+        v) for its attention."""
+        tied = vc is None
+        kc = _cat(self.kc, kc)
+        vc = kc if tied else _cat(self.vc, vc)
+        ki = None if ki is None else _cat(self.ki, ki)
+        k_all = _cat(self.k, k)
+        v_all = k_all if tied else _cat(self.v, v)
+        pending_keep = min(pending_keep, hidden.shape[1])
+        self.kc, self.vc, self.ki = kc, (None if tied else vc), ki
+        self.k = k_all[:, k_all.shape[1] - local_keep :]
+        self.v = self.k if tied else v_all[:, v_all.shape[1] - local_keep :]
+        self.pending = hidden[:, hidden.shape[1] - pending_keep :]
+        self.length += k.shape[1]
+        return kc, vc, ki, k_all, v_all
+
     def nbytes(self) -> dict[str, int]:
         if self.grids:
             parts = [g.nbytes() for g in self.grids]

@@ -44,29 +44,28 @@ def test_cycling_by_zero_reproduces_the_clean_outcome_and_by_w_is_the_identity(
 
 def test_roll_convention_and_restoration_after_an_error(trained: LoadedModel) -> None:
     """``Z'_i = Z_{(i - d) mod W}``: offset i takes the parameters offset i - d had; payload maps stay."""
-    k = trained.module.layers[0].self_attn.k_compressor
-    weight, bias, payload = k.gate_weight.detach().clone(), k.gate_bias.detach().clone(), k.payload.detach().clone()
+    k = trained.module.layers[0].self_attn.compressors()["K"]
+    gate = k.gate
+    weight, bias, payload = gate.weight.detach().clone(), gate.bias.detach().clone(), k.payload.detach().clone()
     with pytest.raises(RuntimeError, match="boom"):
         with cycled_gates(trained.module, 1) as what:
-            assert what == "gate_weight and gate_bias (offset-specific gate maps)"
+            assert what == "gate maps and biases (offset-specific)"
             for i in range(W):
-                assert torch.equal(k.gate_weight[i], weight[(i - 1) % W]) and torch.equal(
-                    k.gate_bias[i], bias[(i - 1) % W]
-                )
+                assert torch.equal(gate.weight[i], weight[(i - 1) % W]) and torch.equal(gate.bias[i], bias[(i - 1) % W])
             assert torch.equal(k.payload, payload)
             raise RuntimeError("boom")
-    assert torch.equal(k.gate_weight, weight) and torch.equal(k.gate_bias, bias)
+    assert torch.equal(gate.weight, weight) and torch.equal(gate.bias, bias)
 
 
 def test_shared_maps_shift_only_the_offset_bias(tmp_path: Path) -> None:
     model = load_ckv_model(make_run(tmp_path, attention=dict(GATED, offset_maps="shared")), device="cpu")
-    k = model.module.layers[0].self_attn.k_compressor
+    gate = model.module.layers[0].self_attn.compressors()["K"].gate
     with torch.no_grad():
-        k.gate_bias.copy_(torch.arange(W, dtype=torch.float32)[:, None].expand_as(k.gate_bias))
-    weight = k.gate_weight.detach().clone()
+        gate.bias.copy_(torch.arange(W, dtype=torch.float32)[:, None].expand_as(gate.bias))
+    weight = gate.weight.detach().clone()
     with cycled_gates(model.module, 1) as what:
-        assert "gate_bias only" in what
-        assert torch.equal(k.gate_weight, weight) and k.gate_bias[:, 0].tolist() == [3.0, 0.0, 1.0, 2.0]
+        assert "gate biases only" in what
+        assert torch.equal(gate.weight, weight) and gate.bias[:, 0].tolist() == [3.0, 0.0, 1.0, 2.0]
 
 
 @pytest.mark.parametrize(

@@ -58,14 +58,14 @@ def test_constructed_gates_through_a_model(tmp_path: Path, gate: str) -> None:
     branches = gated_branches(model.module, "gates")
     with torch.no_grad():
         for b in branches:
-            b.compressor.gate_weight.zero_()
+            b.compressor.gate.weight.zero_()
     rows, _ = gate_statistics(model, task, options(tmp_path, limit=2))
     assert [(r["layer"], r["branch"]) for r in rows] == [(0, "K"), (0, "V")]
     for r in rows:
         assert r["static"] == pytest.approx(W) and r["per_window"] == pytest.approx(W)
     with torch.no_grad():
         for b in branches:
-            b.compressor.gate_bias[2] = 50.0
+            b.compressor.gate.bias[2] = 50.0
     rows, _ = gate_statistics(model, task, options(tmp_path, limit=2))
     for r in rows:
         assert r["static"] == pytest.approx(1.0, abs=1e-5) and r["per_window"] == pytest.approx(1.0, abs=1e-5)

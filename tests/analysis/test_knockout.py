@@ -25,7 +25,7 @@ def _silence_values(model: LoadedModel, layer: int) -> None:
     attn = model.module.layers[layer].self_attn
     with torch.no_grad():
         attn.v_proj.weight.zero_()
-        attn.v_compressor.payload.zero_()
+        attn.compressors()["V"].payload.zero_()
 
 
 def test_knocking_out_a_constant_layer_changes_nothing(trained: LoadedModel, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ import torch
 
 from ckv import Transformer
 from ckv.attention.reference import joint_attention_reference, pool_reference
+from ckv.cache import CompressedLayerCache
 from ckv.geometry import window_positions
 from tests.helpers import assert_influence, brute_covers, brute_influence, small_config, variant
 
@@ -84,3 +85,27 @@ def test_cache_memory_is_entries_plus_local_window(name, local, T):
     got = cache.nbytes()
     assert {k: got[k] for k in expected} == expected
     assert got["total"] == sum(expected.values())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cache_append_returns_everything_held_and_keeps_only_the_last_tokens(tied):
+    """``CompressedLayerCache.append``: entries and indexer keys accumulate; the forward attends to the exact tokens
+    held before it plus its own; the cache keeps the last ``local_keep`` of them and the last ``pending_keep`` hidden
+    states (at most those given); tied K/V keep one tensor for both."""
+    cache, length = CompressedLayerCache(), 0
+    for T, n_entries in ((5, 1), (3, 0), (4, 2)):
+        kc, ki = torch.randn(1, n_entries, 1, 2), torch.randn(1, n_entries, 3)
+        k, v = torch.randn(1, T, 1, 2), torch.randn(1, T, 1, 2)
+        h, h_start = cache.pooling_input(torch.randn(1, T, 4))
+        assert h_start == cache.length + T - h.shape[1]
+        all_kc, all_ki, all_k = (
+            t if old is None else torch.cat([old, t], 1) for old, t in zip((cache.kc, cache.ki, cache.k), (kc, ki, k))
+        )
+        out = cache.append(kc, None if tied else -kc, ki, k, None if tied else v, h, local_keep=2, pending_keep=9)
+        assert torch.equal(out[0], all_kc) and torch.equal(out[2], all_ki) and torch.equal(out[3], all_k)
+        assert (out[1] is out[0] and out[4] is out[3]) if tied else torch.equal(out[1], -all_kc)
+        assert torch.equal(cache.k, all_k[:, -2:]) and (cache.v is cache.k if tied else torch.equal(cache.v, v[:, -2:]))
+        assert cache.vc is None if tied else cache.vc is out[1]
+        assert torch.equal(cache.pending, h[:, -9:]) and cache.pending.shape[1] == min(9, h.shape[1])
+        length += T
+        assert cache.length == length

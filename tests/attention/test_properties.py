@@ -133,7 +133,7 @@ def test_decoding_equals_the_full_forward_token_by_token_and_in_uneven_chunks(na
 @pytest.mark.parametrize("name", costly(COMPRESSED))
 def test_decoding_equals_the_full_forward_on_the_fast_path(name):
     """The same with ``impl=torch``: the fast path for the prefill and for every decode step (``impl=auto`` at these
-    lengths runs the reference, ``ckv.attention.compressed.REFERENCE_MAX_SCORES``)."""
+    lengths runs the reference, ``ckv.attention.dispatch.REFERENCE_MAX_SCORES``)."""
     att = _config(name).attention.to_dict()
     _assert_decoding_equals_the_full_forward(small_config({**att, "impl": "torch"}))
 

@@ -26,8 +26,7 @@ from transformers.masking_utils import create_sliding_window_causal_mask  # noqa
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4  # noqa: E402
 
 from ckv import ModelConfig  # noqa: E402
-from ckv.attention import build_attention  # noqa: E402
-from ckv.attention.compressed import CompressedAttention  # noqa: E402
+from ckv.attention import CompressedAttention, build_attention  # noqa: E402
 from ckv.attention.reference import joint_attention_reference  # noqa: E402
 from ckv.cache import CompressedLayerCache  # noqa: E402
 from ckv.io.hf import attention_from_deepseek_v4  # noqa: E402
@@ -71,12 +70,12 @@ def copy_compressor(src: torch.nn.Module, layer: CompressedAttention) -> None:
     """V4's compressor weights into ckv's. V4 stacks the series along the output: ``kv_proj``/``gate_proj``
     (n_series * D, d) and ``position_bias`` (stride, n_series * D); ckv holds per-series maps (n_series, d, D)
     (one (d, D) map for a single series) and a bias per offset (window, D), offset = series * stride + r."""
-    comp, (D, d), S = layer.k_compressor, (HEAD_DIM, D_MODEL), layer.stride
+    comp, (D, d), S = layer.compressors()["K"], (HEAD_DIM, D_MODEL), layer.stride
     n_series = layer.window // S
-    for name, target in (("kv_proj", comp.payload), ("gate_proj", comp.gate_weight)):
+    for name, target in (("kv_proj", comp.payload), ("gate_proj", comp.gate.weight)):
         w = getattr(src, name).weight.view(n_series, D, d).transpose(1, 2)  # (n_series, d, D)
         target.copy_(w.reshape(target.shape))
-    comp.gate_bias.copy_(src.position_bias.view(S, n_series, D).transpose(0, 1).reshape(n_series * S, D))
+    comp.gate.bias.copy_(src.position_bias.view(S, n_series, D).transpose(0, 1).reshape(n_series * S, D))
     layer.ck_norm.weight.copy_(src.kv_norm.weight)
 
 

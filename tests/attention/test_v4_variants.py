@@ -67,7 +67,7 @@ def test_per_series_maps_use_one_map_per_stride_block():
     """A token's payload in entry j depends on its series (which block of the window it sits in), not on its
     exact offset: the CSA entry j pools block j-1 through map 0 ("Ca") and block j through map 1 ("Cb")."""
     cfg = small_config(dict(variant("deepseek_v4_csa"), impl="torch"), n_layers=1)
-    comp = Transformer(cfg).layers[0].self_attn.k_compressor
+    comp = Transformer(cfg).layers[0].self_attn.compressors()["K"]
     assert comp.payload.shape == (2, cfg.d_model, cfg.head_dim)
     hw = torch.randn(1, 3, 8, cfg.d_model)
     mapped = comp._map(hw, comp.payload)  # (B, E, W, D)

@@ -8,7 +8,7 @@ import torch
 
 import ckv_kernels
 from ckv import Transformer
-from ckv.attention import compressed
+from ckv.attention import dispatch
 from ckv.attention.reference import pool_reference
 from ckv.geometry import window_positions
 
@@ -57,25 +57,25 @@ def test_decoding_with_kernels_matches_the_full_forward():
 def test_auto_takes_the_fast_path_off_cuda_and_triton_on_cuda():
     """Off CUDA ``auto`` runs the fast path, or the reference for a call whose scores are small (the studies' exact
     numbers); an explicit ``torch`` or ``reference`` is kept whatever the size."""
-    cpu, small, large = torch.device("cpu"), compressed.REFERENCE_MAX_SCORES, compressed.REFERENCE_MAX_SCORES + 1
-    assert compressed.resolve_impl("auto", cpu) == "torch"
-    assert compressed.resolve_impl("auto", cpu, small) == "reference"
-    assert compressed.resolve_impl("auto", cpu, large) == "torch"
-    assert compressed.resolve_impl("torch", cpu, small) == "torch"
-    assert compressed.resolve_impl("reference", cpu, large) == "reference"
-    assert compressed.resolve_impl("auto", torch.device("cuda")) == "triton"
+    cpu, small, large = torch.device("cpu"), dispatch.REFERENCE_MAX_SCORES, dispatch.REFERENCE_MAX_SCORES + 1
+    assert dispatch.resolve_impl("auto", cpu) == "torch"
+    assert dispatch.resolve_impl("auto", cpu, small) == "reference"
+    assert dispatch.resolve_impl("auto", cpu, large) == "torch"
+    assert dispatch.resolve_impl("torch", cpu, small) == "torch"
+    assert dispatch.resolve_impl("reference", cpu, large) == "reference"
+    assert dispatch.resolve_impl("auto", torch.device("cuda")) == "triton"
     with pytest.raises(ValueError, match="not one of"):
-        compressed.resolve_impl("fast", cpu)
+        dispatch.resolve_impl("fast", cpu)
 
 
 @pytest.mark.skipif(not ckv_kernels.INTERPRET, reason="the interpreter is off (GPU run)")
 def test_triton_on_cpu_says_it_runs_under_the_interpreter(monkeypatch):
-    monkeypatch.setattr(compressed, "_interpreter_announced", False)
+    monkeypatch.setattr(dispatch, "_interpreter_announced", False)
     with pytest.warns(RuntimeWarning, match="interpreter"):
-        assert compressed.resolve_impl("triton", torch.device("cpu")) == "triton"
+        assert dispatch.resolve_impl("triton", torch.device("cpu")) == "triton"
     monkeypatch.setattr(ckv_kernels, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        compressed.resolve_impl("triton", torch.device("cpu"))
+        dispatch.resolve_impl("triton", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("logit_dim", [None, 1, 16])
@@ -83,7 +83,7 @@ def test_pool_dispatch_returns_the_reference_weights(logit_dim):
     _, present = window_positions(0, 6, 8, 4, device=DEVICE)
     payload = torch.randn(2, 6, 8, 2, 16, device=DEVICE)
     logits = None if logit_dim is None else torch.randn(2, 6, 8, 2, logit_dim, device=DEVICE)
-    pooled, alpha = compressed.pool(payload, logits, present, impl="triton")
+    pooled, alpha = dispatch.pool(payload, logits, present, impl="triton")
     ref_pooled, ref_alpha = pool_reference(payload, logits, present)
     assert alpha.shape == ref_alpha.shape
     assert rel_rms(pooled, ref_pooled) < 1e-5 and rel_rms(alpha, ref_alpha) < 1e-5

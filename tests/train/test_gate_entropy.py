@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckv import Transformer
-from ckv.attention.compressed import Compressor, Pooling
+from ckv.attention import Compressor, Pooling
 from ckv.config import ConfigError
 from ckv.geometry import window_positions
 from ckv.train import TrainConfig, read_metrics, train
@@ -73,13 +73,13 @@ def test_penalty_is_zero_for_uniform_gates_and_equals_a_hand_computation_for_pea
     ids = torch.randint(0, 64, (2, 24))  # 6 entries: n = 4, 8, 8, 8, 8, 8
     with torch.no_grad():
         for comp in _compressors(model):
-            comp.gate_weight.zero_()
-            comp.gate_bias.zero_()
+            comp.gate.weight.zero_()
+            comp.gate.bias.zero_()
     assert _penalty(model, ids).item() == 0.0
     bias = [3.0, 0.0, -1.0, 0.5, 2.0, 0.0, 0.0, 4.0]  # peaked on offsets 7 and 0
     with torch.no_grad():
         for comp in _compressors(model):
-            comp.gate_bias.copy_(torch.tensor(bias)[:, None])
+            comp.gate.bias.copy_(torch.tensor(bias)[:, None])
     for floor, weight in ((0.5, 1.0), (0.9, 0.25)):
         expected = weight * _hand_penalty(bias, [4, 8, 8, 8, 8, 8], floor)
         assert expected > 0
@@ -90,7 +90,7 @@ def test_gradient_reaches_the_gates_only_and_eval_is_not_hooked():
     model = _model(dict(W8S4, gate=dict(kind="vector")))
     with torch.no_grad():
         for comp in _compressors(model):
-            comp.gate_bias.normal_(0, 2.0)  # peaked gates, so the floor binds
+            comp.gate.bias.normal_(0, 2.0)  # peaked gates, so the floor binds
     ids = torch.randint(0, 64, (2, 24))
     reg = GateEntropyFloor(model, 0.9, 1.0)
     assert reg.hooks == 2 * model.config.n_layers  # K and V branch of each layer
@@ -100,19 +100,20 @@ def test_gradient_reaches_the_gates_only_and_eval_is_not_hooked():
     assert penalty.item() > 0
     penalty.backward()
     for comp in _compressors(model):
-        assert comp.gate_weight.grad.abs().sum() > 0 and comp.gate_bias.grad.abs().sum() > 0
+        assert comp.gate.weight.grad.abs().sum() > 0 and comp.gate.bias.grad.abs().sum() > 0
     # nothing after the pooling: in the last layer, only the gates and the input norm feeding them get a gradient
     # (earlier layers' parameters do, through the hidden states the later gates read)
     last = f"layers.{model.config.n_layers - 1}."
-    gates = ("gate_weight", "gate_bias")
+    gates = {id(p) for comp in _compressors(model) for p in (comp.gate.weight, comp.gate.bias)}
     untouched = {n for n, p in model.named_parameters() if p.grad is None}
     assert untouched == {
         n
-        for n, _ in model.named_parameters()
+        for n, p in model.named_parameters()
         if n == "norm.weight"
-        or (n.startswith(last) and not n.endswith(gates) and not n.startswith(last + "input_layernorm"))
+        or (n.startswith(last) and id(p) not in gates and not n.startswith(last + "input_layernorm"))
     }
-    assert f"{last}self_attn.k_compressor.payload" in untouched and f"{last}mlp.down_proj.weight" in untouched
+    block = model.layers[-1]
+    assert block.self_attn.compressors()["K"].payload.grad is None and block.mlp.down_proj.weight.grad is None
     # eval mode (and no_grad): the hooks compute nothing, the forward is the plain model's
     model.eval()
     reg.start()
@@ -133,10 +134,10 @@ def test_penalty_and_its_gradient_match_between_torch_and_triton():
         model = _model(dict(W8S4, impl=impl), n_layers=1)
         with torch.no_grad():
             for comp in _compressors(model):
-                comp.gate_bias.normal_(0, 2.0, generator=torch.Generator().manual_seed(1))
+                comp.gate.bias.normal_(0, 2.0, generator=torch.Generator().manual_seed(1))
         penalty = _penalty(model, torch.randint(0, 64, (1, 16), generator=torch.Generator().manual_seed(2)), 0.9)
         penalty.backward()
-        results.append((penalty.item(), [c.gate_bias.grad.clone() for c in _compressors(model)]))
+        results.append((penalty.item(), [c.gate.bias.grad.clone() for c in _compressors(model)]))
     (p_t, g_t), (p_k, g_k) = results
     assert p_t > 0 and p_k == pytest.approx(p_t, rel=1e-6)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g_t, g_k))

@@ -2,8 +2,8 @@
 
 With W == S the offset of a token in its window equals its phase. Circularly shifting every offset-specific gate
 parameter by ``d`` (``Z'_i = Z_{(i-d) mod W}``, ``b'_i = b_{(i-d) mod W}``: ``torch.roll(..., d, dims=0)`` of
-``gate_weight`` (W, d, G) and ``gate_bias`` (W, G); payload maps untouched) moves what each gate prefers by ``d``
-offsets, so if the gates cause the phase profile the accuracy at phase ``r`` becomes
+each compressor's ``gate.weight`` (W, d, G) and ``gate.bias`` (W, G); payload maps untouched) moves what each gate
+prefers by ``d`` offsets, so if the gates cause the phase profile the accuracy at phase ``r`` becomes
 ``A_d(r) ~= A_0((r - d) mod S)``. Each shifted model re-scores the same prompts; the predicted and observed
 changes ``A_d(r) - A_0(r)`` are compared by ``R^2`` (boundary phase ``S - 1`` and shifts ``d = 0 mod S``
 excluded), with a paired cluster-bootstrap interval.
@@ -48,16 +48,17 @@ def cycling_parameters(
             f"has attention.window={a.window}, attention.stride={a.stride}"
         )
     if a.offset_maps == "specific":
-        params = [p for b in branches for p in (b.compressor.gate_weight, b.compressor.gate_bias) if p is not None]
-        return params, "gate_weight" + (" and gate_bias" if a.gate.bias else "") + " (offset-specific gate maps)"
+        gates = [b.compressor.gate for b in branches]
+        params = [p for g in gates for p in (g.weight, g.bias) if p is not None]
+        return params, "gate maps" + (" and biases" if a.gate.bias else "") + " (offset-specific)"
     if not a.gate.bias:
         raise AnalysisNotApplicable(
             f"analysis=gate_cycling: {model_name} shares its gate map across offsets (attention.offset_maps=shared) "
             "and has no gate bias (attention.gate.bias=false): no gate parameter is offset-specific"
         )
     return (
-        [b.compressor.gate_bias for b in branches],
-        "gate_bias only (shared gate maps: the offset bias is the only offset-specific gate parameter)",
+        [b.compressor.gate.bias for b in branches],
+        "gate biases only (shared gate maps: the offset bias is the only offset-specific gate parameter)",
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, TypeVar
 import torch
 from torch import nn
 
-from ckv.attention.compressed import Compressor
+from ckv.attention import Compressor, compressed_layers
 from ckv.config import ConfigError, field_names, reject_unknown
 from ckv.model import Transformer
 
@@ -160,7 +160,7 @@ def gated_branches(
             f"{type(module).__name__} (gate parameters are unknown)"
         )
     a = module.config.attention
-    if not any(isinstance(m, Compressor) for m in module.modules()):
+    if not compressed_layers(module):
         raise AnalysisNotApplicable(
             f"analysis={analysis} needs a compressed model, but {model_name} has no compressor "
             f"(attention.kind={a.kind}): there are no gates"
@@ -177,8 +177,5 @@ def gated_branches(
         raise ConfigError(f"layers {bad} do not exist: the model has layers 0..{n - 1}")
     out = []
     for i in chosen:
-        attn = module.layers[i].self_attn
-        out.append(Branch(i, "K", attn.k_compressor))
-        if attn.v_compressor is not None:
-            out.append(Branch(i, "V", attn.v_compressor))
+        out.extend(Branch(i, name, c) for name, c in module.layers[i].self_attn.compressors().items())
     return out

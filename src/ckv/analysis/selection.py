@@ -52,7 +52,7 @@ from torch import nn
 from ckv.analysis.hooks import AnalysisNotApplicable, settings_from_params
 from ckv.analysis.paired import interval, paired_replicates
 from ckv.analysis.registry import AnalysisContext, register_analysis
-from ckv.attention.compressed import CompressedAttention
+from ckv.attention import CompressedAttention, compressed_layers
 from ckv.attention.indexer import oracle_selection, top_k
 from ckv.checks import check_choice, check_int
 from ckv.config import ConfigError
@@ -63,7 +63,7 @@ from ckv.geometry import compressed_mask, window_positions
 
 def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttention]:
     """The compressed attention layers of ``module`` in order; ``AnalysisNotApplicable`` when it has none."""
-    layers = [m for m in module.modules() if isinstance(m, CompressedAttention)]
+    layers = compressed_layers(module)
     if not layers:
         raise AnalysisNotApplicable(
             f"analysis=selection reads the compressed entries each query attends to; {model_name} has no "

@@ -3,6 +3,11 @@
 The registry is the one place that knows which kinds exist: ``AttentionConfig`` only checks that ``kind`` and
 ``impl`` are strings, and ``check_attention`` (called by ``build_attention``, and by ``TrainConfig`` before any
 data is prepared) finds the backend and lets it refuse a configuration it cannot run.
+
+Code outside ``ckv.attention`` imports from here; of the compressed backend it uses only its public surface
+(``CompressedAttention``'s docstring, docs/attention.md): ``compressed_layers``, a layer's ``compressors()``,
+``indexer`` and ``attend``, a ``Compressor``'s ``payload``, ``gate`` (``CompressorGate``) and ``pooling``
+(``Pooling``).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ def build_attention(config: ModelConfig, layer_idx: int) -> AttentionBackend:
     return _backend(config.attention.kind)(config, layer_idx)
 
 
-from ckv.attention.compressed import CompressedAttention  # noqa: E402
+from ckv.attention.compressed import CompressedAttention, compressed_layers  # noqa: E402
+from ckv.attention.compressor import Compressor, CompressorGate  # noqa: E402
+from ckv.attention.dispatch import JointAttention, Pooling  # noqa: E402
 from ckv.attention.full import FullAttention  # noqa: E402
 
 register(FullAttention)
@@ -50,8 +57,13 @@ __all__ = [
     "REGISTRY",
     "AttentionBackend",
     "CompressedAttention",
+    "Compressor",
+    "CompressorGate",
     "FullAttention",
+    "JointAttention",
+    "Pooling",
     "build_attention",
     "check_attention",
+    "compressed_layers",
     "register",
 ]

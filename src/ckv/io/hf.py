@@ -14,8 +14,7 @@ from typing import Any, Union
 
 import torch
 
-from ckv.attention import build_attention
-from ckv.attention.compressed import CompressedAttention
+from ckv.attention import CompressedAttention, build_attention
 from ckv.config import AttentionConfig, ConfigError, ModelConfig
 from ckv.model import Transformer
 from ckv.options import RopeConfig
@@ -216,19 +215,21 @@ def deepseek_v4_attention_config(hf_config: Any, layer_type: str) -> ModelConfig
     )
 
 
-def _v4_compressor(state: dict[str, torch.Tensor], prefix: str, stride: int, series: int) -> dict[str, torch.Tensor]:
-    """A V4 compressor's maps and position bias in ckv's ``Compressor`` layout. V4 stacks the series along the
-    output (``kv_proj``/``gate_proj`` (series * D, d), ``position_bias`` (stride, series * D)); ckv holds one map
-    per series (series, d, D) (one (d, D) map for a single series) and a bias per offset ``series * stride + r``."""
-    out = {}
-    for name, target in (("kv_proj.weight", "payload"), ("gate_proj.weight", "gate_weight")):
+def _v4_compressor(
+    state: dict[str, torch.Tensor], prefix: str, stride: int, series: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A V4 compressor's maps and position bias in ckv's ``Compressor`` layout: its ``payload``, ``gate.weight`` and
+    ``gate.bias``. V4 stacks the series along the output (``kv_proj``/``gate_proj`` (series * D, d),
+    ``position_bias`` (stride, series * D)); ckv holds one map per series (series, d, D) (one (d, D) map for a single
+    series) and a bias per offset ``series * stride + r``."""
+    maps = []
+    for name in ("kv_proj.weight", "gate_proj.weight"):
         w = state[prefix + name]
         D = w.shape[0] // series
         w = w.view(series, D, -1).transpose(1, 2)  # (series, d, D)
-        out[target] = w if series > 1 else w[0]
+        maps.append(w if series > 1 else w[0])
     bias = state[prefix + "position_bias"]
-    out["gate_bias"] = bias.view(stride, series, -1).transpose(0, 1).reshape(series * stride, -1)
-    return out
+    return maps[0], maps[1], bias.view(stride, series, -1).transpose(0, 1).reshape(series * stride, -1)
 
 
 def attention_from_deepseek_v4(layer: Any) -> CompressedAttention:
@@ -268,10 +269,16 @@ def attention_from_deepseek_v4(layer: Any) -> CompressedAttention:
         "ck_norm.weight": take("compressor.kv_norm.weight"),
     }
     series = 2 if csa else 1
-    for prefix, target in [("compressor.", "k_compressor.")] + [("compressor.indexer.", "indexer.compressor.")] * csa:
+    module = build_attention(cfg, 0)
+    key = {id(p): name for name, p in module.named_parameters()}  # each parameter's name in the state dict
+    branches = {"compressor.": module.compressors()["K"]}
+    if csa:
+        branches["compressor.indexer."] = module.indexer.compressor
+    for prefix, compressor in branches.items():
         for name in ("kv_proj.weight", "gate_proj.weight", "position_bias"):
             used.add(prefix + name)
-        mapped.update({target + k: v for k, v in _v4_compressor(state, prefix, S, series).items()})
+        targets = (compressor.payload, compressor.gate.weight, compressor.gate.bias)
+        mapped.update({key[id(p)]: v for p, v in zip(targets, _v4_compressor(state, prefix, S, series))})
     if csa:
         mapped["indexer.norm.weight"] = take("compressor.indexer.kv_norm.weight")
         mapped["indexer.q_proj.weight"] = take("compressor.indexer.q_b_proj.weight")
@@ -279,7 +286,6 @@ def attention_from_deepseek_v4(layer: Any) -> CompressedAttention:
     left = sorted(set(state) - used)
     if left:
         raise ConfigError(f"DeepSeek-V4 weights without a ckv counterpart: {left}")
-    module = build_attention(cfg, 0)
     module.load_state_dict(mapped, strict=True)
     rotary = layer.compressor.rotary_emb
     if rotary.compress_attention_scaling != 1.0 or not torch.allclose(

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ckv.attention.compressed import Pooling
+from ckv.attention import Pooling
 from ckv.config import ConfigError, check_float
 
 _INPUTS = ("payload", "logits", "present")  # Pooling.forward's leading parameters

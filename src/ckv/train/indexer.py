@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ckv.attention.compressed import CompressedAttention
+from ckv.attention import CompressedAttention, compressed_layers
 from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, kl_working_bytes, query_chunk, top_k
 from ckv.config import check_choice, check_float, check_int
 from ckv.geometry import compressed_mask, visible_entries
@@ -284,7 +284,7 @@ class IndexerTraining:
         # layer id -> the indexer's queries, keys and selection
         self._pending: dict[int, tuple[IndexQueries, torch.Tensor, torch.Tensor]] = {}
         self._device = next(model.parameters()).device
-        layers = [m for m in model.modules() if isinstance(m, CompressedAttention) and m.indexer is not None]
+        layers = [m for m in compressed_layers(model) if m.indexer is not None]
         if not layers:
             raise ValueError("indexer training found no lightning indexer (attention.selection) in the model")
         self._handles = []
@@ -344,14 +344,9 @@ class IndexerTraining:
 
 def indexer_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters of every lightning indexer of ``model`` (the only ones the dense warm-up trains)."""
-    return [
-        p
-        for m in model.modules()
-        if isinstance(m, CompressedAttention) and m.indexer is not None
-        for p in m.indexer.parameters()
-    ]
+    return [p for m in compressed_layers(model) if m.indexer is not None for p in m.indexer.parameters()]
 
 
 def has_indexer(model: nn.Module) -> bool:
     """Whether ``model`` has a compressed layer with a lightning indexer."""
-    return any(isinstance(m, CompressedAttention) and m.indexer is not None for m in model.modules())
+    return any(m.indexer is not None for m in compressed_layers(model))
