@@ -127,7 +127,8 @@ def test_straddling_phases_and_the_covered_missed_table_add_up():
         def report(outcome):
             return {}
 
-    res = SelectionOutcome(covered, covered, whole, None, type("O", (), {"correct": correct, "table": table}))
+    outcome = type("O", (), {"correct": correct, "table": table})
+    res = SelectionOutcome(covered, covered, whole, None, chosen=np.zeros((2, 200, 1), bool), outcome=outcome)
     rows = selector_rows(res, 4, [3], _Ctx)
     for p in rows["phases"]:
         for layer in p["layers"]:
