@@ -96,7 +96,8 @@ Z_ONE_SIDED_95 = 1.6448536269514722
 Z_TWO_SIDED_95 = 1.959963984540054
 
 # task -> models; the run folder is <out>/runs/<task>_<model>/seed=<seed>. Every model of a task shares the
-# experiment's model, data, optimiser, budget and local window (4 tokens); only the attention option differs.
+# experiment's model, data, optimiser, budget and local window (4 tokens; full attention, which takes none, drops it);
+# only the attention option differs.
 MODELS: dict[str, tuple[Model, ...]] = {
     # straddling: every compressed model stores one entry per 4 tokens (S = 4)
     "split": (
@@ -114,7 +115,7 @@ MODELS: dict[str, tuple[Model, ...]] = {
         Model("entropy_w4s4", "attention=w4s4 trainer/gate_entropy=floor", "fix", "gate_w4s4", core=False),
         # the ablation ladder from the W8/S4 gate (overlap_w8s4) to V4's CSA, one change per step (LADDER)
         *(Model(name, f"attention=v4_{name}", "fix", "gate_w4s4", core=False) for name in LADDER_STEPS),
-        Model("full", "attention=full", "control"),
+        Model("full", "attention=full ~attention.local_window", "control"),
     ),
     # crowding: the paper's W = 8 / S = 4 (every 2-token record fits one window) and W = S = 8 (one entry per 8)
     "dense": (
@@ -136,7 +137,7 @@ MODELS: dict[str, tuple[Model, ...]] = {
         # a crowding family: two KV heads on window grids offset by 0 and 4, W = S = 8: the W8/S4 1-KV-head gate's
         # long-sequence KV bytes per token (two entries per 8 tokens), its baseline
         Model("heads_w8s8_kv2", "attention=w8s8_kv2_heads", "fix", "gate_w8s4", core=False),
-        Model("full", "attention=full", "control"),
+        Model("full", "attention=full ~attention.local_window", "control"),
     ),
 }
 CONTROL_STRIDE = {"split": 4, "dense": 8}  # full attention has no stride: its phases are taken mod this

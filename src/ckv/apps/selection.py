@@ -93,7 +93,7 @@ MODELS = (
     Model(
         "sparse", f"attention=deepseek_v4_csa_sparse attention.selection.topk={TOPK}", "indexer", ("model", *IMPOSED)
     ),
-    Model("full", "attention=full attention.query=null", "control"),
+    Model("full", "attention=full ~attention.local_window ~attention.query", "control"),
 )
 MODEL_BY_NAME = {m.name: m for m in MODELS}
 

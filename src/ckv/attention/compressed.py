@@ -19,6 +19,7 @@ from torch import nn
 
 from ckv.attention.base import AttentionBackend, LayerFlops
 from ckv.attention.blocked import choose_block, joint_attention_blocked, working_bytes
+from ckv.attention.compressed_config import CompressedAttentionConfig
 from ckv.attention.indexer import (
     LightningIndexer,
     index_working_bytes,
@@ -315,7 +316,7 @@ class CompressedAttention(AttentionBackend):
 
     kind = "compressed"
     impls = IMPLS
-    options = ("rope", "gate", "mixing", "grid", "query", "selection", "sink", "output_rope")
+    config_class = CompressedAttentionConfig
 
     @classmethod
     def check(cls, config: ModelConfig) -> None:
