@@ -6,6 +6,9 @@ inside functions, under ``TYPE_CHECKING`` or through ``importlib.import_module("
     L0k kernels  ckv_kernels.*: imports nothing from ckv; only ckv.attention.* imports it
     L1  ckv.io.*      L2 ckv.data.*      L3 ckv.train.* | ckv.eval.* (neither imports the other)
     L4  ckv.analysis.*                   L5 ckv.apps.*, ckv.plan
+
+Within L0, ``ckv.options.*`` does not import ``ckv.config``: an option group checks plain values (strides, layer
+and head counts, ``Dims``), never the config that holds it.
 """
 
 from __future__ import annotations
@@ -121,6 +124,8 @@ def violation(source: str, target: str) -> Optional[str]:
         return f"L{frm[0]} may not import L{to[0]}"
     if to[0] == frm[0] == 3 and to[1] != frm[1]:
         return "ckv.train and ckv.eval may not import each other"
+    if source.startswith("ckv.options") and target == "ckv.config":
+        return "option groups check plain values, not the config that holds them"
     return None
 
 
@@ -138,6 +143,8 @@ def test_the_rules() -> None:
     assert violation("ckv.apps.demo", "ckv.analysis.gates") is None
     assert violation("ckv.train.loop", "ckv.train.engine") is None
     assert violation("ckv.io.hf", "transformers") is None
+    assert violation("ckv.options.grid", "ckv.config") is not None
+    assert violation("ckv.config", "ckv.options.grid") is None
 
 
 def test_imports_follow_the_layers() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
@@ -16,148 +16,98 @@ from ckv.checks import (  # noqa: F401  (re-exported: the config API)
     field_names,
     reject_unknown,
 )
-from ckv.geometry import ENTRY_ROPE_POSITIONS
-from ckv.options import GateConfig, GridConfig, MixingConfig, OptionGroup, QueryConfig, RopeConfig, SelectionConfig
+from ckv.options import OptionGroup, RopeConfig
 
-# ``kind`` and ``impl`` are not here: the attention registry (ckv.attention) owns them, since the backends
-# registered there decide which kinds exist, which implementations each one runs and which option groups it takes.
-_CHOICES: dict[str, tuple[Any, ...]] = {
-    "offset_maps": ("specific", "shared", "series"),
-    "kv": ("separate", "tied"),
-    "compressed_norm": ("pre", "post"),
-    "entry_rope_position": ENTRY_ROPE_POSITIONS,
-    "output_rope": ("keep", "inverse"),
-}
+# The attention backends by kind (``kind -> backend class``), filled by ``ckv.attention.register``. It lives here,
+# below the backends, because a config picks its class by kind: each backend names its config (``config_class``).
+REGISTRY: dict[str, Any] = {}
+
+
+def config_class(kind: Any) -> type[AttentionConfig]:
+    """The config class the backend registered for ``kind`` declares; ConfigError naming the field otherwise."""
+    if not isinstance(kind, str) or not kind:
+        raise ConfigError(f"attention.kind={kind!r} must be a non-empty string")
+    if kind not in REGISTRY:
+        raise ConfigError(f"attention.kind={kind!r} has no registered backend; available: {sorted(REGISTRY)}")
+    return REGISTRY[kind].config_class
+
+
+def not_taken_error(names: Iterable[str], kind: str) -> ConfigError:
+    """The one-line error for attention fields that the config of ``kind`` does not take."""
+    names = sorted(names)
+    fields = ", ".join(f"attention.{n}" for n in names)
+    verb = "is not a field" if len(names) == 1 else "are not fields"
+    return ConfigError(f"{fields} {verb} of attention.kind={kind!r}; it takes {field_names(config_class(kind))}")
 
 
 @dataclass
 class AttentionConfig:
-    """Which attention backend a model uses, its core compressor fields and its option groups.
+    """The attention fields every kind takes, and the union of the kinds' configs: ``from_dict`` builds the config
+    class the backend registered under ``kind`` declares (``config_class``, ``ckv.attention.register``), and a
+    field that class does not have is a ConfigError naming the field and the kind. Full attention takes exactly
+    these fields; compressed attention's config (``ckv.attention.compressed_config``) adds the compressor's.
 
-    ``window`` and ``stride`` follow docs/attention.md: entry ``j`` pools positions
-    ``[(j+1)*stride - window, (j+1)*stride - 1]``. ``local_window`` is the number of exact recent tokens a query
-    keeps (including itself) or ``"tail"`` (the tokens of the current unfinished stride block).
-    ``kv_heads=None`` takes the model's ``n_kv_heads``. ``kind`` names a backend registered in ``ckv.attention``
-    and ``impl`` one of that backend's implementations; the registry checks both, and which option groups the
-    backend takes, when the model is built (``ckv.attention.check_attention``).
-
-    Option groups (``GROUPS``; ``ckv.options``), each a nested mapping in YAML and null when off: ``rope``
-    (always set), ``gate`` (null: uniform averaging), ``mixing`` (token mixing before pooling), ``grid``
-    (phase-staggered grids), ``query`` (DeepSeek-V4's low-rank query path), ``selection`` (top-k selection of
-    entries by DeepSeek-V4's lightning indexer; null: every visible entry). DeepSeek-V4's flags: ``sink`` (one
-    learned attention-sink logit per query head) and ``output_rope='inverse'`` (the output rotated back by the
-    query's position; needs tied K/V). ``block``: queries per block of the compressed fast path (``impl=torch``,
-    ``ckv.attention.blocked``); null picks it from a memory budget (``blocked.choose_block``). It changes no
-    result beyond summation order.
+    ``kind`` names a registered backend and ``impl`` one of its implementations (the backend checks ``impl`` when
+    the model is built: ``ckv.attention.check_attention``). ``kv_heads=None`` takes the model's ``n_kv_heads``.
+    ``rope`` (``ckv.options.RopeConfig``, a nested mapping in YAML) is every kind's option group; a kind's
+    ``GROUPS`` list the option groups it takes by key, each null when off (``rope`` always set).
     """
 
-    GROUPS: ClassVar[dict[str, type[OptionGroup]]] = {
-        "rope": RopeConfig,
-        "gate": GateConfig,
-        "mixing": MixingConfig,
-        "grid": GridConfig,
-        "query": QueryConfig,
-        "selection": SelectionConfig,
-    }
+    GROUPS: ClassVar[dict[str, type[OptionGroup]]] = {"rope": RopeConfig}
 
     kind: str = "full"
     impl: str = "auto"
     qk_norm: bool = True
     kv_heads: Optional[int] = None
     rope: RopeConfig = field(default_factory=RopeConfig)
-    # the compressor
-    window: int = 8
-    stride: int = 8
-    local_window: Union[int, str] = 16
-    gate: Optional[GateConfig] = field(default_factory=GateConfig)
-    offset_maps: str = "specific"  # offset-specific maps, shared maps + offset bias, or per-series maps (V4)
-    kv: str = "separate"  # separate K and V branches, or V reuses the normalised, rotated keys
-    compressed_norm: str = "pre"  # RMSNorm of compressed keys before pooling (per token) or after (post-norm)
-    entry_rope_position: str = "block_start"
-    sink: bool = False
-    output_rope: str = "keep"
-    block: Optional[int] = None
-    mixing: Optional[MixingConfig] = None
-    grid: Optional[GridConfig] = None
-    query: Optional[QueryConfig] = None
-    selection: Optional[SelectionConfig] = None
 
     def __post_init__(self) -> None:
-        o = "attention"
-        for name in ("kind", "impl"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ConfigError(f"{o}.{name}={getattr(self, name)!r} must be a non-empty string")
+        own = config_class(self.kind)
+        if type(self) is not own:
+            raise ConfigError(
+                f"attention.kind={self.kind!r} is configured by {own.__name__}, not {type(self).__name__}"
+            )
+        if not isinstance(self.impl, str) or not self.impl:
+            raise ConfigError(f"attention.impl={self.impl!r} must be a non-empty string")
         for name, cls in self.GROUPS.items():
             setattr(self, name, _group(cls, getattr(self, name), required=name == "rope"))
-        for name, allowed in _CHOICES.items():
-            check_choice(f"{o}.{name}", getattr(self, name), allowed)
-        for name in ("qk_norm", "sink"):
-            check_bool(f"{o}.{name}", getattr(self, name))
-        check_int(f"{o}.stride", self.stride)
-        check_int(f"{o}.window", self.window)
-        if self.window < self.stride:
-            raise ConfigError(f"{o}.window={self.window} must be >= attention.stride={self.stride}")
+        check_bool("attention.qk_norm", self.qk_norm)
         if self.kv_heads is not None:
-            check_int(f"{o}.kv_heads", self.kv_heads)
-        if self.block is not None:
-            check_int(f"{o}.block", self.block)
-        lw = self.local_window
-        if (
-            isinstance(lw, str)
-            and lw != "tail"
-            or not isinstance(lw, (int, str))
-            or isinstance(lw, bool)
-            or (isinstance(lw, int) and lw < 0)
-        ):
-            raise ConfigError(f"{o}.local_window={lw!r} must be an integer >= 0 or 'tail'")
-        if self.offset_maps == "series" and self.window % self.stride:
-            raise ConfigError(
-                f"{o}.offset_maps='series' shares maps within each stride block of the window, so "
-                f"attention.window={self.window} must be a multiple of attention.stride={self.stride}"
-            )
-        if self.output_rope == "inverse" and self.kv != "tied":
-            raise ConfigError(
-                f"{o}.output_rope='inverse' undoes the RoPE that tied values carry; it needs "
-                f"attention.kv='tied' (got {self.kv!r})"
-            )
-        for group in self.groups():
-            group.check_with(self)
+            check_int("attention.kv_heads", self.kv_heads)
 
     def groups(self) -> list[OptionGroup]:
         """The option groups that are set (``rope`` always), in ``GROUPS`` order."""
         return [g for g in (getattr(self, name) for name in self.GROUPS) if g is not None]
 
-    def set_options(self) -> list[str]:
-        """Names of the options in use that not every backend takes: the optional groups (off by default:
-        ``mixing``, ``grid``, ``query``, ``selection``) that are set, and the DeepSeek-V4 flags that are on
-        (``sink``, ``output_rope``). ``rope`` is every attention's; ``gate`` is a core compressor field like
-        ``window``, unused without one."""
-        groups = [name for name in _OPTIONAL_GROUPS if getattr(self, name) is not None]
-        return groups + ["sink"] * self.sink + ["output_rope"] * (self.output_rope != "keep")
-
-    @property
-    def compressed(self) -> bool:
-        return self.kind == "compressed"
+    def option(self, name: str) -> Optional[OptionGroup]:
+        """Option group ``name`` when this kind takes it and it is set, else None."""
+        return getattr(self, name) if name in self.GROUPS else None
 
     @property
     def tied_kv(self) -> bool:
-        return self.kind == "compressed" and self.kv == "tied"
+        """Whether the values reuse the keys (no value projection)."""
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        """What results and plots say about this attention: ``kind``, and the ``window``, ``stride`` and
+        ``pooling`` of a compressor (None here: full attention has none)."""
+        return {"kind": self.kind, "window": None, "stride": None, "pooling": None}
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> AttentionConfig:
-        """From a mapping (a run's ``attention`` section or a weights ``config.json``'s); configs written before
-        the option groups existed (flat ``rope_dims``, ``pooling``, ``mixing_kernel``, ...) are upgraded."""
-        d = upgrade_attention(d)[0]
-        reject_unknown(d, field_names(cls), "attention")
-        return cls(**d)
-
-
-_OPTIONAL_GROUPS = [
-    f.name for f in dataclasses.fields(AttentionConfig) if f.name in AttentionConfig.GROUPS and f.default is None
-]
+        """The config of ``d["kind"]`` (this class's kind when absent) from a mapping; a field that config does not
+        have is a ConfigError naming the field and the kind. Configs written before the option groups (flat
+        ``rope_dims``, ``pooling``, ``mixing_kernel``, ...) are upgraded (``upgrade_attention``); a saved one from
+        before one config per kind goes through ``saved_attention`` first."""
+        d = upgrade_attention({"kind": cls.kind, **d})[0]
+        own = config_class(d["kind"])
+        foreign = set(d) - set(field_names(own))
+        if foreign:
+            raise not_taken_error(foreign, d["kind"])
+        return own(**d)
 
 
 def _group(cls: type[OptionGroup], value: Any, required: bool) -> Optional[OptionGroup]:
@@ -191,26 +141,62 @@ _LEGACY_KEYS = set(_LEGACY_ROPE) | {
 }
 
 
+# The fields that the one attention config of before (every kind's fields in one class) saved for every kind besides
+# those every kind takes: a run saved then carries them whatever its kind, and its model ignored those its kind
+# does not take.
+_SINGLE_CONFIG_FIELDS = (
+    "window",
+    "stride",
+    "local_window",
+    "gate",
+    "offset_maps",
+    "kv",
+    "compressed_norm",
+    "entry_rope_position",
+    "sink",
+    "output_rope",
+    "block",
+    "mixing",
+    "grid",
+    "query",
+    "selection",
+)
+
+
 def upgrade_attention(d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A flat attention mapping from before the option groups, rewritten into groups; returns ``(attention,
-    training)`` where ``training`` holds the training-only keys that moved to the trainer (the gate-entropy
-    floor: ``{"gate_entropy": {"floor": ..., "weight": ...}}``, empty when the config had none). A mapping in
-    today's shape is returned unchanged."""
+    training)`` where ``training`` holds the training-only keys that moved to the trainer (the gate-entropy floor:
+    ``{"gate_entropy": {"floor": ..., "weight": ...}}``, empty when the config had none). A mapping in today's shape
+    is returned unchanged."""
     d = dict(d)
+    training: dict[str, Any] = {}
     legacy = isinstance(d.get("rope"), str) or isinstance(d.get("gate"), str) or isinstance(d.get("mixing"), str)
-    if not legacy and not (_LEGACY_KEYS - {"rope"}) & set(d):
-        return d, {}
-    rope = {new: d.pop(old) for old, new in _LEGACY_ROPE.items() if old in d}
-    if rope:
-        d["rope"] = rope
-    pooling, kind, bias = d.pop("pooling", "gate"), d.pop("gate", "scalar"), d.pop("gate_bias", True)
-    d["gate"] = None if pooling == "mean" else {"kind": kind, "bias": bias}
-    mixing, kernel = d.pop("mixing", "none"), d.pop("mixing_kernel", None)
-    d["mixing"] = None if mixing in (None, "none") else {"kernel": kernel}
-    offsets = d.pop("grid_offsets", None)
-    d["grid"] = None if offsets is None else {"offsets": offsets}
-    floor, weight = d.pop("gate_entropy_floor", 0.0), d.pop("gate_entropy_weight", 0.0)
-    training = {"gate_entropy": {"floor": floor, "weight": weight}} if floor or weight else {}
+    if legacy or (_LEGACY_KEYS - {"rope"}) & set(d):
+        rope = {new: d.pop(old) for old, new in _LEGACY_ROPE.items() if old in d}
+        if rope:
+            d["rope"] = rope
+        pooling, kind, bias = d.pop("pooling", "gate"), d.pop("gate", "scalar"), d.pop("gate_bias", True)
+        d["gate"] = None if pooling == "mean" else {"kind": kind, "bias": bias}
+        mixing, kernel = d.pop("mixing", "none"), d.pop("mixing_kernel", None)
+        d["mixing"] = None if mixing in (None, "none") else {"kernel": kernel}
+        offsets = d.pop("grid_offsets", None)
+        d["grid"] = None if offsets is None else {"offsets": offsets}
+        floor, weight = d.pop("gate_entropy_floor", 0.0), d.pop("gate_entropy_weight", 0.0)
+        training = {"gate_entropy": {"floor": floor, "weight": weight}} if floor or weight else {}
+    return d, training
+
+
+def saved_attention(d: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An attention mapping that a run folder or weights folder saved (``config.yaml``, ``config.json``), in today's
+    shape of its kind: ``upgrade_attention``, then the fields of the one config of before
+    (``_SINGLE_CONFIG_FIELDS``) that the config of its kind does not take are dropped, whatever their values (a
+    full-attention run saved then carries the compressor's fields, e.g. the ``local_window`` of its experiment,
+    and its model ignored them). Returns ``(attention, training)`` as ``upgrade_attention`` does. A config built
+    now (``from_dict``, ``ModelConfig(attention=...)``) refuses such a field instead."""
+    d, training = upgrade_attention(d)
+    if isinstance(d.get("kind"), str) and d["kind"] in REGISTRY:
+        taken = field_names(config_class(d["kind"]))
+        d = {k: v for k, v in d.items() if k in taken or k not in _SINGLE_CONFIG_FIELDS}
     return d, training
 
 
@@ -297,7 +283,7 @@ class ModelConfig:
         check_float(f"{o}.init_std", self.init_std, 0, low_open=True)
         check_bool(f"{o}.tie_embeddings", self.tie_embeddings)
         for group in self.attention.groups():
-            group.check_model(self)
+            group.check_model(n_layers=self.n_layers, kv_heads=self.kv_heads, head_dim=self.head_dim)
 
     @property
     def kv_heads(self) -> int:
@@ -307,7 +293,7 @@ class ModelConfig:
     def grid_offsets(self, layer_idx: int) -> list[int]:
         """The grid offsets of layer ``layer_idx`` (0..stride-1): one for the whole layer (``[0]`` without
         ``attention.grid``), or one per KV head (``attention.grid.per: kv_head``)."""
-        grid = self.attention.grid
+        grid = self.attention.option("grid")
         if grid is None:
             return [0]
         return grid.offsets_of(layer_idx, self.n_layers, self.kv_heads, self.attention.stride)
@@ -337,9 +323,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        """From ``to_dict``'s mapping or a weights folder's saved ``config.json`` (its attention through
+        ``saved_attention``)."""
         d = dict(d)
         reject_unknown(d, field_names(cls), "ModelConfig")
-        attention = AttentionConfig.from_dict(d.pop("attention", {}) or {})
+        attention = AttentionConfig.from_dict(saved_attention(d.pop("attention", {}) or {})[0])
         return cls(**d, attention=attention)
 
 

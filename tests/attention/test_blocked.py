@@ -225,4 +225,4 @@ def test_the_configured_block_reaches_the_fast_path(monkeypatch):
     assert_impls_match(dict(block=3), 30, "torch")  # the reference ignores it
     assert seen and set(seen) == {3}
     with pytest.raises(ConfigError, match="attention.block"):
-        AttentionConfig(kind="compressed", block=0)
+        AttentionConfig.from_dict(dict(kind="compressed", block=0))

@@ -18,6 +18,8 @@ option per code path, and on every other option in the slow set (``make test-slo
 
 from __future__ import annotations
 
+from typing import Union
+
 import pytest
 import torch
 
@@ -73,19 +75,29 @@ def _config(name: str, **overrides) -> ModelConfig:
     window and stride scaled down by the same factor, and a local window over it (V4's 128) at that length: the
     same code paths at a fraction of the cost, and local windows that the short test sequences fill."""
     att = AttentionConfig.from_dict(variant(name)).to_dict()
-    if att["window"] > LONGEST_WINDOW:
+    if att.get("window", 0) > LONGEST_WINDOW:
         factor = att["window"] // LONGEST_WINDOW
         att.update(window=LONGEST_WINDOW, stride=max(1, att["stride"] // factor))
-    if att["local_window"] != "tail" and att["local_window"] > LONGEST_WINDOW:
+    if att.get("local_window", 0) != "tail" and att.get("local_window", 0) > LONGEST_WINDOW:
         att["local_window"] = LONGEST_WINDOW
     return small_config(att, **overrides)
 
 
+# full attention has no window, stride or local window: its tests run at the lengths of the compressed defaults
+FULL_GEOMETRY = {"window": 8, "stride": 8, "local_window": 16}
+
+
+def _geometry(cfg: ModelConfig) -> tuple[int, int, Union[int, str]]:
+    """``(window, stride, local_window)`` of the option (``FULL_GEOMETRY`` for full attention)."""
+    window, stride, local = (getattr(cfg.attention, k, v) for k, v in FULL_GEOMETRY.items())
+    return window, stride, local
+
+
 def _length(cfg: ModelConfig, short: int = 22) -> int:
     """A length that closes entries with every offset present and is not a multiple of the stride."""
-    a = cfg.attention
-    T = max(short, a.window + a.stride + 3)
-    return T + 1 if T % a.stride == 0 else T
+    window, stride, _ = _geometry(cfg)
+    T = max(short, window + stride + 3)
+    return T + 1 if T % stride == 0 else T
 
 
 @pytest.mark.parametrize("name", costly(VARIANTS))
@@ -99,7 +111,7 @@ def test_a_token_acts_on_a_query_exactly_where_the_geometry_says(name):
         layer = block.self_attn
         recorded = []  # the selection of this forward (top-k depends on the input): the rule uses the layer's own
         hook = None
-        if cfg.attention.selection is not None:  # the indexer's or the oracle's
+        if cfg.attention.option("selection") is not None:  # the indexer's or the oracle's
             hook = layer.attend.register_forward_hook(
                 lambda m, args, kwargs, out, seen=recorded: seen.append(kwargs["selected"][0]), with_kwargs=True
             )
@@ -139,7 +151,7 @@ def test_decoding_equals_the_full_forward_on_the_fast_path(name):
 
 
 def _assert_decoding_equals_the_full_forward(cfg: ModelConfig) -> None:
-    S, T = cfg.attention.stride, _length(cfg, short=29)
+    S, T = _geometry(cfg)[1], _length(cfg, short=29)
     model = _perturbed(Transformer(cfg))
     ids = torch.randint(0, cfg.vocab_size, (2, T))
     uneven, pattern = [], [5, 3, 1, S + 1, 2, 1, 1, 9]
@@ -210,11 +222,11 @@ def test_kv_cache_bytes_are_the_accounting(name):
     """What the decode cache holds after t tokens (fp32: 4 bytes) is kv_bytes_per_token(t) * t, prefilled or
     decoded; once the local window is full, every 2 strides add 2 strides' worth of the long-sequence figure."""
     cfg = _config(name)
-    a = cfg.attention
-    local = a.stride if a.local_window == "tail" else a.local_window
-    T = _length(cfg, short=local + a.window + a.stride + 1)  # past the local window and a whole window
+    window, stride, local_window = _geometry(cfg)
+    local = stride if local_window == "tail" else local_window
+    T = _length(cfg, short=local + window + stride + 1)  # past the local window and a whole window
     model = Transformer(cfg).eval()
-    ids = torch.randint(0, cfg.vocab_size, (1, T + 2 * a.stride))
+    ids = torch.randint(0, cfg.vocab_size, (1, T + 2 * stride))
     acct = lambda t: kv_bytes_per_token(cfg, t, bytes_per_element=4) * t  # noqa: E731
     with torch.no_grad():
         for t in (1, 5, T):
@@ -225,11 +237,11 @@ def test_kv_cache_bytes_are_the_accounting(name):
             for part, n in _parts(cfg, t).items():  # each part of the cache (rotated dims apart) priced alone
                 assert held[part] == pytest.approx(n * 4 * t), (t, part)
         held = {T: cache.nbytes()["total"]}
-        for t in range(T, T + 2 * a.stride):  # decoding, token by token
+        for t in range(T, T + 2 * stride):  # decoding, token by token
             model(ids[:, t : t + 1], cache)
             held[t + 1] = cache.nbytes()["total"]
             assert held[t + 1] == pytest.approx(acct(t + 1)), t + 1
-    growth = (held[T + 2 * a.stride] - held[T]) / (2 * a.stride)
+    growth = (held[T + 2 * stride] - held[T]) / (2 * stride)
     assert growth == pytest.approx(kv_bytes_per_token(cfg, None, bytes_per_element=4))
 
 

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from ckv import AttentionConfig, ConfigError, ModelConfig, Transformer
-from ckv.attention import check_attention
 from ckv.attention.rope import Rotary
 from ckv.geometry import offset_series
 from tests.helpers import small_config, variant
@@ -30,9 +29,13 @@ def test_bad_v4_options_raise_a_config_error_naming_the_field(change, field):
 
 
 def test_full_attention_refuses_the_v4_flags():
-    for flag in (dict(sink=True), dict(output_rope="inverse", kv="tied")):
-        with pytest.raises(ConfigError, match="is not an option of attention.kind='full'"):
-            check_attention(ModelConfig.from_preset("tiny", attention=dict(kind="full", **flag)))
+    for flag, fields in ((dict(sink=True), "attention.sink is not a field"), (dict(kv="tied"), "attention.kv is not")):
+        with pytest.raises(ConfigError, match=f"{fields} .*of attention.kind='full'"):
+            ModelConfig.from_preset("tiny", attention=dict(kind="full", **flag))
+    with pytest.raises(
+        ConfigError, match="attention.kv, attention.output_rope are not fields of attention.kind='full'"
+    ):
+        ModelConfig.from_preset("tiny", attention=dict(kind="full", output_rope="inverse", kv="tied"))
 
 
 def test_offset_series_groups_the_window_by_stride_block():

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
-from ckv.config import ConfigError, ModelConfig
+from ckv.config import AttentionConfig, ConfigError, ModelConfig
 from ckv.model import Transformer
 from ckv.train import TrainConfig, resume_conflicts
 from ckv.train.config import OptimConfig, upgrade_run_config
@@ -17,10 +19,12 @@ from ckv.train.engine import accumulation_steps, deepspeed_config, param_groups
 from ckv.train.run import plain
 from ckv.train.schedule import LRSchedule, build_scheduler
 
+SAVED_FULL_RUN = Path(__file__).parent / "golden" / "full_run_config_before_kinds.yaml"
+
 
 def test_from_dict_builds_every_section(make_config):
     cfg = make_config(attention={"kind": "compressed", "window": 8, "stride": 4})
-    assert cfg.attention["stride"] == 4 and cfg.attention["local_window"] == 16  # filled from AttentionConfig
+    assert cfg.attention["stride"] == 4 and cfg.attention["local_window"] == 16  # filled from the kind's config
     assert cfg.trainer.max_steps == 8 and cfg.optim.lr == 3e-3 and cfg.data.kind == "lookup"
     again = TrainConfig.from_dict(plain(cfg.to_dict()))
     assert again.to_dict() == cfg.to_dict()
@@ -37,7 +41,7 @@ def test_from_dict_builds_every_section(make_config):
         ("attention", {"kind": "compressed", "window": 4, "stride": 8}, "attention.window"),
         ("attention", {"kind": "sparse"}, "attention.kind='sparse' has no registered backend"),
         ("attention", {"impl": "triton"}, "does not support attention.impl='triton'"),
-        ("attention", {"windw": 8}, "unknown attention field(s) ['windw']"),
+        ("attention", {"windw": 8}, "attention.windw is not a field of attention.kind='full'"),
         ("model", {"n_layr": 2}, "unknown model field(s) ['n_layr']"),
         ("model", {"n_heads": 3}, "model.n_heads=3"),
         ("model", {"preset": "huge"}, "model.preset='huge'"),
@@ -200,3 +204,17 @@ def test_a_run_folder_from_before_the_option_groups_resumes(make_config):
     assert resume_conflicts(upgrade_run_config(saved), current) == []
     saved["attention"]["gate_entropy_floor"] = 0.5
     assert upgrade_run_config(saved)["trainer"]["gate_entropy"] == {"floor": 0.5, "weight": 0.0}
+
+
+def test_a_full_attention_run_folder_from_before_one_config_per_kind_resumes():
+    """A full-attention run's config.yaml saved while one AttentionConfig held every kind's fields (the
+    compressor's, with demo_gate_s4's local_window: 4 that full attention ignored) resumes under today's
+    demo_full without a conflict and builds the same model."""
+    saved = yaml.safe_load(SAVED_FULL_RUN.read_text())
+    assert saved["attention"]["local_window"] == 4
+    upgraded = upgrade_run_config(saved)
+    assert upgraded["attention"] == AttentionConfig().to_dict()
+    current = TrainConfig.from_dict({**upgraded, "trainer": {**upgraded["trainer"], "max_steps": 20}})
+    assert resume_conflicts(upgraded, plain(current.to_dict())) == []
+    with pytest.raises(ConfigError, match=r"attention.local_window, .*are not fields of attention.kind='full'"):
+        TrainConfig.from_dict(saved)  # a config built now refuses it

@@ -60,6 +60,9 @@ def test_default_options_state_the_dataclass_defaults():
 
 
 GROUP_BASES = {"attention": "full", "optim": "adamw_cosine", "trainer": "default"}
+# the option that lists a group's nested option groups: the base, or (attention) the compressed base, since only
+# compressed attention takes the option groups beyond rope
+NESTED_BASES = {**GROUP_BASES, "attention": "w8s8"}
 
 
 @pytest.mark.parametrize("group", sorted(GROUP_BASES))
@@ -72,12 +75,13 @@ def test_group_options_state_only_their_difference(group):
     for path in sorted((REPO / "conf" / group).glob("*.yaml")):
         raw = yaml.safe_load(path.read_text())
         defaults = raw.pop("defaults", [])
-        # nested option groups (attention/mixing, trainer/gate_entropy, ...) are listed by the base only
+        # nested option groups (attention/mixing, trainer/gate_entropy, ...) are listed by NESTED_BASES only
         nested = [d for d in defaults if isinstance(d, dict)]
         assert all((REPO / "conf" / group / next(iter(d))).is_dir() for d in nested), path.name
+        assert not nested or path.stem == NESTED_BASES[group], path.name
         if path.stem == base:
             continue
-        assert not nested, path.name
+        defaults = [d for d in defaults if not isinstance(d, dict)]
         parents = [d for d in defaults if d != "_self_"]
         assert len(parents) == 1 and (REPO / "conf" / group / f"{parents[0]}.yaml").is_file(), path.name
         inherited = _leaves(OmegaConf.to_container(compose_config([f"{group}={parents[0]}"])[group]))
@@ -224,7 +228,7 @@ def test_run_folder_name_leaves_out_exactly_the_resumable_keys():
     "typo, field",
     [
         ("+model.n_layr=2", "unknown model field(s) ['n_layr']"),
-        ("+attention.windw=8", "unknown attention field(s) ['windw']"),
+        ("+attention.windw=8", "attention.windw is not a field of attention.kind='full'"),
         ("optim.lr=abc", "optim.lr='abc' must be a finite number > 0"),
         ("optim.lr=inf", "optim.lr=inf must be a finite number > 0"),
     ],
@@ -250,6 +254,10 @@ def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field):
             "ckv: error: In 'config': Could not find 'attention/w8s44'; choose one of ['deepseek_v4",
         ),
         ("limt=4", "ckv: error: limt is not a setting (Key 'limt' is not in struct); check its spelling"),
+        (  # the default attention is full: a compressor's field is not one of its settings
+            "attention.window=4",
+            "ckv: error: attention.window is not a field of attention.kind='full'; it takes ['kind', 'impl', ",
+        ),
     ],
 )
 def test_hydra_errors_are_one_line(tmp_path, override, line):

@@ -11,18 +11,26 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from ckv.config import REGISTRY, not_taken_error
 
 HYDRA_ERRORS = (HydraException, OmegaConfBaseException)  # composition, overrides, interpolation, unknown keys
 
 
 def error_line(e: BaseException) -> str:
     """The one line that reports a configuration or data error ``e``: an unknown key names the key (never a ``+``
-    to append it), an unknown group option lists the options."""
+    to append it; an attention field, the kind that does not take it), an unknown group option lists the options."""
     cause = e.__cause__
     if isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         key = cause.full_key or str(cause).splitlines()[0]
-        message = f"{key} is not a setting ({str(cause).splitlines()[0]}); check its spelling"
+        parent = cause.parent_node
+        kind = parent.get("kind") if isinstance(parent, DictConfig) and key == f"attention.{cause.key}" else None
+        if kind in REGISTRY:
+            message = str(not_taken_error([str(cause.key)], kind))
+        else:
+            message = f"{key} is not a setting ({str(cause).splitlines()[0]}); check its spelling"
     elif isinstance(e, OverrideParseException):
         message = f"cannot parse the override {e.override!r}: {e.message.splitlines()[0]}"
     elif isinstance(e, MissingConfigException) and e.options:

@@ -1,8 +1,9 @@
 """Attention backends behind one registry: ``kind`` -> backend class.
 
-The registry is the one place that knows which kinds exist: ``AttentionConfig`` only checks that ``kind`` and
-``impl`` are strings, and ``check_attention`` (called by ``build_attention``, and by ``TrainConfig`` before any
-data is prepared) finds the backend and lets it refuse a configuration it cannot run.
+Registering a backend is the one place that makes a kind exist: each backend names the config class of its kind
+(``config_class``), which ``AttentionConfig.from_dict`` builds for that kind (the registry is ``ckv.config``'s, so
+that configs can pick their class), and ``check_attention`` (called by ``build_attention``, and by ``TrainConfig``
+before any data is prepared) finds the backend and lets it refuse a configuration it cannot run.
 
 Code outside ``ckv.attention`` imports from here; of the compressed backend it uses only its public surface
 (``CompressedAttention``'s docstring, docs/attention.md): ``compressed_layers``, a layer's ``compressors()``,
@@ -13,13 +14,12 @@ Code outside ``ckv.attention`` imports from here; of the compressed backend it u
 from __future__ import annotations
 
 from ckv.attention.base import AttentionBackend
-from ckv.config import ConfigError, ModelConfig
-
-REGISTRY: dict[str, type[AttentionBackend]] = {}
+from ckv.config import REGISTRY, ConfigError, ModelConfig
 
 
 def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Register backend ``cls`` under ``cls.kind`` (usable as a class decorator); a kind is registered once."""
+    """Register backend ``cls`` (and with it its ``config_class``) under ``cls.kind`` (usable as a class
+    decorator); a kind is registered once."""
     if cls.kind in REGISTRY and REGISTRY[cls.kind] is not cls:
         raise ValueError(f"attention.kind={cls.kind!r} is already registered by {REGISTRY[cls.kind].__name__}")
     REGISTRY[cls.kind] = cls
@@ -48,6 +48,7 @@ def build_attention(config: ModelConfig, layer_idx: int) -> AttentionBackend:
 from ckv.attention.compressed import CompressedAttention, compressed_layers  # noqa: E402
 from ckv.attention.compressor import Compressor, CompressorGate  # noqa: E402
 from ckv.attention.dispatch import JointAttention, Pooling  # noqa: E402
+from ckv.attention.compressed_config import CompressedAttentionConfig  # noqa: E402
 from ckv.attention.full import FullAttention  # noqa: E402
 
 register(FullAttention)
@@ -57,6 +58,7 @@ __all__ = [
     "REGISTRY",
     "AttentionBackend",
     "CompressedAttention",
+    "CompressedAttentionConfig",
     "Compressor",
     "CompressorGate",
     "FullAttention",

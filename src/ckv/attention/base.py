@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ckv.attention.rope import Rotary
-from ckv.config import ConfigError, ModelConfig
+from ckv.config import AttentionConfig, ConfigError, ModelConfig
 from ckv.norm import RMSNorm
 
 
@@ -33,9 +33,9 @@ class LayerFlops:
 class AttentionBackend(nn.Module):
     """Base class of the attention backends.
 
-    A subclass declares ``kind``, the ``impls`` it runs and the options it takes (``options``: keys of
-    ``AttentionConfig.GROUPS`` and the flags of ``AttentionConfig.set_options``; ``rope`` is every backend's),
-    may extend ``check`` to refuse configurations it cannot run, overrides ``resolve_impl`` when ``impl="auto"``
+    A subclass declares ``kind``, the ``impls`` it runs and the config class of its kind (``config_class``: the
+    fields and option groups it takes; ``AttentionConfig``, every kind's fields, unless it takes more), may extend
+    ``check`` to refuse configurations it cannot run, overrides ``resolve_impl`` when ``impl="auto"``
     has a choice to make, and implements ``forward(x, cache)`` and ``new_cache(batch_size)``.
 
     Accounting (OLMo-core's ``SequenceMixer``, torchtitan's model ``Config``): the backend answers, from the
@@ -47,7 +47,7 @@ class AttentionBackend(nn.Module):
 
     kind: ClassVar[str]
     impls: ClassVar[tuple[str, ...]] = ("auto", "torch")
-    options: ClassVar[tuple[str, ...]] = ("rope",)
+    config_class: ClassVar[type[AttentionConfig]] = AttentionConfig
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -58,8 +58,9 @@ class AttentionBackend(nn.Module):
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
         d, hd = config.d_model, config.head_dim
         # attention.query (DeepSeek-V4's low-rank query path): the latent RMSNorm(q_a x); q_proj then maps the latent
-        self.q_latent = None if a.query is None else QueryLatent(d, a.query.lora_rank, config.norm_eps)
-        self.q_proj = nn.Linear(d if a.query is None else a.query.lora_rank, self.n_heads * hd, bias=False)
+        query = a.option("query")
+        self.q_latent = None if query is None else QueryLatent(d, query.lora_rank, config.norm_eps)
+        self.q_proj = nn.Linear(d if query is None else query.lora_rank, self.n_heads * hd, bias=False)
         self.k_proj = nn.Linear(d, self.kv_heads * hd, bias=False)
         self.v_proj = None if a.tied_kv else nn.Linear(d, self.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.n_heads * hd, d, bias=False)
@@ -78,11 +79,6 @@ class AttentionBackend(nn.Module):
             raise ConfigError(
                 f"attention.kind={cls.kind!r} does not support attention.impl={a.impl!r}; it supports {list(cls.impls)}"
             )
-        for name in a.set_options():
-            if name not in cls.options:
-                raise ConfigError(
-                    f"attention.{name} is not an option of attention.kind={cls.kind!r}; it takes {list(cls.options)}"
-                )
 
     @classmethod
     def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:

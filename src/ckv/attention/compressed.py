@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ckv.attention.compressed_accounting import CompressedAccounting, layer_grids
+from ckv.attention.compressed_config import CompressedAttentionConfig
 from ckv.attention.compressor import Compressor
 from ckv.attention.dispatch import IMPLS, JointAttention, joint_attention, resolve_impl, triton_available
 from ckv.attention.indexer import LightningIndexer, oracle_selection
@@ -52,7 +53,7 @@ class CompressedAttention(CompressedAccounting):
 
     kind = "compressed"
     impls = IMPLS
-    options = ("rope", "gate", "mixing", "grid", "query", "selection", "sink", "output_rope")
+    config_class = CompressedAttentionConfig
 
     @classmethod
     def check(cls, config: ModelConfig) -> None:

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from tokenizers import Tokenizer
 
 from ckv.attention import check_attention
-from ckv.config import ConfigError, ModelConfig, ModelSpec
+from ckv.config import ConfigError, ModelConfig, ModelSpec, saved_attention
 from ckv.data import lookup_format_for
 from ckv.data.config import DataConfig, LookupConfig
 from ckv.data.lookup import LookupFormat
@@ -132,7 +132,8 @@ def check_against_run(config: ModelConfig, run_cfg: dict[str, Any], where: Path)
     (``attention.impl`` may differ: it changes no parameter)."""
     if "model" not in run_cfg or "attention" not in run_cfg:
         return
-    expected = ModelSpec.from_dict(run_cfg["model"]).build(run_cfg["attention"], config.vocab_size).to_dict()
+    attention = saved_attention(run_cfg["attention"])[0]
+    expected = ModelSpec.from_dict(run_cfg["model"]).build(attention, config.vocab_size).to_dict()
     actual = config.to_dict()
     expected["attention"].pop("impl", None)
     actual["attention"].pop("impl", None)
@@ -182,7 +183,6 @@ def inspect_ckv_model(
     tok_path = weights / TOKENIZER_FILE
     raw_tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
     lookup, fmt = _run_lookup(run_cfg, raw_tok, weights)
-    a = config.attention
     stride = check_attention(config).phase_stride(config)  # None: no phase (full attention)
     info = {
         "kind": "ckv",
@@ -193,12 +193,7 @@ def inspect_ckv_model(
         "run_name": run_cfg.get("name"),
         "seed": run_cfg.get("seed"),
         "config": config.to_dict(),
-        "attention": {
-            "kind": a.kind,
-            "window": None if stride is None else a.window,
-            "stride": stride,
-            "pooling": None if stride is None else ("mean" if a.gate is None else "gate"),
-        },
+        "attention": config.attention.describe(),
     }
     trainer_state = weights.parent / STATE_FILE
     if trainer_state.is_file():

@@ -70,7 +70,7 @@ def summary_row(label: str, results: dict) -> dict:
     return {
         "run": label,
         "kind": kind,
-        "pooling": att.get("pooling") if kind == "compressed" else kind,
+        "pooling": att.get("pooling") or kind,  # a compressor's pooling, else the kind (full attention's: "full")
         "window": att.get("window"),
         "stride": att.get("stride"),
         "seed": results["model"].get("seed"),

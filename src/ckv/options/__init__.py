@@ -1,8 +1,10 @@
-"""Attention option groups: nested, optional sub-configs of ``AttentionConfig``, one module each.
+"""Attention option groups: nested, optional sub-configs of the attention kinds' configs, one module each.
 
-Each group validates itself and declares its parameter, FLOP and decode-cache contributions beside its definition
-(``ckv.options.base.OptionGroup``); ``AttentionConfig.GROUPS`` lists them by key; the attention backends say which
-groups they support and sum their contributions. docs/extending.md has the checklist for a new group or option.
+Each group validates itself (against plain values: the compressor's stride, the model's layer and head counts)
+and declares its parameter, FLOP and decode-cache contributions beside its definition
+(``ckv.options.base.OptionGroup``); each kind's config lists the groups it takes by key (``GROUPS``: full
+attention ``rope``, compressed attention all of them), and its backend sums their contributions.
+docs/extending.md has the checklist for a new group or option.
 """
 
 from ckv.options.base import Dims, OptionGroup

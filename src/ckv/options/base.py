@@ -1,10 +1,11 @@
 """What every attention option group shares: the sizes its accounting reads, and the contributions it declares.
 
 An option group (``RopeConfig``, ``GateConfig``, ``MixingConfig``, ``GridConfig``, ...) is a small dataclass held
-by ``AttentionConfig`` under its ``name``. It validates its own fields on construction, checks what it needs of
-the rest of the attention config in ``check_with`` and of the model's sizes in ``check_model``, and declares
-beside its definition what it adds to one layer: parameters, forward FLOPs (per pooled entry and per token) and
-decode-cache state. The attention backends sum these declarations; nothing else recomputes them.
+by an attention kind's config under its ``name``. It validates its own fields on construction, checks them against
+plain values, never against the config that holds it: the compressor's stride in ``check_stride``, the model's
+layer and head counts in ``check_model``. It declares beside its definition what it adds to one layer (from
+``Dims``): parameters, forward FLOPs (per pooled entry and per token) and decode-cache state. The attention
+backends sum these declarations; nothing else recomputes them.
 
 A group whose shares scale with the compressor's branches (``per_branch``: the gate, token mixing) is counted
 again for every extra branch another group adds (``compressor_branches``: the lightning indexer's own compressor,
@@ -14,10 +15,7 @@ pooled over the same windows with the layer's maps, gate and mixing).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
-
-if TYPE_CHECKING:  # annotations only: the config module imports the groups
-    from ckv.config import AttentionConfig, ModelConfig
+from typing import ClassVar
 
 
 @dataclass(frozen=True)
@@ -42,18 +40,19 @@ class Dims:
 class OptionGroup:
     """Base of the attention option groups: no contribution unless a group declares one.
 
-    ``name`` is the group's key in ``AttentionConfig`` (and its Hydra group under ``conf/attention/<name>/``)."""
+    ``name`` is the group's key in the attention config (and its Hydra group under ``conf/attention/<name>/``)."""
 
     name: ClassVar[str]
     per_branch: ClassVar[bool] = False  # its shares scale with ``dims.branches`` (counted for extra branches too)
     # the ``LayerFlops`` line its FLOPs (and those of the compressor branches it adds) are counted on
     flop_line: ClassVar[str] = "compressor"
 
-    def check_with(self, attention: AttentionConfig) -> None:
-        """Raise ConfigError naming the field if this group cannot work with the rest of ``attention``."""
+    def check_stride(self, stride: int) -> None:
+        """Raise ConfigError naming the field if this group cannot work with the compressor's ``stride``."""
 
-    def check_model(self, config: ModelConfig) -> None:
-        """Raise ConfigError naming the field if this group cannot work with the model's sizes."""
+    def check_model(self, n_layers: int, kv_heads: int, head_dim: int) -> None:
+        """Raise ConfigError naming the field if this group cannot work with a model of ``n_layers`` layers,
+        ``kv_heads`` KV heads (the attention's, or the model's) and heads of ``head_dim`` dims."""
 
     def num_params(self, dims: Dims) -> int:
         """Parameters this group adds to one layer."""

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Union
+from typing import ClassVar, Union
 
 from ckv.checks import ConfigError, check_choice, check_int
 from ckv.options.base import OptionGroup
-
-if TYPE_CHECKING:
-    from ckv.config import AttentionConfig, ModelConfig
 
 
 @dataclass
@@ -36,16 +33,14 @@ class GridConfig(OptionGroup):
         for i, value in enumerate(self.offsets):
             check_int(f"{o}[{i}]", value, minimum=0)
 
-    def check_with(self, attention: AttentionConfig) -> None:
+    def check_stride(self, stride: int) -> None:
         if isinstance(self.offsets, list):
             for i, value in enumerate(self.offsets):
-                if value >= attention.stride:
-                    raise ConfigError(
-                        f"attention.grid.offsets[{i}]={value} must be < attention.stride={attention.stride}"
-                    )
+                if value >= stride:
+                    raise ConfigError(f"attention.grid.offsets[{i}]={value} must be < attention.stride={stride}")
 
-    def check_model(self, config: ModelConfig) -> None:
-        count, name = (config.n_layers, "model.n_layers") if self.per == "layer" else (config.kv_heads, "KV heads")
+    def check_model(self, n_layers: int, kv_heads: int, head_dim: int) -> None:
+        count, name = (n_layers, "model.n_layers") if self.per == "layer" else (kv_heads, "KV heads")
         if isinstance(self.offsets, list) and len(self.offsets) != count:
             raise ConfigError(
                 f"attention.grid.offsets has {len(self.offsets)} entries; it needs one per {self.per} ({name}={count})"

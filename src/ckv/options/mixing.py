@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import nn
 
 from ckv.checks import ConfigError, check_choice, check_int
 from ckv.options.base import Dims, OptionGroup
-
-if TYPE_CHECKING:
-    from ckv.config import AttentionConfig
 
 INITS = ("normal", "zero")
 
@@ -36,10 +33,10 @@ class MixingConfig(OptionGroup):
             check_int("attention.mixing.kernel", self.kernel, minimum=2)
         check_choice("attention.mixing.init", self.init, INITS)
 
-    def check_with(self, attention: AttentionConfig) -> None:
-        if self.kernel is not None and self.kernel > attention.stride:
-            raise ConfigError(f"attention.mixing.kernel={self.kernel} must be <= attention.stride={attention.stride}")
-        if self.kernel is None and attention.stride < 2:
+    def check_stride(self, stride: int) -> None:
+        if self.kernel is not None and self.kernel > stride:
+            raise ConfigError(f"attention.mixing.kernel={self.kernel} must be <= attention.stride={stride}")
+        if self.kernel is None and stride < 2:
             raise ConfigError("attention.mixing needs attention.stride >= 2 (a kernel of 2..stride taps)")
 
     def taps(self, stride: int) -> int:

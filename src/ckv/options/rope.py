@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import ClassVar, Optional
 
 from ckv.checks import ConfigError, check_choice, check_float, check_int, field_names, reject_unknown
 from ckv.options.base import OptionGroup
-
-if TYPE_CHECKING:
-    from ckv.config import ModelConfig
 
 MODES = ("full", "partial", "none")
 SIDES = ("leading", "trailing")
@@ -77,12 +74,10 @@ class RopeConfig(OptionGroup):
         if self.theta is not None:
             check_float(f"{o}.theta", self.theta, 0, low_open=True)
 
-    def check_model(self, config: ModelConfig) -> None:
+    def check_model(self, n_layers: int, kv_heads: int, head_dim: int) -> None:
         d = self.dims
-        if self.mode == "partial" and (
-            not isinstance(d, int) or isinstance(d, bool) or d < 2 or d % 2 or d > config.head_dim
-        ):
-            raise ConfigError(f"attention.rope.dims={d!r} must be an even integer in [2, head_dim={config.head_dim}]")
+        if self.mode == "partial" and (not isinstance(d, int) or isinstance(d, bool) or d < 2 or d % 2 or d > head_dim):
+            raise ConfigError(f"attention.rope.dims={d!r} must be an even integer in [2, head_dim={head_dim}]")
 
     def rotated_dims(self, head_dim: int) -> int:
         """How many dims of a ``head_dim`` head rotate."""

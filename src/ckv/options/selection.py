@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 from ckv.checks import ConfigError, check_choice, check_int
 from ckv.options.base import Dims, OptionGroup
-
-if TYPE_CHECKING:
-    from ckv.config import ModelConfig
+from ckv.options.rope import RopeConfig
 
 BY = ("indexer", "oracle")  # what ranks the entries: the lightning indexer, or the main attention's dense mass
 # how the selection's index queries and keys are fake-quantised, and the block of head_dim dims sharing one scale:
@@ -76,10 +74,10 @@ class SelectionConfig(OptionGroup):
         """Whether the main attention's own scores select (no indexer module)."""
         return self.by == "oracle"
 
-    def check_model(self, config: ModelConfig) -> None:
+    def check_rope(self, rope: RopeConfig) -> None:
+        """Raise ConfigError if the indexer's keys cannot hold the rotated dims of the layer's ``rope``."""
         if self.oracle:
             return
-        rope = config.attention.rope
         rotated = self.rotated_dims(rope.mode, rope.dims)
         if rotated > self.head_dim or rotated % 2:
             raise ConfigError(

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from ckv.attention import check_attention
 from ckv.checkpointing import MODES as CHECKPOINTING_MODES
 from ckv.config import (
+    REGISTRY,
     AttentionConfig,
     ConfigError,
     ModelSpec,
@@ -24,7 +25,7 @@ from ckv.config import (
     check_int,
     field_names,
     reject_unknown,
-    upgrade_attention,
+    saved_attention,
 )
 from ckv.data import DataConfig
 from ckv.train.gate_entropy import GateEntropyConfig
@@ -247,20 +248,20 @@ class TrainConfig:
         # the model's values and the backend's checks; vocab_size=1 stands in for the data's vocabulary, whose
         # bound on a fixed model.vocab_size is checked once the data is prepared
         model = self.model.build(self.attention, data_vocab_size=1)
-        backend = check_attention(model)
+        check_attention(model)
         if self.trainer.gate_entropy.enabled:
             a = model.attention
             _check(
-                "gate" in backend.options and a.gate is not None,
+                a.option("gate") is not None,
                 f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} keeps a learned gate spread: the model "
-                f"needs one (attention.kind={a.kind!r} with attention.gate set; got gate={a.gate})",
+                f"needs one (attention.kind={a.kind!r} with attention.gate set; got gate={a.option('gate')})",
             )
             _check(
                 a.window >= 2,
                 f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} needs attention.window >= 2 (a "
                 "1-token window's gate has nothing to spread over)",
             )
-        selection = model.attention.selection
+        selection = model.attention.option("selection")
         self.trainer.indexer = self.trainer.indexer.resolved(
             self.trainer.max_steps, has_indexer=selection is not None and not selection.oracle
         )
@@ -300,10 +301,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], run_dir: Optional[str] = None) -> TrainConfig:
-        """Build from a plain nested dict (the resolved Hydra config). Keys the entry point uses for folder
-        naming only (``out_dir``, ``experiment``) are ignored."""
+        """Build from a plain nested dict (the resolved Hydra config, or ``to_dict``'s; a run folder's saved
+        config goes through ``upgrade_run_config`` first). Keys the entry point uses for folder naming only
+        (``out_dir``, ``experiment``) are ignored."""
         d = {k: v for k, v in d.items() if k not in ("out_dir", "experiment")}
-        d = upgrade_run_config(d)
         if run_dir is not None:
             d["run_dir"] = run_dir
         return _from_dict(cls, d, "config")
@@ -325,12 +326,12 @@ class TrainConfig:
 
 
 def upgrade_run_config(d: Mapping[str, Any]) -> dict[str, Any]:
-    """A run config written before the attention option groups, in today's shape: the attention section goes
-    through ``upgrade_attention``, and the training-only keys it carried move to the trainer section (a run
+    """A run folder's saved config in today's shape: the attention section goes through ``saved_attention`` (the
+    option groups, one config per kind), and the training-only keys it carried move to the trainer section (a run
     folder of an earlier ckv resumes and evaluates). Today's configs are returned unchanged."""
     d = dict(d)
     if isinstance(d.get("attention"), Mapping):
-        d["attention"], training = upgrade_attention(d["attention"])
+        d["attention"], training = saved_attention(d["attention"])
         if training:
             d["trainer"] = {**(d.get("trainer") or {}), **training}
     return d
@@ -347,11 +348,11 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 
 def field_defaults() -> dict[str, Any]:
     """Every config key's default (flattened ``section.field.``, as ``_flatten`` writes keys), from the config
-    classes themselves."""
+    classes themselves; ``attention``'s from every registered kind's config."""
     return _flatten(
         {
             "model": ModelSpec().to_dict(),
-            "attention": AttentionConfig().to_dict(),
+            "attention": {k: v for kind in REGISTRY for k, v in _attention_defaults(kind).items() if k != "kind"},
             "data": DataConfig().to_dict(),
             "optim": dataclasses.asdict(OptimConfig()),
             "trainer": dataclasses.asdict(TrainerConfig()),
@@ -360,14 +361,20 @@ def field_defaults() -> dict[str, Any]:
     )
 
 
+def _attention_defaults(kind: str) -> dict[str, Any]:
+    """The defaults of the config of attention ``kind``."""
+    return AttentionConfig.from_dict({"kind": kind}).to_dict()
+
+
 def _group_field_defaults(saved_attention: Any) -> dict[str, Any]:
     """The defaults of the fields of each attention option group that ``saved_attention`` sets (flattened like
     ``field_defaults``): a group set in a run folder written before one of its fields existed lacks that key."""
     if not isinstance(saved_attention, Mapping):
         return {}
+    groups = {name: cls for backend in REGISTRY.values() for name, cls in backend.config_class.GROUPS.items()}
     return {
         f"attention.{name}.{f.name}.": f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        for name, cls in AttentionConfig.GROUPS.items()
+        for name, cls in groups.items()
         if isinstance(saved_attention.get(name), Mapping)
         for f in dataclasses.fields(cls)
     }

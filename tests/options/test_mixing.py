@@ -58,7 +58,7 @@ def test_a_shorter_kernel_matches_between_impls():
         (dict(kind="compressed", window=1, stride=1, mixing={}), "needs attention.stride >= 2"),
         (dict(kind="compressed", mixing=dict(taps=2)), r"unknown attention.mixing field\(s\) \['taps'\]"),
         (dict(kind="compressed", mixing=4), "attention.mixing=4 must be a mapping"),
-        (dict(kind="full", mixing=dict(kernel=2)), "attention.mixing is not an option of attention.kind='full'"),
+        (dict(kind="full", mixing=dict(kernel=2)), "attention.mixing is not a field of attention.kind='full'"),
     ],
 )
 def test_bad_mixing_settings_raise_one_clear_error(attention, match):

@@ -194,9 +194,9 @@ def test_flops_count_the_visible_pairs_of_each_shifted_layer(window, stride, loc
         (
             dict(kind="full", grid=dict(offsets="stagger")),
             {},
-            "attention.grid is not an option of attention.kind='full'",
+            r"attention.grid, attention.stride, attention.window are not fields of attention.kind='full'",
         ),
-        (dict(kind="full", grid=dict(offsets=[0, 0])), {}, "attention.grid is not an option of"),
+        (dict(kind="full", grid=dict(offsets=[0, 0])), {}, "attention.grid, .* are not fields of"),
         (dict(grid=dict(offsets=[0], per="kv_head"), kv_heads=2), {}, r"needs one per kv_head \(KV heads=2\)"),
         (dict(grid=dict(per="layers")), {}, "attention.grid.per='layers' is not allowed"),
         (
