@@ -46,9 +46,9 @@ def build_attention(config: ModelConfig, layer_idx: int) -> AttentionBackend:
 
 
 from ckv.attention.compressed import CompressedAttention, compressed_layers  # noqa: E402
+from ckv.attention.compressed_config import CompressedAttentionConfig  # noqa: E402
 from ckv.attention.compressor import Compressor, CompressorGate  # noqa: E402
 from ckv.attention.dispatch import JointAttention, Pooling  # noqa: E402
-from ckv.attention.compressed_config import CompressedAttentionConfig  # noqa: E402
 from ckv.attention.full import FullAttention  # noqa: E402
 
 register(FullAttention)
