@@ -15,7 +15,7 @@ low-rank latent, rank 32) wherever attention is compressed:
   on the frozen model, 20% sparse training), served by its trained indexer (``model``), by the same four selectors
   on its own weights (the oracle on the indexer's schedule) and by its indexer fake-quantised to FP8 and FP4
   (``QUANTISED``: how many selections change against fp32, and at which phase);
-- ``full``: the full-attention control, which must learn the task (mean >= ``CONTROL_LEARNED`` in every seed).
+- ``full``: the full-attention control, which must learn the task (mean >= ``CONTROL_FLOOR`` in every seed).
 
 The runs, seeds, top-k, selectors and the criteria's numbers are ``conf/study/selection.yaml``; the study runner
 (``ckv.apps.study``) trains each with ``train.py`` and evaluates it with ``eval.py``'s fixed-query position-matched
@@ -62,7 +62,7 @@ from ckv.train.metrics import read_metrics
 STUDY = load_study("selection")  # conf/study/selection.yaml: the runs, seeds and the criteria's numbers
 SEEDS = STUDY.seeds
 STRIDE, TOPK, N_BASE, LAYER = (STUDY.params[k] for k in ("stride", "topk", "n_base", "layer"))
-CONTROL_LEARNED, DENSE_LEARNED, EQUIVALENCE = (
+CONTROL_FLOOR, DENSE_LEARNED, EQUIVALENCE = (
     STUDY.criteria[k] for k in ("control_learned", "dense_learned", "equivalence")
 )
 PRIMARY = tuple(tuple(pair) for pair in STUDY.params["primary"])
@@ -277,7 +277,7 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
     ratio's 95% upper bound under the geometric ratio) and C2 (the paired straddling excess against dense serving
     of the same weights: 95% upper bound under 0), each in every seed, and the verdict."""
     out = []
-    for role, floor, what in (("control", CONTROL_LEARNED, "full attention"), ("dense", DENSE_LEARNED, "dense V4")):
+    for role, floor, what in (("control", CONTROL_FLOOR, "full attention"), ("dense", DENSE_LEARNED, "dense V4")):
         these = [r for r in rows if r["role"] == role]
         if these:
             out.append(
