@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckv.analysis import AnalysisContext
 from ckv.eval import LoadedModel, LookupSpec, RunOptions, StatsOptions, build_task, load_ckv_model
@@ -42,6 +43,7 @@ TINY_RUN = {
 # the model trained without filler tokens: shifts add prefix pads only (the query moves with the target)
 SPEC = LookupSpec(modulus=4, fixed_query=False)
 STATS = StatsOptions(n_bootstrap=100, n_permutations=100)
+TRAIN_THREADS = 2
 
 
 def options(tmp_path: Path, limit: int = 8, plots: bool = False) -> RunOptions:
@@ -60,7 +62,14 @@ def trained_run(shared_folder: Callable[[str, Callable[[Path], object]], Path]) 
 
     def build(root: Path) -> None:
         trainer = {**TINY_RUN["trainer"], "data_cache_dir": str(root / "cache")}
-        train(TrainConfig.from_dict({**TINY_RUN, "run_dir": str(root / "tiny_gate"), "trainer": trainer}))
+        # trained on TRAIN_THREADS threads whatever the worker layout (xdist workers run one thread each): the
+        # reduction order changes the trajectory, and on one thread the model stayed near 50% on some machines
+        threads = torch.get_num_threads()
+        torch.set_num_threads(TRAIN_THREADS)
+        try:
+            train(TrainConfig.from_dict({**TINY_RUN, "run_dir": str(root / "tiny_gate"), "trainer": trainer}))
+        finally:
+            torch.set_num_threads(threads)
 
     return shared_folder("analysis", build) / "tiny_gate"
 

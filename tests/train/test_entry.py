@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from ckv.config import ModelSpec
 from ckv.train import TrainConfig, read_metrics
 from ckv.train.config import RESUMABLE_CHANGES, TrainerConfig, trajectory_neutral
+from ckv.train.indexer import IndexerTrainingConfig
 
 from .golden_attention import GOLDEN, composed_options
 from .helpers import REPO, USER_DATA, child_env, compose_config, sweep, train_config
@@ -47,6 +48,9 @@ def test_default_options_state_the_dataclass_defaults():
     TrainConfig field defaults; optim, trainer and wandb state every field (so any field can be overridden)."""
     composed = OmegaConf.to_container(compose_config([]), resolve=True)
     defaults = TrainConfig(run_dir="unused").to_dict()
+    # TrainConfig records the indexer's stages resolved for its model (0 without an indexer); the field defaults,
+    # which the YAML states, are the recipe's (None)
+    defaults["trainer"]["indexer"] = dataclasses.asdict(IndexerTrainingConfig())
     for section in ("name", "seed", "attention", "data", "optim", "trainer", "deepspeed", "wandb"):
         stated, default = _leaves({section: composed[section]}), _leaves({section: defaults[section]})
         assert {k: v for k, v in stated.items()} == {k: default[k] for k in stated}, section
