@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
+from ckv.analysis import selection as analysis_selection
 from ckv.apps.study import (
     QUICK_EVAL,
     TASK,
@@ -69,7 +70,7 @@ PRIMARY = tuple(tuple(pair) for pair in STUDY.params["primary"])
 SELECTORS = {name: tuple(names) for name, names in STUDY.params["selectors"].items()}  # per model; control: none
 MODELS = tuple(dict.fromkeys(r.name for r in STUDY.runs))  # the model names in plan order
 IMPOSED = SELECTORS["dense"]  # the selectors every compressed run is served by
-QUANTISED = tuple(s for s in SELECTORS["sparse"] if s.startswith("indexer_"))  # reported, not judged
+QUANTISED = tuple(s for s in SELECTORS["sparse"] if s in analysis_selection.QUANTISED)  # reported, not judged
 
 
 def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[Run, ...]:
