@@ -146,6 +146,22 @@ def test_the_chunked_loss_and_gradients_equal_the_previous_implementation(dense,
     assert binding.sum() > 20 and recall.item() == pytest.approx(caught[binding].mean().item(), rel=1e-5)
 
 
+def test_at_top_1_the_sparse_stage_loss_is_zero_and_the_warm_up_loss_is_not():
+    """docs/training.md: one selected entry holds all of both distributions' mass, so the KL over the selected set
+    is 0 with no gradient to the indexer (make selection's top-1 arm: its indexer is the warm-up's fit)."""
+    T, q_start, stride = 37, 3, 4
+    q, kc, k, queries, keys = _layer_inputs(T, q_start)
+    selected = top_k(index_scores(queries, keys, q_start, stride).detach(), 1)
+    for dense in (True, False):
+        _, lse = joint_attention_reference(
+            q, kc, kc, k, k, stride=stride, local_window=1, q_start=q_start, selected=None if dense else selected
+        )
+        loss = indexer_loss(q, kc, lse, queries, keys, None if dense else selected, q_start, stride)
+        grads = torch.autograd.grad(loss, [queries.q, queries.w, keys])
+        biggest = max(g.abs().max().item() for g in grads)
+        assert (loss.item() > 0.1 and biggest > 0) if dense else (loss.item() == 0 and biggest == 0), dense
+
+
 def test_the_recall_is_measured_on_an_evenly_spaced_sample_of_binding_queries():
     """``recall_queries`` picks ``sample`` distinct binding queries from the first to the last; the recall is the
     previous per-query recall averaged over them (every sequence of the batch)."""

@@ -2,8 +2,8 @@
 (docs/selection.md)
 
 One CPU task where selection binds like V4's (``conf/experiment/select_long.yaml``: make demo's model and split
-records, 32 of them and 31 queries, so the final query of a 136-token evaluation prompt sees about 33 compressed
-entries at S = 4, of which top-``TOPK`` keeps 1/16) and three models, ``SEEDS`` each, with the SAME query path (V4's
+records, 16 of them from 64 keys and 16 queries, so the final query of a 74-token evaluation prompt sees 18 compressed
+entries at S = 4, of which top-``TOPK`` keeps 1/18) and three models, ``SEEDS`` each, with the SAME query path (V4's
 low-rank latent, rank 32) wherever attention is compressed:
 
 - ``dense``: V4's dense CSA (``deepseek_v4_csa``), trained dense, then SERVED on the same prompts by every
