@@ -20,10 +20,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # Under pytest-xdist (`make test`: one worker per core) each worker, and every process it starts, keeps to one
-# thread, so the workers do not oversubscribe the cores; a plain `pytest` keeps two.
+# thread, so the workers do not oversubscribe the cores; a plain `pytest` keeps two. The few places that take more
+# threads in a worker (the analysis fixture trains on two) then share the cores with the other workers: OpenMP
+# threads that sleep instead of spinning at barriers make that 4x faster on 2 cores (read when torch loads OpenMP).
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
