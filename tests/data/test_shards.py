@@ -117,6 +117,31 @@ def test_validation_reads_the_validation_split(shards: str) -> None:
     assert all(r.numpy().tobytes() in windows(shards, "val") for r in rows)
 
 
+def test_a_source_without_a_validation_split_trains_when_validation_is_off(tmp_path: Path, tokenizer: str) -> None:
+    """trainer.val_every=0 builds no validation stream, so a folder prepared with --val-fraction 0 trains; asking for
+    validation from it is the one-line error naming the empty split."""
+    from ckv.train import TrainConfig, train
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from train.helpers import base_config, losses
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(f'{{"text": "{t}"}}\n' for t in make_docs(60, seed=1)))
+    prepare([str(path)], tokenizer, str(tmp_path / "no_val"), val_fraction=0.0, shard_tokens=2000)
+    assert ShardSet(str(tmp_path / "no_val"), "val").n_tokens == 0
+
+    def config(name: str, val_every: int) -> TrainConfig:
+        d = base_config(tmp_path / name, tmp_path / "cache")
+        d["data"] = {"kind": "shards", "seq_len": SEQ, "shards": {"path": str(tmp_path / "no_val")}}
+        d["trainer"].update(max_steps=2, val_every=val_every)
+        return TrainConfig.from_dict(d)
+
+    train(config("off", 0))
+    assert len(losses(tmp_path / "off")) == 2
+    with pytest.raises(DataError, match="the 'val' split of .* has 0 tokens"):
+        train(config("on", 1))
+
+
 def test_config_errors(shards: str, tmp_path: Path, tokenizer: str, cache_dir: str) -> None:
     with pytest.raises(ConfigError, match="holds no manifest.json"):
         stream(str(tmp_path))

@@ -92,9 +92,10 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _streams(cfg: TrainConfig, env: DistEnv) -> tuple[BatchStream, BatchStream]:
-    """Train and validation streams of this rank. Rank 0 builds first, so that a tokenizer it trains and caches
-    is reused by the others rather than trained by all of them at once."""
+def _streams(cfg: TrainConfig, env: DistEnv) -> tuple[BatchStream, Optional[BatchStream]]:
+    """Train and validation streams of this rank (no validation stream when ``trainer.val_every`` is 0: a source
+    without a validation split then trains). Rank 0 builds first, so that a tokenizer it trains and caches is
+    reused by the others rather than trained by all of them at once."""
 
     def build(split: str) -> BatchStream:
         return build_batches(
@@ -108,11 +109,12 @@ def _streams(cfg: TrainConfig, env: DistEnv) -> tuple[BatchStream, BatchStream]:
             total_samples=cfg.trainer.max_steps * cfg.trainer.global_batch_size,
         )
 
-    streams: tuple[BatchStream, BatchStream] | None = None
-    if env.is_main:
-        streams = build("train"), build("val")
+    def both() -> tuple[BatchStream, Optional[BatchStream]]:
+        return build("train"), build("val") if cfg.trainer.val_every else None
+
+    streams = both() if env.is_main else None
     barrier()
-    return streams or (build("train"), build("val"))
+    return streams or both()
 
 
 class _Loop:
@@ -126,7 +128,7 @@ class _Loop:
         accumulation_steps(t.global_batch_size, t.micro_batch_size, env.world_size)  # fail before any work
         seed_everything(cfg.seed)
         self.train_stream, self.val_stream = _streams(cfg, env)
-        self.val_start = self.val_stream.state_dict()
+        self.val_start = None if self.val_stream is None else self.val_stream.state_dict()
         model_cfg = cfg.model.build(cfg.attention, self.train_stream.vocab_size)
         if cfg.data.seq_len > model_cfg.max_seq_len:
             raise ConfigError(
@@ -222,6 +224,7 @@ class _Loop:
 
     def validate(self) -> float:
         """Mean loss over ``trainer.val_batches`` held-out batches per rank (the same batches every time)."""
+        assert self.val_stream is not None and self.val_start is not None  # built whenever val_every > 0
         self.val_stream.load_state_dict(self.val_start)
         self.engine.train(False)
         losses = [self.engine.eval_loss(next(self.val_stream)) for _ in range(self.cfg.trainer.val_batches)]
@@ -308,7 +311,8 @@ class _Loop:
 
     def close(self, ok: bool) -> None:
         self.train_stream.close()
-        self.val_stream.close()
+        if self.val_stream is not None:
+            self.val_stream.close()
         self.engine.close()
         self.log.close(ok)
 
