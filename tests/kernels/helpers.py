@@ -10,6 +10,7 @@ import ckv_kernels
 from ckv import ModelConfig, Transformer
 from ckv.geometry import LocalWindow, compressed_mask, local_span, num_entries
 from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
+from tests.helpers import small_config
 
 # CUDA when the kernels are compiled for it (TRITON_INTERPRET=0 on a GPU machine), else the interpreter on CPU.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not ckv_kernels.INTERPRET else "cpu")
@@ -104,17 +105,7 @@ def model_config(impl: str, **attention) -> ModelConfig:
     """A tiny 2-layer model with compressed attention at ``impl`` (W8/S8, 1 KV head, a 16-token local window);
     ``attention`` sets or overrides fields."""
     att = {**dict(kind="compressed", impl=impl, window=8, stride=8, kv_heads=1, local_window=16), **attention}
-    return ModelConfig(
-        vocab_size=64,
-        d_model=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        mlp_dim=64,
-        max_seq_len=128,
-        attention=att,
-    )
+    return small_config(att, n_heads=4)
 
 
 def loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -8,7 +8,7 @@ shifted layer, cached decoding through the kernels, config errors."""
 import pytest
 import torch
 
-from ckv import ModelConfig, Transformer
+from ckv import Transformer
 from ckv.attention import CompressedAttention, check_attention
 from ckv.config import ConfigError
 from ckv.flops import flops_per_token
@@ -209,19 +209,7 @@ def test_flops_count_the_visible_pairs_of_each_shifted_layer(window, stride, loc
 def test_bad_grid_offsets_raise_one_clear_error(attention, overrides, match):
     att = {**dict(kind="compressed", window=4, stride=4), **attention}
     with pytest.raises(ConfigError, match=match) as err:
-        check_attention(
-            ModelConfig(
-                vocab_size=64,
-                d_model=32,
-                n_layers=2,
-                n_heads=4,
-                n_kv_heads=1,
-                head_dim=16,
-                mlp_dim=64,
-                attention=att,
-                **overrides,
-            )
-        )
+        check_attention(small_config(att, **{"n_heads": 4, "n_kv_heads": 1, **overrides}))
     assert "\n" not in str(err.value)
 
 

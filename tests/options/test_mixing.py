@@ -6,7 +6,7 @@ convolution's definition, kernels shorter than the stride, the decode cache's hi
 import pytest
 import torch
 
-from ckv import ModelConfig, Transformer
+from ckv import Transformer
 from ckv.config import ConfigError
 from ckv.options.mixing import CausalMixing
 from tests.helpers import small_config, variant
@@ -63,18 +63,7 @@ def test_a_shorter_kernel_matches_between_impls():
 )
 def test_bad_mixing_settings_raise_one_clear_error(attention, match):
     with pytest.raises(ConfigError, match=match) as err:
-        Transformer(
-            ModelConfig(
-                vocab_size=64,
-                d_model=32,
-                n_layers=1,
-                n_heads=4,
-                n_kv_heads=1,
-                head_dim=16,
-                mlp_dim=64,
-                attention=attention,
-            )
-        )
+        Transformer(small_config(attention, n_layers=1, n_heads=4, n_kv_heads=1))
     assert "\n" not in str(err.value)
 
 
