@@ -33,7 +33,7 @@ format: $(STAMP)  ## ruff: fix what is fixable and format the tree
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 PYTEST_XDIST := -n $(TEST_WORKERS) --dist worksteal
 
-test: lint  ## the CI set: ruff, then the fast tests plus one end-to-end smoke run, on every core (pytest 3 min 32 s on a fresh clone, 2 cores, 2026-12-02: `time make test` after `make install`)
+test: lint  ## the CI set: ruff, then the fast tests plus one end-to-end smoke run, on every core (pytest 3 min 37 s on a fresh clone of 978e434, 2 cores, 2026-12-02: `time make test` after `make install`)
 	$(BIN)/python -m pytest -m "not slow" -q $(PYTEST_XDIST)
 
 test-slow: $(STAMP)
