@@ -24,7 +24,6 @@ Needs only torch, triton and numpy (runs from a source checkout without installi
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import platform
@@ -50,12 +49,7 @@ def _import_project() -> None:
     try:
         import ckv_kernels  # noqa: F401
     except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "ckv_kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[str(ROOT / "kernels")]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["ckv_kernels"] = module
-        spec.loader.exec_module(module)
+        sys.path.insert(0, str(ROOT / "kernels"))  # kernels/ckv_kernels: the package itself (kernels/ is no package)
 
 
 _import_project()

@@ -39,7 +39,6 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -161,27 +160,25 @@ def kernel_tests(section: Section) -> None:
     except ImportError:
         section.skipped.append({"item": "pytest tests/kernels", "reason": "pytest is not installed"})
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        os.symlink(ROOT / "kernels", Path(tmp) / "ckv_kernels")  # the package's import name (pyproject package-dir)
-        env = {
-            **os.environ,
-            "TRITON_INTERPRET": "0",
-            "TRITON_F32_DEFAULT": "ieee",
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), tmp, str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        }
-        cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "-rf"]
-        t0 = time.monotonic()
-        try:
-            done = subprocess.run(
-                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(section.left(), 1)
-            )
-            out, rc = done.stdout + done.stderr, done.returncode
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            section.skipped.append(
-                {"item": "pytest tests/kernels", "reason": f"stopped at the {section.budget_s} s budget"}
-            )
-            rc = None
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "TRITON_F32_DEFAULT": "ieee",
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT / "src"), str(ROOT / "kernels"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    cmd = [sys.executable, "-m", "pytest", "tests/kernels", "-q", "-p", "no:cacheprovider", "-rf"]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max(section.left(), 1))
+        out, rc = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        section.skipped.append(
+            {"item": "pytest tests/kernels", "reason": f"stopped at the {section.budget_s} s budget"}
+        )
+        rc = None
     lines = [line for line in out.splitlines() if line.strip()]
     section.items.append(
         {

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"ckv": REPO / "src" / "ckv", "ckv_kernels": REPO / "kernels"}
+ROOTS = {"ckv": REPO / "src" / "ckv", "ckv_kernels": REPO / "kernels" / "ckv_kernels"}
 MODEL_LAYER = {
     "ckv",
     "ckv.checks",
