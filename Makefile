@@ -8,18 +8,44 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation selection smoke clean
+.PHONY: install lock test-latest lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation selection smoke clean
+
+# The installer the lock was made and last installed with (make lock refreshes both).
+PIP_PIN := pip==26.3
+PIP_TOOLS_PIN := pip-tools==7.7.0
+LOCK := requirements-dev.lock
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q '$(PIP_PIN)'
 
-# torch is bounded in pyproject.toml so pip takes the CPU wheel on disk, never a multi-GB CUDA build.
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+# The exact versions the suite last passed with (torch 2.13.0+cpu: the CPU wheel on disk), then ckv itself without
+# resolving again. pyproject.toml keeps the ranges for `pip install ckv` into one's own environment.
+$(STAMP): pyproject.toml $(LOCK) | $(BIN)/python
+	$(BIN)/pip install -q -r $(LOCK)
+	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# pip-tools resolves with pip itself and pip's configuration, so the lock names the CPU torch wheel pip installs here
+# (uv and poetry ignore that wheel and would lock a multi-GB CUDA build). Run make test-latest, then make test.
+lock:  ## refresh requirements-dev.lock to the newest releases pyproject.toml allows (about 30 s), then reinstall
+	$(PY) -m venv .venv-lock
+	.venv-lock/bin/pip install -q '$(PIP_PIN)' '$(PIP_TOOLS_PIN)'
+	.venv-lock/bin/pip-compile -q --upgrade --extra dev --allow-unsafe --strip-extras --no-emit-index-url \
+		--no-emit-trusted-host --no-emit-find-links -o $(LOCK) pyproject.toml
+	rm -f $(STAMP)
+	$(MAKE) install
+
+# Drift caught before users meet it: a separate environment with the newest releases that pyproject.toml allows,
+# the fast suite there, and which packages differ from the lock and what failed (.ci/lock_drift.py).
+test-latest:  ## the fast suite on the newest allowed releases, in .venv-latest (about 9 min on 2 cores: 3 to install, 6 of pytest)
+	rm -rf .venv-latest
+	$(PY) -m venv .venv-latest
+	.venv-latest/bin/pip install -q --upgrade pip
+	.venv-latest/bin/pip install -q --upgrade -e '.[dev]'
+	.venv-latest/bin/python .ci/lock_drift.py --lock $(LOCK) -- -m "not slow" -q $(PYTEST_XDIST)
 
 lint: $(STAMP)  ## ruff: lint and format check (seconds)
 	$(BIN)/ruff check .
@@ -67,4 +93,4 @@ smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefil
 	$(BIN)/python -m ckv.apps.smoke
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) .venv-latest .venv-lock outputs multirun .pytest_cache
