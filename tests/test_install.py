@@ -93,3 +93,15 @@ def test_this_environment_is_the_lock() -> None:
     have = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version for d in importlib.metadata.distributions()}
     differ = {n: (v, have.get(n)) for n, v in locked().items() if n not in {"pip", "setuptools"} and have.get(n) != v}
     assert not differ, f"installed versions differ from {LOCK.name} (lock, installed): {differ}; run make install"
+
+
+def test_readme_names_the_locked_versions() -> None:
+    """README's one line of tested versions is the lock's, so it cannot go stale after `make lock`."""
+    readme = (REPO / "README.md").read_text()
+    tested = re.search(r"\(tested: Python [\d.]+, (.*?)\)", readme, flags=re.S)
+    assert tested, "README has no '(tested: Python ..., name version, ...)' line"
+    pins = locked()
+    named = [item.split() for item in " ".join(tested.group(1).split()).split(", ")]
+    assert len(named) >= 5
+    for name, version in named:
+        assert pins.get(name) == version, f"README says {name} {version}, {LOCK.name} has {pins.get(name)}"
