@@ -15,11 +15,13 @@ import yaml
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from ckv.config import ModelSpec
+from ckv.checks import error_message
+from ckv.config import ConfigError, ModelSpec
 from ckv.model import Transformer
 from ckv.train import TrainConfig, read_metrics
 from ckv.train.config import RESUMABLE_CHANGES, TrainerConfig, trajectory_neutral
 from ckv.train.indexer import IndexerTrainingConfig
+from tests.helpers import assert_documented
 
 from .golden_attention import GOLDEN, composed_options
 from .helpers import REPO, USER_DATA, child_env, compose_config, sweep, train_config
@@ -280,6 +282,33 @@ def test_kv_heads_have_one_source(tmp_path, overrides, line):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(line), proc.stderr
     assert list(tmp_path.iterdir()) == []
+    assert_documented(lines[0])
+
+
+@pytest.mark.parametrize("below_a_file", [False, True])
+def test_unusable_out_dir_is_one_line(tmp_path, below_a_file):
+    """An out_dir that can not be a folder (under /proc, below a regular file): one line naming it, before Hydra
+    makes the run folder (was a traceback of 27-54 lines)."""
+    (tmp_path / "file").write_text("")
+    out_dir = str(tmp_path / "file" / "runs") if below_a_file else "/proc/ckv_runs"
+    proc = _run_entry(["experiment=cpu_smoke", f"out_dir={out_dir}"], timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    reason = "Not a directory" if below_a_file else "No such file or directory"
+    assert proc.returncode == 1 and lines == [
+        f"ckv: error: out_dir={out_dir!r} can not hold run folders ({reason}: {out_dir!r}); give a folder you can "
+        "write to: out_dir=..."
+    ], proc.stderr
+    if not below_a_file:
+        assert_documented(lines[0])
+
+
+def test_seq_len_shorter_than_the_window_is_refused():
+    """A sequence in which no compressor window completes trains without compression: refused in one line."""
+    with pytest.raises(ConfigError) as e:
+        train_config(["experiment=cpu_smoke", "data.seq_len=3"])
+    assert_documented(error_message(str(e.value)))
+    train_config(["experiment=cpu_smoke", "data.seq_len=4"])  # one window completes
+    train_config(["experiment=cpu_smoke", "attention=full", "data.seq_len=3"])  # nothing to complete
 
 
 @pytest.mark.parametrize(
