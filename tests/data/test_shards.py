@@ -267,9 +267,7 @@ def test_resume_on_shards_prepared_again_with_another_tokenizer(tokenizer: str, 
     tokenizers' hashes and the way out (was a traceback: a size mismatch of the embedding, or of the data state)."""
     from ckv.io.layout import CheckpointError
     from ckv.train import TrainConfig, train
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from train.helpers import base_config
+    from tests.train.helpers import base_config
 
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(f'{{"text": "{t}"}}\n' for t in make_docs(60)))
