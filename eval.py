@@ -166,7 +166,10 @@ def _run(c: dict) -> None:
     if c.get("dry_run"):
         print("\n".join(dry_run(source, spec, options)))
         return
-    built = build_task(spec, source.inspect(), options.limit)  # vocabulary, lengths, context: before the weights
+    facts = source.inspect()
+    if facts.info.get("trainer_state"):  # an unfinished run (no model/ folder) or a chosen checkpoint
+        print(f"evaluating the checkpoint of step {facts.info['step']}: {facts.info['weights']}")
+    built = build_task(spec, facts, options.limit)  # vocabulary, lengths, context: before the weights
     results, out = evaluate(source.load(c["device"]), spec, options, built)
     print("\n".join(summary_lines(spec, results, out)))
     print("headline: " + json.dumps(results["results"]["headline"], default=str))

@@ -8,10 +8,13 @@ See docs/training.md. This file only turns the Hydra config into a ``TrainConfig
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ckv.train.distributed import strip_local_rank_arg
 
@@ -24,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import MissingMandatoryValue  # noqa: E402
 
 from ckv.apps.cli import remove_if_empty, run_hydra_main  # noqa: E402
+from ckv.checks import error_message  # noqa: E402
 from ckv.config import ConfigError  # noqa: E402
 from ckv.data import DataError  # noqa: E402
 from ckv.train import (  # noqa: E402
@@ -80,6 +84,39 @@ def job_dir_name(overrides: Sequence[str], seed: int) -> str:
 OmegaConf.register_new_resolver("ckv_job_dir", job_dir_name, replace=True)
 
 
+def usable_out_dir(out_dir: str) -> str:
+    """``out_dir``, created when missing, before Hydra makes the run folder in it: a path that can not be a
+    writable folder (under /proc, below a file) is a ConfigError naming it."""
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        if not os.access(out_dir, os.W_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), out_dir)
+    except OSError as e:
+        raise ConfigError(
+            f"out_dir={out_dir!r} can not hold run folders ({e.strerror}: {e.filename!r}); give a folder you can "
+            "write to: out_dir=..."
+        ) from None
+    return out_dir
+
+
+OmegaConf.register_new_resolver("ckv_out_dir", usable_out_dir, replace=True)
+
+
+def check_kv_heads(overrides: Sequence[str], attention: Mapping[str, Any], option: str) -> None:
+    """One count of KV heads: ``attention.kv_heads`` when the attention option sets it (every compressed option
+    and ``full_kv*`` do), else ``model.n_kv_heads``. A ``model.n_kv_heads`` on the command line that the attention
+    option's count overrides is a ConfigError naming both keys (it would be ignored while it names the run
+    folder)."""
+    kv_heads = attention.get("kv_heads")
+    for o in OverridesParser.create().parse_overrides(list(overrides)):
+        if o.key_or_group == "model.n_kv_heads" and kv_heads is not None and o.value() != kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={o.value()} conflicts with attention.kv_heads={kv_heads} (set by "
+                f"attention={option}), which decides the KV head count when set: use attention.kv_heads={o.value()}"
+                " instead"
+            )
+
+
 def plain_config(cfg: DictConfig) -> dict:
     """The composed config as plain values; a key left ``???`` is a ConfigError naming it."""
     try:
@@ -96,13 +133,15 @@ def main(cfg: DictConfig) -> None:
     info = {"overrides": list(hydra_cfg.overrides.task), "choices": dict(hydra_cfg.runtime.choices)}
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        train(TrainConfig.from_dict(plain_config(cfg), run_dir=str(run_dir)), info)
+        plain = plain_config(cfg)
+        check_kv_heads(info["overrides"], plain["attention"], info["choices"].get("attention"))
+        train(TrainConfig.from_dict(plain, run_dir=str(run_dir)), info)
     except TrainingInterrupted as e:
         print(f"ckv: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
     except USER_ERRORS as e:  # reported in here: Hydra adds a line of its own to an exception that leaves the job
         remove_if_empty(run_dir, Path(cfg.out_dir))  # a run refused before it wrote anything leaves no folder
-        sys.exit(f"ckv: error: {e}")
+        sys.exit(error_message(str(e)))
 
 
 if __name__ == "__main__":

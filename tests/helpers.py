@@ -132,3 +132,13 @@ def randomise(module: torch.nn.Module) -> None:
             p.copy_(torch.randn_like(p))
         else:
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+
+
+ERRORS_DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+
+
+def assert_documented(line: str) -> None:
+    """``line``, one ``ckv: error:`` message a test got, stands verbatim in docs/errors.md's table of bad inputs
+    (so the table can not drift from what ckv prints)."""
+    assert line.startswith("ckv: error: ") and "\n" not in line, line
+    assert f"`{line}`" in ERRORS_DOC.read_text(), f"not in {ERRORS_DOC.name}: {line}"

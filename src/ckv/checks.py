@@ -14,6 +14,11 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and what is allowed."""
 
 
+def error_message(message: str) -> str:
+    """How every ckv command reports a configuration or data error: ``ckv: error: <message>`` on one line."""
+    return "ckv: error: " + " ".join(message.split())
+
+
 def check_choice(field: str, value: Any, allowed: tuple[Any, ...]) -> None:
     """Raise ConfigError naming ``field`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:

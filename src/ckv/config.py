@@ -273,11 +273,13 @@ class ModelConfig:
             check_int(f"{o}.{name}", getattr(self, name))
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even (RoPE rotates pairs of dims)")
+        source = "model.n_kv_heads" if self.attention.kv_heads is None else "attention.kv_heads"
         if self.n_heads % self.kv_heads:
             raise ConfigError(
-                f"model.n_heads={self.n_heads} is not divisible by the number of KV heads ({self.kv_heads}); "
-                "grouped-query attention needs n_heads % kv_heads == 0"
+                f"model.n_heads={self.n_heads} is not divisible by {source}={self.kv_heads}; grouped-query "
+                f"attention needs n_heads % kv_heads == 0: choose a divisor of {self.n_heads}"
             )
+        self.n_kv_heads = self.kv_heads  # one count: the saved config.json states the KV heads the model has
         check_float(f"{o}.rope_theta", self.rope_theta, 0, low_open=True)
         check_float(f"{o}.norm_eps", self.norm_eps, 0, low_open=True)
         check_float(f"{o}.init_std", self.init_std, 0, low_open=True)
@@ -287,7 +289,8 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        """Effective number of KV heads (the attention config may override the model's)."""
+        """The number of KV heads: ``attention.kv_heads`` when the attention sets it, else ``n_kv_heads`` (which
+        ``__post_init__`` then sets to it, so that both fields state the count the model has)."""
         return self.attention.kv_heads if self.attention.kv_heads is not None else self.n_kv_heads
 
     def grid_offsets(self, layer_idx: int) -> list[int]:

@@ -13,6 +13,7 @@ from ckv.data.config import TextConfig
 from ckv.data.prepare import is_val, main, prepare
 from ckv.data.text import build_text_source
 from ckv.data.tokenizer import load_tokenizer, text_tokenizer, train_bpe
+from tests.helpers import assert_documented
 
 from .conftest import make_docs
 
@@ -140,3 +141,62 @@ def test_txt_and_saved_folder_inputs(corpus_dir: Path, docs: list[str], tokenize
         m = prepare([str(corpus_dir / name)], tokenizer, str(tmp_path / name), val_fraction=0.0)
         assert m["splits"]["train"]["documents"] == len(docs)
         assert sorted(split_docs(tmp_path / name, "train", tokenizer)) == sorted(docs)
+
+
+BAD_ROWS = [{"text": 5}, {"text": [1, 2]}, {"text": None}, {"text": ""}]
+
+
+@pytest.mark.parametrize(
+    "rows, flags, line",
+    [
+        (  # every row without text: refused, nothing written (was "0 train and 0 val tokens" and exit 0)
+            BAD_ROWS,
+            [],
+            "ckv: error: --input: 4 of 4 rows have no text in --text-field='text' (first: corpus.jsonl:0 (int), "
+            "corpus.jsonl:1 (list), corpus.jsonl:2 (null), corpus.jsonl:3 (empty text)): nothing to write; fix the "
+            "corpus or choose --text-field",
+        ),
+        (
+            [{"text": "a good document"}, *BAD_ROWS[2:]],
+            ["--strict"],
+            "ckv: error: --strict: 2 of 3 rows have no text in --text-field='text' (first: corpus.jsonl:1 (null), "
+            "corpus.jsonl:2 (empty text)); fix or remove those rows, or leave out --strict to skip them",
+        ),
+        (  # was "could not read ... as json: StopIteration"
+            [],
+            [],
+            "ckv: error: --input: 'corpus.jsonl' is empty (0 bytes); remove it or give a corpus with text",
+        ),
+        (  # was named data.text.paths
+            None,
+            [],
+            "ckv: error: --input: 'corpus.jsonl' does not exist (or the pattern matches no file)",
+        ),
+    ],
+)
+def test_bad_corpus_is_one_line(
+    rows: list | None, flags: list, line: str, tokenizer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A corpus without a usable row, a bad row under --strict, an empty or missing file: one documented line, exit
+    code 2, and no output folder."""
+    monkeypatch.chdir(tmp_path)
+    if rows is not None:
+        write_jsonl(tmp_path / "corpus.jsonl", rows)
+    with pytest.raises(SystemExit) as e:
+        main(["--input", "corpus.jsonl", "--tokenizer", tokenizer, "--out", "out", *flags])
+    err = capsys.readouterr().err.strip().splitlines()  # datasets' progress bars, then the error
+    assert e.value.code == 2 and err[-1] == line and [x for x in err if "error" in x] == [line]
+    assert not (tmp_path / "out").exists()
+    assert_documented(line)
+
+
+def test_skipped_rows_are_reported(tokenizer: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Rows without text are skipped with a line that counts them, names the first and why; the rest is written."""
+    rows = [{"id": f"d{i}", "text": t} for i, t in enumerate(make_docs(7))]
+    rows[2]["text"], rows[5]["text"] = None, 3
+    m = prepare([str(write_jsonl(tmp_path / "c.jsonl", rows))], tokenizer, str(tmp_path / "out"), val_fraction=0.0)
+    report = [x for x in capsys.readouterr().out.splitlines() if x.startswith("skipped")]
+    assert report == [
+        "skipped 2 of 7 rows with no text in --text-field='text' (first: d2 (null), d5 (int)); --strict refuses them"
+    ]
+    assert m["skipped_rows"] == 2 and m["splits"]["train"]["documents"] == 5

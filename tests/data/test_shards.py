@@ -15,7 +15,7 @@ import torch
 
 from ckv.config import ConfigError, ModelSpec
 from ckv.data import DataConfig, DataError, build_batches
-from ckv.data.prepare import prepare
+from ckv.data.prepare import prepare, sha256_file
 from ckv.data.shards import MIX_BLOCK, ShardSet, TokenMixture
 from ckv.data.tokenizer import lookup_special_tokens, train_bpe
 
@@ -260,3 +260,27 @@ def test_a_prefetched_error_reaches_the_consumer(shards: str) -> None:
     with pytest.raises(DataError, match="exceeds its max_epochs"):
         next(s)
     s.close()
+
+
+def test_resume_on_shards_prepared_again_with_another_tokenizer(tokenizer: str, tmp_path: Path, cache_dir: str) -> None:
+    """Shards prepared again in place with another tokenizer: resuming is refused in one line that names both
+    tokenizers' hashes and the way out (was a traceback: a size mismatch of the embedding, or of the data state)."""
+    from ckv.io.layout import CheckpointError
+    from ckv.train import TrainConfig, train
+    from tests.train.helpers import base_config
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(f'{{"text": "{t}"}}\n' for t in make_docs(60)))
+    out = str(tmp_path / "shards")
+    prepare([str(corpus)], tokenizer, out, val_fraction=0.0)
+    d = base_config(tmp_path / "run", tmp_path / "cache")
+    d["data"] = {"kind": "shards", "seq_len": SEQ, "shards": {"path": out}}
+    d["trainer"].update(max_steps=4, save_every=2)
+    train(TrainConfig.from_dict({**d, "trainer": {**d["trainer"], "stop_at_step": 2}}))
+    other = train_bpe(make_docs(200, seed=1), vocab_size=300, special_tokens=[EOD], cache_dir=cache_dir)
+    prepare([str(corpus)], other, out, val_fraction=0.0)
+    with pytest.raises(CheckpointError) as e:
+        train(TrainConfig.from_dict(d))
+    line = str(e.value)
+    assert "\n" not in line and sha256_file(tokenizer)[:12] in line and sha256_file(other)[:12] in line
+    assert "resume with data prepared with the saved tokenizer" in line and "train a new run" in line

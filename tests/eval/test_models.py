@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,9 @@ def test_checkpoint_selection(tmp_path: Path) -> None:
         find_weights(run, 15)
     # a weights folder inside the run still finds the run's config
     assert find_weights(run / "checkpoints" / "step_00000020" / "weights")[1] == run
+    # an unfinished run (no model/ yet): its latest checkpoint, and results say which step (was model.step null)
+    shutil.rmtree(run / "model")
+    assert load_ckv_model(run, device="cpu").info["step"] == 20
 
 
 def test_checkpoint_not_matching_its_run_is_a_clear_error(tmp_path: Path) -> None:

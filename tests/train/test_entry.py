@@ -10,14 +10,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from ckv.config import ModelSpec
+from ckv.checks import error_message
+from ckv.config import ConfigError, ModelSpec
+from ckv.model import Transformer
 from ckv.train import TrainConfig, read_metrics
 from ckv.train.config import RESUMABLE_CHANGES, TrainerConfig, trajectory_neutral
 from ckv.train.indexer import IndexerTrainingConfig
+from tests.helpers import assert_documented
 
 from .golden_attention import GOLDEN, composed_options
 from .helpers import REPO, USER_DATA, child_env, compose_config, sweep, train_config
@@ -248,6 +252,81 @@ def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field):
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"ckv: error: {field}"), proc.stderr
     assert not cache.exists()
     assert list(tmp_path.iterdir()) == []  # the run folder Hydra made for the refused run is gone
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (  # the compressed option's one KV head would silently win over the model's 4 (issue 44)
+            ["experiment=cpu_smoke", "+model.n_kv_heads=4"],
+            "ckv: error: model.n_kv_heads=4 conflicts with attention.kv_heads=1 (set by attention=w4s4), which "
+            "decides the KV head count when set: use attention.kv_heads=4 instead",
+        ),
+        (
+            ["experiment=cpu_smoke", "+model.n_kv_heads=3"],
+            "ckv: error: model.n_kv_heads=3 conflicts with attention.kv_heads=1",
+        ),
+        (
+            ["experiment=cpu_smoke", "attention.kv_heads=3"],
+            "ckv: error: model.n_heads=4 is not divisible by attention.kv_heads=3; grouped-query attention",
+        ),
+        (["+model.n_kv_heads=3"], "ckv: error: model.n_heads=4 is not divisible by model.n_kv_heads=3;"),
+    ],
+)
+def test_kv_heads_have_one_source(tmp_path, overrides, line):
+    """The KV head count is attention.kv_heads when the attention option sets it, else model.n_kv_heads: a
+    command-line model.n_kv_heads the attention overrides, or a count that does not divide the query heads, is one
+    line naming the keys, before any data is prepared and without a run folder."""
+    cache = tmp_path / "cache"
+    proc = _run_entry([*overrides, f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache}", "wandb.enabled=false"])
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(line), proc.stderr
+    assert list(tmp_path.iterdir()) == []
+    assert_documented(lines[0])
+
+
+@pytest.mark.parametrize("below_a_file", [False, True])
+def test_unusable_out_dir_is_one_line(tmp_path, below_a_file):
+    """An out_dir that can not be a folder (under /proc, below a regular file): one line naming it, before Hydra
+    makes the run folder (was a traceback of 27-54 lines)."""
+    (tmp_path / "file").write_text("")
+    out_dir = str(tmp_path / "file" / "runs") if below_a_file else "/proc/ckv_runs"
+    proc = _run_entry(["experiment=cpu_smoke", f"out_dir={out_dir}"], timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    reason = "Not a directory" if below_a_file else "No such file or directory"
+    assert proc.returncode == 1 and lines == [
+        f"ckv: error: out_dir={out_dir!r} can not hold run folders ({reason}: {out_dir!r}); give a folder you can "
+        "write to: out_dir=..."
+    ], proc.stderr
+    if not below_a_file:
+        assert_documented(lines[0])
+
+
+def test_seq_len_shorter_than_the_window_is_refused():
+    """A sequence in which no compressor window completes trains without compression: refused in one line."""
+    with pytest.raises(ConfigError) as e:
+        train_config(["experiment=cpu_smoke", "data.seq_len=3"])
+    assert_documented(error_message(str(e.value)))
+    train_config(["experiment=cpu_smoke", "data.seq_len=4"])  # one window completes
+    train_config(["experiment=cpu_smoke", "attention=full", "data.seq_len=3"])  # nothing to complete
+
+
+@pytest.mark.parametrize(
+    "attention, kv_heads",
+    [("w8s8", 1), ("w8s8_kv2", 2), ("w8s8_kv4", 4), ("w8s8_kv8", 8), ("full_kv1", 1), ("full_kv4", 4), ("full", 8)],
+)
+def test_paper_kv_head_ablation_builds_its_kv_heads(attention, kv_heads):
+    """The paper's KV-head ablation (paper_variants, paper_full) builds the count each option means (``full``:
+    Qwen3-0.6B's own 8), in the parameter shapes and in both fields of the config.json it saves."""
+    cfg = train_config(["experiment=paper_base", f"attention={attention}"] + USER_DATA)
+    model_cfg = cfg.model.build(cfg.attention, data_vocab_size=151_669)
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    assert {p.shape for n, p in model.named_parameters() if n.endswith(("k_proj.weight", "v_proj.weight"))} == {
+        (kv_heads * model_cfg.head_dim, model_cfg.d_model)
+    }
+    saved = model_cfg.to_dict()
+    assert (saved["n_kv_heads"], saved["attention"]["kv_heads"] or saved["n_kv_heads"]) == (kv_heads, kv_heads)
 
 
 @pytest.mark.parametrize(

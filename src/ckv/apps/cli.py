@@ -9,12 +9,14 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from ckv.config import REGISTRY, not_taken_error
+from ckv.checks import error_message
+from ckv.config import REGISTRY, ConfigError, not_taken_error
 
 HYDRA_ERRORS = (HydraException, OmegaConfBaseException)  # composition, overrides, interpolation, unknown keys
 
@@ -35,11 +37,22 @@ def error_line(e: BaseException) -> str:
         message = f"cannot parse the override {e.override!r}: {e.message.splitlines()[0]}"
     elif isinstance(e, MissingConfigException) and e.options:
         message = f"{str(e).splitlines()[0]}; choose one of {sorted(e.options)}"
+    elif isinstance(e, OmegaConfBaseException) and _raised_by_resolver(e) is not None:
+        message = str(_raised_by_resolver(e))
     elif isinstance(e, OmegaConfBaseException):
         message = str(e).splitlines()[0]  # the further lines repeat the key and the node type
     else:
         message = str(e)
-    return "ckv: error: " + " ".join(message.split())
+    return error_message(message)
+
+
+def _raised_by_resolver(e: BaseException) -> Optional[ConfigError]:
+    """The ConfigError a ckv resolver (``train.py``'s ``ckv_out_dir``) raised, which OmegaConf wraps, if any."""
+    while e.__context__ is not None:
+        e = e.__context__
+        if isinstance(e, ConfigError):
+            return e
+    return None
 
 
 @contextmanager

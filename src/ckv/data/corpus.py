@@ -48,44 +48,48 @@ def bible_chapters() -> list[str]:
     return chapters
 
 
-def _builder(path: str) -> str:
+def _builder(path: str, key: str = "data.text.paths") -> str:
     stem = path
     for ext in COMPRESSION:
         if stem.endswith(ext):
             stem = stem[: -len(ext)]
     builder = BUILDERS.get(os.path.splitext(stem)[1].lower())
     if builder is None:
-        raise DataError(
-            f"data.text.paths: {path!r} is not a jsonl/json, parquet or txt file (known: {sorted(BUILDERS)})"
-        )
+        raise DataError(f"{key}: {path!r} is not a jsonl/json, parquet or txt file (known: {sorted(BUILDERS)})")
     return builder
 
 
-def _expand(paths: list[str]) -> list[str]:
+def _expand(paths: list[str], key: str = "data.text.paths") -> list[str]:
+    """The files and folders ``paths`` name (globs expanded, in sorted order); ``key`` names the setting in errors."""
     out: list[str] = []
     for p in paths:
         p = os.path.expanduser(p)
         is_pattern = any(c in p for c in "*?[")
         matches = sorted(glob.glob(p)) if is_pattern else [p] if os.path.exists(p) else []
         if not matches:
-            raise FileNotFoundError(f"data.text.paths: {p!r} does not exist (or the pattern matches no file)")
+            raise FileNotFoundError(f"{key}: {p!r} does not exist (or the pattern matches no file)")
         out += matches
     return out
 
 
-def _load_saved(path: str) -> datasets.Dataset:
+def _check_not_empty(files: list[str], key: str = "data.text.paths") -> None:
+    """DataError naming the first file of ``files`` that is empty (0 bytes): no reader says so clearly."""
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if empty:
+        raise DataError(f"{key}: {empty[0]!r} is empty (0 bytes); remove it or give a corpus with text")
+
+
+def _load_saved(path: str, key: str = "data.text.paths") -> datasets.Dataset:
     try:
         ds = datasets.load_from_disk(path)
     except (FileNotFoundError, ValueError, OSError) as e:
-        raise DataError(f"data.text.paths: {path!r} is a folder but not a readable saved `datasets` folder: {e}") from e
+        raise DataError(f"{key}: {path!r} is a folder but not a readable saved `datasets` folder: {e}") from e
     if isinstance(ds, datasets.DatasetDict):
         if "train" in ds:
             return ds["train"]
         if len(ds) == 1:
             return next(iter(ds.values()))
-        raise DataError(
-            f"data.text.paths: {path!r} holds splits {list(ds)}; save the one to train on alone, or a 'train' split"
-        )
+        raise DataError(f"{key}: {path!r} holds splits {list(ds)}; save the one to train on alone, or a 'train' split")
     return ds
 
 
@@ -100,9 +104,7 @@ def load_corpus(cfg: TextConfig, *, cache_dir: str) -> Corpus:
             raise DataError(f"data.text.paths: give either one saved `datasets` folder or files, got {files}")
         ds: Corpus = _load_saved(folders[0])
     else:
-        empty = [f for f in files if os.path.getsize(f) == 0]
-        if empty:
-            raise DataError(f"data.text.paths: {empty[0]!r} is empty (0 bytes); remove it or give a corpus with text")
+        _check_not_empty(files)
         builders = {_builder(f) for f in files}
         if len(builders) > 1:
             raise DataError(f"data.text.paths mixes file types ({sorted(builders)}); use one type per corpus")

@@ -42,8 +42,9 @@ import pyarrow.compute as pc
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from ckv.checks import error_message
 from ckv.data.config import MANIFEST_FILE, TOKENIZER_FILE
-from ckv.data.corpus import DataError, _builder, _expand, _load_saved
+from ckv.data.corpus import DataError, _builder, _check_not_empty, _expand, _load_saved
 from ckv.data.tokenizer import load_tokenizer, text_tokenizer, token_id
 from ckv.io.atomic import replace_dir, write_text_atomic
 
@@ -52,6 +53,8 @@ SPLITS = ("train", "val")
 MAP_BATCH = 1000  # documents per tokenizer call
 WRITE_BATCH = 4096  # documents gathered per write
 KEY_COLUMN = "_ckv_key"
+INPUT = "--input"  # the option that names the corpus files, in errors
+SHOW_SKIPPED = 5  # skipped rows named in the report
 
 
 def sha256_file(path: str) -> str:
@@ -98,7 +101,31 @@ def _encode(
         "ids": ids,
         "n": [len(x) for x in ids],
         "val": [is_val(key, val_fraction) for key in batch[KEY_COLUMN]],
+        "skip": [f"{key} ({_why_skipped(t)})" if not x else "" for key, t, x in zip(batch[KEY_COLUMN], texts, ids)],
     }
+
+
+def _why_skipped(text: Any) -> str:
+    """Why a row's text value is not a document: null, empty, or its type."""
+    return "null" if text is None else "empty text" if text == "" else type(text).__name__
+
+
+def _check_skipped(skipped: list[str], rows: int, n_train: int, text_field: str, strict: bool) -> None:
+    """Report the rows without text (``skipped``: ``"<id> (<why>)"`` each) in one line; raise DataError when
+    ``strict`` and any was skipped, or when no document is left for the train split."""
+    if not skipped and n_train:
+        return
+    first = ", ".join(skipped[:SHOW_SKIPPED]) + (", ..." if len(skipped) > SHOW_SKIPPED else "")
+    share = f"{len(skipped):,} of {rows:,} rows"
+    what = f"no text in --text-field={text_field!r} (first: {first})"
+    if strict and skipped:
+        raise DataError(f"--strict: {share} have {what}; fix or remove those rows, or leave out --strict to skip them")
+    if len(skipped) == rows:
+        raise DataError(f"--input: {share} have {what}: nothing to write; fix the corpus or choose --text-field")
+    if not n_train:
+        raise DataError("--input: every document fell into the validation split: lower --val-fraction")
+    if skipped:
+        print(f"skipped {share} with {what}; --strict refuses them")
 
 
 def _input_size(path: str) -> int:
@@ -115,9 +142,10 @@ def _read(files: list[str], text_field: str, id_field: str, txt_sample_by: str, 
     for path, full in zip(files, paths):
         name = os.path.basename(full)
         if os.path.isdir(path):
-            ds = _load_saved(path)
+            ds = _load_saved(path, INPUT)
         else:
-            builder = _builder(path)
+            _check_not_empty([path], INPUT)
+            builder = _builder(path, INPUT)
             kwargs = {"sample_by": txt_sample_by} if builder == "text" else {}
             try:
                 ds = datasets.load_dataset(builder, data_files=[path], split="train", cache_dir=cache_dir, **kwargs)
@@ -193,13 +221,16 @@ def prepare(
     txt_sample_by: str = "paragraph",
     eod_token: str = "<|endoftext|>",
     shard_tokens: int = 1 << 30,
+    strict: bool = False,
 ) -> dict[str, Any]:
-    """Tokenise ``inputs`` into shards under ``out`` (see the module docstring); returns the manifest."""
+    """Tokenise ``inputs`` into shards under ``out`` (see the module docstring); returns the manifest. Rows whose
+    text is not a non-empty string are skipped and reported in one line (``strict``: refused, ``DataError``); a
+    corpus that leaves no training document is refused."""
     if not 0 <= val_fraction < 1:
         raise ValueError(f"--val-fraction={val_fraction} must be in [0, 1)")
     if num_proc < 1 or shard_tokens < 1 or seed < 0:
         raise ValueError(f"--num-proc={num_proc}, --shard-tokens={shard_tokens} must be >= 1 and --seed={seed} >= 0")
-    files = _expand(inputs)
+    files = _expand(inputs, INPUT)
     tok = load_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab)
@@ -250,6 +281,7 @@ def prepare(
                     "ids": datasets.Sequence(datasets.Value(dtype.name)),
                     "n": datasets.Value("int64"),
                     "val": datasets.Value("bool"),
+                    "skip": datasets.Value("string"),
                 }
             ),
             fn_kwargs={
@@ -265,6 +297,9 @@ def prepare(
         t_tok = time.monotonic() - t0
         rate = n.sum() / t_tok
         print(f"tokenised {len(n):,} rows into {int(n.sum()):,} tokens in {t_tok:.1f} s ({rate:,.0f} tokens/s)")
+        skip = ds.data.column("skip")
+        skipped = pc.filter(skip, pc.not_equal(skip, "")).to_pylist()
+        _check_skipped(skipped, len(n), int(((~val) & (n > 0)).sum()), text_field, strict)
         splits = {}
         for s, name in enumerate(SPLITS):
             docs = np.flatnonzero((val == (name == "val")) & (n > 0))
@@ -301,6 +336,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--txt-sample-by", default="paragraph", choices=("line", "paragraph", "document"))
     p.add_argument("--eod-token", default="<|endoftext|>")
     p.add_argument("--shard-tokens", type=int, default=1 << 30, help="tokens per shard file")
+    p.add_argument("--strict", action="store_true", help="refuse rows without text (null, empty, not a string)")
     a = p.parse_args(argv)
     try:
         prepare(
@@ -315,9 +351,10 @@ def main(argv: Optional[list[str]] = None) -> None:
             txt_sample_by=a.txt_sample_by,
             eod_token=a.eod_token,
             shard_tokens=a.shard_tokens,
+            strict=a.strict,
         )
     except (ValueError, FileNotFoundError) as e:
-        p.exit(2, f"error: {e}\n")
+        p.exit(2, error_message(str(e)) + "\n")
 
 
 if __name__ == "__main__":

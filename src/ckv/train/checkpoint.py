@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
+from ckv.data.prepare import sha256_file
 from ckv.io.atomic import fsync_file, fsync_tree, replace_dir, write_text_atomic
 from ckv.io.layout import (
     CHECKPOINTS_DIR,
@@ -122,6 +123,20 @@ def restore_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _check_tokenizer(saved: Path, current: Optional[str]) -> None:
+    """CheckpointError when the tokenizer a checkpoint saved (``saved``) is not the data's now (``current``): its
+    token ids would mean other tokens (a corpus prepared again with another tokenizer)."""
+    if current is None or not saved.is_file():
+        return
+    old, new = sha256_file(str(saved)), sha256_file(current)
+    if old != new:
+        raise CheckpointError(
+            f"{saved.parents[1]} was trained with tokenizer sha256 {old[:12]} and the data now has {new[:12]} "
+            f"({current}): its token ids mean other tokens; resume with data prepared with the saved tokenizer "
+            f"({saved}), or train a new run (another out_dir or name)"
+        )
 
 
 def export_model(model: Transformer, out: Path, tokenizer_path: Optional[str] = None) -> Path:
@@ -255,14 +270,15 @@ class CheckpointManager:
         return chosen, [*damage, f"trainer.resume=fallback: resuming from {chosen.name}; set aside: {moved}"]
 
     def load(
-        self, engine: Engine, path: Path, *, any_world_size: bool = False
+        self, engine: Engine, path: Path, *, any_world_size: bool = False, tokenizer_path: Optional[str] = None
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Restore engine state and this rank's RNG states from ``path``; returns ``(trainer_state, rank_state)``
         (the rank state holds the data position). The restored parameters must be finite. ``any_world_size``: the
         data position does not depend on the number of ranks (prepared shards), so another number may resume when
         the optimizer state is whole (ZeRO stage 0); rank ``r`` then reads the rank file of rank ``r mod saved
-        world size``."""
+        world size``. ``tokenizer_path``: the data's tokenizer now, which must be the one the checkpoint saved."""
         state = read_trainer_state(path)
+        _check_tokenizer(path / WEIGHTS_DIR / TOKENIZER_FILE, tokenizer_path)
         if state["world_size"] != self.env.world_size and not any_world_size:
             raise CheckpointError(
                 f"{path} was written by {state['world_size']} rank(s) but this run has {self.env.world_size}: the "

@@ -249,6 +249,12 @@ class TrainConfig:
         # bound on a fixed model.vocab_size is checked once the data is prepared
         model = self.model.build(self.attention, data_vocab_size=1)
         check_attention(model)
+        window = model.attention.describe()["window"]
+        _check(
+            window is None or self.data.seq_len >= window,
+            f"data.seq_len={self.data.seq_len} is shorter than attention.window={window}: no window of a sequence "
+            f"completes, so compression never takes part; use data.seq_len >= {window} or a smaller attention.window",
+        )
         if self.trainer.gate_entropy.enabled:
             a = model.attention
             _check(

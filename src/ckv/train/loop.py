@@ -200,7 +200,9 @@ class _Loop:
         path, notes = self.ckpts.resume_point(self.cfg.trainer.resume)
         if path is None:
             return notes
-        state, rank_state = self.ckpts.load(self.engine, path, any_world_size=self.train_stream.elastic)
+        state, rank_state = self.ckpts.load(
+            self.engine, path, any_world_size=self.train_stream.elastic, tokenizer_path=self.train_stream.tokenizer_path
+        )
         self.train_stream.load_state_dict(rank_state["data"])
         self.step, self.tokens = state["step"], state["tokens"]
         if self.env.is_main:
