@@ -105,3 +105,14 @@ def test_readme_names_the_locked_versions() -> None:
     assert len(named) >= 5
     for name, version in named:
         assert pins.get(name) == version, f"README says {name} {version}, {LOCK.name} has {pins.get(name)}"
+
+
+def test_no_test_puts_a_folder_of_the_suite_on_sys_path() -> None:
+    """tests/kernels is a package: a test that put tests/ on sys.path made every later `import kernels` in that worker
+    (transformers' hub kernels) find it. Tests import their helpers as `tests.<folder>.helpers`."""
+    offenders = [
+        str(path.relative_to(REPO))
+        for path in (REPO / "tests").rglob("*.py")
+        if path.name != "test_install.py" and re.search(r"sys\.path\.(insert|append)\(", path.read_text())
+    ]
+    assert not offenders, offenders

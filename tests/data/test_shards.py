@@ -121,9 +121,7 @@ def test_a_source_without_a_validation_split_trains_when_validation_is_off(tmp_p
     """trainer.val_every=0 builds no validation stream, so a folder prepared with --val-fraction 0 trains; asking for
     validation from it is the one-line error naming the empty split."""
     from ckv.train import TrainConfig, train
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from train.helpers import base_config, losses
+    from tests.train.helpers import base_config, losses
 
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(f'{{"text": "{t}"}}\n' for t in make_docs(60, seed=1)))
@@ -226,9 +224,7 @@ def test_training_on_two_processes_matches_one_and_resumes_into_one(shards: str,
     """2 ranks x 1 accumulation step train on the same batches as 1 rank x 2, and a run checkpointed by 2 processes
     continues on 1 with the samples that were next (gloo on CPU; ZeRO stage 0, whose optimizer state is whole)."""
     from ckv.train import TrainConfig, train
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from train.helpers import base_config, child_env, losses, worker_command
+    from tests.train.helpers import base_config, child_env, losses, worker_command
 
     def config(name: str, **trainer: Any) -> TrainConfig:
         d = base_config(tmp_path / name, tmp_path / "cache")
