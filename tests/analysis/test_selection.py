@@ -18,7 +18,10 @@ from ckv.analysis.selection import (
     blind_cover_probability,
     chosen_entries,
     imposed_selection,
+    miss_odds_power,
     miss_odds_ratio,
+    miss_odds_ratio_from_counts,
+    odds_ratio,
     paired_differences,
     random_cover_probability,
     selection,
@@ -127,6 +130,16 @@ def test_the_phase_blind_selector_is_matched_to_the_coverage_per_prompt():
     r = miss_odds_ratio(blind_cover_probability(geometric, 0.9)[0], geometric, phases, [3], None, 10, 0, 0.95)
     assert r["value"] == pytest.approx(r["null"]) and r["blind"] == pytest.approx(blind_cover_probability(
         geometric, 0.9)[1])  # fmt: skip
+
+
+def test_the_miss_odds_ratio_of_counts_and_its_power():
+    """From counts: the odds of a miss at the straddling side over the others' ((256 - 126) / 126 over
+    (768 - 446) / 446), an interval around it, the null above 1; the power at the null itself is the one-sided
+    level, (1 - 0.95) / 2."""
+    r = miss_odds_ratio_from_counts((126, 446), (256, 768), (1 / 18, 2 / 18), n_boot=400)
+    assert r["value"] == pytest.approx((130 / 126) / (322 / 446)) and r["lower"] < r["value"] < r["upper"]
+    assert 1 < r["null"] < r["value"] and 0 < r["blind"] < 1
+    assert miss_odds_power((0.3, 0.2), float(odds_ratio(0.3, 0.2)), (256, 768)) == pytest.approx(0.025)
 
 
 @pytest.mark.parametrize("coverage", [0.90, 0.97, 0.99])
