@@ -33,6 +33,7 @@ from ckv.analysis.selection import (
 )
 from ckv.config import ConfigError
 from ckv.eval import load_ckv_model
+from ckv.eval.stats import StatsOptions
 from tests.helpers import small_config
 
 from ..eval.helpers import make_run, png_ok
@@ -127,7 +128,7 @@ def test_the_phase_blind_selector_is_matched_to_the_coverage_per_prompt():
     q, f = blind_cover_probability(geometric, 0.01)
     assert f == 0 and np.array_equal(q, geometric)
     # its miss odds ratio is the null: a selector covering exactly q_i scores the null on expectation
-    r = miss_odds_ratio(blind_cover_probability(geometric, 0.9)[0], geometric, phases, [3], None, 10, 0, 0.95)
+    r = miss_odds_ratio(blind_cover_probability(geometric, 0.9)[0], geometric, phases, [3], None, StatsOptions(10))
     assert r["value"] == pytest.approx(r["null"]) and r["blind"] == pytest.approx(blind_cover_probability(
         geometric, 0.9)[1])  # fmt: skip
 
@@ -136,7 +137,7 @@ def test_the_miss_odds_ratio_of_counts_and_its_power():
     """From counts: the odds of a miss at the straddling side over the others' ((256 - 126) / 126 over
     (768 - 446) / 446), an interval around it, the null above 1; the power at the null itself is the one-sided
     level, (1 - 0.95) / 2."""
-    r = miss_odds_ratio_from_counts((126, 446), (256, 768), (1 / 18, 2 / 18), n_boot=400)
+    r = miss_odds_ratio_from_counts((126, 446), (256, 768), (1 / 18, 2 / 18), StatsOptions(400))
     assert r["value"] == pytest.approx((130 / 126) / (322 / 446)) and r["lower"] < r["value"] < r["upper"]
     assert 1 < r["null"] < r["value"] and 0 < r["blind"] < 1
     assert miss_odds_power((0.3, 0.2), float(odds_ratio(0.3, 0.2)), (256, 768)) == pytest.approx(0.025)
@@ -150,7 +151,7 @@ def test_a_phase_blind_selector_at_high_coverage_lands_on_the_null(coverage):
     errors of 0.95: 0.95 +- 0.046), where the covered-rate ratio against the random top-1's 0.50 would call every
     one of them even."""
     geometric, phases, clusters = synthetic_prompts(128)
-    sim = simulate_miss_odds(geometric, phases, [3], clusters, coverage, 0.0, 200, 400, seed=0)
+    sim = simulate_miss_odds(geometric, phases, [3], clusters, coverage, 0.0, 200, StatsOptions(400, seed=0))
     tolerance = 3 * (0.95 * 0.05 / 200) ** 0.5
     assert abs(sim["contains_null"] - 0.95) <= tolerance, sim
     assert sim["expected"]["power"] < 0.05  # drop 0: the null holds; "detected" is the one-sided false positive
@@ -162,7 +163,7 @@ def test_the_positive_control_is_detected_at_its_derived_power(coverage, drop):
     ``drop``) is detected (interval above the null) at the rate derived by ``positive_control_power`` (normal
     approximation of the log odds ratio), within 3 binomial standard errors of 200 simulations."""
     geometric, phases, clusters = synthetic_prompts(128)
-    sim = simulate_miss_odds(geometric, phases, [3], clusters, coverage, drop, 200, 400, seed=1)
+    sim = simulate_miss_odds(geometric, phases, [3], clusters, coverage, drop, 200, StatsOptions(400, seed=1))
     power = sim["expected"]["power"]
     assert power > 0.8 and abs(sim["detected"] - power) <= 3 * (power * (1 - power) / 200) ** 0.5, sim
     assert sim["below"] == 0

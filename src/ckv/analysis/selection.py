@@ -47,7 +47,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from statistics import NormalDist
@@ -65,7 +65,7 @@ from ckv.attention.indexer import oracle_selection, top_k
 from ckv.checks import check_choice, check_float, check_int
 from ckv.config import ConfigError
 from ckv.eval.scoring import length_batches
-from ckv.eval.stats import bootstrap_group_accuracy, group_accuracy, wilson_interval
+from ckv.eval.stats import StatsOptions, bootstrap_group_accuracy, group_accuracy, wilson_interval
 from ckv.geometry import compressed_mask, window_positions
 
 
@@ -427,21 +427,20 @@ def _straddle_statistic(
     phases: np.ndarray,
     straddling: list[int],
     clusters: Optional[np.ndarray],
-    n_boot: int,
-    seed: int,
-    level: float,
+    opts: StatsOptions,
     statistic: Callable[[np.ndarray, np.ndarray], np.ndarray],
 ) -> dict:
     """``{"value", "lower", "upper"}`` of ``statistic(straddling mean, others' mean)`` of ``rate`` (P,) (0/1 or a
-    probability), with a cluster-bootstrap interval (``bootstrap_group_accuracy``: the same clusters and seed as the
-    task's statistics; ``clusters`` None resamples single prompts); None values without straddling phases."""
+    probability), with a cluster-bootstrap interval (``bootstrap_group_accuracy`` with ``opts``' resamples, seed and
+    level, the task's statistics' own; ``clusters`` None resamples single prompts); None values without straddling
+    phases."""
     if not straddling:
         return {"value": None, "lower": None, "upper": None}
     group = np.isin(phases, straddling).astype(np.int64)  # 1: straddling
     means = np.array([rate[group == g].mean() if (group == g).any() else np.nan for g in (0, 1)])
-    reps, _ = bootstrap_group_accuracy(rate, group, 2, clusters, n_boot, seed)  # (n_boot, 2)
+    reps, _ = bootstrap_group_accuracy(rate, group, 2, clusters, opts.n_bootstrap, opts.seed)  # (n_boot, 2)
     with np.errstate(invalid="ignore", divide="ignore"):
-        return interval(statistic(reps[:, 1], reps[:, 0]), float(statistic(means[1], means[0])), level)
+        return interval(statistic(reps[:, 1], reps[:, 0]), float(statistic(means[1], means[0])), opts.level)
 
 
 def _ratio(straddle: np.ndarray, others: np.ndarray) -> np.ndarray:
@@ -449,18 +448,12 @@ def _ratio(straddle: np.ndarray, others: np.ndarray) -> np.ndarray:
 
 
 def straddle_ratio(
-    rate: np.ndarray,
-    phases: np.ndarray,
-    straddling: list[int],
-    clusters: np.ndarray,
-    n_boot: int,
-    seed: int,
-    level: float,
+    rate: np.ndarray, phases: np.ndarray, straddling: list[int], clusters: np.ndarray, opts: StatsOptions
 ) -> dict:
     """``{"value", "lower", "upper"}``: the mean of ``rate`` (P,) (0/1 or a probability) at the ``straddling``
     phases over its mean at the other phases, with a cluster-bootstrap interval (the same clusters and seed as
     the task's statistics); None values without straddling phases or without a rate at the others."""
-    return _straddle_statistic(rate, phases, straddling, clusters, n_boot, seed, level, _ratio)
+    return _straddle_statistic(rate, phases, straddling, clusters, opts, _ratio)
 
 
 def odds_ratio(straddle: np.ndarray | float, others: np.ndarray | float) -> np.ndarray:
@@ -491,9 +484,7 @@ def miss_odds_ratio(
     phases: np.ndarray,
     straddling: list[int],
     clusters: Optional[np.ndarray],
-    n_boot: int,
-    seed: int,
-    level: float,
+    opts: StatsOptions,
 ) -> dict:
     """The statistic that is fair at any coverage: the odds ratio of a MISS at the ``straddling`` phases against
     the other phases, ``{"value", "lower", "upper"}`` with a cluster-bootstrap interval (``_straddle_statistic`` of
@@ -505,7 +496,7 @@ def miss_odds_ratio(
     relatively more. (A uniformly random top-k: ``f = 0``; at ``f`` near 1 the null tends to the ratio of the
     random selector's miss rates, about 1.06 for top-1 of 18.) None values without straddling phases."""
     miss = 1.0 - np.asarray(covered, dtype=np.float64)
-    out = _straddle_statistic(miss, phases, straddling, clusters, n_boot, seed, level, odds_ratio)
+    out = _straddle_statistic(miss, phases, straddling, clusters, opts, odds_ratio)
     if not straddling:
         return {**out, "null": None, "blind": None}
     q, f = blind_cover_probability(geometric, float(1.0 - miss.mean()))
@@ -515,12 +506,7 @@ def miss_odds_ratio(
 
 
 def miss_odds_ratio_from_counts(
-    covered: tuple[int, int],
-    n: tuple[int, int],
-    geometric: tuple[float, float],
-    n_boot: int = 2000,
-    seed: int = 0,
-    level: float = 0.95,
+    covered: tuple[int, int], n: tuple[int, int], geometric: tuple[float, float], opts: StatsOptions = StatsOptions()
 ) -> dict:
     """``miss_odds_ratio`` of a selector known only by its counts: ``covered`` and ``n`` prompts at the straddling
     phases and at the others, every prompt of a side with the side's ``geometric`` probability. Without the
@@ -529,7 +515,7 @@ def miss_odds_ratio_from_counts(
     phases = np.repeat([1, 0], n)  # phase 1 stands for the straddling side
     cov = np.concatenate([np.arange(m) < c for c, m in zip(covered, n)]).astype(np.float64)
     geo = np.repeat(np.asarray(geometric, dtype=np.float64), n)
-    return miss_odds_ratio(cov, geo, phases, [1], None, n_boot, seed, level)
+    return miss_odds_ratio(cov, geo, phases, [1], None, opts)
 
 
 def miss_odds_power(miss: tuple[float, float], null: float, n: tuple[int, int], level: float = 0.95) -> float:
@@ -603,19 +589,19 @@ def simulate_miss_odds(
     coverage: float,
     drop: float,
     n_sims: int,
-    n_boot: int,
-    seed: int,
-    level: float = 0.95,
+    opts: StatsOptions,
 ) -> dict:
     """``n_sims`` synthetic selections of the prompts (``geometric``, ``phases``, ``clusters`` (P,)) by the
     positive control (``control_cover_probability``; ``drop`` 0: the phase-blind selector matched to
     ``coverage``), each covering prompt ``i`` independently, and ``miss_odds_ratio`` of each: the share of
     intervals that contain the null (``contains_null``), lie above it (``detected``) and below it, beside the
-    derived expectation (``positive_control_power``). Seeded by ``seed``."""
-    rng = np.random.default_rng(seed)
+    derived expectation (``positive_control_power``). Seeded by ``opts.seed`` (the i-th bootstrap by ``seed + i``)."""
+    rng = np.random.default_rng(opts.seed)
     q = control_cover_probability(geometric, phases, straddling, coverage, drop)
     found = [
-        miss_odds_ratio(rng.random(len(q)) < q, geometric, phases, straddling, clusters, n_boot, seed + i, level)
+        miss_odds_ratio(
+            rng.random(len(q)) < q, geometric, phases, straddling, clusters, replace(opts, seed=opts.seed + i)
+        )
         for i in range(n_sims)
     ]
     lower = np.array([np.nan if r["lower"] is None else r["lower"] for r in found])
@@ -625,7 +611,7 @@ def simulate_miss_odds(
         "contains_null": float(np.mean((lower <= null) & (null <= upper))),
         "detected": float(np.mean(lower > null)),
         "below": float(np.mean(upper < null)),
-        "expected": positive_control_power(geometric, phases, straddling, coverage, drop, level),
+        "expected": positive_control_power(geometric, phases, straddling, coverage, drop, opts.level),
     }
 
 
@@ -663,20 +649,10 @@ def selector_rows(res: SelectionOutcome, stride: int, straddling: list[int], ctx
         {
             "layer": i,
             **cell(every, i),
-            "straddle_ratio": straddle_ratio(
-                res.covered[i].astype(np.float64),
-                phases,
-                straddling,
-                t["base"],
-                opts.n_bootstrap,
-                opts.seed,
-                opts.level,
-            ),
+            "straddle_ratio": straddle_ratio(res.covered[i].astype(np.float64), phases, straddling, t["base"], opts),
             "miss_odds_ratio": None
             if res.geometric is None
-            else miss_odds_ratio(
-                res.covered[i], res.geometric[i], phases, straddling, t["base"], opts.n_bootstrap, opts.seed, opts.level
-            ),
+            else miss_odds_ratio(res.covered[i], res.geometric[i], phases, straddling, t["base"], opts),
         }
         for i in range(n_layers)
     ]
@@ -707,9 +683,7 @@ def geometric_rows(res: SelectionOutcome, stride: int, straddling: list[int], ct
             {
                 "layer": i,
                 "covered": float(geo[i].mean()),
-                "straddle_ratio": straddle_ratio(
-                    geo[i], phases, straddling, t["base"], opts.n_bootstrap, opts.seed, opts.level
-                ),
+                "straddle_ratio": straddle_ratio(geo[i], phases, straddling, t["base"], opts),
             }
             for i in range(len(geo))
         ],
