@@ -15,17 +15,25 @@ from ckv.analysis import run_analysis
 from ckv.analysis.selection import (
     ImposedSelection,
     SelectionOutcome,
+    blind_cover_probability,
     chosen_entries,
     imposed_selection,
+    miss_odds_power,
+    miss_odds_ratio,
+    miss_odds_ratio_from_counts,
+    odds_ratio,
     paired_differences,
     random_cover_probability,
     selection,
     selector_rows,
+    simulate_miss_odds,
     straddling_phases,
+    synthetic_prompts,
     target_entries,
 )
 from ckv.config import ConfigError
 from ckv.eval import load_ckv_model
+from ckv.eval.stats import StatsOptions
 from tests.helpers import small_config
 
 from ..eval.helpers import make_run, png_ok
@@ -109,6 +117,56 @@ def test_the_geometric_expectation_equals_an_enumeration_of_every_top_k():
     straddle[6, 0] = straddle[7] = straddle[8, 1] = True
     assert random_cover_probability(inside, 2) == pytest.approx(1 - 78 / 105)  # 1 - C(13, 2) / C(15, 2)
     assert random_cover_probability(straddle, 2) == pytest.approx(15 / 105)  # entry 7 with any, or entries 6 and 8
+
+
+def test_the_phase_blind_selector_is_matched_to_the_coverage_per_prompt():
+    """q_i = f + (1 - f) g_i with mean q = the coverage; below the random selector's coverage: the random one."""
+    geometric, phases, _ = synthetic_prompts(128)
+    for coverage in (0.2, 0.6, 0.95):
+        q, f = blind_cover_probability(geometric, coverage)
+        assert q.mean() == pytest.approx(coverage) and np.allclose(q, f + (1 - f) * geometric)
+    q, f = blind_cover_probability(geometric, 0.01)
+    assert f == 0 and np.array_equal(q, geometric)
+    # its miss odds ratio is the null: a selector covering exactly q_i scores the null on expectation
+    r = miss_odds_ratio(blind_cover_probability(geometric, 0.9)[0], geometric, phases, [3], None, StatsOptions(10))
+    assert r["value"] == pytest.approx(r["null"]) and r["blind"] == pytest.approx(blind_cover_probability(
+        geometric, 0.9)[1])  # fmt: skip
+
+
+def test_the_miss_odds_ratio_of_counts_and_its_power():
+    """From counts: the odds of a miss at the straddling side over the others' ((256 - 126) / 126 over
+    (768 - 446) / 446), an interval around it, the null above 1; the power at the null itself is the one-sided
+    level, (1 - 0.95) / 2."""
+    r = miss_odds_ratio_from_counts((126, 446), (256, 768), (1 / 18, 2 / 18), StatsOptions(400))
+    assert r["value"] == pytest.approx((130 / 126) / (322 / 446)) and r["lower"] < r["value"] < r["upper"]
+    assert 1 < r["null"] < r["value"] and 0 < r["blind"] < 1
+    assert miss_odds_power((0.3, 0.2), float(odds_ratio(0.3, 0.2)), (256, 768)) == pytest.approx(0.025)
+
+
+@pytest.mark.parametrize("coverage", [0.90, 0.97, 0.99])
+def test_a_phase_blind_selector_at_high_coverage_lands_on_the_null(coverage):
+    """200 synthetic selections of 1,024 prompts shaped like the study's (``synthetic_prompts``: 14 to 22 visible
+    entries per mapping, top-1) by the phase-blind selector: the 95% interval of the
+    miss odds ratio contains the coverage-matched null at about the nominal rate (within 3 binomial standard
+    errors of 0.95: 0.95 +- 0.046), where the covered-rate ratio against the random top-1's 0.50 would call every
+    one of them even."""
+    geometric, phases, clusters = synthetic_prompts(128)
+    sim = simulate_miss_odds(geometric, phases, [3], clusters, coverage, 0.0, 200, StatsOptions(400, seed=0))
+    tolerance = 3 * (0.95 * 0.05 / 200) ** 0.5
+    assert abs(sim["contains_null"] - 0.95) <= tolerance, sim
+    assert sim["expected"]["power"] < 0.05  # drop 0: the null holds; "detected" is the one-sided false positive
+
+
+@pytest.mark.parametrize("coverage, drop", [(0.9, 0.1), (0.6, 0.2)])
+def test_the_positive_control_is_detected_at_its_derived_power(coverage, drop):
+    """The positive control (the phase-blind selector that also drops the straddling record with probability
+    ``drop``) is detected (interval above the null) at the rate derived by ``positive_control_power`` (normal
+    approximation of the log odds ratio), within 3 binomial standard errors of 200 simulations."""
+    geometric, phases, clusters = synthetic_prompts(128)
+    sim = simulate_miss_odds(geometric, phases, [3], clusters, coverage, drop, 200, StatsOptions(400, seed=1))
+    power = sim["expected"]["power"]
+    assert power > 0.8 and abs(sim["detected"] - power) <= 3 * (power * (1 - power) / 200) ** 0.5, sim
+    assert sim["below"] == 0
 
 
 def test_straddling_phases_and_the_covered_missed_table_add_up():
@@ -220,6 +278,33 @@ def test_selectors_imposed_on_a_dense_model(tmp_path: Path):
         selection(context(dense, tmp_path, params={"selectors": ["oracle"]}))
     with pytest.raises(ConfigError, match="no lightning indexer"):
         selection(context(dense, tmp_path, params={"selectors": ["indexer"], "topk": 1}))
+
+
+def test_the_positive_control_drops_the_straddling_record_with_its_probability(tmp_path: Path):
+    """``oracle_drop`` at ``drop`` 1 misses every straddling record in every layer and is the oracle at the other
+    phases; at ``drop`` 0 it is the oracle everywhere; listed alone it fails with one line."""
+    dense = load_ckv_model(make_run(tmp_path, attention=W8S4), device="cpu")
+
+    def serve(drop: float) -> dict:
+        params = {"selectors": ["oracle", "oracle_drop"], "topk": 1, "drop": drop}
+        return selection(context(dense, tmp_path, params=params))
+
+    result = serve(1.0)
+    straddling = result["straddling_phases"]
+    assert straddling and result["drop"] == 1.0
+    oracle, control = (result["selectors"][n] for n in ("oracle", "oracle_drop"))
+    for p_oracle, p_control in zip(oracle["phases"], control["phases"]):
+        for a, b in zip(p_oracle["layers"], p_control["layers"]):
+            if p_oracle["phase"] in straddling:  # no selected entry holds a token of the record
+                assert b["covered"]["successes"] == 0 and b["hit"] == 0
+            else:
+                assert b["covered"] == a["covered"]
+    odds = control["layers"][0]["miss_odds_ratio"]  # every straddling record missed: infinite odds
+    assert odds["value"] is None and 1 < odds["null"] < 3
+    unchanged = serve(0.0)["selectors"]
+    assert unchanged["oracle_drop"]["phases"] == unchanged["oracle"]["phases"]
+    with pytest.raises(ConfigError, match="oracle_drop.* alone"):
+        selection(context(dense, tmp_path, params={"selectors": ["oracle_drop"], "topk": 1}))
 
 
 def test_the_indexer_selector_serves_its_own_top_k(tmp_path: Path):

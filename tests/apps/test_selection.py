@@ -76,6 +76,7 @@ def _sel(model: str, seed: int, selector: str, ratio: tuple, geometric: float, e
         covered_others=0.6,
         ratio=dict(zip(("value", "lower", "upper"), ratio)),
         geometric_ratio=geometric,
+        miss_odds=dict(value=1.5, lower=1.2, upper=1.9, null=1.07),
         accuracy_covered_straddle=dict(n=30, rate=0.9),
         accuracy_missed_straddle=dict(n=70, rate=0.5),
     )
@@ -102,6 +103,7 @@ def test_the_tables_and_the_criteria_read_every_seed():
     assert "dense/0" in table(rows) and " 90.0 " in table(rows) and "flat" in table(rows)
     text = selector_table(sel)
     assert "0.30 [0.20, 0.40]" in text and "-10.0 [-15.0, -5.0]" in text and "90.0/50.0 (30/70)" in text
+    assert "1.50 [1.20, 1.90] / 1.07" in text
     checks = criteria(rows, sel)
     found = {c.claim.split(":")[0]: c for c in checks if not c.claim.startswith("P:")}
     control, dense, random = [c for c in checks if c.claim.startswith("P:")]
@@ -129,17 +131,18 @@ def test_a_selector_row_pools_the_straddling_phases_of_one_layer():
         return {"phase": r, "layers": [layer]}
 
     ratio = {"value": 0.25, "lower": 0.1, "upper": 0.4}
+    odds = {"value": 16.0, "lower": 4.0, "upper": 60.0, "null": 1.07, "blind": 0.9}
     analysis = {
         "straddling_phases": [3],
         "selectors": {"oracle": {"mean_accuracy": 0.5, "phases": [phase(r, 8 if r < 3 else 2) for r in range(4)],
-                                 "layers": [{"straddle_ratio": ratio}]}},
+                                 "layers": [{"straddle_ratio": ratio, "miss_odds_ratio": odds}]}},
         "geometric": {"layers": [{"straddle_ratio": {"value": 0.56}}]},
         "paired": {"oracle": {"mean": None}},
     }  # fmt: skip
     r = selector_row(Run("select_long", 0, "dense", name="dense"), "oracle", analysis, layer=0)
     assert (r["covered_straddle"], r["covered_others"]) == (0.2, 0.8)
     assert r["accuracy_covered_straddle"] == {"n": 2, "rate": 1.0} and r["accuracy_missed_straddle"]["n"] == 8
-    assert r["ratio"] == ratio and r["geometric_ratio"] == 0.56
+    assert r["ratio"] == ratio and r["geometric_ratio"] == 0.56 and r["miss_odds"] == odds
 
 
 @pytest.mark.slow
@@ -158,6 +161,8 @@ def test_quick_selection_writes_the_tables_a_plot_and_a_record(tmp_path):
     for r in record["selectors"]:
         assert (r["paired"] is None) == (r["selector"] == "dense")
         assert r["geometric_ratio"] is None or 0 < r["geometric_ratio"] < 1
+        assert r["miss_odds"]["null"] is None or r["miss_odds"]["null"] > 0  # the positive control's null too
+    assert any(r["selector"] == "oracle_drop" for r in record["selectors"]) and "miss OR" in proc.stdout
     assert "vs dense pp" in proc.stdout and png_ok(Path(record["plot"]))
     claims = {c["claim"].split(":")[0] for c in record["criteria"]}
     assert {"C1 sparse served by its trained indexer", "C2 dense served by oracle"} <= claims

@@ -22,13 +22,20 @@ its ``record_len`` tokens (``ckv.geometry.window_positions``, in the layer's gri
   own indexer runs in fp32), with Wilson intervals;
 - ``oracle``: the top-``topk`` entries of the layer's own DENSE joint softmax mass (``oracle_selection``);
 - ``random``: ``topk`` visible entries uniformly at random (seeded by ``seed``);
-- ``recency``: the ``topk`` most recent visible entries.
+- ``recency``: the ``topk`` most recent visible entries;
+- ``oracle_drop``: the positive control, the oracle except that at prompts whose target lies at a straddling
+  phase it drops the record with probability ``drop`` (seeded by ``seed``): the final query's selection then keeps
+  the oracle's picks that hold no token of the record and fills the rest uniformly from the visible entries that
+  hold none (``drop_record``), in every layer. It misses the straddling record with a known extra probability, so
+  ``miss_odds_ratio`` must find it (docs/selection.md). It is served after the other selectors, whose first
+  evaluation gives the straddling phases.
 
 ``topk`` defaults to the model's ``attention.selection.topk``. Per selector and phase: the accuracy, each layer's
 hit and covered rates with Wilson intervals, the accuracy when the record was covered and when it was missed (with
 Wilson intervals and their counts), and the straddling ratio (the covered rate at the phases where the fewest
-visible entries hold the whole record over the rate at the other phases, with a cluster-bootstrap interval). Beside
-them, ``geometric``: the exact probability that a uniformly random ``topk`` of the visible entries covers the
+visible entries hold the whole record over the rate at the other phases, with a cluster-bootstrap interval) and
+the miss odds ratio with its coverage-matched null (``miss_odds_ratio``: the statistic that is fair at any coverage).
+Beside them, ``geometric``: the exact probability that a uniformly random ``topk`` of the visible entries covers the
 record (``random_cover_probability``), averaged per phase, and its straddling ratio. ``paired``: every selector's
 accuracy minus the reference's (``dense`` when listed, else the first selector), per phase and overall, with a
 paired cluster-bootstrap interval (``ckv.analysis.paired``). ``report`` holds each selector's task statistics (the
@@ -40,7 +47,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any, Optional
@@ -54,10 +62,10 @@ from ckv.analysis.paired import interval, paired_replicates
 from ckv.analysis.registry import AnalysisContext, register_analysis
 from ckv.attention import CompressedAttention, compressed_layers
 from ckv.attention.indexer import oracle_selection, top_k
-from ckv.checks import check_choice, check_int
+from ckv.checks import check_choice, check_float, check_int
 from ckv.config import ConfigError
 from ckv.eval.scoring import length_batches
-from ckv.eval.stats import bootstrap_group_accuracy, group_accuracy, wilson_interval
+from ckv.eval.stats import StatsOptions, bootstrap_group_accuracy, group_accuracy, wilson_interval
 from ckv.geometry import compressed_mask, window_positions
 
 
@@ -73,19 +81,22 @@ def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttent
 
 
 QUANTISED = {"indexer_fp8": "fp8", "indexer_fp4": "fp4"}  # selector -> the indexer's attention.selection.quant
-SELECTORS = ("model", "dense", "indexer", *QUANTISED, "oracle", "random", "recency")
-NEEDS_TOPK = ("indexer", *QUANTISED, "oracle", "random", "recency")
+CONTROL = "oracle_drop"  # the positive control: the oracle, dropping the straddling record with probability ``drop``
+SELECTORS = ("model", "dense", "indexer", *QUANTISED, "oracle", "random", "recency", CONTROL)
+NEEDS_TOPK = ("indexer", *QUANTISED, "oracle", "random", "recency", CONTROL)
 
 
 @dataclass(frozen=True)
 class SelectionSettings:
     """``selectors``: the selectors that serve the model, each in its own evaluation of the same prompts (module
     docstring); ``topk``: the entries they keep (None: the model's ``attention.selection.topk``); ``seed``: the
-    random selector's seed."""
+    random selector's and the positive control's seed; ``drop``: the probability with which the positive control
+    (``oracle_drop``) drops a straddling record."""
 
     selectors: tuple[str, ...] = ("model",)
     topk: Optional[int] = None
     seed: int = 0
+    drop: float = 0.2
 
     def __post_init__(self) -> None:
         if isinstance(self.selectors, str):
@@ -99,6 +110,12 @@ class SelectionSettings:
         if self.topk is not None:
             check_int("analysis.topk", self.topk, 1)
         check_int("analysis.seed", self.seed, 0)
+        check_float("analysis.drop", self.drop, 0, 1)
+        if self.selectors == (CONTROL,):
+            raise ConfigError(
+                f"analysis.selectors=[{CONTROL}] alone: list another selector too (its evaluation gives the "
+                "straddling phases at which the positive control drops the record)"
+            )
 
     @property
     def reference(self) -> str:
@@ -163,17 +180,39 @@ class ImposedSelection:
     None; ``oracle``, ``random``, ``recency``: ``imposed_selection``), and ``indexer`` sets each lightning
     indexer's ``topk`` for the duration (its own selection code path; ``indexer_fp8``/``indexer_fp4`` its
     ``quant`` too); ``model`` changes nothing. The random
-    selector's generator is seeded with ``seed`` on entry, so one evaluation draws the same selections every run."""
+    selector's generator is seeded with ``seed`` on entry, so one evaluation draws the same selections every run.
+    ``oracle_drop`` (the positive control) also needs each batch's targets before its forward (``targets``): it
+    drops the record of a prompt at a straddling phase with probability ``drop``, drawn once per prompt."""
 
-    def __init__(self, layers: list[CompressedAttention], selector: str, topk: Optional[int], seed: int = 0) -> None:
-        self.layers, self.selector, self.topk, self.seed = layers, selector, topk, seed
+    def __init__(
+        self, layers: list[CompressedAttention], selector: str, topk: Optional[int], seed: int = 0, drop: float = 0.0
+    ) -> None:
+        self.layers, self.selector, self.topk, self.seed, self.drop = layers, selector, topk, seed, drop
         self.generator = torch.Generator()
         self.handles: list[Any] = []
         self.saved: list[tuple[int, str]] = []  # each indexer's (topk, quant) while an indexer selector serves
+        self.starts: Optional[torch.Tensor] = None  # (B,) the batch's record starts (oracle_drop)
+        self.dropped: Optional[torch.Tensor] = None  # (B,) bool: the prompts whose record oracle_drop drops
+        self.record_len = 0
 
-    def _on_attend(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def targets(self, starts: torch.Tensor, straddle: np.ndarray, record_len: int) -> None:
+        """The next forward's records (``starts`` (B,) real positions, ``record_len`` tokens) and whether each lies
+        at a straddling phase (``straddle`` (B,) bool); draws which of those ``oracle_drop`` drops."""
+        draw = torch.rand(len(starts), generator=self.generator) < self.drop
+        self.starts, self.dropped, self.record_len = starts, torch.as_tensor(straddle) & draw, record_len
+
+    def _on_attend(
+        self, layer: CompressedAttention, module: nn.Module, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[tuple, dict[str, Any]]:
         if self.selector == "dense":
             return args, {**kwargs, "selected": None}
+        if self.selector == CONTROL:
+            if self.dropped is None:
+                raise RuntimeError(f"{CONTROL} serves a forward whose targets were not given (targets())")
+            selected = imposed_selection("oracle", module, args, kwargs, self.topk)
+            selected = drop_record(layer, selected, args, kwargs, self.starts, self.record_len, self.dropped,
+                                   self.generator)  # fmt: skip
+            return args, {**kwargs, "selected": selected}
         selected = imposed_selection(self.selector, module, args, kwargs, self.topk, self.generator)
         return args, {**kwargs, "selected": selected}
 
@@ -185,13 +224,14 @@ class ImposedSelection:
                 layer.indexer.topk = self.topk
                 layer.indexer.quant = QUANTISED.get(self.selector, layer.indexer.quant)
             elif self.selector != "model":
-                self.handles.append(layer.attend.register_forward_pre_hook(self._on_attend, with_kwargs=True))
+                hook = partial(self._on_attend, layer)
+                self.handles.append(layer.attend.register_forward_pre_hook(hook, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for layer, (k, quant) in zip(self.layers, self.saved):
             layer.indexer.topk, layer.indexer.quant = k, quant
-        self.saved = []
+        self.saved, self.starts, self.dropped = [], None, None
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -221,6 +261,37 @@ def target_entries(layer: CompressedAttention, n_entries: int, starts: torch.Ten
     tokens = starts[:, None] + P + torch.arange(record_len, device=starts.device)  # (B, R) grid positions
     same = pos[None, :, :, None] == tokens[:, None, None, :]  # (B, E, W, R)
     return (same & present[None, :, :, None]).any(2)
+
+
+def drop_record(
+    layer: CompressedAttention,
+    selected: torch.Tensor,
+    args: tuple,
+    kwargs: dict[str, Any],
+    starts: torch.Tensor,
+    record_len: int,
+    dropped: torch.Tensor,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """``selected`` (B, Tq, K) with the final query's row replaced, for the ``dropped`` (B,) prompts, by a
+    selection that holds no token of the record starting at ``starts`` (B,): the row's picks that hold none, then
+    picks drawn uniformly (``generator``) from the other visible entries that hold none, best first as ``top_k``
+    lists them (``-1`` where fewer remain). ``args``/``kwargs``: the layer's ``attend`` call."""
+    if not bool(dropped.any()):
+        return selected
+    E, T = args[1].shape[1], args[0].shape[1]
+    q_grid = kwargs["q_start"] + T - 1  # the final query's grid position
+    holds = target_entries(layer, E, starts.cpu(), record_len).any(-1)  # (B, E)
+    visible = compressed_mask(torch.tensor([q_grid]), E, kwargs["stride"])[0]  # (E,)
+    last = selected[:, -1].cpu()  # (B, K)
+    kept = torch.zeros(len(last), E + 1, dtype=torch.bool)  # column E: the empty slots
+    kept.scatter_(-1, torch.where(last < 0, E, last), True)
+    rank = torch.rand(len(last), E, generator=generator)  # (B, E): fills at random
+    rank = torch.where(kept[:, :E], rank + 1, rank).masked_fill(holds | ~visible, float("-inf"))  # picks first
+    row = top_k(rank[:, None], selected.shape[-1])[:, 0]  # (B, K)
+    out = selected.clone()
+    out[:, -1] = torch.where(dropped[:, None], row.to(selected.device), selected[:, -1])
+    return out
 
 
 def chosen_entries(selected: torch.Tensor | None, n_entries: int, q_grid: int, stride: int, batch: int) -> torch.Tensor:
@@ -282,10 +353,15 @@ class SelectionOutcome:
 
 
 def selection_outcome(
-    ctx: AnalysisContext, layers: list[CompressedAttention], topk: Optional[int] = None
+    ctx: AnalysisContext,
+    layers: list[CompressedAttention],
+    topk: Optional[int] = None,
+    imposed: Optional[ImposedSelection] = None,
+    straddling: tuple[int, ...] = (),
 ) -> SelectionOutcome:
     """Score the task once with hooks on ``layers`` (``SelectionOutcome``; ``topk`` sizes the geometric
-    expectation)."""
+    expectation). ``imposed``: told each batch's targets before its forward (``ImposedSelection.targets``), with
+    which of them lie at the ``straddling`` phases."""
     task, R = ctx.task, ctx.task.codec.record_len
     starts_all = torch.as_tensor(task.table["target_position"])
     lengths = np.array([len(p) for p in task.prompts], dtype=np.int64)
@@ -301,8 +377,10 @@ def selection_outcome(
         idx = next(batches)
         if not torch.equal(ids.cpu(), torch.as_tensor(np.stack([task.prompts[i] for i in idx]))):
             raise RuntimeError("analysis=selection: the prompts arrived in another order than length_batches'")
-        out = ctx.model.logits(ids)
         starts = starts_all[idx]
+        if imposed is not None:
+            imposed.targets(starts, np.isin(task.table["phase"][idx], straddling), R)
+        out = ctx.model.logits(ids)
         for i, last, n_entries, q_grid in recorder.take():
             layer = layers[i]
             holds = target_entries(layer, n_entries, starts, R)  # (B, E, R)
@@ -344,32 +422,204 @@ def straddling_phases(whole: np.ndarray, phases: np.ndarray, stride: int) -> lis
     return [] if np.allclose(mean[np.isfinite(mean)], low) else [int(r) for r in np.flatnonzero(mean == low)]
 
 
-def straddle_ratio(
+def _straddle_statistic(
     rate: np.ndarray,
     phases: np.ndarray,
     straddling: list[int],
-    clusters: np.ndarray,
-    n_boot: int,
-    seed: int,
-    level: float,
+    clusters: Optional[np.ndarray],
+    opts: StatsOptions,
+    statistic: Callable[[np.ndarray, np.ndarray], np.ndarray],
+) -> dict:
+    """``{"value", "lower", "upper"}`` of ``statistic(straddling mean, others' mean)`` of ``rate`` (P,) (0/1 or a
+    probability), with a cluster-bootstrap interval (``bootstrap_group_accuracy`` with ``opts``' resamples, seed and
+    level, the task's statistics' own; ``clusters`` None resamples single prompts); None values without straddling
+    phases."""
+    if not straddling:
+        return {"value": None, "lower": None, "upper": None}
+    group = np.isin(phases, straddling).astype(np.int64)  # 1: straddling
+    means = np.array([rate[group == g].mean() if (group == g).any() else np.nan for g in (0, 1)])
+    reps, _ = bootstrap_group_accuracy(rate, group, 2, clusters, opts.n_bootstrap, opts.seed)  # (n_boot, 2)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return interval(statistic(reps[:, 1], reps[:, 0]), float(statistic(means[1], means[0])), opts.level)
+
+
+def _ratio(straddle: np.ndarray, others: np.ndarray) -> np.ndarray:
+    return np.where(others > 0, straddle / np.where(others > 0, others, 1.0), np.nan)
+
+
+def straddle_ratio(
+    rate: np.ndarray, phases: np.ndarray, straddling: list[int], clusters: np.ndarray, opts: StatsOptions
 ) -> dict:
     """``{"value", "lower", "upper"}``: the mean of ``rate`` (P,) (0/1 or a probability) at the ``straddling``
     phases over its mean at the other phases, with a cluster-bootstrap interval (the same clusters and seed as
     the task's statistics); None values without straddling phases or without a rate at the others."""
-    if not straddling:
-        return {"value": None, "lower": None, "upper": None}
-    group = np.isin(phases, straddling).astype(np.int64)  # 1: straddling
-    means = np.array([rate[group == g].mean() for g in (0, 1)])
-    reps, _ = bootstrap_group_accuracy(rate, group, 2, clusters, n_boot, seed)  # (n_boot, 2)
+    return _straddle_statistic(rate, phases, straddling, clusters, opts, _ratio)
+
+
+def odds_ratio(straddle: np.ndarray | float, others: np.ndarray | float) -> np.ndarray:
+    """The odds of ``straddle`` (a miss rate) over the odds of ``others``: ``(a / (1 - a)) / (b / (1 - b))``
+    (elementwise; inf where ``b`` is 0 or ``a`` is 1, NaN where both odds are 0 or infinite)."""
+    a, b = np.asarray(straddle, dtype=np.float64), np.asarray(others, dtype=np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
-        value = means[1] / means[0] if means[0] > 0 else float("nan")
-        return interval(reps[:, 1] / reps[:, 0], value, level)
+        return (a / (1 - a)) / (b / (1 - b))
+
+
+def blind_cover_probability(geometric: np.ndarray, coverage: float) -> tuple[np.ndarray, float]:
+    """``(q, f)``: the phase-blind selector matched to ``coverage``. It finds the target record with one
+    probability ``f`` whatever the phase, and otherwise picks uniformly at random among the prompt's visible
+    entries, covering the record with that prompt's ``geometric`` (P,) probability ``g_i``
+    (``random_cover_probability``: it differs where the prompts see different numbers of entries). So prompt ``i``
+    is covered with ``q_i = f + (1 - f) g_i``, and ``f = (c - mean g) / (1 - mean g)`` makes the mean of ``q`` the
+    tested selector's overall ``coverage`` ``c`` (clipped to [0, 1]: a selector covering less than a random one is
+    matched by the random one, ``f = 0``; one covering everything by ``f = 1``)."""
+    g = np.asarray(geometric, dtype=np.float64)
+    mean = float(g.mean())
+    f = 1.0 if mean >= 1 else float(np.clip((coverage - mean) / (1 - mean), 0.0, 1.0))
+    return f + (1 - f) * g, f
+
+
+def miss_odds_ratio(
+    covered: np.ndarray,
+    geometric: np.ndarray,
+    phases: np.ndarray,
+    straddling: list[int],
+    clusters: Optional[np.ndarray],
+    opts: StatsOptions,
+) -> dict:
+    """The statistic that is fair at any coverage: the odds ratio of a MISS at the ``straddling`` phases against
+    the other phases, ``{"value", "lower", "upper"}`` with a cluster-bootstrap interval (``_straddle_statistic`` of
+    the miss indicator ``1 - covered`` (P,)), and its ``null``: the same odds ratio expected of the phase-blind
+    selector matched to the tested selector's overall coverage (``blind_cover_probability`` of the prompts'
+    ``geometric`` (P,) probabilities: its miss rate per side is the mean of ``1 - q_i``), with ``blind``, that
+    selector's ``f``. A selector that misses the straddling record no more often than its coverage and the geometry
+    imply has an interval containing ``null``; one whose lower bound exceeds it misses the straddling record
+    relatively more. (A uniformly random top-k: ``f = 0``; at ``f`` near 1 the null tends to the ratio of the
+    random selector's miss rates, about 1.06 for top-1 of 18.) None values without straddling phases."""
+    miss = 1.0 - np.asarray(covered, dtype=np.float64)
+    out = _straddle_statistic(miss, phases, straddling, clusters, opts, odds_ratio)
+    if not straddling:
+        return {**out, "null": None, "blind": None}
+    q, f = blind_cover_probability(geometric, float(1.0 - miss.mean()))
+    side = np.isin(phases, straddling)
+    null = float(odds_ratio((1 - q[side]).mean(), (1 - q[~side]).mean()))
+    return {**out, "null": null if math.isfinite(null) else None, "blind": f}
+
+
+def miss_odds_ratio_from_counts(
+    covered: tuple[int, int], n: tuple[int, int], geometric: tuple[float, float], opts: StatsOptions = StatsOptions()
+) -> dict:
+    """``miss_odds_ratio`` of a selector known only by its counts: ``covered`` and ``n`` prompts at the straddling
+    phases and at the others, every prompt of a side with the side's ``geometric`` probability. Without the
+    prompts' key->value mappings the bootstrap resamples single prompts (``clusters`` None), so its interval is
+    narrower than the study's cluster bootstrap wherever the shifted copies of one mapping are correlated."""
+    phases = np.repeat([1, 0], n)  # phase 1 stands for the straddling side
+    cov = np.concatenate([np.arange(m) < c for c, m in zip(covered, n)]).astype(np.float64)
+    geo = np.repeat(np.asarray(geometric, dtype=np.float64), n)
+    return miss_odds_ratio(cov, geo, phases, [1], None, opts)
+
+
+def miss_odds_power(miss: tuple[float, float], null: float, n: tuple[int, int], level: float = 0.95) -> float:
+    """The probability that ``miss_odds_ratio``'s interval lies above ``null`` for a selector whose expected miss
+    rates are ``miss`` (straddling, others) over ``n`` independent prompts per side: the normal approximation of
+    the log odds ratio with Woolf's standard error, ``Phi((log OR - log null) / se - z)``, ``z`` the two-sided
+    ``level`` quantile (the bootstrap percentile interval approximates the same interval)."""
+    (a, b), (n_s, n_o) = miss, n
+    se = math.sqrt(1 / (n_s * a) + 1 / (n_s * (1 - a)) + 1 / (n_o * b) + 1 / (n_o * (1 - b)))
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    return NormalDist().cdf((math.log(float(odds_ratio(a, b))) - math.log(null)) / se - z)
+
+
+def control_cover_probability(
+    geometric: np.ndarray, phases: np.ndarray, straddling: list[int], coverage: float, drop: float
+) -> np.ndarray:
+    """(P,) the probability that the positive control covers each prompt's record: the phase-blind selector
+    matched to ``coverage`` (``blind_cover_probability``), which at the ``straddling`` phases additionally drops the
+    record with probability ``drop`` (``q_i (1 - drop)`` there, ``q_i`` elsewhere)."""
+    q, _ = blind_cover_probability(geometric, coverage)
+    return np.where(np.isin(phases, straddling), (1 - drop) * q, q)
+
+
+def positive_control_power(
+    geometric: np.ndarray, phases: np.ndarray, straddling: list[int], coverage: float, drop: float, level: float
+) -> dict:
+    """What ``miss_odds_ratio`` should find for the positive control (``control_cover_probability``) over these
+    prompts, derived, not simulated: its expected miss rates per side, their ``odds_ratio``, the ``null`` of the
+    phase-blind selector matched to its expected overall coverage (lower than ``coverage`` by the dropped records),
+    and the ``power`` to detect it (``miss_odds_power``; ``drop`` 0: the rate of intervals lying above the null by
+    chance, about ``(1 - level) / 2``)."""
+    side = np.isin(phases, straddling)
+    q = control_cover_probability(geometric, phases, straddling, coverage, drop)
+    miss = (float((1 - q[side]).mean()), float((1 - q[~side]).mean()))
+    blind, _ = blind_cover_probability(geometric, float(q.mean()))
+    null = float(odds_ratio((1 - blind[side]).mean(), (1 - blind[~side]).mean()))
+    n = (int(side.sum()), int((~side).sum()))
+    return {"miss": miss, "odds_ratio": float(odds_ratio(*miss)), "null": null,
+            "power": miss_odds_power(miss, null, n, level)}  # fmt: skip
+
+
+def synthetic_prompts(
+    n_base: int, visible: tuple[int, int] = (14, 22), k: int = 1, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Synthetic prompts shaped like ``make selection``'s, for ``simulate_miss_odds``: ``n_base`` key->value
+    mappings at 8 shifts (phase = shift mod 4), a 2-token record under W = 8, S = 4 (phases 0-2: two entries hold it
+    whole; phase 3 straddles: one entry holds it whole and one more holds each token), each mapping's prompts seeing
+    a number of visible entries drawn uniformly from ``visible`` (inclusive; so the phase-blind selector's probability
+    differs per prompt), top-``k``. Returns ``(geometric, phases, clusters)``, each (8 n_base,):
+    ``random_cover_probability`` per prompt, its phase and its mapping."""
+    n_visible = np.repeat(np.random.default_rng(seed).integers(visible[0], visible[1] + 1, n_base), 8)
+    phases = np.tile(np.arange(8) % 4, n_base)
+
+    def holds(n: int, straddle: bool) -> np.ndarray:  # (n, 2): the entries holding each token of the record
+        h = np.zeros((n, 2), dtype=bool)
+        if straddle:
+            h[6, 0] = h[7] = h[8, 1] = True
+        else:
+            h[[6, 7]] = True
+        return h
+
+    geometric = np.array([random_cover_probability(holds(n, r == 3), k) for n, r in zip(n_visible, phases)])
+    return geometric, phases, np.repeat(np.arange(n_base), 8)
+
+
+def simulate_miss_odds(
+    geometric: np.ndarray,
+    phases: np.ndarray,
+    straddling: list[int],
+    clusters: np.ndarray,
+    coverage: float,
+    drop: float,
+    n_sims: int,
+    opts: StatsOptions,
+) -> dict:
+    """``n_sims`` synthetic selections of the prompts (``geometric``, ``phases``, ``clusters`` (P,)) by the
+    positive control (``control_cover_probability``; ``drop`` 0: the phase-blind selector matched to
+    ``coverage``), each covering prompt ``i`` independently, and ``miss_odds_ratio`` of each: the share of
+    intervals that contain the null (``contains_null``), lie above it (``detected``) and below it, beside the
+    derived expectation (``positive_control_power``). Seeded by ``opts.seed`` (the i-th bootstrap by ``seed + i``)."""
+    rng = np.random.default_rng(opts.seed)
+    q = control_cover_probability(geometric, phases, straddling, coverage, drop)
+    found = [
+        miss_odds_ratio(
+            rng.random(len(q)) < q, geometric, phases, straddling, clusters, replace(opts, seed=opts.seed + i)
+        )
+        for i in range(n_sims)
+    ]
+    lower = np.array([np.nan if r["lower"] is None else r["lower"] for r in found])
+    upper = np.array([np.nan if r["upper"] is None else r["upper"] for r in found])
+    null = np.array([np.nan if r["null"] is None else r["null"] for r in found])
+    return {
+        "contains_null": float(np.mean((lower <= null) & (null <= upper))),
+        "detected": float(np.mean(lower > null)),
+        "below": float(np.mean(upper < null)),
+        "expected": positive_control_power(geometric, phases, straddling, coverage, drop, opts.level),
+    }
 
 
 def selector_rows(res: SelectionOutcome, stride: int, straddling: list[int], ctx: AnalysisContext) -> dict:
     """One selector's results: per phase the accuracy and, per layer, the hit rate, the covered rate (with a
     Wilson interval) and the accuracy when covered and when missed (``_proportion``: counts, rate, Wilson
-    interval); per layer the same over every phase and the straddling ratio of the covered rate."""
+    interval); per layer the same over every phase, the straddling ratio of the covered rate and the miss odds
+    ratio with its coverage-matched null (``miss_odds_ratio``; None without a k, hence without the geometry)."""
     correct, t, opts = res.outcome.correct, res.outcome.table, ctx.options.stats
     phases = t["phase"]
     z = NormalDist().inv_cdf((1 + opts.level) / 2)  # the two-sided normal quantile of the level
@@ -399,15 +649,10 @@ def selector_rows(res: SelectionOutcome, stride: int, straddling: list[int], ctx
         {
             "layer": i,
             **cell(every, i),
-            "straddle_ratio": straddle_ratio(
-                res.covered[i].astype(np.float64),
-                phases,
-                straddling,
-                t["base"],
-                opts.n_bootstrap,
-                opts.seed,
-                opts.level,
-            ),
+            "straddle_ratio": straddle_ratio(res.covered[i].astype(np.float64), phases, straddling, t["base"], opts),
+            "miss_odds_ratio": None
+            if res.geometric is None
+            else miss_odds_ratio(res.covered[i], res.geometric[i], phases, straddling, t["base"], opts),
         }
         for i in range(n_layers)
     ]
@@ -438,9 +683,7 @@ def geometric_rows(res: SelectionOutcome, stride: int, straddling: list[int], ct
             {
                 "layer": i,
                 "covered": float(geo[i].mean()),
-                "straddle_ratio": straddle_ratio(
-                    geo[i], phases, straddling, t["base"], opts.n_bootstrap, opts.seed, opts.level
-                ),
+                "straddle_ratio": straddle_ratio(geo[i], phases, straddling, t["base"], opts),
             }
             for i in range(len(geo))
         ],
@@ -556,18 +799,23 @@ def selection(ctx: AnalysisContext) -> dict:
             f"(or 'model') too, on a model with attention.selection.quant=none (this one: {a.selection.quant!r})"
         )
     results: dict[str, SelectionOutcome] = {}
-    for name in settings.selectors:
-        with ImposedSelection(layers, name, k, settings.seed):
-            results[name] = selection_outcome(ctx, layers, k)
+    straddling: list[int] = []
+    for name in sorted(settings.selectors, key=lambda n: n == CONTROL):  # the positive control last
+        with ImposedSelection(layers, name, k, settings.seed, settings.drop) as imposed:
+            control = name == CONTROL
+            results[name] = selection_outcome(ctx, layers, k, imposed if control else None, tuple(straddling))
+        if not straddling:  # the geometry, the same in every evaluation: from the first
+            straddling = straddling_phases(results[name].whole, results[name].outcome.table["phase"], stride)
         print(f"analysis=selection: {ctx.model.name} served by {name}: done", flush=True)
+    results = {name: results[name] for name in settings.selectors}
     first = results[settings.selectors[0]]
-    straddling = straddling_phases(first.whole, first.outcome.table["phase"], stride)
     result = {
         "stride": stride,
         "record_len": ctx.task.codec.record_len,
         "topk": k,
         "model_selection": None if a.selection is None else {"by": a.selection.by, "topk": a.selection.topk},
         "seed": settings.seed,
+        "drop": settings.drop if CONTROL in settings.selectors else None,
         "straddling_phases": straddling,
         "selectors": {name: selector_rows(res, stride, straddling, ctx) for name, res in results.items()},
         "geometric": None if k is None else geometric_rows(first, stride, straddling, ctx),

@@ -9,10 +9,12 @@ low-rank latent, rank 32) wherever attention is compressed:
 - ``dense``: V4's dense CSA (``deepseek_v4_csa``), trained dense, then SERVED on the same prompts by every
   selector of ``eval.py analysis=selection`` at top-``TOPK``: ``dense`` (every visible entry, the reference),
   ``oracle`` (the top-k of the layer's own dense attention mass: a perfect selector imposed at inference, not a
-  training regime), ``random`` (k visible entries uniformly, seeded) and ``recency`` (the k most recent);
+  training regime), ``random`` (k visible entries uniformly, seeded), ``recency`` (the k most recent) and the
+  positive control ``oracle_drop`` (the oracle dropping the straddling record with probability ``DROP``: the
+  miss odds ratio must find it);
 - ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by its default
   recipe (``trainer.indexer.recipe=three_stage``, docs/training.md: 60% dense training, 20% the indexer's warm-up
-  on the frozen model, 20% sparse training), served by its trained indexer (``model``), by the same four selectors
+  on the frozen model, 20% sparse training), served by its trained indexer (``model``), by the same five selectors
   on its own weights (the oracle on the indexer's schedule) and by its indexer fake-quantised to FP8 and FP4
   (``QUANTISED``: how many selections change against fp32, and at which phase);
 - ``full``: the full-attention control, which must learn the task (mean >= ``CONTROL_FLOOR`` in every seed).
@@ -22,9 +24,11 @@ The runs, seeds, top-k, selectors and the criteria's numbers are ``conf/study/se
 lookup, then this module analyses it with ``eval.py analysis=selection`` on the same prompts. Printed: the per-run
 table (mean, per-phase accuracy, phase gap with interval, noise floor, verdict), the per-selector
 table (paired accuracy difference against dense serving of the same weights, covered rate at the straddling phase
-and at the others, its ratio with interval beside the geometric expectation of a random top-k, and the accuracy
-when the record was covered vs missed at the straddling phase) and the criteria of docs/selection.md
-(``criteria``); one plot, everything under ``outputs/selection/``.
+and at the others, its ratio with interval beside the geometric expectation of a random top-k, the miss odds
+ratio with interval beside its coverage-matched null (``ckv.analysis.selection.miss_odds_ratio``: the statistic
+that is fair at any coverage; the committed criteria below still judge the ratio), and the accuracy when the record
+was covered vs missed at the straddling phase) and the criteria of docs/selection.md (``criteria``); one plot,
+everything under ``outputs/selection/``.
 
     python -m ckv.apps.selection            # make selection (9 runs; time in the Makefile and docs/selection.md)
     python -m ckv.apps.selection --quick    # seed 0, a few steps per model: checks the pipeline only
@@ -62,7 +66,7 @@ from ckv.train.metrics import read_metrics
 
 STUDY = load_study("selection")  # conf/study/selection.yaml: the runs, seeds and the criteria's numbers
 SEEDS = STUDY.seeds
-STRIDE, TOPK, N_BASE, LAYER = (STUDY.params[k] for k in ("stride", "topk", "n_base", "layer"))
+STRIDE, TOPK, N_BASE, LAYER, DROP = (STUDY.params[k] for k in ("stride", "topk", "n_base", "layer", "drop"))
 CONTROL_FLOOR, DENSE_LEARNED, EQUIVALENCE = (
     STUDY.criteria[k] for k in ("control_learned", "dense_learned", "equivalence")
 )
@@ -99,6 +103,7 @@ def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, c
                 *cmd,
                 f"analysis.selectors=[{selectors}]",
                 f"analysis.topk={TOPK}",
+                f"analysis.drop={DROP}",
                 "progress=false",
                 *(QUICK_EVAL if quick else (f"task.n_base={N_BASE}",)),
             ],
@@ -129,7 +134,8 @@ def selector_row(run: Run, name: str, analysis: dict, layer: int = LAYER) -> dic
     """One (run, selector) row of ``analysis=selection``'s results at ``layer``: mean accuracy, the paired
     difference against the reference and its straddling excess, the covered rate at the straddling phases and at
     the others, the straddling ratio beside the geometric one, and the accuracy when covered / missed at the
-    straddling phases (pooled counts); for a quantised indexer, per phase the share of final-query selections that
+    straddling phases (pooled counts), the miss odds ratio with its coverage-matched null (``miss_odds``); for a
+    quantised indexer, per phase the share of final-query selections that
     differ from the fp32 indexer's (``changed``)."""
     res, straddling = analysis["selectors"][name], analysis["straddling_phases"]
     cells = [(p["phase"] in straddling, p["layers"][layer]) for p in res["phases"]]
@@ -151,6 +157,7 @@ def selector_row(run: Run, name: str, analysis: dict, layer: int = LAYER) -> dic
         "covered_others": pooled("covered", False)["rate"],
         "ratio": res["layers"][layer]["straddle_ratio"],
         "geometric_ratio": None if geo is None else geo["layers"][layer]["straddle_ratio"]["value"],
+        "miss_odds": res["layers"][layer].get("miss_odds_ratio"),
         "accuracy_covered_straddle": pooled("accuracy_covered", True),
         "accuracy_missed_straddle": pooled("accuracy_missed", True),
         "changed": None if quantised is None else [p["layers"][layer] for p in quantised["phases"]],
@@ -185,6 +192,14 @@ def _ratio(x: Optional[dict]) -> str:
     return f"{x['value']:.2f} [{_number(x['lower'])}, {_number(x['upper'])}]"
 
 
+def _odds(x: Optional[dict]) -> str:
+    """``value [lower, upper] / null`` of a miss odds ratio, ``-`` when missing (``inf`` where no prompt at the
+    other phases was missed or every straddling one was)."""
+    if not x or x.get("null") is None:
+        return "-"
+    return f"{_ratio(x) if x.get('value') is not None else 'inf'} / {x['null']:.2f}"
+
+
 def table(rows: list[dict]) -> str:
     """The per-run table: accuracy (mean, per phase), the phase gap with its interval, noise floor, permutation p,
     one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``), verdict, the indexer's final recall."""
@@ -209,11 +224,13 @@ def table(rows: list[dict]) -> str:
 def selector_table(rows: list[dict]) -> str:
     """The per-selector table at layer ``LAYER``: mean accuracy, paired difference against dense serving of the
     same weights (pp, 95% interval) and its excess at the straddling phase, covered % at the straddling phase and
-    at the others, the straddling ratio with interval beside the geometric expectation of a random top-k, and the
-    accuracy when covered / missed at the straddling phase (with counts)."""
+    at the others, the straddling ratio with interval beside the geometric expectation of a random top-k, the miss
+    odds ratio with interval and its coverage-matched null, and the accuracy when covered / missed at the
+    straddling phase (with counts)."""
     lines = [
         f"{'model/seed':10s} {'selector':11s} {'mean %':>6s} {'vs dense pp [95%]':>20s} {'straddle excess pp':>20s} "
-        f"{'cov% str/oth':>12s} {'ratio [95%]':>18s} {'geom':>5s}  acc% covered/missed at straddle (n)"
+        f"{'cov% str/oth':>12s} {'ratio [95%]':>18s} {'geom':>5s} {'miss OR [95%] / null':>25s}  "
+        "acc% covered/missed at straddle (n)"
     ]
     for r in rows:
         pr = r["paired"] or {}
@@ -222,7 +239,8 @@ def selector_table(rows: list[dict]) -> str:
         lines.append(
             f"{r['model'] + '/' + str(r['seed']):10s} {r['selector']:11s} {100 * r['mean']:6.1f} "
             f"{_iv(pr.get('mean')):>20s} {_iv(pr.get('straddle_excess')):>20s} "
-            f"{pp(r['covered_straddle']):>5s}/{pp(r['covered_others']):<6s} {_ratio(r['ratio']):>18s} {geo:>5s}  "
+            f"{pp(r['covered_straddle']):>5s}/{pp(r['covered_others']):<6s} {_ratio(r['ratio']):>18s} {geo:>5s} "
+            f"{_odds(r.get('miss_odds')):>25s}  "
             f"{pp(yes['rate'])}/{pp(no['rate'])} ({yes['n']}/{no['n']})"
         )
     return "\n".join(lines)

@@ -31,9 +31,10 @@ to two dense stages, in this order (``dense_steps``, then ``warmup_steps``; eith
 3. Sparse training: DeepSeek-V3.2's "Sparse Training Stage" (above).
 
 ``dense_steps`` then ``warmup_steps`` then sparse is the three-stage recipe, the default (``recipe: three_stage``:
-60% / 20% / 20% of ``trainer.max_steps`` unless the steps are given); ``dense_steps`` alone (no warm-up) is
-co-training (``recipe: cotrain``: 80% dense, then sparse), ckv's alternative, which no source describes as
-DeepSeek's; ``recipe: sparse`` trains sparse from step 0.
+60% / 20% / 20% of ``trainer.max_steps`` unless the steps are given: DeepSeek-V3.2's order, ckv's shares and one
+learning-rate schedule for every stage; docs/selection.md, "Recipe, sourced", names each deviation);
+``dense_steps`` alone (no warm-up) is co-training (``recipe: cotrain``: 80% dense, then sparse), ckv's
+alternative, which no source describes as DeepSeek's; ``recipe: sparse`` trains sparse from step 0.
 
 Memory (``indexer_loss``): the KL runs in query chunks sized from ``ckv.attention.indexer.WORKING_BYTES`` by
 ``kl_working_bytes``, each chunk under activation checkpointing, so neither its forward nor its backward holds a
@@ -74,10 +75,16 @@ from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, kl_w
 from ckv.config import check_choice, check_float, check_int
 from ckv.geometry import compressed_mask, visible_entries
 
-RECIPES = {  # trainer.indexer.recipe -> (dense training, indexer warm-up) in % of trainer.max_steps; then sparse
-    "three_stage": (60, 20),  # DeepSeek-V3.2: a trained dense model, the indexer's warm-up on it (frozen), sparse
-    "cotrain": (80, 0),  # ckv's alternative: dense training with the indexer fitted meanwhile, then sparse
-    "sparse": (0, 0),  # sparse training from step 0
+# trainer.indexer.recipe -> (dense training, indexer warm-up) in % of trainer.max_steps; then sparse training. What
+# is DeepSeek's and what is ckv's: docs/selection.md, "Recipe, sourced".
+RECIPES = {
+    # DeepSeek-V3.2's ORDER and losses (a trained dense model, the indexer's dense warm-up with everything else
+    # frozen, then sparse training with the KL over the selected set); the SHARES are ckv's: dense training stands in
+    # for V3.2's trained checkpoint (the indexer co-trains in it), and warm-up = sparse in steps, where V3.2 runs
+    # 1,000 warm-up steps before 15,000 sparse ones (2.1B and 943.7B tokens) at its own learning rates
+    "three_stage": (60, 20),
+    "cotrain": (80, 0),  # ckv's: dense training with the indexer fitted meanwhile, then sparse; no warm-up
+    "sparse": (0, 0),  # ckv's: sparse training from step 0
 }
 
 
