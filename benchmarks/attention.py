@@ -443,7 +443,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "dtype": str(dtype).replace("torch.", ""),
         "batch": args.batch,
         "torch": torch.__version__,
-        "triton": _version("triton"),
+        "triton": package_version("triton"),
         "full_backend": full_backend(device, dtype),
         "repeats": args.repeats,
         "topk": topk or None,
@@ -477,7 +477,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     return result
 
 
-def _version(name: str) -> Optional[str]:
+def package_version(name: str) -> Optional[str]:
+    """``name.__version__``, or None when the package does not import."""
     try:
         return __import__(name).__version__
     except ImportError:

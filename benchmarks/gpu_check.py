@@ -551,7 +551,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     meta = {
         "command": "python benchmarks/gpu_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__,
-        "triton": bench._version("triton"),
+        "triton": bench.package_version("triton"),
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "peak_bf16_flops": peak_flops(),

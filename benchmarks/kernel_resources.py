@@ -12,7 +12,6 @@ Needs triton's bundled ptxas; must run without TRITON_INTERPRET. Compiling takes
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import re
 import subprocess
@@ -30,16 +29,33 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-import ckv_kernels.attention as A  # noqa: E402
-
-P = importlib.import_module("ckv_kernels.pool")  # the module (the package re-exports a function of that name)
+from ckv_kernels.attention_bwd import KEY_CONFIGS, key_kernel  # noqa: E402
+from ckv_kernels.attention_fwd import QUERY_CONFIGS, query_kernel  # noqa: E402
+from ckv_kernels.attention_select import (  # noqa: E402
+    ENTRY_CONFIGS,
+    SELECT_CONFIGS,
+    select_entry_kernel,
+    select_query_kernel,
+)
+from ckv_kernels.pool_kernel import VECTOR, pool_blocks, pool_kernel  # noqa: E402
 
 INT_ARGS = (
     *("Tq", "Tk", "E", "KV", "K_SEL", "q_start", "k_start", "stride", "n_keys", "span", "chunk", "split_stride"),
     *("W", "D"),
 )
 INDEX_PTRS = {"SEL": "*i32", "COUNT": "*i32", "TOKENS": "*i32", "OFFSETS": "*i64"}  # top-k selection
-SELECT = ("select-fwd", "select-dq", "select-entry")
+POOL_LAUNCH = triton.Config({}, num_warps=4, num_stages=3)  # the pooling kernel is not autotuned: one launch shape
+VARIANTS = {  # what --kernels names: the kernel and its GPU autotune configs
+    "fwd": (query_kernel, QUERY_CONFIGS),
+    "dq": (query_kernel, QUERY_CONFIGS),
+    "key-compressed": (key_kernel, KEY_CONFIGS),
+    "key-local": (key_kernel, KEY_CONFIGS),
+    "select-fwd": (select_query_kernel, SELECT_CONFIGS),
+    "select-dq": (select_query_kernel, SELECT_CONFIGS),
+    "select-entry": (select_entry_kernel, ENTRY_CONFIGS),
+    "pool-fwd": (pool_kernel, [POOL_LAUNCH]),
+    "pool-bwd": (pool_kernel, [POOL_LAUNCH]),
+}
 
 
 def _ptxas_report(ptx: str, arch: int) -> dict:
@@ -61,12 +77,17 @@ def _ptxas_report(ptx: str, arch: int) -> dict:
     return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else 0}
 
 
-def _constexprs(kernel: str, G: int, D: int, config: triton.Config) -> dict:
+def jit_function(kernel: str) -> triton.runtime.JITFunction:
+    """The JIT function of a ``--kernels`` name (the autotuner wraps it)."""
+    jit = VARIANTS[kernel][0]
+    return jit.fn if isinstance(jit, triton.runtime.Autotuner) else jit
+
+
+def variant_constexprs(kernel: str, G: int, D: int, config: triton.Config) -> dict:
+    """The constexpr arguments of one variant: every one its kernel declares."""
     if kernel.startswith("pool"):  # vector gate over W = 8 offsets, the launcher's tile shape
-        block_e = max(1, P._TILE_ELEMENTS // (8 * triton.next_power_of_2(D)))
-        return dict(
-            GATE=P.VECTOR.value, BWD=kernel == "pool-bwd", BLOCK_E=block_e, BLOCK_W=8, BLOCK_D=triton.next_power_of_2(D)
-        )
+        block_e, block_w, block_d = pool_blocks(8, D)
+        return dict(GATE=VECTOR.value, BWD=kernel == "pool-bwd", BLOCK_E=block_e, BLOCK_W=block_w, BLOCK_D=block_d)
     constexprs = dict(G=G, G_PAD=triton.next_power_of_2(G), D=D, TAIL=False, UPCAST=False, **config.kwargs)
     if kernel == "select-entry":
         constexprs.pop("TAIL")
@@ -75,24 +96,14 @@ def _constexprs(kernel: str, G: int, D: int, config: triton.Config) -> dict:
         return dict(
             constexprs, G_PAD=max(16, constexprs["G_PAD"]), LOCAL=True, BWD=kernel == "select-dq", HAS_SINK=False
         )
-    if kernel in ("fwd", "dq"):
-        return dict(constexprs, LOCAL=True, BWD=kernel == "dq")
+    if kernel in ("fwd", "dq"):  # without sinks, like the select variants
+        return dict(constexprs, LOCAL=True, BWD=kernel == "dq", HAS_SINK=False)
     return dict(constexprs, COMPRESSED=kernel == "key-compressed")
 
 
 def compile_variant(kernel: str, dtype: str, G: int, D: int, config: triton.Config, arch: int) -> dict:
     """Compile one kernel variant with one config; returns resources (or the error)."""
-    jit = {
-        "fwd": A._query_kernel,
-        "dq": A._query_kernel,
-        "key-compressed": A._key_kernel,
-        "key-local": A._key_kernel,
-        "select-fwd": A._select_query_kernel,
-        "select-dq": A._select_query_kernel,
-        "select-entry": A._select_entry_kernel,
-    }.get(kernel, P._pool_kernel)
-    if isinstance(jit, triton.runtime.Autotuner):  # the autotuner wraps the JIT function
-        jit = jit.fn
+    jit = jit_function(kernel)
     ptr = "*" + dtype
     fp32_ptrs = ("LSE", "DELTA") + (("DKEY", "DVAL") if kernel == "key-compressed" else ())
     types = {
@@ -109,7 +120,7 @@ def compile_variant(kernel: str, dtype: str, G: int, D: int, config: triton.Conf
         )
         for name in jit.arg_names
     }
-    constexprs = _constexprs(kernel, G, D, config)
+    constexprs = variant_constexprs(kernel, G, D, config)
     signature = {name: ("constexpr" if name in constexprs else types[name]) for name in jit.arg_names}
     src = ASTSource(
         fn=jit, signature=signature, constexprs={(jit.arg_names.index(k),): v for k, v in constexprs.items()}
@@ -136,7 +147,7 @@ def main() -> None:
         "--kernels",
         nargs="+",
         default=["fwd", "dq", "key-compressed", "key-local"],
-        choices=["fwd", "dq", "key-compressed", "key-local", *SELECT, "pool-fwd", "pool-bwd"],
+        choices=list(VARIANTS),
     )
     p.add_argument("--groups", type=int, nargs="+", default=[2, 16], help="GQA ratios H/KV (Qwen3-0.6B: 2; paper: 16)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -147,17 +158,8 @@ def main() -> None:
     print("kernel | G | BLOCK_M | BLOCK_N | warps | stages | registers | spill bytes | shared KiB")
     print(" | ".join(["---"] * 9))
     for kernel in args.kernels:
-        configs = {
-            "fwd": A._QUERY_CONFIGS,
-            "dq": A._QUERY_CONFIGS,
-            "select-fwd": A._SELECT_CONFIGS,
-            "select-dq": A._SELECT_CONFIGS,
-            "select-entry": A._ENTRY_CONFIGS,
-        }.get(kernel, A._KEY_CONFIGS)
-        if kernel.startswith("pool"):  # no autotuning, no GQA: one launch shape
-            configs, groups = [triton.Config({"BLOCK_M": 1, "BLOCK_N": 0}, num_warps=4, num_stages=3)], [1]
-        else:
-            groups = args.groups
+        configs = VARIANTS[kernel][1]
+        groups = [1] if kernel.startswith("pool") else args.groups  # pooling has no GQA
         for G in groups:
             for config in configs:
                 if config.kwargs.get("BLOCK_M", 64) < triton.next_power_of_2(G):

@@ -9,6 +9,10 @@ inside functions, under ``TYPE_CHECKING`` or through ``importlib.import_module("
 
 Within L0, ``ckv.options.*`` does not import ``ckv.config``: an option group checks plain values (strides, layer
 and head counts, ``Dims``), never the config that holds it.
+
+Private names stay in their file: in ``kernels/ckv_kernels`` and ``benchmarks`` no file imports or reads another
+file's ``_name`` (a ``_module`` is private to its package), nor a name that the other module's ``__all__``, where
+it declares one, does not list.
 """
 
 from __future__ import annotations
@@ -156,6 +160,136 @@ def test_imports_follow_the_layers() -> None:
             if why:
                 edges[f"{path.relative_to(REPO)}:{line}: {source} -> {target} ({why})"] = None
     assert not edges, "imports against the layer order:\n" + "\n".join(edges)
+
+
+BENCHMARKS = REPO / "benchmarks"
+# Where the private-name rule holds today; src/ckv joins once its rooms stop reaching into each other (issue 41).
+PRIVATE_RULE_ROOTS = (ROOTS["ckv_kernels"], BENCHMARKS)
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def module_file(module: str, importer: Path) -> Optional[Path]:
+    """The file of a project module (``ckv.*``, ``ckv_kernels.*``, or a script beside a benchmarks script that
+    imports it by its bare name); ``None`` for other packages."""
+    if importer.is_relative_to(BENCHMARKS) and (BENCHMARKS / f"{module}.py").is_file():
+        return BENCHMARKS / f"{module}.py"
+    top, _, rest = module.partition(".")
+    if top not in ROOTS:
+        return None
+    base = ROOTS[top].joinpath(*rest.split(".")) if rest else ROOTS[top]
+    return next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
+
+
+def declared(path: Path) -> Optional[set[str]]:
+    """The names a module's ``__all__`` lists, or ``None`` when it has none."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return None
+
+
+def private_reaches(path: Path, text: str) -> Iterator[str]:
+    """``line: what`` for every reach of the file at ``path`` (source ``text``) into another file's private or
+    undeclared names: ``from m import _x``, ``import pkg._mod`` from outside ``pkg``, and ``alias._x`` on a name
+    bound to a project module (by an import, ``importlib.import_module`` or a function of this file that loads one
+    with ``module_from_spec``)."""
+    tree = ast.parse(text, str(path))
+    here = module_name(path) if any(path.is_relative_to(r) for r in ROOTS.values()) else f"benchmarks.{path.stem}"
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    loaders = {
+        f.name
+        for f in ast.walk(tree)
+        if isinstance(f, ast.FunctionDef)
+        and any(isinstance(n, ast.Attribute) and n.attr == "module_from_spec" for n in ast.walk(f))
+    }
+    bound: dict[str, Optional[Path]] = {}  # local name -> the project module it holds (its file, when known)
+
+    def check_module(line: int, module: str) -> Iterator[str]:
+        parts = module.split(".")
+        for i, part in enumerate(parts):
+            owner = ".".join(parts[:i])
+            if is_private(part) and i and not (here == owner or here.startswith(owner + ".")):
+                yield f"{line}: imports {module}, private to {owner}"
+
+    def check_name(line: int, name: str, module: str, file: Optional[Path]) -> Iterator[str]:
+        if file is None or file == path or module_file(f"{module}.{name}", path):
+            return
+        surface = declared(file)
+        if is_private(name):
+            yield f"{line}: reads {module}.{name}, private to {file.relative_to(REPO)}"
+        elif surface is not None and name not in surface and not name.startswith("__"):
+            yield f"{line}: reads {module}.{name}, which the __all__ of {file.relative_to(REPO)} does not list"
+
+    names: dict[str, str] = {}  # local name -> module name, for messages
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield from check_module(node.lineno, alias.name)
+                bound_to = alias.name if alias.asname else alias.name.split(".")[0]
+                if module_file(bound_to, path):
+                    bound[alias.asname or bound_to] = module_file(bound_to, path)
+                    names[alias.asname or bound_to] = bound_to
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            yield from check_module(node.lineno, module)
+            for alias in node.names:
+                sub = f"{module}.{alias.name}"
+                if module_file(sub, path):
+                    yield from check_module(node.lineno, sub)
+                    bound[alias.asname or alias.name], names[alias.asname or alias.name] = module_file(sub, path), sub
+                else:
+                    yield from check_name(node.lineno, alias.name, module, module_file(module, path))
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and len(node.targets) == 1:
+            func, target = node.value.func, node.targets[0]
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            args = node.value.args
+            if (
+                isinstance(target, ast.Name)
+                and called == "import_module"
+                and args
+                and isinstance(args[0], ast.Constant)
+            ):
+                if module_file(args[0].value, path):
+                    yield from check_module(node.lineno, args[0].value)
+                    bound[target.id], names[target.id] = module_file(args[0].value, path), args[0].value
+            elif isinstance(target, ast.Name) and called in loaders:
+                bound[target.id], names[target.id] = None, f"{target.id} (loaded by {called})"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            alias = node.value.id
+            if bound[alias] is None and is_private(node.attr):
+                yield f"{node.lineno}: reads {names[alias]}.{node.attr}, private to the module it loads"
+            yield from check_name(node.lineno, node.attr, names[alias], bound[alias])
+
+
+def test_the_private_rule() -> None:
+    kernels = ROOTS["ckv_kernels"]
+    script = BENCHMARKS / "kernel_resources.py"
+    reaches = lambda path, text: list(private_reaches(path, text))  # noqa: E731
+    assert reaches(script, "import ckv_kernels.attention as A\nA._check_inputs")
+    assert reaches(script, "from ckv_kernels.attention import _check_inputs")
+    assert reaches(script, "import importlib\nP = importlib.import_module('ckv_kernels.pool')\nP._x")
+    assert reaches(script, "from ckv_kernels._common import INTERPRET")
+    assert reaches(script, "from ckv_kernels import Problem")  # not in the package's __all__
+    assert reaches(script, "def load():\n    importlib.util.module_from_spec(s)\nbench = load()\nbench._f()")
+    assert not reaches(script, "import ckv_kernels\nckv_kernels.INTERPRET\nfrom ckv_kernels import pool")
+    assert not reaches(script, "import attention as _bench")
+    assert not reaches(kernels / "attention.py", "from ckv_kernels._common import check_float")
+    assert not reaches(kernels / "attention.py", "def _f(): ...\n_f()")
+
+
+def test_no_private_reach_across_files() -> None:
+    found = [
+        f"{path.relative_to(REPO)}:{reach}"
+        for root in PRIVATE_RULE_ROOTS
+        for path in sorted(root.rglob("*.py"))
+        for reach in private_reaches(path, path.read_text())
+    ]
+    assert not found, "reaches into another file's private or undeclared names:\n" + "\n".join(found)
 
 
 def test_no_test_module_imports_another() -> None:
