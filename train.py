@@ -113,7 +113,7 @@ def check_kv_heads(overrides: Sequence[str], attention: Mapping[str, Any], optio
             raise ConfigError(
                 f"model.n_kv_heads={o.value()} conflicts with attention.kv_heads={kv_heads} (set by "
                 f"attention={option}), which decides the KV head count when set: use attention.kv_heads={o.value()}"
-                " instead"
+                " instead (it must divide model.n_heads)"
             )
 
 

@@ -260,7 +260,7 @@ def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field):
         (  # the compressed option's one KV head would silently win over the model's 4 (issue 44)
             ["experiment=cpu_smoke", "+model.n_kv_heads=4"],
             "ckv: error: model.n_kv_heads=4 conflicts with attention.kv_heads=1 (set by attention=w4s4), which "
-            "decides the KV head count when set: use attention.kv_heads=4 instead",
+            "decides the KV head count when set: use attention.kv_heads=4 instead (it must divide model.n_heads)",
         ),
         (
             ["experiment=cpu_smoke", "+model.n_kv_heads=3"],
