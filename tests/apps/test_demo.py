@@ -1,5 +1,6 @@
 """CI's end-to-end smoke run of `make demo`: a few steps per model, so only the pipeline is checked (the science
-thresholds need the full budget: see README and docs/demo.md)."""
+thresholds need the full budget: see README and docs/demo.md); the same quick run of `make demo-grid`, and the
+grid's line per model on constructed results."""
 
 import csv
 import json
@@ -7,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from ckv.apps.demo import DEMO
-from ckv.apps.study import TASK, Check, exit_code
+from ckv.apps.demo import DEMO, GRID, grid_findings
+from ckv.apps.study import TASK, Check, Run, exit_code, table
 
-from .helpers import run_quick
+from .helpers import finished, run_quick
+
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.smoke
@@ -36,7 +39,7 @@ def test_quick_demo_writes_well_formed_outputs(tmp_path):
         assert len(list(csv.DictReader(f))) == len(DEMO.runs)
     for png in demo["plots"].values():  # phases, residues and the grid summary
         data = Path(png).read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+        assert data[:8] == PNG and len(data) > 10_000
 
 
 @pytest.mark.parametrize(
@@ -51,3 +54,41 @@ def test_quick_demo_writes_well_formed_outputs(tmp_path):
 def test_exit_code_follows_the_science_checks(passed, quick, code):
     checks = [Check(f"claim {i}", ok, "detail") for i, ok in enumerate(passed)]
     assert exit_code(checks, quick) == code
+
+
+@pytest.mark.slow  # twelve models: make demo's quick run (above) keeps the shared pipeline in CI
+def test_quick_grid_ends_with_its_table_plots_and_a_line_per_model(tmp_path):
+    out = tmp_path / "grid"
+    proc = run_quick("ckv.apps.demo", out, "--grid")
+
+    record = json.loads((out / "demo.json").read_text())
+    assert record["grid"] is True and record["checks"] == [] and record["all_passed"] is False
+    assert [r["label"] for r in record["runs"]] == [r.label for r in GRID.runs]
+    assert all(r["steps"] == 12 for r in record["runs"])
+    learned = record["learned"]
+    assert [c["claim"].split(" ")[0] for c in learned] == [r.label for r in GRID.runs]
+    assert all(isinstance(c["passed"], bool) and c["detail"].startswith("best phase") for c in learned)
+    assert "learned" in proc.stdout.splitlines()[2]  # the table's header, after the first line and a blank one
+    with open(out / "summary.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(GRID.runs)
+    for png in [*record["plots"].values(), *(Path(r["results"]).parent / f"{TASK}.png" for r in record["runs"])]:
+        data = Path(png).read_bytes()  # heatmaps, comparisons and each model's own per-phase curve
+        assert data[:8] == PNG and len(data) > 10_000
+
+
+def test_grid_names_each_model_that_did_not_learn_and_draws_no_phase_conclusion_from_it():
+    bar = GRID.criteria["learned_best_phase"]
+    run = Run("demo_gate_s4", 0, "grid", name="grid_gate_w8s8")
+    real = {"phase_gap": 0.5, "phase_gap_lower": 0.45, "phase_gap_upper": 0.55, "phase_p_value": 0.0005}
+    done = [
+        finished(run, stride=8, mean=bar + 0.1, worst_phase=7, **real),  # learned, weak at the boundary phase
+        finished(run, stride=8, mean=bar - 0.01, worst_phase=7, **real),  # the same gap, but never at the bar
+        finished(run, stride=8, mean=bar + 0.1, worst_phase=2, **real),  # learned, weak elsewhere
+    ]
+    boundary, missed, elsewhere = grid_findings(done, bar)
+    assert (boundary.passed, missed.passed, elsewhere.passed) == (True, False, True)
+    assert "phase effect" in boundary.detail and "(the boundary phase S - 1)" in boundary.detail
+    assert missed.detail.endswith("no phase conclusion") and "gap" not in missed.detail
+    assert "(not the boundary phase)" in elsewhere.detail
+    rows = table(done, [f.passed for f in (boundary, missed, elsewhere)]).splitlines()
+    assert rows[0].endswith("learned") and [r.split()[-1] for r in rows[1:]] == ["yes", "NO", "yes"]

@@ -1,4 +1,5 @@
-"""make robust: the plan's runs, the KV-memory figure against a real decoding cache, and CI's quick smoke run."""
+"""make robust: the plan's runs, the KV-memory figure against a real decoding cache, and the quick runs of make
+robust, robust-confirm and robust-ablation."""
 
 import json
 from pathlib import Path
@@ -7,7 +8,9 @@ import pytest
 
 from ckv.apps.robust import (
     ABLATION_SEEDS,
+    CONFIRM_MODELS,
     CONFIRM_SEEDS,
+    LADDER,
     MODEL_BY_RUN,
     MODELS,
     SEEDS,
@@ -243,3 +246,24 @@ def test_quick_robust_writes_a_table_a_plot_and_a_record(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     Path(record["plot"]).unlink()  # --replot redraws it from robust.json alone
     assert robust_main(["--out", str(out), "--replot"]) == 0 and Path(record["plot"]).read_bytes()[:8] == data[:8]
+
+
+@pytest.mark.slow  # make robust shares make demo's pipeline (ckv.apps.study.run_plan), whose quick run CI keeps
+@pytest.mark.parametrize(
+    "flag, models, seed, heading",
+    [
+        ("--confirm", CONFIRM_MODELS, CONFIRM_SEEDS[0], None),  # one seed: no verdict is judged
+        ("--ablation", LADDER, ABLATION_SEEDS[0], "ablation ladder"),
+    ],
+)
+def test_quick_confirm_and_ablation_end_with_their_table_plot_and_record(flag, models, seed, heading, tmp_path):
+    out = tmp_path / flag.removeprefix("--")
+    proc = run_quick("ckv.apps.robust", out, flag)
+    record = json.loads((out / "robust.json").read_text())
+    assert [(r["task"], r["model"], r["seed"], r["steps"]) for r in record["rows"]] == [
+        ("split", m, seed, 12) for m in models
+    ]
+    assert record["confirmation"] == [] and record["crowding"] == []  # one seed; the split task is not analysed
+    assert heading is None or f"{heading} (split task" in proc.stdout
+    data = Path(record["plot"]).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -347,17 +347,17 @@ def pp(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
-def table(done: list[dict]) -> str:
-    """The per-phase table (make demo, make demo-v4), one line per run: mean, per-phase accuracy, phase gap
-    (mod S) with interval, permutation p and noise floor, the gap's one-sided 95% upper bound, the minimum
-    detectable gap (80% power), the verdict (gap / flat / undecided, ``ckv.eval.stats.gap_verdict``) and the
-    dominant period."""
+def table(done: list[dict], learned: Optional[list[bool]] = None) -> str:
+    """The per-phase table (make demo, make demo-grid, make demo-v4), one line per run: mean, per-phase accuracy,
+    phase gap (mod S) with interval, permutation p and noise floor, the gap's one-sided 95% upper bound, the minimum
+    detectable gap (80% power), the verdict (gap / flat / undecided, ``ckv.eval.stats.gap_verdict``), the dominant
+    period, and with ``learned`` (one flag per run) a last column ``learned``: ``yes`` or ``NO``."""
     lines = [
         f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
         f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'<= pp':>5s} {'MDE pp':>6s} {'verdict':>9s}"
-        f" {'period':>6s}"
+        f" {'period':>6s}{'' if learned is None else '  learned'}"
     ]
-    for d in done:
+    for i, d in enumerate(done):
         r = result_row(d)
         per = " / ".join(f"{100 * a:.1f}" for a in r["per_phase"]) + f"  (S={r['stride']})"
         gap = f"{100 * r['phase_gap']:.1f} [{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}]"
@@ -366,6 +366,7 @@ def table(done: list[dict]) -> str:
             f"  {per:44s} {gap:>20s} {r['phase_p_value']:7.4f}"
             f" {100 * r['phase_noise_floor']:8.1f} {pp(r['phase_upper_one_sided']):>5s} {pp(r['phase_mde']):>6s}"
             f" {str(r['phase_verdict']):>9s} {str(r['dominant_period']):>6s}"
+            f"{'' if learned is None else '  ' + ('yes' if learned[i] else 'NO')}"
         )
     return "\n".join(lines)
 
