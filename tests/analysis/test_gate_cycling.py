@@ -111,7 +111,7 @@ def test_prediction_and_r2_known_answers() -> None:
 def test_exact_cycling_gives_the_papers_statistics_their_extremes() -> None:
     """A gate whose cycling is exact (A_d(r) = A_0((r - d) mod S) at every phase): every R^2 is 1, both MAEs 0,
     and the mean accuracy does not change (a rotation of the curve)."""
-    clean = np.array([0.9, 0.6, 0.7, 0.2])
+    clean = np.array([0.9, 0.6, 0.7, 0.2, 0.5, 0.4])
     stats = shift_statistics(clean, predicted_accuracy(clean, 1), 1)
     assert stats["corr2_excl_boundary"] == pytest.approx(1.0) and stats["corr2_interior"] == pytest.approx(1.0)
     assert stats["corr2_all_phases"] == pytest.approx(1.0) and stats["r2_identity_excl_boundary"] == pytest.approx(1.0)
@@ -119,11 +119,13 @@ def test_exact_cycling_gives_the_papers_statistics_their_extremes() -> None:
     assert stats["accuracy_change_pp"] == pytest.approx(0.0)
     # the boundary keeps failing (observed 0 there): the excl-boundary and interior fits do not see it, all phases does
     broken = predicted_accuracy(clean, 1)
-    broken[3] = 0.0
+    broken[5] = 0.0
     stats = shift_statistics(clean, broken, 1)
     assert stats["corr2_excl_boundary"] == pytest.approx(1.0) and stats["corr2_all_phases"] < 1.0
-    assert stats["mae_all_phases_pp"] == pytest.approx(100 * 0.7 / 4)  # |0 - A_0(2)| at r = 3, over 4 phases
+    assert stats["mae_all_phases_pp"] == pytest.approx(100 * 0.5 / 6)  # |0 - A_0(4)| at r = 5, over 6 phases
     assert boundary_phases(4, 1) == [0, 3] and boundary_phases(12, -3) == [8, 11]  # the paper's pairs
+    # S = 4 leaves 2 interior phases: their correlation would be 1 whatever the data, so it is undefined
+    assert np.isnan(shift_statistics(clean[:4], clean[[1, 0, 3, 2]], 1)["corr2_interior"])
 
 
 # The paper's W8/S8 1-KV seed-42 run (project-page data, figure 5): clean and shifted accuracy per phase (percent)

@@ -4,9 +4,11 @@ With W == S the offset of a token in its window equals its phase. Circularly shi
 parameter by ``d`` (``Z'_i = Z_{(i-d) mod W}``, ``b'_i = b_{(i-d) mod W}``: ``torch.roll(..., d, dims=0)`` of
 each compressor's ``gate.weight`` (W, d, G) and ``gate.bias`` (W, G); payload maps untouched) moves what each gate
 prefers by ``d`` offsets, so if the gates cause the phase profile the accuracy at phase ``r`` becomes
-``A_d(r) ~= A_0((r - d) mod S)``. Each shifted model re-scores the same prompts; the predicted and observed
-changes ``A_d(r) - A_0(r)`` are compared by ``R^2`` (boundary phase ``S - 1`` and shifts ``d = 0 mod S``
-excluded), with a paired cluster-bootstrap interval.
+``A_d(r) ~= A_0((r - d) mod S)``. Each shifted model re-scores the same prompts; per shift, the predicted and
+observed changes ``A_d(r) - A_0(r)`` are compared with the paper's statistics (``shift_statistics``: its headline
+R^2 is the squared correlation over the phases other than the boundary ``S - 1``; also interior, all phases, MAEs,
+the accuracy change), each with a paired cluster-bootstrap interval; ckv adds ``1 - SS_res / SS_tot`` and a fit
+pooled over the shifts.
 
 Models with shared gate maps (DeepSeek style) have only an offset-specific bias: shifting the bias alone is the
 analogue and is what happens there (the result says so). Mean pooling, full attention, W != S and shared maps
@@ -86,14 +88,15 @@ def predicted_accuracy(clean: np.ndarray, delta: int) -> np.ndarray:
 
 def _fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Predicted ``x`` against observed ``y`` (..., N): ``(1 - SS_res / SS_tot, squared Pearson correlation)``,
-    NaN when ``y`` does not vary (and the correlation also when ``x`` does not)."""
+    NaN when ``y`` does not vary (and the correlation also when ``x`` does not, or with fewer than 3 points, whose
+    correlation is 1 by construction: the interior phases of S = 4)."""
     yc, xc = y - y.mean(-1, keepdims=True), x - x.mean(-1, keepdims=True)
     ss_tot, sxx = (yc**2).sum(-1), (xc**2).sum(-1)
     with np.errstate(invalid="ignore", divide="ignore"):
         r2 = 1 - ((y - x) ** 2).sum(-1) / ss_tot
         corr2 = (xc * yc).sum(-1) ** 2 / (sxx * ss_tot)
     varies = ss_tot > 1e-12
-    return np.where(varies, r2, np.nan), np.where(varies & (sxx > 1e-12), corr2, np.nan)
+    return np.where(varies, r2, np.nan), np.where(varies & (sxx > 1e-12) & (x.shape[-1] >= 3), corr2, np.nan)
 
 
 def _changes(clean: np.ndarray, observed: np.ndarray, delta: int) -> tuple[np.ndarray, np.ndarray]:
