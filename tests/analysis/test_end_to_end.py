@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from ckv.analysis import run_analysis
-from ckv.analysis.joint_view import correlation
+from ckv.analysis.gates import phase_profile
+from ckv.analysis.joint_view import correlation, joint_rows
 from ckv.eval import load_ckv_model
 
 from ..eval.helpers import make_run, png_ok
@@ -38,6 +40,7 @@ def test_knockout_end_to_end(trained_run: Path, tmp_path: Path) -> None:
         assert u["effect_lower"] <= u["effect"] <= u["effect_upper"]
     assert all(png_ok(tmp_path / "knockout" / f) for f in ("knockout_layers.png", "knockout_heads.png"))
     assert len((tmp_path / "knockout" / "knockout.csv").read_text().splitlines()) == 1 + 6 * 4
+    assert len((tmp_path / "knockout" / "knockout_prompts.csv").read_text().splitlines()) == 1 + 8 * 4
 
 
 def test_gates_end_to_end_over_checkpoints(trained_run: Path, tmp_path: Path) -> None:
@@ -54,7 +57,8 @@ def test_gates_end_to_end_over_checkpoints(trained_run: Path, tmp_path: Path) ->
 def test_gate_cycling_end_to_end(trained_run: Path, tmp_path: Path) -> None:
     r = _run("gate_cycling", trained_run, tmp_path, deltas=[0, 1, 2, 4])
     d0 = r["deltas"][0]
-    assert d0["identical_to_clean"] and d0["observed"] == r["clean"]["accuracy"] and d0["r2"] is None
+    assert d0["identical_to_clean"] and d0["observed"] == r["clean"]["accuracy"]
+    assert d0["corr2_excl_boundary"]["value"] is None and d0["accuracy_change_pp"]["value"] == 0.0  # no prediction
     assert r["deltas"][3]["identical_to_clean"]  # a shift by W is the identity
     assert r["deltas"][1]["predicted"] == [r["clean"]["accuracy"][(p - 1) % 4] for p in range(4)]
     # per-phase intervals resample the key->value mappings (several shifts of one mapping share a phase)
@@ -62,7 +66,11 @@ def test_gate_cycling_end_to_end(trained_run: Path, tmp_path: Path) -> None:
         "cluster_bootstrap"
     }
     assert all(lo <= a <= hi for lo, a, hi in zip(r["clean"]["lower"], r["clean"]["accuracy"], r["clean"]["upper"]))
-    assert set(r["pooled"]) == {"r2", "r2_corr"}
+    assert set(r["pooled"]) == {"r2_identity_excl_boundary", "corr2_excl_boundary"}
+    d1 = r["deltas"][1]
+    assert d1["boundary_phases"] == [0, 3] and d1["mae_all_phases_pp"]["value"] == pytest.approx(
+        100 * np.mean(np.abs(np.array(d1["observed"]) - d1["predicted"]))
+    )
     assert png_ok(tmp_path / "gate_cycling" / "gate_cycling.png")
 
 
@@ -71,6 +79,8 @@ def test_joint_view_end_to_end(trained_run: Path, tmp_path: Path) -> None:
     assert [(x["layer"], x["kv_head"]) for x in r["rows"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for x in r["rows"]:
         assert len(x["knockout"]) == 4 and len(x["k_profile"]) == 4 and len(x["v_profile"]) == 4
+        assert x["k_phase_profile"] == pytest.approx(x["k_profile"])  # W == S: offset i is phase i
+        assert x["v_phase_profile"] == pytest.approx(np.roll(x["v_profile"], -1))  # the paper's value roll
     assert png_ok(tmp_path / "joint" / "joint.png")
 
 
@@ -78,6 +88,30 @@ def test_correlation_known_answers() -> None:
     assert correlation([1.0, 2.0, 3.0], [2.0, 4.0, 6.0]) == pytest.approx(1.0)
     assert correlation([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
     assert correlation([1.0, None, 3.0], [1.0, 2.0, 3.0]) is None and correlation([1.0, 1.0], [1.0, 2.0]) is None
+
+
+def test_joint_rows_fold_offsets_to_phases_when_w_exceeds_s() -> None:
+    """W=8/S=4, K gate on offset 2 (phase 2), V gate on offset 3 (phase 3, rolled by -1 to phase 2: the record
+    whose key sits at phase 2), a knock-out that hurts only phase 2: both correlations are +1; a V gate on offset
+    2 rolls to phase 1, one-hot at another phase of 4: correlation -1/3."""
+    one_hot = [[8.0 if i == j else 0.0 for i in range(8)] for j in range(8)]
+    ko = [{"effect": e, "effect_lower": e, "effect_upper": e} for e in (0.0, 0.0, -60.0, 0.0)]
+    unit = {"layer": 0, "kv_head": 0, "phases": [{**p, **{f"folded_{k}": v for k, v in p.items()}} for p in ko]}
+
+    def gate(branch: str, offset: int, roll: int) -> dict:
+        g = np.roll(phase_profile(np.array(one_hot[offset]), 4), roll).tolist()
+        return {"layer": 0, "kv_head": 0, "branch": branch, "profile": one_hot[offset], "phase_profile": g}
+
+    gates = [
+        {**gate("K", 2, 0), "peak_offset": 2, "static": 1.0},
+        {**gate("V", 3, -1), "peak_offset": 3, "static": 1.0},
+    ]
+    (row,) = joint_rows({"units": [unit]}, gates)
+    assert row["k_phase_profile"] == [0.0, 0.0, 4.0, 0.0] and row["v_phase_profile"] == [0.0, 0.0, 4.0, 0.0]
+    assert row["loss_vs_k"] == pytest.approx(1.0) and row["loss_vs_v"] == pytest.approx(1.0)
+    gates[1] = {**gate("V", 2, -1), "peak_offset": 2, "static": 1.0}
+    (row,) = joint_rows({"units": [unit]}, gates)
+    assert row["loss_vs_v"] == pytest.approx(-1 / 3)
 
 
 def _eval(*args: str) -> subprocess.CompletedProcess:

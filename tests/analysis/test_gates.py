@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from ckv.analysis.gates import GateAccumulator, effective_offsets, gate_statistics, peak_shifts
+from ckv.analysis.gates import GateAccumulator, effective_offsets, gate_statistics, peak_shifts, phase_profile
 from ckv.analysis.hooks import AnalysisNotApplicable, gated_branches
 from ckv.eval import build_task, load_ckv_model
 
@@ -32,7 +33,7 @@ def test_static_and_per_window_concentration_differ_for_content_dependent_gates(
     acc.add(alpha, torch.ones(W, W, dtype=torch.bool))
     partial = torch.tensor([[False, True, True, True]])  # one entry whose first position is absent
     acc.add(torch.full((2, 1, W, 3, 1), 1 / 3).masked_fill(~partial[None, :, :, None, None], 0), partial)
-    rows = acc.summary()
+    rows = acc.summary(W)
     assert len(rows) == 3 and all(r["windows"] == 8 for r in rows)
     for r in rows:
         assert r["static"] == pytest.approx(W) and r["per_window"] == pytest.approx(1.0)
@@ -45,7 +46,7 @@ def test_vector_gates_are_summarised_per_channel_then_averaged() -> None:
     alpha[0, 0, :, 0, 0] = 1 / W  # channel 0 uniform: W offsets
     alpha[0, 0, 1, 0, 1] = 1.0  # channel 1 one-hot: 1 offset
     acc.add(alpha, torch.ones(1, W, dtype=torch.bool))
-    (row,) = acc.summary()
+    (row,) = acc.summary(W)
     assert row["static"] == pytest.approx((W + 1) / 2) and row["per_window"] == pytest.approx((W + 1) / 2)
     assert row["profile"] == pytest.approx([0.5, 0.5 + W / 2, 0.5, 0.5]) and row["peak_offset"] == 1
 
@@ -100,3 +101,31 @@ def test_tied_kv_has_only_key_gates(tmp_path: Path) -> None:
     assert not math.isnan(
         gate_statistics(model, build_task(SPEC, model, 1), options(tmp_path, limit=1))[0][0]["static"]
     )
+
+
+def test_phase_profile_folds_offsets_to_the_phases_of_their_tokens() -> None:
+    """W=8/S=4: offset i holds phase (i - 8) mod 4 = i mod 4, two offsets per phase (uniform share 2/8); W=8/S=6:
+    phase (i + 4) mod 6, phases 4 and 5 have two offsets, 0..3 one (share 1/8)."""
+    one_hot = [0.0, 0.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0]  # W * E[alpha]: all mass on offset 2
+    assert phase_profile(np.array(one_hot), 4).tolist() == [0.0, 0.0, 1 / (2 / 8), 0.0]
+    assert phase_profile(np.array(one_hot), 6).tolist() == [1 / (1 / 8), 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert phase_profile(np.ones(8), 6).tolist() == [1.0] * 6  # uniform = 1 however uneven the fold
+    assert phase_profile(np.array(one_hot), 4, grid_offset=1).tolist() == [0.0, 0.0, 0.0, 4.0]  # grid shifted by 1
+    assert phase_profile(np.arange(4.0), 4).tolist() == [0.0, 1.0, 2.0, 3.0]  # W == S: the offset profile itself
+
+
+def test_a_w8_s4_gate_through_a_model_per_offset_and_per_phase(tmp_path: Path) -> None:
+    """Zero gate maps, a large bias on offset 2: every full window puts its weight on offset 2, i.e. phase 2
+    (uniform share 2/8, so g = 4); the value gate's row is rolled by -1 as the paper's (g_V[r] = phase r + 1)."""
+    model = load_ckv_model(make_run(tmp_path, attention=dict(GATED, window=8, stride=4)), device="cpu")
+    with torch.no_grad():
+        for b in gated_branches(model.module, "gates"):
+            b.compressor.gate.weight.zero_()
+            b.compressor.gate.bias.zero_()
+            b.compressor.gate.bias[2] = 50.0
+    rows, _ = gate_statistics(model, build_task(SPEC, model, 2), options(tmp_path, limit=2))
+    k, v = rows
+    assert (k["branch"], v["branch"], k["phase_roll"], v["phase_roll"]) == ("K", "V", 0, -1)
+    assert k["profile"] == pytest.approx([0, 0, 8, 0, 0, 0, 0, 0], abs=1e-5) and k["peak_offset"] == 2
+    assert k["phase_profile"] == pytest.approx([0, 0, 4, 0], abs=1e-5)
+    assert v["phase_profile"] == pytest.approx([0, 4, 0, 0], abs=1e-5)

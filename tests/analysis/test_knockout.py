@@ -10,11 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from ckv.analysis import run_analysis
+from ckv.analysis import AnalysisContext, run_analysis
 from ckv.analysis.hooks import attention_sites, replace_final_input
-from ckv.analysis.knockout import KnockoutSettings, calibration_means, run_knockout
+from ckv.analysis.knockout import (
+    KnockoutSettings,
+    calibration_means,
+    effect_table,
+    knockout_effects,
+    run_knockout,
+    table_from_prompts,
+)
 from ckv.config import ConfigError
-from ckv.eval import LoadedModel, load_ckv_model
+from ckv.eval import LoadedModel, build_task, load_ckv_model
 
 from ..eval.helpers import make_run
 from .conftest import SPEC, context, options
@@ -124,3 +131,35 @@ def test_knockout_finds_the_attention_outputs_of_a_transformers_model(tmp_path: 
         with replace_final_input(sites[1], sites[1].group_columns(1), torch.zeros(16)):
             knocked = model(ids).logits
     assert torch.equal(knocked[:, :-1], clean[:, :-1]) and not torch.equal(knocked[:, -1], clean[:, -1])
+
+
+RESIDUE_SPEC = dataclasses.replace(SPEC, modulus=8)  # residues mod 8 over phases mod 4: two residues per phase
+
+
+def test_an_effect_confined_to_one_residue_is_reported_there_and_folded_the_papers_way(
+    trained: LoadedModel, tmp_path: Path
+) -> None:
+    """Knocked outcome = clean, except every prompt of residue rho fails: that residue loses 100% of its accuracy,
+    every other residue 0%; its phase rho mod 4 averages the relative changes of its two residues (-100 and 0)."""
+    ctx = AnalysisContext(trained, build_task(RESIDUE_SPEC, trained, 8), options(tmp_path), {}, tmp_path)
+    clean = ctx.evaluate()
+    residue = clean.table["residue"]
+    rho = int(np.argmax([clean.correct[residue == r].mean() for r in range(8)]))  # a residue the model gets right
+    knocked = np.where(residue == rho, 0, clean.correct)
+    (unit,) = knockout_effects(ctx, clean, [knocked])
+    assert [r["effect"] for r in unit["residues"]] == [-100.0 if r == rho else 0.0 for r in range(8)]
+    assert [p["folded_effect"] for p in unit["phases"]] == [-50.0 if p == rho % 4 else 0.0 for p in range(4)]
+    table = effect_table([{"layer": 0, "kv_head": 0}], np.array([[r["effect"] for r in unit["residues"]]]), 4)
+    assert table["phase_effect"] == [[[p["folded_effect"] for p in unit["phases"]]]]  # layer x KV head x phase
+
+
+def test_per_prompt_outcomes_rebuild_the_residue_table(trained: LoadedModel, tmp_path: Path) -> None:
+    ctx = AnalysisContext(trained, build_task(RESIDUE_SPEC, trained, 8), options(tmp_path), {}, tmp_path)
+    result = run_knockout(ctx, KnockoutSettings(calibration=4))
+    table = result["table"]
+    assert result["modulus"] == 8 and table["layers"] == [0, 1]
+    assert [[len(h) for h in layer] for layer in table["residue_effect"]] == [[8, 8], [8, 8]]  # 2 layers, 2 KV heads
+    assert [[len(h) for h in layer] for layer in table["phase_effect"]] == [[4, 4], [4, 4]]
+    assert table_from_prompts(result, tmp_path / result["prompts"]) == table
+    first = next(u for u in result["units"] if u["kv_head"] == 0 and u["layer"] == 1)
+    assert table["residue_effect"][1][0] == [r["effect"] for r in first["residues"]]

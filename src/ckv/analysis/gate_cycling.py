@@ -4,9 +4,11 @@ With W == S the offset of a token in its window equals its phase. Circularly shi
 parameter by ``d`` (``Z'_i = Z_{(i-d) mod W}``, ``b'_i = b_{(i-d) mod W}``: ``torch.roll(..., d, dims=0)`` of
 each compressor's ``gate.weight`` (W, d, G) and ``gate.bias`` (W, G); payload maps untouched) moves what each gate
 prefers by ``d`` offsets, so if the gates cause the phase profile the accuracy at phase ``r`` becomes
-``A_d(r) ~= A_0((r - d) mod S)``. Each shifted model re-scores the same prompts; the predicted and observed
-changes ``A_d(r) - A_0(r)`` are compared by ``R^2`` (boundary phase ``S - 1`` and shifts ``d = 0 mod S``
-excluded), with a paired cluster-bootstrap interval.
+``A_d(r) ~= A_0((r - d) mod S)``. Each shifted model re-scores the same prompts; per shift, the predicted and
+observed changes ``A_d(r) - A_0(r)`` are compared with the paper's statistics (``shift_statistics``: its headline
+R^2 is the squared correlation over the phases other than the boundary ``S - 1``; also interior, all phases, MAEs,
+the accuracy change), each with a paired cluster-bootstrap interval; ckv adds ``1 - SS_res / SS_tot`` and a fit
+pooled over the shifts.
 
 Models with shared gate maps (DeepSeek style) have only an offset-specific bias: shifting the bias alone is the
 analogue and is what happens there (the result says so). Mean pooling, full attention, W != S and shared maps
@@ -19,7 +21,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -84,16 +86,35 @@ def predicted_accuracy(clean: np.ndarray, delta: int) -> np.ndarray:
     return np.roll(np.asarray(clean, dtype=np.float64), delta, axis=-1)
 
 
+def _fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted ``x`` against observed ``y`` (..., N): ``(1 - SS_res / SS_tot, squared Pearson correlation)``,
+    NaN when ``y`` does not vary (and the correlation also when ``x`` does not, or with fewer than 3 points, whose
+    correlation is 1 by construction: the interior phases of S = 4)."""
+    yc, xc = y - y.mean(-1, keepdims=True), x - x.mean(-1, keepdims=True)
+    ss_tot, sxx = (yc**2).sum(-1), (xc**2).sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r2 = 1 - ((y - x) ** 2).sum(-1) / ss_tot
+        corr2 = (xc * yc).sum(-1) ** 2 / (sxx * ss_tot)
+    varies = ss_tot > 1e-12
+    return np.where(varies, r2, np.nan), np.where(varies & (sxx > 1e-12) & (x.shape[-1] >= 3), corr2, np.nan)
+
+
+def _changes(clean: np.ndarray, observed: np.ndarray, delta: int) -> tuple[np.ndarray, np.ndarray]:
+    """Predicted change ``A_0((r-d) mod S) - A_0(r)`` and observed change ``A_d(r) - A_0(r)`` (..., S)."""
+    return predicted_accuracy(clean, delta) - clean, observed - clean
+
+
 def prediction_r2(
     clean: np.ndarray, observed: np.ndarray, deltas: Sequence[int], boundary: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """How well ``A_0((r - d) mod S)`` predicts the observed accuracy change, pooled over ``deltas``.
+    """How well ``A_0((r - d) mod S)`` predicts the observed accuracy change, pooled over ``deltas`` (ckv's pooled
+    fit; the paper pools no shifts, see ``shift_statistics``).
 
     ``clean`` (..., S): ``A_0``; ``observed`` (..., K, S): ``A_d`` for each of the K ``deltas``. Points: phases
-    ``r != boundary`` of shifts ``d != 0 mod S``; x = predicted change ``A_0((r-d) mod S) - A_0(r)``, y = observed
-    change ``A_d(r) - A_0(r)``. Returns ``(r2, r2_corr)`` (...): ``r2 = 1 - SS_res / SS_tot`` (the prediction
-    taken as is, so bias and scale count against it; can be negative) and the squared Pearson correlation.
-    NaN when no point is left or the observed change does not vary.
+    ``r != boundary`` of shifts ``d != 0 mod S``; x = predicted change, y = observed change. Returns
+    ``(r2_identity, corr2)`` (...): ``1 - SS_res / SS_tot`` against ``y = x`` (the prediction taken as is, so bias
+    and scale count against it; can be negative) and the squared Pearson correlation. NaN when no point is left or
+    the observed change does not vary.
     """
     a0, obs = np.asarray(clean, dtype=np.float64), np.asarray(observed, dtype=np.float64)
     S = a0.shape[-1]
@@ -102,41 +123,74 @@ def prediction_r2(
     if not use_k or not use_r:
         nan = np.full(a0.shape[:-1], np.nan)
         return nan, nan
-    pred = np.stack([predicted_accuracy(a0, deltas[k]) for k in use_k], axis=-2) - a0[..., None, :]  # (..., K', S)
-    y = (obs[..., use_k, :] - a0[..., None, :])[..., use_r].reshape(*a0.shape[:-1], -1)  # (..., N)
-    x = pred[..., use_r].reshape(y.shape)
-    yc, xc = y - y.mean(-1, keepdims=True), x - x.mean(-1, keepdims=True)
-    ss_tot, sxx = (yc**2).sum(-1), (xc**2).sum(-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        r2 = 1 - ((y - x) ** 2).sum(-1) / ss_tot
-        corr2 = (xc * yc).sum(-1) ** 2 / (sxx * ss_tot)
-    varies = ss_tot > 1e-12
-    return np.where(varies, r2, np.nan), np.where(varies & (sxx > 1e-12), corr2, np.nan)
+    pairs = [_changes(a0, obs[..., k, :], deltas[k]) for k in use_k]
+    x = np.concatenate([p[0][..., use_r] for p in pairs], axis=-1)  # (..., K' * (S - 1))
+    y = np.concatenate([p[1][..., use_r] for p in pairs], axis=-1)
+    return _fit(x, y)
+
+
+def boundary_phases(stride: int, delta: int) -> list[int]:
+    """The phases the paper's interior fit leaves out for shift ``d``: the boundary phase ``S - 1`` and
+    ``(S - 1 + d) mod S``, the phase the shifted gates move the boundary's behaviour to."""
+    return sorted({stride - 1, (stride - 1 + delta) % stride})
+
+
+def shift_statistics(clean: np.ndarray, observed: np.ndarray, delta: int) -> dict[str, np.ndarray]:
+    """The paper's statistics of one shift ``d`` (it pools none), over any leading axes.
+
+    ``clean``, ``observed`` (..., S): ``A_0`` and ``A_d`` per phase (fractions). x = predicted change
+    ``A_0((r-d) mod S) - A_0(r)``, y = observed change ``A_d(r) - A_0(r)``. Returns arrays (...):
+    ``corr2_excl_boundary`` (the paper's headline R^2: squared Pearson correlation of x and y over phases
+    ``r != S - 1``), ``corr2_interior`` (also without ``(S - 1 + d) mod S``), ``corr2_all_phases``,
+    ``mae_all_phases_pp`` and ``mae_interior_pp`` (mean ``|A_d(r) - A_0((r-d) mod S)|``, percentage points),
+    ``accuracy_change_pp`` (mean accuracy of the shifted model minus the clean one, pp) and ckv's
+    ``r2_identity_excl_boundary`` (``1 - SS_res / SS_tot`` of y against ``y = x`` over ``r != S - 1``).
+    """
+    a0, obs = np.asarray(clean, dtype=np.float64), np.asarray(observed, dtype=np.float64)
+    S = a0.shape[-1]
+    x, y = _changes(a0, obs, delta)
+    excl = [r for r in range(S) if r != S - 1]
+    interior = [r for r in range(S) if r not in boundary_phases(S, delta)]
+    r2_identity, corr2_excl = _fit(x[..., excl], y[..., excl])
+    error = np.abs(y - x)  # |A_d(r) - A_0((r-d) mod S)|
+    return {
+        "corr2_excl_boundary": corr2_excl,
+        "corr2_interior": _fit(x[..., interior], y[..., interior])[1],
+        "corr2_all_phases": _fit(x, y)[1],
+        "mae_all_phases_pp": 100 * error.mean(-1),
+        "mae_interior_pp": 100 * error[..., interior].mean(-1),
+        "accuracy_change_pp": 100 * (obs.mean(-1) - a0.mean(-1)),
+        "r2_identity_excl_boundary": r2_identity,
+    }
+
+
+PAPER_DELTAS = (-3, -2, -1, 1, 2, 3)  # the paper's shifts (analysis.deltas=paper)
 
 
 @dataclass(frozen=True)
 class CyclingSettings:
-    """``deltas``: shifts to apply (default ``0..S-1``); ``layers``: compressed layers whose gates are shifted
-    (default all)."""
+    """``deltas``: shifts to apply (default ``0..S-1``; ``paper``: the paper's -3..-1, 1..3); ``layers``:
+    compressed layers whose gates are shifted (default all)."""
 
-    deltas: Optional[tuple[int, ...]] = None
+    deltas: Union[None, str, tuple[int, ...]] = None
     layers: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
+        if self.deltas == "paper":
+            object.__setattr__(self, "deltas", PAPER_DELTAS)
         for name in ("deltas", "layers"):
             v = getattr(self, name)
             ints = isinstance(v, tuple) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
             if v is not None and not ints:
-                raise ConfigError(f"analysis.{name}={v!r} must be null or a non-empty list of integers")
+                raise ConfigError(
+                    f"analysis.{name}={v!r} must be null or a non-empty list of integers"
+                    + (" (or 'paper': the paper's shifts -3..-1, 1..3)" if name == "deltas" else "")
+                )
 
 
-def _r2_dict(
-    reps: np.ndarray, clean: np.ndarray, observed: np.ndarray, deltas: Sequence[int], boundary: int, level: float
-) -> dict:
-    """``r2`` and ``r2_corr`` with paired bootstrap intervals; ``reps`` (R, 1 + K, S) holds clean then shifts."""
-    point = prediction_r2(clean, observed, deltas, boundary)
-    boot = prediction_r2(reps[:, 0], reps[:, 1:], deltas, boundary)
-    return {"r2": interval(boot[0], float(point[0]), level), "r2_corr": interval(boot[1], float(point[1]), level)}
+def _intervals(stats: dict[str, np.ndarray], boot: dict[str, np.ndarray], level: float) -> dict:
+    """``{name: {"value", "lower", "upper"}}`` from point values and bootstrap replicates of each statistic."""
+    return {k: interval(boot[k], float(v), level) for k, v in stats.items()}
 
 
 def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
@@ -165,7 +219,8 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
     obs = np.stack([a.accuracy for a in acc])  # (K, S)
     per_delta = []
     for k, (d, a) in enumerate(zip(deltas, acc)):
-        fit = _r2_dict(reps[:, [0, 1 + k]], a0.accuracy, obs[[k]], [d], boundary, opts.level) if d % S else None
+        stats = shift_statistics(a0.accuracy, a.accuracy, d)
+        boot = shift_statistics(reps[:, 0], reps[:, 1 + k], d)  # each (R,)
         per_delta.append(
             {
                 "delta": d,
@@ -176,9 +231,13 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
                 "upper": a.upper.tolist(),
                 "interval": a.interval,
                 "predicted": predicted_accuracy(a0.accuracy, d).tolist(),
-                **(fit or {"r2": None, "r2_corr": None}),
+                "boundary_phases": boundary_phases(S, d),
+                **_intervals(stats, boot, opts.level),
             }
         )
+    pooled = prediction_r2(a0.accuracy, obs, deltas, boundary)
+    pooled_boot = prediction_r2(reps[:, 0], reps[:, 1:], deltas, boundary)
+    names = ("r2_identity_excl_boundary", "corr2_excl_boundary")
     return {
         "stride": S,
         "boundary_phase": boundary,
@@ -192,7 +251,7 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
             "interval": a0.interval,
         },
         "deltas": per_delta,
-        "pooled": _r2_dict(reps, a0.accuracy, obs, deltas, boundary, opts.level),
+        "pooled": _intervals(dict(zip(names, pooled)), dict(zip(names, pooled_boot)), opts.level),
     }
 
 

@@ -6,7 +6,9 @@ number of offsets ``exp(H(p))`` (``H`` = entropy in nats; 1 for a one-hot gate, 
 
 - static: ``exp(H(E[alpha]))``, of the window-averaged gate (does the gate prefer fixed offsets?);
 - per window: ``E[exp(H(alpha))]`` (does each window's gate pick few offsets, whichever they are?);
-- offset profile: ``W * E[alpha_i]``, the mass on offset ``i`` relative to uniform (1 = uniform).
+- offset profile: ``W * E[alpha_i]``, the mass on offset ``i`` relative to uniform (1 = uniform);
+- phase profile (the paper's ``g(r)``, S entries): the mass on the offsets whose tokens have phase ``r``,
+  divided by that phase's uniform share (1 = uniform; folded when W > S), the value gate rolled by -1.
 
 Vector gates (one weight per channel) are summarised per channel and averaged over channels. Windows with
 absent positions (the first entries when W > S) are left out. Given a run folder, the statistics are repeated
@@ -16,7 +18,7 @@ for every saved checkpoint: how the gates specialise during training.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -59,27 +61,47 @@ class GateAccumulator:
         self.concentration = conc if self.concentration is None else self.concentration + conc
         self.windows += a.shape[0] * a.shape[1]
 
-    def summary(self) -> list[dict]:
-        """Per KV head: ``profile`` (W,) mass relative to uniform, ``static`` and ``per_window`` effective numbers
-        of offsets (channel means), ``peak_offset`` and ``windows``."""
+    def summary(self, stride: int, grid_offsets: Sequence[int] = (0,), roll: int = 0) -> list[dict]:
+        """Per KV head: ``profile`` (W,) mass relative to uniform, ``phase_profile`` (S,) the same folded to the
+        phases of the tokens (``phase_profile``; ``grid_offsets``: the layer's, one or one per KV head), rolled by
+        ``roll`` (``phase_roll``), ``static`` and ``per_window`` effective numbers of offsets (channel means),
+        ``peak_offset`` and ``windows``."""
         if not self.windows or self.mass is None or self.concentration is None:
             raise RuntimeError("no full window was recorded: the prompts are shorter than one window")
         mean = self.mass / self.windows  # (W, KV, C)
-        window = mean.shape[0]
+        window, kv = mean.shape[0], mean.shape[1]
         static = effective_offsets(mean, dim=0).mean(-1)  # (KV,)
         per_window = (self.concentration / self.windows).mean(-1)  # (KV,)
         profile = window * mean.mean(-1)  # (W, KV)
+        offsets = list(grid_offsets) * kv if len(grid_offsets) == 1 else list(grid_offsets)
         return [
             {
                 "kv_head": h,
                 "profile": profile[:, h].tolist(),
+                "phase_profile": np.roll(phase_profile(profile[:, h].numpy(), stride, offsets[h]), roll).tolist(),
+                "phase_roll": roll,
                 "static": float(static[h]),
                 "per_window": float(per_window[h]),
                 "peak_offset": int(profile[:, h].argmax()),
                 "windows": self.windows,
             }
-            for h in range(profile.shape[1])
+            for h in range(kv)
         ]
+
+
+def offset_phases(window: int, stride: int, grid_offset: int = 0) -> np.ndarray:
+    """(W,) the phase of the token at each window offset: entry ``j`` covers ``[(j+1)S - W + o, (j+1)S - 1 + o]``
+    (``o``: the grid offset, ``ckv.geometry``), so offset ``i`` holds a position of phase ``(i - W + o) mod S``."""
+    return (np.arange(window) - window + grid_offset) % stride
+
+
+def phase_profile(profile: np.ndarray, stride: int, grid_offset: int = 0) -> np.ndarray:
+    """(S,) the paper's ``g(r)`` from an offset profile (W,) (``W * E[alpha_i]``): the gate mass on the offsets of
+    phase ``r`` divided by their uniform share ``n_r / W`` (1 = uniform; with W == S and no grid offset it is the
+    offset profile itself)."""
+    phases = offset_phases(len(profile), stride, grid_offset)
+    n = np.bincount(phases, minlength=stride)  # offsets per phase (>= 1: W >= S)
+    return np.bincount(phases, weights=np.asarray(profile, dtype=np.float64), minlength=stride) / n
 
 
 @contextmanager
@@ -104,6 +126,13 @@ def record_gates(branches: list[Branch]) -> Iterator[dict[tuple[int, str], GateA
             h.remove()
 
 
+# The paper reports the value gate rolled by -1 (its project page's data, figure 4: "value profile already
+# rolled by -1: vg[r] is the value gate at phase r+1, aligned with the key at phase r"; science.md: each value gate
+# peaks about one offset after its key gate): a record's value token follows its key token, so vg[r] and kg[r]
+# both describe the record whose key, the target position, has phase r.
+PHASE_ROLL = {"K": 0, "V": -1}
+
+
 def gate_statistics(model: LoadedModel, task: LookupTask, options: RunOptions) -> tuple[list[dict], LookupOutcome]:
     """Gate statistics of every branch over the task's prompts, and the task's outcome (scored on the way).
     Rows: ``layer``, ``branch``, ``kv_head`` plus ``GateAccumulator.summary``'s fields."""
@@ -112,7 +141,12 @@ def gate_statistics(model: LoadedModel, task: LookupTask, options: RunOptions) -
         outcome = task.evaluate(
             model.logits, batch_size=options.batch_size, device=model.device, progress=options.progress
         )
-    rows = [{"layer": layer, "branch": name, **s} for (layer, name), acc in accs.items() for s in acc.summary()]
+    config = model.module.config
+    rows = [
+        {"layer": layer, "branch": name, **s}
+        for (layer, name), acc in accs.items()
+        for s in acc.summary(config.attention.stride, config.grid_offsets(layer), PHASE_ROLL[name])
+    ]
     return rows, outcome
 
 

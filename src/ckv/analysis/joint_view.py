@@ -4,8 +4,10 @@
 The paper's observation is that they line up: a head whose gates concentrate on some offsets loses accuracy,
 when knocked out, on the matching phases. For each (layer, KV head) this runs the KV-group knock-out
 (``ckv.analysis.knockout``) and the gate statistics (``ckv.analysis.gates``) on the same prompts and puts side by side
-the per-phase knock-out effect and the K and V offset profiles. With W == S (offset = phase) it also reports
-the Pearson correlation between the knock-out loss profile (minus the effect) and each gate profile.
+the per-phase knock-out effect and the K and V offset profiles, and in the paper's units (its Figure 4): the
+knock-out folded from residues to phases and the gate profiles per phase (offsets folded to the phases of their
+tokens, so any W >= S; the value gate rolled by -1), with the Pearson correlation between the knock-out loss
+profile (minus the folded effect) and each phase profile.
 """
 
 from __future__ import annotations
@@ -41,13 +43,16 @@ def correlation(a: list[Optional[float]], b: list[float]) -> Optional[float]:
     return float((x * y).sum() / denom) if denom > 1e-12 else None
 
 
-def joint_rows(knockout: dict, gates: list[dict], window: int) -> list[dict]:
-    """One row per (layer, KV head): knock-out effect per phase (with interval), worst phase, K and V offset
-    profiles and peaks, and (W == S) the correlations of the loss profile with each gate profile."""
+def joint_rows(knockout: dict, gates: list[dict]) -> list[dict]:
+    """One row per (layer, KV head): knock-out effect per phase (``knockout``, of the phase's accuracy, with
+    interval) and the paper's fold of it (``knockout_folded``, with interval), worst phase, K and V offset profiles
+    and peaks, their phase profiles (the paper's ``g(r)``, V rolled by -1; folded when W > S) and the
+    correlations of the loss profile (minus the folded effect) with each phase profile."""
     by = {(g["layer"], g["kv_head"], g["branch"]): g for g in gates}
     rows = []
     for u in knockout["units"]:
         effect = [p["effect"] for p in u["phases"]]
+        folded = [p["folded_effect"] for p in u["phases"]]
         finite = [(e, r) for r, e in enumerate(effect) if e is not None]
         row = {
             "layer": u["layer"],
@@ -55,17 +60,20 @@ def joint_rows(knockout: dict, gates: list[dict], window: int) -> list[dict]:
             "knockout": effect,
             "knockout_lower": [p["effect_lower"] for p in u["phases"]],
             "knockout_upper": [p["effect_upper"] for p in u["phases"]],
+            "knockout_folded": folded,
+            "knockout_folded_lower": [p["folded_effect_lower"] for p in u["phases"]],
+            "knockout_folded_upper": [p["folded_effect_upper"] for p in u["phases"]],
             "worst_phase": min(finite)[1] if finite else None,
         }
+        loss = [None if e is None else -e for e in folded]
         for branch in ("K", "V"):
             g = by.get((u["layer"], u["kv_head"], branch))
             key = branch.lower()
             row[f"{key}_profile"] = None if g is None else g["profile"]
+            row[f"{key}_phase_profile"] = None if g is None else g["phase_profile"]
             row[f"{key}_peak"] = None if g is None else g["peak_offset"]
             row[f"{key}_static"] = None if g is None else g["static"]
-            aligned = g is not None and window == len(effect)  # W == S: offset i is phase i
-            loss = [None if e is None else -e for e in effect]
-            row[f"loss_vs_{key}"] = correlation(loss, g["profile"]) if aligned else None
+            row[f"loss_vs_{key}"] = None if g is None else correlation(loss, g["phase_profile"])
         rows.append(row)
     return rows
 
@@ -82,7 +90,8 @@ def joint(ctx: AnalysisContext) -> dict:
         "window": window,
         "calibration": knockout["calibration"],
         "clean": knockout["clean"]["headline"],
-        "rows": joint_rows(knockout, gates, window),
+        "modulus": knockout["modulus"],
+        "rows": joint_rows(knockout, gates),
     }
     if ctx.options.plots:
         result["plots"] = [plot_joint(result, ctx.out_dir / "joint.png", ctx.model.name).name]

@@ -4,15 +4,21 @@ For every layer, and every KV-head group within a layer, the attention output at
 last prompt token, whose logits the lookup task scores) is replaced by its mean over a calibration set of lookup
 prompts disjoint from the scored ones; the same scored prompts are then re-evaluated. Per phase the effect is
 ``100 * (knocked - clean) / clean`` (percent of the clean accuracy), with a paired cluster-bootstrap interval
-(the same resampled key->value mappings for clean and knocked). Works for any model whose attention output
-projections ``ckv.analysis.hooks.attention_sites`` finds (ckv full and compressed models, Qwen-like HF models).
+(the same resampled key->value mappings for clean and knocked). In the paper's units: the effect per residue
+(target position mod the task's modulus M, 24 in the paper's protocol) and, per phase, the paper's fold of it
+(the mean of the relative changes of the residues ``p, p + S, ...``), as a layer x KV head x residue table; the
+per-prompt outcomes go to ``knockout_prompts.csv`` (``table_from_prompts`` rebuilds the table). Works for any
+model whose attention output projections ``ckv.analysis.hooks.attention_sites`` finds (ckv full and compressed
+models, Qwen-like HF models).
 """
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -135,20 +141,35 @@ def _flat(prefix: str, iv: dict) -> dict:
     return {prefix: iv["value"], f"{prefix}_lower": iv["lower"], f"{prefix}_upper": iv["upper"]}
 
 
+def fold_to_phases(residue_values: np.ndarray, stride: int) -> np.ndarray:
+    """(..., M) -> (..., S): the paper's fold of a per-residue value to phase: the mean over the residues
+    ``r = p, p + S, ...`` of phase ``p`` (``M`` a multiple of ``S``); NaN where any of them is NaN."""
+    m = residue_values.shape[-1]
+    return residue_values.reshape(*residue_values.shape[:-1], m // stride, stride).mean(-2)
+
+
 def knockout_effects(ctx: AnalysisContext, clean: LookupOutcome, knocked: list[np.ndarray]) -> list[dict]:
     """Per knocked outcome: the overall and per-phase effect ``100 * (knocked - clean) / clean`` and difference
     ``knocked - clean`` (accuracy fractions), each with a paired cluster-bootstrap interval, and the knocked
-    per-phase accuracy with its cluster-bootstrap interval (over key->value mappings; ``interval`` names it)."""
+    per-phase accuracy with its cluster-bootstrap interval (over key->value mappings; ``interval`` names it);
+    the effect per residue mod the task's modulus M and, per phase, the paper's fold of it (``folded_effect``:
+    the mean of the residues' relative changes), with paired intervals."""
     t, S, opts = clean.table, ctx.task.require_stride("analysis=knockout"), ctx.options.stats
+    M = ctx.task.modulus
     outcomes = [clean.correct, *knocked]
     reps = paired_replicates(outcomes, t["phase"], S, t["base"], opts)  # (R, 1 + U, S)
     reps_all = paired_replicates(outcomes, np.zeros_like(t["phase"]), 1, t["base"], opts)[..., 0]  # (R, 1 + U)
+    reps_res = paired_replicates(outcomes, t["residue"], M, t["base"], opts)  # (R, 1 + U, M)
     acc = [
         with_cluster_intervals(group_accuracy(o, t["phase"], S), reps[:, i], opts.level) for i, o in enumerate(outcomes)
     ]
+    res_acc = np.stack([group_accuracy(o, t["residue"], M).accuracy for o in outcomes])  # (1 + U, M)
     means = [float(np.mean(o)) for o in outcomes]
     out = []
     for u in range(1, len(outcomes)):
+        res_effect = relative_change(res_acc[0], res_acc[u])  # (M,)
+        res_boot = relative_change(reps_res[:, 0], reps_res[:, u])  # (R, M)
+        folded, folded_boot = fold_to_phases(res_effect, S), fold_to_phases(res_boot, S)
         phases = []
         for r in range(S):
             c, k = acc[0].accuracy[r], acc[u].accuracy[r]
@@ -165,8 +186,19 @@ def knockout_effects(ctx: AnalysisContext, clean: LookupOutcome, knocked: list[n
                         interval(relative_change(reps[:, 0, r], reps[:, u, r]), relative_change(c, k), opts.level),
                     ),
                     **_flat("delta", interval(reps[:, u, r] - reps[:, 0, r], k - c, opts.level)),
+                    **_flat("folded_effect", interval(folded_boot[:, r], folded[r], opts.level)),
                 }
             )
+        residues = [
+            {
+                "residue": r,
+                "phase": r % S,
+                "clean": float(res_acc[0, r]),
+                "knocked": float(res_acc[u, r]),
+                **_flat("effect", interval(res_boot[:, r], res_effect[r], opts.level)),
+            }
+            for r in range(M)
+        ]
         out.append(
             {
                 "clean_mean": means[0],
@@ -179,14 +211,67 @@ def knockout_effects(ctx: AnalysisContext, clean: LookupOutcome, knocked: list[n
                 ),
                 **_flat("delta", interval(reps_all[:, u] - reps_all[:, 0], means[u] - means[0], opts.level)),
                 "phases": phases,
+                "residues": residues,
             }
         )
     return out
 
 
+PROMPTS_FILE = "knockout_prompts.csv"
+PROMPT_COLUMNS = ("base", "shift", "target_position", "residue", "phase")
+
+
+def prompt_rows(clean: LookupOutcome, units: list[Unit], knocked: list[np.ndarray]) -> list[dict]:
+    """One row per scored prompt: ``PROMPT_COLUMNS`` of the task's table, ``clean`` (0/1 correct) and one 0/1
+    column per unit (named by its label)."""
+    cols = {c: clean.table[c] for c in PROMPT_COLUMNS} | {"clean": clean.correct}
+    cols |= {u.label: k for u, k in zip(units, knocked)}
+    return [{c: int(v[i]) for c, v in cols.items()} for i in range(len(clean.correct))]
+
+
+def _jsonable(rows: np.ndarray) -> list[list[Optional[float]]]:
+    return [[float(x) if np.isfinite(x) else None for x in row] for row in rows]
+
+
+def effect_table(units: list[dict], residue_effect: np.ndarray, stride: int) -> Optional[dict]:
+    """The paper's knock-out table from the units (dicts with ``layer`` and ``kv_head``, in order) and their
+    per-residue effects ``residue_effect`` (U, M) (NaN: undefined), KV-group units only: ``residue_effect``
+    (layer x KV head x M) and ``phase_effect`` (layer x KV head x S, the paper's fold). ``None`` without
+    KV-group units (``analysis.units`` without ``heads``)."""
+    table: dict[int, list[np.ndarray]] = {}
+    for u, e in zip(units, residue_effect):
+        if u["kv_head"] is not None:
+            table.setdefault(u["layer"], []).append(e)
+    if not table:
+        return None
+    per_layer = [np.stack(heads) for _, heads in sorted(table.items())]  # each (KV, M)
+    return {
+        "layers": sorted(table),
+        "shape": "layer x KV head x residue (phase_effect: x phase)",
+        "residue_effect": [_jsonable(a) for a in per_layer],
+        "phase_effect": [_jsonable(fold_to_phases(a, stride)) for a in per_layer],
+    }
+
+
+def table_from_prompts(result: dict, path: Path) -> Optional[dict]:
+    """Rebuild ``result["table"]`` of a knock-out result from its per-prompt file ``path`` (``PROMPTS_FILE``)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    residue = np.array([int(r["residue"]) for r in rows])
+
+    def accuracy(column: str) -> np.ndarray:
+        return group_accuracy(np.array([int(r[column]) for r in rows]), residue, result["modulus"]).accuracy
+
+    clean = accuracy("clean")
+    effects = np.stack([relative_change(clean, accuracy(u["label"])) for u in result["units"]])
+    return effect_table(result["units"], effects, result["stride"])
+
+
 def run_knockout(ctx: AnalysisContext, settings: KnockoutSettings) -> dict:
-    """Knock out every unit of ``settings.units`` and measure its per-phase effect (see the module docstring).
-    Returns the JSON-ready result: ``stride``, ``calibration``, ``clean`` (per-phase report), ``units``."""
+    """Knock out every unit of ``settings.units`` and measure its per-phase and per-residue effect (see the module
+    docstring); writes the per-prompt outcomes to ``<out>/knockout_prompts.csv``. Returns the JSON-ready result:
+    ``stride``, ``modulus``, ``calibration``, ``clean`` (per-phase report), ``units``, ``table`` (the paper's
+    layer x KV head x residue table and its phase fold), ``prompts`` (the per-prompt file's name)."""
     stride = ctx.task.require_stride("analysis=knockout")  # a full-attention model: the comparison's task.stride
     sites = attention_sites(ctx.model.module)
     means, calibration = calibration_means(ctx, sites, settings)
@@ -203,16 +288,22 @@ def run_knockout(ctx: AnalysisContext, settings: KnockoutSettings) -> dict:
                 done[key] = ctx.evaluate().correct
         knocked.append(done[key])
     effects = knockout_effects(ctx, clean, knocked)
+    write_csv(ctx.out_dir / PROMPTS_FILE, prompt_rows(clean, units, knocked))
     report = ctx.report(clean)
+    rows = [
+        {"layer": u.layer, "kv_head": u.kv_head, "heads": list(u.heads), "label": u.label, **e}
+        for u, e in zip(units, effects)
+    ]
+    residue_effects = np.array([[np.nan if r["effect"] is None else r["effect"] for r in u["residues"]] for u in rows])
     return {
         "stride": stride,
+        "modulus": ctx.task.modulus,
         "position": "final query position (the last prompt token, whose logits are scored)",
         "calibration": calibration,
         "clean": {"headline": report["headline"], "phase": report["phase"]},
-        "units": [
-            {"layer": u.layer, "kv_head": u.kv_head, "heads": list(u.heads), "label": u.label, **e}
-            for u, e in zip(units, effects)
-        ],
+        "units": rows,
+        "table": effect_table(rows, residue_effects, stride),
+        "prompts": PROMPTS_FILE,
     }
 
 

@@ -212,7 +212,7 @@ def plot_gate_training(series: list[dict], window: int, path: Path, title: str) 
 
 
 # ---- gate cycling ----------------------------------------------------------------------------------------------
-def _fmt_r2(fit: Optional[dict]) -> str:
+def _fmt_interval(fit: Optional[dict]) -> str:
     if not fit or fit["value"] is None:
         return "n/a"
     if fit["lower"] is None:
@@ -243,7 +243,11 @@ def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
         ax.set_xticks(x)
         ax.set_xlabel(f"phase r (mod {S}); shaded: boundary")
         ax.set_ylabel("top-1 accuracy (%)")
-        ax.set_title(f"shift d={d['delta']}: R^2 {_fmt_r2(d['r2'])}\ncorr^2 {_fmt_r2(d['r2_corr'])}", fontsize=8)
+        ax.set_title(
+            f"shift d={d['delta']}: R^2 (corr^2, excl. boundary) {_fmt_interval(d['corr2_excl_boundary'])}\n"
+            f"interior {_fmt_interval(d['corr2_interior'])}, MAE {_fmt_interval(d['mae_all_phases_pp'])} pp",
+            fontsize=8,
+        )
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7, loc="lower left")
     sc = axes[len(deltas)]
@@ -266,7 +270,11 @@ def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
     sc.set_xlabel("predicted change A_0(r-d) - A_0(r) (pp)")
     sc.set_ylabel("observed change A_d(r) - A_0(r) (pp)")
     pooled = result["pooled"]
-    sc.set_title(f"pooled R^2 {_fmt_r2(pooled['r2'])}, corr^2 {_fmt_r2(pooled['r2_corr'])}", fontsize=8)
+    sc.set_title(
+        f"pooled over shifts: corr^2 {_fmt_interval(pooled['corr2_excl_boundary'])}, "
+        f"1 - SS_res/SS_tot {_fmt_interval(pooled['r2_identity_excl_boundary'])}",
+        fontsize=8,
+    )
     sc.legend(fontsize=7)
     for ax in axes[n:]:
         ax.set_visible(False)
@@ -281,25 +289,25 @@ def _fmt_corr(c: Optional[float]) -> str:
 
 
 def plot_joint(result: dict, path: Path, title: str) -> Path:
-    """Rows: (layer, KV head). Left: knock-out effect per phase; then the K and V gate profiles per offset."""
+    """Rows: (layer, KV head). Left: knock-out effect per phase (the paper's fold of the residues); then the K and
+    V gate profiles per phase (the paper's g(r): offsets folded to phases, V rolled by -1), as its Figure 4."""
     rows, S, W = result["rows"], result["stride"], result["window"]
-    branches = [b for b in ("k", "v") if any(r[f"{b}_profile"] is not None for r in rows)]
-    fig = Figure(figsize=(4.0 + 0.6 * S + 4.2 * len(branches), _height(len(rows))))
-    axes = fig.subplots(1, 1 + len(branches), gridspec_kw={"width_ratios": [S + 2] + [W + 2] * len(branches)})
+    branches = [b for b in ("k", "v") if any(r[f"{b}_phase_profile"] is not None for r in rows)]
+    fig = Figure(figsize=(4.0 + 0.6 * S + (1.0 + 0.6 * S) * len(branches), _height(len(rows))))
+    axes = fig.subplots(1, 1 + len(branches), gridspec_kw={"width_ratios": [S + 2] * (1 + len(branches))})
     data, text = _effect_cells(
         [
             {
                 "phases": [
                     {"effect": e, "effect_lower": lo, "effect_upper": hi}
-                    for e, lo, hi in zip(r["knockout"], r["knockout_lower"], r["knockout_upper"])
+                    for e, lo, hi in zip(r["knockout_folded"], r["knockout_folded_lower"], r["knockout_folded_upper"])
                 ]
             }
             for r in rows
         ]
     )
     labels = [
-        f"L{r['layer']} kv{r['kv_head']}"
-        + (f" (r_K {_fmt_corr(r['loss_vs_k'])}, r_V {_fmt_corr(r['loss_vs_v'])})" if W == S else "")
+        f"L{r['layer']} kv{r['kv_head']} (r_K {_fmt_corr(r['loss_vs_k'])}, r_V {_fmt_corr(r['loss_vs_v'])})"
         for r in rows
     ]
     _heatmap(
@@ -315,28 +323,27 @@ def plot_joint(result: dict, path: Path, title: str) -> Path:
         text=text,
     )
     axes[0].set_xlabel(f"phase (mod {S})")
-    axes[0].set_title("knock-out of the KV-head group", fontsize=9)
-    vlim = _profile_range([r[f"{b}_profile"] for b in branches for r in rows])
+    axes[0].set_title(f"knock-out of the KV-head group\n(mean over the residues mod {result['modulus']})", fontsize=9)
+    vlim = _profile_range([r[f"{b}_phase_profile"] for b in branches for r in rows])
     for ax, b in zip(axes[1:], branches):
-        prof, ptext = _profile_cells([r[f"{b}_profile"] for r in rows])
+        prof, ptext = _profile_cells([r[f"{b}_phase_profile"] for r in rows])
         _heatmap(
             fig,
             ax,
             prof,
             rows=["" for _ in rows],
-            cols=[str(i) for i in range(W)],
+            cols=[str(i) for i in range(S)],
             cmap="BrBG",
             vlim=vlim,
             center=0.0,
             cbar_label=PROFILE_LABEL,
             text=ptext,
         )
-        ax.set_xlabel(f"offset (0..{W - 1})")
-        ax.set_title(f"{b.upper()} gate profile", fontsize=9)
-    corr = "\nr_K, r_V: correlation of the loss profile (-effect) with the K, V gate profile" if W == S else ""
+        ax.set_xlabel(f"phase (mod {S})" + (" of the key (value gate at r + 1)" if b == "v" else ""))
+        ax.set_title(f"{b.upper()} gate per phase (W={W} offsets folded)", fontsize=9)
     fig.suptitle(
-        f"{title}: knock-out effect (% of clean accuracy, * = 95% interval excludes 0) vs gate profiles "
-        f"(mass x {W}, 1 = uniform){corr}",
+        f"{title}: knock-out effect (% of clean accuracy, * = 95% interval excludes 0) vs gate mass per phase "
+        "(/ uniform share, 1 = uniform)\nr_K, r_V: correlation of the loss profile (-effect) with the K, V profile",
         fontsize=9,
     )
     fig.tight_layout()
