@@ -71,14 +71,15 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Ca
 
 
 @pytest.fixture(scope="session")
-def ckv_cache(shared_folder: Callable[[str, Callable[[Path], object]], Path]) -> Path:
-    """One data cache (tokenizers, token arrays) for the whole session and all its workers: each small BPE is
-    trained once (``train_bpe`` lets one process train while the others wait)."""
-    return shared_folder("ckv_cache", lambda folder: folder.mkdir(parents=True))
+def cache_dir(shared_folder: Callable[[str, Callable[[Path], object]], Path]) -> str:
+    """One data cache (tokenizers, token arrays) for the whole session and all its workers, as the ``cache_dir`` of
+    ``ckv.data`` and a run's ``trainer.data_cache_dir`` take it: each small BPE is trained once (``train_bpe`` lets
+    one process train while the others wait)."""
+    return str(shared_folder("ckv_cache", lambda folder: folder.mkdir(parents=True)))
 
 
 @pytest.fixture(scope="session")
-def cpu_smoke_run(shared_folder: Callable[[str, Callable[[Path], object]], Path], ckv_cache: Path) -> SmokeRun:
+def cpu_smoke_run(shared_folder: Callable[[str, Callable[[Path], object]], Path], cache_dir: str) -> SmokeRun:
     """CI's end-to-end run, once per session: ``python train.py experiment=cpu_smoke`` (shipped corpus, compressed
     W4/S4, wandb offline) into a fresh ``out_dir``; the tests check it and evaluate what it wrote."""
     from tests.train.helpers import REPO, child_env
@@ -86,7 +87,7 @@ def cpu_smoke_run(shared_folder: Callable[[str, Callable[[Path], object]], Path]
     def build(folder: Path) -> None:
         out = folder / "out"
         args = [sys.executable, "train.py", "experiment=cpu_smoke", f"out_dir={out}"]
-        args += [f"trainer.data_cache_dir={ckv_cache}", "wandb.mode=offline"]
+        args += [f"trainer.data_cache_dir={cache_dir}", "wandb.mode=offline"]
         proc = subprocess.run(args, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
         out.mkdir(parents=True, exist_ok=True)
         (folder / "proc.json").write_text(json.dumps([proc.returncode, proc.stdout, proc.stderr]))

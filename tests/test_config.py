@@ -11,13 +11,8 @@ from ckv.config import saved_attention, upgrade_attention
     [
         (dict(kind="compressed", stride=0), "stride"),
         (dict(kind="compressed", window=4, stride=8), "window"),
-        (dict(kind="compressed", gate=dict(kind="matrix")), r"attention.gate.kind='matrix' is not allowed"),
-        (dict(kind="compressed", gate=3), r"attention.gate=3 must be a mapping"),
         (dict(kind="compressed", local_window=-1), "local_window"),
         (dict(kind="compressed", local_window="head"), "local_window"),
-        (dict(rope=dict(mode="partial")), r"attention.rope.mode='partial' needs attention.rope.dims"),
-        (dict(rope=dict(mode="full", dims=8)), r"attention.rope.dims=8 is only used"),
-        (dict(rope=None), r"attention.rope=None must be a mapping"),
         (dict(kind="compressed", kv="shared"), "kv"),
         (dict(qk_norm="yes"), "qk_norm"),
         (dict(kind=""), "kind"),
@@ -42,6 +37,8 @@ def test_bad_attention_config_names_the_field(kwargs, field):
             "attention.kv, attention.stride, attention.window are not fields of attention.kind='full'",
         ),
         (dict(mixing=dict(kernel=2)), "attention.mixing is not a field of attention.kind='full'"),
+        (dict(selection=dict()), "attention.selection is not a field of attention.kind='full'"),
+        (dict(query=dict()), "attention.query is not a field of attention.kind='full'"),
         (dict(kind="compressed", windw=8), "attention.windw is not a field of attention.kind='compressed'"),
     ],
 )

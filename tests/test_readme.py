@@ -126,11 +126,11 @@ SHORT = ["trainer.max_steps=2", "trainer.val_every=0", "trainer.save_every=0", "
 
 
 @pytest.mark.slow
-def test_cpu_lines_run_end_to_end(tmp_path: Path, ckv_cache: Path) -> None:
+def test_cpu_lines_run_end_to_end(tmp_path: Path, cache_dir: str) -> None:
     """Each CPU line run as written from a scratch working folder (train.py lines shortened by ``SHORT``, eval.py
     lines on the first train.py line's run with ``limit=1``, the summary on the grid);
     outputs land where README says."""
-    cache = f"trainer.data_cache_dir={ckv_cache}"  # the session's BPE cache: the shipped-corpus BPE is trained once
+    cache = f"trainer.data_cache_dir={cache_dir}"  # the session's BPE cache: the shipped-corpus BPE is trained once
 
     def run(words: list[str], *extra: str) -> subprocess.CompletedProcess:
         script = [str(REPO / words[1])] if words[1].endswith(".py") else words[1:3]

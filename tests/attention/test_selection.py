@@ -1,20 +1,16 @@
-"""What is unique to top-k selection by the lightning indexer (``attention.selection``), the low-rank query path
-(``attention.query``) and YaRN (``attention.rope.yarn``); the property matrix (test_properties.py) runs the
-standing properties over ``deepseek_v4_csa_sparse`` and ``<base>+selection=indexer``."""
+"""What is unique to top-k selection by the lightning indexer (``attention.selection``, ``ckv.attention.indexer``):
+its top-k, fake quantisation, the layer's selection and the backend's accounting of it; the config checks of the
+selection, query and rope groups are tests/options/'s. The property matrix (test_properties.py) runs the standing
+properties over ``deepseek_v4_csa_sparse`` and ``<base>+selection=indexer``."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV4Config
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from ckv import ModelConfig, Transformer
+from ckv import Transformer
 from ckv.attention import check_attention
 from ckv.attention.indexer import FP4_VALUES, fake_quant, index_scores, oracle_scores, oracle_selection, top_k
-from ckv.attention.rope import inverse_frequencies
-from ckv.config import ConfigError
-from ckv.options import YarnConfig
 from tests.attention.helpers import expected_influence
 from tests.helpers import small_config, variant
 
@@ -219,61 +215,3 @@ def test_top_k_bounds_the_attended_entries_and_scoring_costs_every_visible_one()
     scoring = 2 * 2 * (16 + 1) * visible / T  # 2 heads x (16-dim dot + weight) per visible entry, per token
     assert f_sparse.indexer > scoring and f_dense.indexer == 0
     assert f_sparse.compressor == pytest.approx(f_dense.compressor)
-
-
-@pytest.mark.parametrize(
-    "factor, original, dims, theta", [(4.0, 16, 8, 160000.0), (16.0, 65536, 64, 160000.0), (2.0, 32, 16, 1e4)]
-)
-def test_yarn_frequencies_equal_transformers(factor, original, dims, theta):
-    """V4's YaRN (attention factor 1) against transformers' ``_compute_yarn_parameters`` for the compress rope."""
-    cfg = DeepseekV4Config(
-        head_dim=dims * 2,
-        partial_rotary_factor=0.5,
-        compress_rope_theta=theta,
-        max_position_embeddings=int(original * factor),
-        rope_parameters={"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original},
-    )
-    want, scaling = ROPE_INIT_FUNCTIONS["yarn"](cfg, None, layer_type="compress")
-    got = inverse_frequencies(dims, theta, YarnConfig(factor=factor, original_max_positions=original))
-    assert scaling == 1.0 and torch.allclose(got, want, rtol=1e-6, atol=0)
-    assert not torch.allclose(got, inverse_frequencies(dims, theta))  # the scaling changes some frequencies
-
-
-@pytest.mark.parametrize(
-    "attention, needle",
-    [
-        (dict(selection=dict(topk=0)), r"attention.selection.topk=0 must be an integer >= 1"),
-        (dict(selection=dict(heads="2")), r"attention.selection.heads='2' must be an integer >= 1"),
-        (dict(selection=dict(topk=2, depth=1)), r"unknown attention.selection field\(s\) \['depth'\]"),
-        (dict(selection=dict(head_dim=7)), r"attention.selection.head_dim=7 must hold the indexer's rotated dims"),
-        (dict(selection=dict(quant="int8")), r"attention.selection.quant='int8' is not allowed"),
-        (dict(selection=dict(quant="fp8", by="oracle")), r"quant='fp8' quantises the lightning indexer, but by="),
-        (dict(selection=dict(quant="fp4", head_dim=48)), r"head_dim=48 must be a multiple of quant='fp4'"),
-        (dict(selection=dict(head_dim=8), rope=dict(mode="partial", dims=16)), r"head_dim=8 must hold .* \(16"),
-        (dict(kind="full", selection=dict()), r"attention.selection is not a field of attention.kind='full'"),
-        (dict(kind="full", query=dict()), r"attention.query is not a field of attention.kind='full'"),
-        (dict(query=dict(lora_rank=0)), r"attention.query.lora_rank=0 must be an integer >= 1"),
-        (dict(rope=dict(yarn=dict(factor=0.5))), r"attention.rope.yarn.factor=0.5 must be a finite number >= 1"),
-        (dict(rope=dict(yarn=dict(beta_fast=1, beta_slow=2))), r"beta_fast=1 must be >= attention.rope.yarn.beta"),
-        (dict(rope=dict(mode="none", yarn=dict())), r"attention.rope.yarn scales rotated dims"),
-        (dict(rope=dict(yarn=dict(scale=2))), r"unknown attention.rope.yarn field\(s\) \['scale'\]"),
-        (dict(rope=dict(yarn=4)), r"attention.rope.yarn=4 must be a mapping"),
-    ],
-)
-def test_bad_options_fail_with_one_line(attention, needle):
-    att = {"kind": "compressed", **attention}
-    with pytest.raises(ConfigError, match=needle) as err:
-        ModelConfig(attention=att)
-        Transformer(ModelConfig(attention=att))
-    assert "\n" not in str(err.value)
-
-
-def test_the_layer_reads_its_queries_through_the_low_rank_latent():
-    """With attention.query the query map and the indexer's query map read RMSNorm(q_a x) (rank 8 here)."""
-    torch.manual_seed(0)
-    att = {**variant("deepseek_v4_csa_sparse"), "query": {"lora_rank": 8}}
-    layer = Transformer(small_config(att, n_layers=1)).layers[0].self_attn
-    x = torch.randn(1, 9, 32)
-    latent = layer.query_latent(x)
-    assert latent.shape == (1, 9, 8) and torch.equal(latent, layer.q_latent.norm(layer.q_latent.proj(x)))
-    assert layer.q_proj.in_features == layer.indexer.q_proj.in_features == 8

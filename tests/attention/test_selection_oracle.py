@@ -70,8 +70,6 @@ def test_the_layer_attends_to_the_top_k_of_its_dense_softmax():
 def test_oracle_selection_has_no_indexer_and_refuses_a_warm_up(tmp_path):
     model = Transformer(small_config(ORACLE))
     assert all(layer.self_attn.indexer is None for layer in model.layers)
-    with pytest.raises(ConfigError, match="attention.selection.by"):
-        small_config({**ORACLE, "selection": dict(topk=2, by="best")})
     run = base_config(tmp_path / "run", tmp_path / "cache")
     run["attention"] = ORACLE
     run["trainer"]["indexer"] = {"warmup_steps": 5}

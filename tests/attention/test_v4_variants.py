@@ -17,9 +17,6 @@ from tests.helpers import small_config, variant
     [
         (dict(offset_maps="series", window=8, stride=6), "offset_maps"),
         (dict(output_rope="inverse", kv="separate"), "output_rope"),
-        (dict(rope=dict(mode="partial", dims=16, side="middle")), "attention.rope.side"),
-        (dict(rope=dict(mode="partial", dims=16, pairing="pairs")), "attention.rope.pairing"),
-        (dict(rope=dict(mode="partial", dims=16, theta=0.0)), "attention.rope.theta"),
         (dict(sink=1), "sink"),
     ],
 )

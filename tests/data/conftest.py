@@ -8,6 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ckv.data.tokenizer import train_bpe
+
+EOD = "<|endoftext|>"
 WORDS = (
     "the of and to in that he shall unto for his a lord they be is him not them it with all thou was "
     "king people house day land came god israel son said made children went"
@@ -38,6 +41,7 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory, docs: list[str]) -> Pat
 
 
 @pytest.fixture(scope="session")
-def cache_dir(ckv_cache: Path) -> str:
-    """The session's one tokenizer cache (tests/conftest.py), so each small BPE is trained once."""
-    return str(ckv_cache)
+def tokenizer(cache_dir: str) -> str:
+    """A BPE of 400 tokens with the end-of-document token ``EOD``, trained on ``make_docs(200)`` in the session's
+    cache (tests/conftest.py): what the shard tests prepare and read their shards with."""
+    return train_bpe(make_docs(200), vocab_size=400, special_tokens=[EOD], cache_dir=cache_dir)

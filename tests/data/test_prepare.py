@@ -12,18 +12,12 @@ import pytest
 from ckv.data.config import TextConfig
 from ckv.data.prepare import is_val, main, prepare
 from ckv.data.text import build_text_source
-from ckv.data.tokenizer import load_tokenizer, text_tokenizer, train_bpe
+from ckv.data.tokenizer import load_tokenizer, text_tokenizer
 from tests.helpers import assert_documented
 
-from .conftest import make_docs
+from .conftest import EOD, make_docs
 
-EOD = "<|endoftext|>"
 LITERAL = f"a document quoting {EOD} inside its text"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(cache_dir: str) -> str:
-    return train_bpe(make_docs(200), vocab_size=400, special_tokens=[EOD], cache_dir=cache_dir)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

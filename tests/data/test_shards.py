@@ -19,15 +19,9 @@ from ckv.data.prepare import prepare, sha256_file
 from ckv.data.shards import MIX_BLOCK, ShardSet, TokenMixture
 from ckv.data.tokenizer import lookup_special_tokens, train_bpe
 
-from .conftest import make_docs
+from .conftest import EOD, make_docs
 
-EOD = "<|endoftext|>"
 SEQ = 16
-
-
-@pytest.fixture(scope="module")
-def tokenizer(cache_dir: str) -> str:
-    return train_bpe(make_docs(200), vocab_size=400, special_tokens=[EOD], cache_dir=cache_dir)
 
 
 def prepared(tmp: Path, name: str, tokenizer: str, n_docs: int, seed: int) -> str:

@@ -13,14 +13,8 @@ from ckv.train import TrainConfig
 from .helpers import MERGED_SECTIONS, base_config
 
 
-@pytest.fixture(scope="session")
-def cache_dir(ckv_cache: Path) -> Path:
-    """The session's one tokenizer cache (tests/conftest.py): the shipped-corpus BPE is trained once."""
-    return ckv_cache
-
-
 @pytest.fixture
-def make_config(tmp_path: Path, cache_dir: Path) -> Callable[..., TrainConfig]:
+def make_config(tmp_path: Path, cache_dir: str) -> Callable[..., TrainConfig]:
     """``make_config(name, **sections)``: a tiny CPU run in ``tmp_path/name``; a keyword updates a section of
     ``MERGED_SECTIONS`` (``trainer={"max_steps": 4}``) or replaces any other (``data=TEXT_DATA``)."""
 

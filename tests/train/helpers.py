@@ -43,7 +43,7 @@ TEXT_DATA = {"kind": "text", "seq_len": 64, "text": {"vocab_size": 1024}}  # the
 USER_DATA = ["data.shards.path=/data/shards/pretrain"]  # a folder written by python -m ckv.data.prepare
 
 
-def base_config(run_dir: Path, cache_dir: Path) -> dict[str, Any]:
+def base_config(run_dir: Path, cache_dir: Path | str) -> dict[str, Any]:
     return {
         "name": "test",
         "seed": 0,

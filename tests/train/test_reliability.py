@@ -49,7 +49,7 @@ def _strict_json(line: str) -> dict:
     return json.loads(line, parse_constant=refuse)
 
 
-def _cpu_smoke(run_dir: Path, cache_dir: Path, *overrides: str) -> TrainConfig:
+def _cpu_smoke(run_dir: Path, cache_dir: str, *overrides: str) -> TrainConfig:
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3", job_name="train"):
         cfg = compose(
             config_name="config",
