@@ -198,7 +198,7 @@ def inspect_ckv_model(
     trainer_state = weights.parent / STATE_FILE
     if trainer_state.is_file():
         info["trainer_state"] = json.loads(trainer_state.read_text())
-        info["step"] = info["trainer_state"]["step"]  # a checkpoint's weights: the step they were saved at
+        info["step"] = info["trainer_state"].get("step", step)  # a checkpoint's weights: the step they were saved at
     run_config = config  # the config it runs with: attention.impl as overridden
     if impl:
         run_config = ModelConfig.from_dict(
