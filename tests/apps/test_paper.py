@@ -136,3 +136,92 @@ def test_spearman_handles_ties_and_the_bootstrap_brackets_rho():
     rho, lo, hi = paper.rank_agreement([1, 2, 3, 4, 5, 6, 7, 8], [2, 1, 3, 4, 6, 5, 7, 8])
     assert lo <= rho <= hi and rho == pytest.approx(1 - 6 * 4 / (8 * 63))
     assert paper.rank_agreement([1, 2], [2, 1])[1:] == (None, None)
+
+
+def row(mean=0.9, gap=0.02, p=0.5, floor=0.03, verdict="flat", period=None, stride=8, worst=0.5) -> dict:
+    """A constructed ``claim_row``: intervals +- 2 pp around gap and worst group."""
+    return {
+        "mean": mean,
+        "mean_lower": mean - 0.02,
+        "mean_upper": mean + 0.02,
+        "residue_gap": gap,
+        "residue_gap_lower": gap - 0.02,
+        "residue_gap_upper": gap + 0.02,
+        "residue_p_value": p,
+        "residue_noise_floor": floor,
+        "residue_verdict": verdict,
+        "residue_margin": 0.05,
+        "residue_upper_one_sided": gap + 0.015,
+        "residue_mde": 0.03,
+        "residue_mde_power": 0.8,
+        "dominant_period": period,
+        "stride": stride,
+        "worst_residue_accuracy": worst,
+        "worst_residue_lower": worst - 0.02,
+        "worst_residue_upper": worst + 0.02,
+    }
+
+
+GAP = dict(gap=0.4, p=0.001, verdict="gap", period=8, worst=0.3)
+CRITERIA = {"control_mean": 0.8, "flat_margin": 0.05}
+
+
+def outcome(checks, start: str) -> list[str]:
+    """``PASS`` / ``FAIL`` / ``undecided`` of the checks whose claim starts with ``start``."""
+    return [("PASS" if c.passed else "FAIL" if c.decided else "undecided") for c in checks if c.claim.startswith(start)]
+
+
+def both(r: dict) -> dict:
+    return dict.fromkeys(paper.PADDINGS, r)
+
+
+def test_each_claim_passes_fails_or_stays_undecided_on_constructed_rows():
+    roles = {
+        "ctrl": "control",
+        "base": "baseline",
+        "mean": "mean",
+        "w8s4": "overlap",
+        "tail": "tail",
+        "w4s4": "geometry",
+    }
+    rows = {
+        "ctrl": both(row()),
+        "base": both(row(**GAP)),
+        "mean": both(row(**{**GAP, "period": 4})),  # significant, but its period is not S = 8
+        "w8s4": both(row(**{**GAP, "stride": 4, "period": 4, "worst": 0.5})),  # worst 48-52% > the baseline's 30%
+        "tail": both(row(gap=0.05, p=0.2, verdict="undecided", worst=0.31)),  # worst 29-33%: neither
+        "w4s4": both(row(gap=0.01, verdict="flat", stride=4)),
+    }
+    ranks = [
+        ("Spearman of gap (prefix)", (0.8, 0.3, 1.0), 5),
+        ("Spearman of worst (prefix)", (0.1, -0.5, 0.6), 5),
+        ("Spearman of gap (in_sequence)", (-0.7, -1.0, -0.2), 5),
+    ]
+    checks = paper.claims(rows, roles, CRITERIA, ranks, [0.37, 0.75])
+    assert outcome(checks, "precondition") == ["PASS"]
+    assert outcome(checks, "prefix: the dominant period") == ["FAIL"]  # mean's period 4 != 8
+    assert "mean period 4 (S=8)" in next(c.detail for c in checks if c.claim.startswith("prefix: the dominant"))
+    assert outcome(checks, "ctrl ") == ["PASS", "PASS"]
+    assert outcome(checks, "mean ") == ["PASS", "PASS"]
+    assert outcome(checks, "w8s4 ") == ["PASS", "PASS"] and outcome(checks, "tail ") == ["undecided"] * 2
+    assert outcome(checks, "rank agreement") == ["PASS", "undecided", "FAIL"]
+    assert outcome(checks, "prefix: every baseline seed") == ["PASS"]
+    assert "37.0-75.0 pp" in next(c.detail for c in checks if c.claim.startswith("prefix: every baseline"))
+
+    # the opposite outcomes: a control with a gap, mean pooling flat, the tail's worst group under the baseline's
+    rows |= {"ctrl": both(row(**{**GAP, "mean": 0.85})), "mean": both(row()), "tail": both(row(worst=0.1))}
+    rows["base"] = both(row())  # a baseline seed without a gap
+    checks = paper.claims(rows, roles, CRITERIA, [], [])
+    assert outcome(checks, "ctrl ") == ["FAIL", "FAIL"] and outcome(checks, "mean ") == ["FAIL", "FAIL"]
+    assert outcome(checks, "tail ") == ["FAIL", "FAIL"] and outcome(checks, "rank agreement") == ["undecided"]
+    assert outcome(checks, "prefix: the dominant period") == ["PASS"]  # w8s4, the one significant gap, is at its S
+    assert outcome(checks, "prefix: every baseline seed") == ["FAIL"]
+
+    # the precondition: a control under 80% leaves every claim undecided
+    rows["ctrl"] = both(row(mean=0.5))
+    checks = paper.claims(rows, roles, CRITERIA, ranks, [])
+    assert outcome(checks, "precondition") == ["FAIL"]
+    assert all(not c.decided and "no verdict" in c.detail for c in checks[1:]) and len(checks) > 10
+    # no significant gap anywhere: the period claim has nothing to judge
+    rows = {"ctrl": both(row()), "w4s4": both(row(stride=4))}
+    assert outcome(paper.claims(rows, roles, CRITERIA, [], []), "in_sequence: the dominant") == ["undecided"]

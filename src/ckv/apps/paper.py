@@ -14,7 +14,9 @@ from typing import Optional
 
 import numpy as np
 
-from ckv.apps.study import ROOT, Check, Study, pp
+from ckv.apps.study import ROOT, Check, Study, check_lines, pp
+from ckv.eval.stats import gap_is_real
+from ckv.eval.summary import flatness_fields
 
 PADDINGS = ("prefix", "in_sequence")  # the study's evaluations; the CSV spells the second "in-sequence"
 METRICS = ("mean", "worst", "gap")
@@ -140,19 +142,157 @@ def run_rows(done: list[dict]) -> dict[str, dict[str, dict]]:
     return {d["run"].label: {k: measured(v) for k, v in d["evaluations"].items()} for d in done}
 
 
-def report(study: Study, done: list[dict], out: Path, quick: bool) -> list[Check]:
-    """Print and write (``<out>/paper_table.txt``) the side-by-side table and the rank agreement; return the
-    study's claims as checks."""
-    paper, why = read_paper(paper_path(study))
-    ids: dict[str, str] = study.params["paper_ids"]
-    rows = run_rows(done)
-    compressed = [lab for lab in ids if not ids[lab].startswith("full_attn")]
-    text = [side_by_side(rows, ids, paper)] + ([why] if why else [])
-    for what, (rho, lo, hi), n in rank_lines(rows, ids, paper, compressed):
-        text.append(
-            f"{what}: {rho:.2f} [{'-' if lo is None else f'{lo:.2f}'}, {'-' if hi is None else f'{hi:.2f}'}]"
-            f" over {n} compressed variants"
+def claim_row(report: dict) -> dict:
+    """What the claims read of one evaluation: the headline (mean, mod-24 gap with interval, permutation p, noise
+    floor, worst group, dominant period), the model's stride and the mod-24 gap's flatness fields (``residue_*``)."""
+    return {**report["headline"], "stride": report["stride"], **flatness_fields(report, "residue")}
+
+
+def _gap(r: dict) -> str:
+    return (
+        f"gap {pp(r['residue_gap'])} pp [{pp(r['residue_gap_lower'])}, {pp(r['residue_gap_upper'])}], "
+        f"p = {r['residue_p_value']:.4f}, noise floor {pp(r['residue_noise_floor'])} pp"
+    )
+
+
+def _real(r: dict) -> bool:
+    return gap_is_real(r["residue_p_value"], r["residue_gap_lower"], r["residue_noise_floor"])
+
+
+def _outcome(claim: str, verdict: Optional[bool], detail: str) -> Check:
+    """A check: ``verdict`` True (PASS), False (FAIL) or None (undecided)."""
+    return Check(claim, verdict is True, detail, decided=verdict is not None)
+
+
+def claims(
+    rows: dict[str, dict[str, dict]],
+    roles: dict[str, str],
+    criteria: dict[str, float],
+    ranks: list[tuple[str, tuple[float, Optional[float], Optional[float]], int]],
+    paper_gaps: list[float],
+) -> list[Check]:
+    """The study's claims (docs/paper.md, "Criteria"), each PASS / FAIL / undecided with its interval. ``rows``:
+    label -> padding -> ``claim_row``; ``roles``: label -> role (conf/study/paper.yaml); ``ranks``: ``rank_lines``;
+    ``paper_gaps``: the paper baseline seeds' prefix gaps. Precondition: every full-attention control's mean is at
+    least ``criteria.control_mean`` in both paddings; otherwise every claim is undecided (no verdict)."""
+    of = {role: [lab for lab in rows if roles.get(lab) == role] for role in set(roles.values())}
+    controls, baseline = of.get("control", []), of.get("baseline", [])
+    compressed = [lab for lab in rows if roles.get(lab) != "control"]
+    bar = criteria["control_mean"]
+    low = [f"{lab} {pad} {pp(r['mean'])}%" for lab in controls for pad, r in rows[lab].items() if r["mean"] < bar]
+    ok = bool(controls) and not low
+    out = [
+        _outcome(
+            f"precondition: every full-attention control's mean >= {pp(bar)}% in both paddings",
+            ok,
+            "; ".join(
+                f"{lab} {pad} {pp(r['mean'])}% [{pp(r['mean_lower'])}, {pp(r['mean_upper'])}]"
+                for lab in controls
+                for pad, r in rows[lab].items()
+            )
+            or "no control finished",
         )
+    ]
+    for pad in PADDINGS:
+        real = [(lab, rows[lab][pad]) for lab in compressed if pad in rows[lab] and _real(rows[lab][pad])]
+        wrong = [
+            f"{lab} period {r['dominant_period']} (S={r['stride']})"
+            for lab, r in real
+            if r["dominant_period"] != r["stride"]
+        ]
+        out.append(
+            _outcome(
+                f"{pad}: the dominant period equals S for every compressed variant with a significant gap",
+                None if not real else not wrong,
+                f"{len(real)} of {len(compressed)} with a significant gap; "
+                + ("; ".join(wrong) if wrong else "all at their S" if real else "none to judge"),
+            )
+        )
+    for lab in controls:
+        for pad, r in rows[lab].items():
+            verdict = {"flat": True, "gap": False}.get(r["residue_verdict"])
+            out.append(
+                _outcome(
+                    f"{lab} {pad}: flat (mod-24 gap's one-sided 95% upper bound under {pp(r['residue_margin'])} pp)",
+                    verdict,
+                    f"{_gap(r)}, upper bound {pp(r['residue_upper_one_sided'])} pp, smallest gap detected with "
+                    f"{pp(r['residue_mde_power'])}% power: {pp(r['residue_mde'])} pp",
+                )
+            )
+    for lab in [x for role in ("mean", "no_rope", "kv_heads") for x in of.get(role, [])]:
+        for pad, r in rows[lab].items():
+            verdict = True if _real(r) else False if r["residue_verdict"] == "flat" else None
+            out.append(_outcome(f"{lab} {pad}: keeps a significant gap", verdict, _gap(r)))
+    for lab in [x for role in ("overlap", "tail") for x in of.get(role, [])]:
+        for pad, r in rows[lab].items():
+            base = [rows[b][pad]["worst_residue_accuracy"] for b in baseline if pad in rows[b]]
+            verdict = (
+                None
+                if not base
+                else True
+                if r["worst_residue_lower"] > max(base)
+                else False
+                if r["worst_residue_upper"] < float(np.mean(base))
+                else None
+            )
+            out.append(
+                _outcome(
+                    f"{lab} {pad}: raises the worst group over the baseline (its interval above every baseline seed's)",
+                    verdict,
+                    f"worst {pp(r['worst_residue_accuracy'])}% [{pp(r['worst_residue_lower'])}, "
+                    f"{pp(r['worst_residue_upper'])}] vs baseline seeds {', '.join(pp(b) for b in base) or '-'}%",
+                )
+            )
+    for what, (rho, lo, hi), n in ranks:
+        verdict = None if lo is None or hi is None else True if lo > 0 else False if hi <= 0 else None
+        out.append(
+            _outcome(
+                f"rank agreement with the paper: {what} > 0 (95% bootstrap over variants)",
+                verdict,
+                f"rho {rho:.2f} [{'-' if lo is None else f'{lo:.2f}'}, {'-' if hi is None else f'{hi:.2f}'}] over {n}",
+            )
+        )
+    if not ranks:
+        out.append(_outcome("rank agreement with the paper (Spearman of gap and worst group)", None, "no paper rows"))
+    for pad in PADDINGS:
+        seeds = [(lab, rows[lab][pad]) for lab in baseline if pad in rows[lab]]
+        gaps = [r["residue_gap"] for _, r in seeds]
+        spread = f"{pp(min(gaps))}-{pp(max(gaps))} pp" if gaps else "-"
+        theirs = f"{pp(min(paper_gaps))}-{pp(max(paper_gaps))} pp" if paper_gaps else "n/a"
+        out.append(
+            _outcome(
+                f"{pad}: every baseline seed has a significant gap (seed spread beside the paper's)",
+                None if not seeds else all(_real(r) for _, r in seeds),
+                f"gap over {len(seeds)} seeds {spread}; the paper's over 4 seeds (prefix) {theirs}",
+            )
+        )
+    if not ok:
+        out = out[:1] + [
+            Check(c.claim, False, "no verdict (precondition not met): " + c.detail, decided=False) for c in out[1:]
+        ]
+    return out
+
+
+def report(study: Study, done: list[dict], out: Path, quick: bool) -> list[Check]:
+    """Print and write (``<out>/paper_table.txt``) the side-by-side table, the rank agreement and the claims;
+    return the claims as checks."""
+    paper, why = read_paper(paper_path(study))
+    roles = {r.label: r.role for r in study.runs}
+    ids: dict[str, str] = {lab: v for lab, v in study.params["paper_ids"].items() if lab in roles}
+    rows = run_rows(done)
+    compressed = [lab for lab in ids if roles[lab] != "control"]
+    ranks = rank_lines(rows, ids, paper, compressed)
+    text = [side_by_side(rows, ids, paper)] + ([why] if why else [])
+    baseline_ids = [ids[lab] for lab in ids if roles[lab] == "baseline"]
+    paper_gaps = [paper[(v, "prefix")]["gap"][0] for v in baseline_ids if (v, "prefix") in paper]
+    checks = claims(
+        {d["run"].label: {k: claim_row(v) for k, v in d["evaluations"].items()} for d in done},
+        roles,
+        study.criteria,
+        ranks,
+        paper_gaps,
+    )
+    text += check_lines(checks, ("PASS", "FAIL", "undecided"))
     print("\n" + "\n".join(text) + "\n")
     (out / "paper_table.txt").write_text("\n".join(text) + "\n")
-    return []
+    return checks
