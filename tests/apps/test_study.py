@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ckv.apps import study
-from ckv.apps.study import Check, Run, check_lines, load_study, result_row
+from ckv.apps.study import Check, Run, check_lines, load_study, main, result_row
 from ckv.checks import ConfigError
 
 from .helpers import finished
@@ -20,7 +20,6 @@ def test_every_study_loads_with_existing_experiments_and_distinct_run_folders(na
     assert s.out and s.record and s.title and s.seeds
     for r in s.runs:
         assert (study.ROOT / "conf" / "experiment" / f"{r.experiment}.yaml").is_file(), r
-        assert r.seed in s.seeds
     assert len({(r.name or r.experiment, r.seed) for r in s.runs}) == len(s.runs)
     assert all(isinstance(v, float) for v in s.criteria.values())
 
@@ -92,5 +91,55 @@ def test_result_row_reads_the_report_once_for_every_table():
 
 
 def test_check_lines_name_each_outcome_in_the_studys_words():
-    checks = [Check("a", True, "x"), Check("b", False, "y")]
-    assert check_lines(checks, ("MET", "not met")) == ["  [MET] a: x", "  [not met] b: y"]
+    checks = [Check("a", True, "x"), Check("b", False, "y"), Check("c", False, "z", decided=False)]
+    assert check_lines(checks, ("MET", "not met")) == ["  [MET] a: x", "  [not met] b: y", "  [undecided] c: z"]
+    assert check_lines(checks[2:], ("PASS", "FAIL", "open")) == ["  [open] c: z"]
+
+
+def test_a_run_may_declare_its_own_seeds_and_a_scale_swaps_params_and_adds_overrides(tmp_path, monkeypatch):
+    (tmp_path / "s.yaml").write_text(
+        "out: o\nseeds: [1]\nparams: {experiment: demo_full, dims: 2}\n"
+        "scales: {big: {launcher: slurm, params: {experiment: demo_gate_s4, dims: 16}, train: [x=1], eval: [y=2]}}\n"
+        "runs:\n  - {experiment: '${params.experiment}', role: r, train: 'a=${params.dims}', seeds: [5, 6]}\n"
+        "  - {experiment: '${params.experiment}', role: c}\n"
+    )
+    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    own, big = load_study("s"), load_study("s", "big")
+    assert [(r.experiment, r.seed, r.train_overrides) for r in own.runs] == [
+        ("demo_full", 5, ("a=2",)),
+        ("demo_full", 6, ("a=2",)),
+        ("demo_full", 1, ()),
+    ]
+    assert [(r.experiment, r.train_overrides, r.eval_overrides) for r in big.runs][0] == (
+        "demo_gate_s4",
+        ("a=16", "x=1"),
+        ("y=2",),
+    )
+    assert (own.launcher, big.launcher, big.scales) == ("", "slurm", ("big",))
+    with pytest.raises(ConfigError, match="no scale 'huge'"):
+        load_study("s", "huge")
+
+
+@pytest.mark.smoke
+def test_the_generic_command_isolates_a_failed_run_and_reuses_finished_work(tmp_path, monkeypatch, capsys):
+    """A tiny study: one run that trains, one whose config is wrong. The wrong one is reported, the other finishes
+    with both its evaluations; a rerun reuses the finished training and evaluations."""
+    (tmp_path / "tiny.yaml").write_text(
+        "out: o\ntask: demo_lookup\nevals: {a: [task.padding=prefix], b: [task.padding=in_sequence]}\nruns:\n"
+        "  - {name: good, experiment: demo_gate_s4, role: gate}\n"
+        "  - {name: bad, experiment: demo_gate_s4, role: gate, train: attention.stride=nonsense}\n"
+    )
+    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    out = tmp_path / "out"
+    assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
+    text = capsys.readouterr().out
+    assert "FAILED bad/seed=0" in text and "good/seed=0: trained" in text
+    record = __import__("json").loads((out / "tiny.json").read_text())
+    assert [r["label"] for r in record["runs"]] == ["good/seed=0"] and record["failed"][0]["label"] == "bad/seed=0"
+    good = out / "runs" / "good" / "seed=0"
+    results = [good / "eval" / f"demo_lookup_{k}" / "results.json" for k in "ab"]
+    assert all(r.is_file() for r in results)
+    stamps = [r.stat().st_mtime_ns for r in results]
+    assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
+    assert [r.stat().st_mtime_ns for r in results] == stamps  # evaluations reused
+    assert "resum" in (out / "logs" / "train_good_seed0.log").read_text().lower()

@@ -17,9 +17,19 @@ A study's YAML (``Study``; every key optional but ``out``):
     workers: all            # models trained at once: a number, ``all`` (every run) or absent (default_workers)
     seeds: [0]              # every run once per seed (run-major order)
     runs:                   # experiment (conf/experiment/) + role, and optionally name (the run folder's),
-      - {experiment: demo_full, role: control, eval: [task.stride=4]}   # train/eval overrides, entry (trainer)
+      - {experiment: demo_full, role: control, eval: [task.stride=4]}   # train/eval overrides, entry (trainer),
+                                                                        # seeds (this run's, instead of the study's)
     criteria: {min_gain: 0.30}   # the numbers the study's checks compare with
     params: {...}           # anything else the study's module reads (e.g. a model table its flags choose from)
+    evals:                  # several evaluations per run (default: one, on ``task``): name -> eval overrides;
+      prefix: [task.padding=prefix]   # each writes its own results folder (task.name=<task>_<name>)
+    scales:                 # other scales of the same study (``--scale NAME``): params merged over ``params``,
+      paper: {params: {experiment: paper_base}, train: [hydra/launcher=slurm]}   # overrides added to every run
+    report: ckv.apps.paper:report   # the study's own tables and claims after the runs (module:function)
+
+The generic command runs any of them: ``python -m ckv.apps.study NAME [--quick] [--out DIR] [--workers N]
+[--scale S] [--dry-run]`` (``main``): a failed run is reported and the others go on; a rerun reuses finished
+training (train.py resumes a finished folder) and evaluations newer than the run's last checkpoint.
 
 Values are OmegaConf: ``${params.stride}`` interpolates. The "control learned" bar every study's control is judged
 against is not a study number: ``ckv.eval.stats.CONTROL_LEARNED``.
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import subprocess
 import sys
@@ -40,9 +51,9 @@ from typing import Any, Optional, Union
 
 from omegaconf import OmegaConf
 
-from ckv.checks import ConfigError
+from ckv.checks import ConfigError, error_message
 from ckv.eval.summary import flatness_fields, results_file
-from ckv.io.layout import read_run_config
+from ckv.io.layout import STATE_FILE, latest_checkpoint, read_run_config
 from ckv.io.results import read_json, write_json
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
@@ -67,8 +78,23 @@ QUICK_TRAIN = (
     "optim.warmup_steps=2",
 )
 QUICK_EVAL = ("task.n_base=64", "stats.n_bootstrap=200", "stats.n_permutations=200")
-STUDY_KEYS = {"base", "title", "out", "record", "task", "workers", "seeds", "runs", "criteria", "params"}
-RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry"}
+STUDY_KEYS = {
+    "base",
+    "title",
+    "out",
+    "record",
+    "task",
+    "evals",
+    "workers",
+    "seeds",
+    "runs",
+    "criteria",
+    "params",
+    "scales",
+    "report",
+}
+SCALE_KEYS = {"params", "train", "eval", "launcher"}
+RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds"}
 
 
 @dataclass(frozen=True)
@@ -103,6 +129,11 @@ class Study:
     runs: tuple[Run, ...]
     criteria: dict[str, float]
     params: dict[str, Any]
+    evals: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> eval overrides; empty: one, on task
+    scale: str = ""  # the scale chosen from the YAML's ``scales`` ("": the study's own)
+    scales: tuple[str, ...] = ()  # the scales the YAML declares
+    report: str = ""  # ``module:function`` the generic command calls after the runs ("" : none)
+    launcher: str = ""  # the chosen scale's Hydra launcher (conf/hydra/launcher/): training is submitted through it
 
     def workers_for(self, n_runs: int) -> int:
         """Models trained at once when ``--workers`` is not given: ``workers`` (``all``: ``n_runs``), else
@@ -137,15 +168,41 @@ def _raw_study(name: str) -> Any:
     return node if base is None else OmegaConf.merge(_raw_study(base), node)
 
 
-def load_study(name: str) -> Study:
-    """``conf/study/<name>.yaml`` as a ``Study`` (``ConfigError``, one line, for a missing study or a bad key)."""
-    raw = OmegaConf.to_container(_raw_study(name), resolve=True)
+def _scaled(node: Any, name: str, scale: str) -> Any:
+    """The study's node with scale ``scale``'s params merged over its own (before interpolation, so ``${params.x}``
+    reads the scale's)."""
+    if not scale:
+        return node
+    scales = node.get("scales") or {}
+    if scale not in scales:
+        raise ConfigError(f"conf/study/{name}.yaml: no scale {scale!r}; its scales: {sorted(scales)}")
+    unknown = sorted(set(scales[scale]) - SCALE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"conf/study/{name}.yaml scales.{scale}: unknown keys {unknown}; a scale takes {sorted(SCALE_KEYS)}"
+        )
+    return OmegaConf.merge(node, {"params": scales[scale].get("params") or {}})
+
+
+def _seeds(seeds: Any, where: str) -> tuple[int, ...]:
+    """A seeds list: distinct integers >= 0 (``ConfigError`` otherwise)."""
+    seeds = tuple(seeds)
+    if len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or s < 0 for s in seeds):
+        raise ConfigError(f"{where}: seeds {list(seeds)}: distinct integers >= 0, please")
+    return seeds
+
+
+def load_study(name: str, scale: str = "") -> Study:
+    """``conf/study/<name>.yaml`` as a ``Study`` (``ConfigError``, one line, for a missing study, scale or a bad
+    key); ``scale`` (a key of its ``scales``) swaps in that scale's params and adds its overrides to every run."""
+    raw = OmegaConf.to_container(_scaled(_raw_study(name), name, scale), resolve=True)
+    spec = (raw.get("scales") or {}).get(scale) or {}
+    scale_train = _overrides(spec.get("train"), f"conf/study/{name}.yaml scales.{scale}")
+    scale_eval = _overrides(spec.get("eval"), f"conf/study/{name}.yaml scales.{scale}")
     if "out" not in raw:
         raise ConfigError(f"conf/study/{name}.yaml: no out (the default output folder)")
-    seeds = tuple(raw.get("seeds") or (0,))
-    if len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or s < 0 for s in seeds):
-        raise ConfigError(f"conf/study/{name}.yaml: seeds {list(seeds)}: distinct integers >= 0, please")
-    templates = []
+    seeds = _seeds(raw.get("seeds") or (0,), f"conf/study/{name}.yaml")
+    runs = []
     for i, r in enumerate(raw.get("runs") or ()):
         where = f"conf/study/{name}.yaml runs[{i}]"
         unknown = sorted(set(r) - RUN_KEYS)
@@ -154,17 +211,16 @@ def load_study(name: str) -> Study:
                 f"{where}: a run takes experiment, role and optionally "
                 f"{sorted(RUN_KEYS - {'experiment', 'role'})}; got {sorted(r)}"
             )
-        templates.append(
-            Run(
-                r["experiment"],
-                0,
-                r["role"],
-                _overrides(r.get("train"), where),
-                _overrides(r.get("eval"), where),
-                name=r.get("name", ""),
-                entry=_overrides(r.get("entry"), where) or ("train.py",),
-            )
+        template = Run(
+            r["experiment"],
+            0,
+            r["role"],
+            _overrides(r.get("train"), where) + scale_train,
+            _overrides(r.get("eval"), where) + scale_eval,
+            name=r.get("name", ""),
+            entry=_overrides(r.get("entry"), where) or ("train.py",),
         )
+        runs.append([dataclasses.replace(template, seed=s) for s in _seeds(r.get("seeds") or seeds, where)])
     workers = raw.get("workers")
     if not (workers is None or workers == "all" or (isinstance(workers, int) and workers > 0)):
         raise ConfigError(f"conf/study/{name}.yaml: workers {workers!r}: a number > 0, all, or absent")
@@ -176,9 +232,14 @@ def load_study(name: str) -> Study:
         task=raw.get("task", TASK),
         workers=workers,
         seeds=seeds,
-        runs=tuple(dataclasses.replace(t, seed=s) for t in templates for s in seeds),
+        runs=tuple(r for per_seed in runs for r in per_seed),
         criteria=dict(raw.get("criteria") or {}),
         params=dict(raw.get("params") or {}),
+        evals={k: _overrides(v, f"conf/study/{name}.yaml evals.{k}") for k, v in (raw.get("evals") or {}).items()},
+        scale=scale,
+        launcher=spec.get("launcher", ""),
+        scales=tuple(raw.get("scales") or ()),
+        report=raw.get("report", ""),
     )
 
 
@@ -189,11 +250,16 @@ class Check:
     claim: str
     passed: bool
     detail: str
+    decided: bool = True  # False: the numbers neither support nor refute the claim (``passed`` is then False)
 
 
-def check_lines(checks: list[Check], words: tuple[str, str]) -> list[str]:
-    """One printed line per check: ``  [<words[0]>] claim: detail`` when it passed, ``[<words[1]>]`` when not."""
-    return [f"  [{words[0] if c.passed else words[1]}] {c.claim}: {c.detail}" for c in checks]
+def check_lines(checks: list[Check], words: tuple[str, ...]) -> list[str]:
+    """One printed line per check: ``  [<words[0]>] claim: detail`` when it passed, ``[<words[1]>]`` when not, and
+    ``[<words[2]>]`` (default ``undecided``) when the numbers decide neither way."""
+    undecided = words[2] if len(words) > 2 else "undecided"
+    return [
+        f"  [{words[0] if c.passed else words[1] if c.decided else undecided}] {c.claim}: {c.detail}" for c in checks
+    ]
 
 
 @dataclass
@@ -222,42 +288,102 @@ def run_dir(out: Path, run: Run) -> Path:
     return out / "runs" / (run.name or run.experiment) / f"seed={run.seed}"
 
 
-def train_and_evaluate(run: Run, out: Path, quick: bool, env: dict, clock: Timer, task: str = TASK) -> dict:
-    """Train one model with ``train.py`` (resuming if its folder exists), then evaluate it with ``eval.py`` on
-    ``task``. Returns ``{"run", "dir", "train_seconds", "steps", "results"}`` (``results``: the task's report)."""
-    py = sys.executable
-    t0 = time.monotonic()
+def log_file(out: Path, run: Run, stage: str) -> Path:
+    """The log of one stage (``train``, ``eval`` or ``eval_<name>``) of ``run``."""
+    return out / "logs" / f"{stage}_{run.name or run.experiment}_seed{run.seed}.log"
+
+
+def train_command(run: Run, out: Path, quick: bool, launcher: str = "") -> list[str]:
+    """``train.py``'s command line for ``run`` (its folder: ``run_dir``); with ``launcher`` (e.g. ``slurm``) a
+    one-job multirun submitted through ``hydra/launcher=<launcher>`` into the same folder."""
     rdir = run_dir(out, run)
-    train_cmd = [
-        py,
+    where = (
+        ("-m", f"hydra/launcher={launcher}", f"hydra.sweep.dir='{rdir}'", "hydra.sweep.subdir=.")
+        if launcher
+        else (f"hydra.run.dir='{rdir}'",)
+    )
+    return [
+        sys.executable,
         *run.entry,
+        *where,
         f"experiment={run.experiment}",
         f"seed={run.seed}",
-        f"hydra.run.dir='{rdir}'",
         "trainer.progress=false",
         "wandb.enabled=false",
         *run.train_overrides,
         *(QUICK_TRAIN if quick else ()),
     ]
-    run_command(train_cmd, out / "logs" / f"train_{run.name or run.experiment}_seed{run.seed}.log", env)
+
+
+def eval_names(task: str, evals: Optional[dict[str, tuple[str, ...]]]) -> dict[str, str]:
+    """Evaluation name -> the task name its results folder has: ``{task: task}`` without ``evals``, else
+    ``<task>_<name>`` per entry."""
+    return {task: task} if not evals else {k: f"{task}_{k}" for k in evals}
+
+
+def eval_commands(
+    run: Run, out: Path, quick: bool, task: str = TASK, evals: Optional[dict[str, tuple[str, ...]]] = None
+) -> dict[str, tuple[str, list[str]]]:
+    """``eval.py``'s command lines for ``run``: evaluation name -> (task name, command). No ``evals``: one, named
+    ``task``, on ``task``; else one per entry, named ``<task>_<name>`` (its own results folder), with its
+    overrides."""
+    specs = {k: (name, (evals or {}).get(k, ())) for k, name in eval_names(task, evals).items()}
+    return {
+        k: (
+            name,
+            [
+                sys.executable,
+                "eval.py",
+                f"model.path='{run_dir(out, run)}'",
+                f"task={task}",
+                *(() if name == task else (f"task.name={name}",)),
+                "progress=false",
+                *run.eval_overrides,
+                *extra,
+                *(QUICK_EVAL if quick else ()),
+            ],
+        )
+        for k, (name, extra) in specs.items()
+    }
+
+
+def evaluation_is_current(rdir: Path, task_name: str) -> bool:
+    """Whether ``rdir`` holds ``task_name``'s results written after its last checkpoint (a rerun reuses them;
+    train.py rewrites the final weights when it resumes a finished run, never the checkpoint it resumed from)."""
+    res, ckpt = results_file(rdir, task_name), latest_checkpoint(rdir)
+    return res.is_file() and ckpt is not None and res.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
+
+
+def train_and_evaluate(
+    run: Run,
+    out: Path,
+    quick: bool,
+    env: dict,
+    clock: Timer,
+    task: str = TASK,
+    evals: Optional[dict[str, tuple[str, ...]]] = None,
+    reuse: bool = False,
+) -> dict:
+    """Train one model with ``train.py`` (resuming if its folder exists), then evaluate it with ``eval.py``
+    (``eval_commands``; ``reuse``: an evaluation still current is not rerun). Returns ``{"run", "dir",
+    "train_seconds", "steps", "results", "evaluations"}`` (``results``: the first evaluation's report;
+    ``evaluations``: every report by evaluation name)."""
+    t0 = time.monotonic()
+    rdir = run_dir(out, run)
+    run_command(train_command(run, out, quick), log_file(out, run, "train"), env)
     train_s = time.monotonic() - t0
-    eval_cmd = [
-        py,
-        "eval.py",
-        f"model.path='{rdir}'",
-        f"task={task}",
-        "progress=false",
-        *run.eval_overrides,
-        *(QUICK_EVAL if quick else ()),
-    ]
-    run_command(eval_cmd, out / "logs" / f"eval_{run.name or run.experiment}_seed{run.seed}.log", env)
+    reports = {}
+    for key, (name, cmd) in eval_commands(run, out, quick, task, evals).items():
+        if not (reuse and evaluation_is_current(rdir, name)):
+            run_command(cmd, log_file(out, run, "eval" if name == task else f"eval_{key}"), env)
+        reports[key] = read_json(results_file(rdir, name))["results"]
     steps = read_run_config(rdir)["trainer"]["max_steps"]
     print(
         f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
         flush=True,
     )
-    results = read_json(results_file(rdir, task))["results"]
-    return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps, "results": results}
+    first = next(iter(reports.values()))
+    return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps, "results": first, "evaluations": reports}
 
 
 def job_env() -> dict:
@@ -277,19 +403,33 @@ def job_env() -> dict:
 
 
 def run_plan(
-    plan: tuple[Run, ...], out: Path, quick: bool, workers: int, env: dict, clock: Timer, task: str = TASK
+    plan: tuple[Run, ...],
+    out: Path,
+    quick: bool,
+    workers: int,
+    env: dict,
+    clock: Timer,
+    task: str = TASK,
+    evals: Optional[dict[str, tuple[str, ...]]] = None,
+    keep_going: bool = False,
 ) -> list[dict]:
     """Train and evaluate every run, ``workers`` at a time; returns ``train_and_evaluate``'s records in plan order.
-    The first failure stops the plan: queued runs never start."""
+    By default the first failure stops the plan (queued runs never start); ``keep_going`` (the generic command)
+    lets the others finish, reuses current evaluations, and records a failed run as ``{"run", "dir", "error"}``."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(train_and_evaluate, r, out, quick, env, clock, task): r for r in plan}
+        futures = {pool.submit(train_and_evaluate, r, out, quick, env, clock, task, evals, keep_going): r for r in plan}
         results = {}
         for fut in as_completed(futures):
-            if fut.exception() is not None:
+            run, error = futures[fut], fut.exception()
+            if error is not None and not keep_going:
                 for f in futures:
                     f.cancel()
-                raise fut.exception()
-            results[futures[fut]] = fut.result()
+                raise error
+            if error is not None:
+                print(f"[{clock}] {run.label}: FAILED ({str(error).splitlines()[0]})", flush=True)
+                results[run] = {"run": run, "dir": run_dir(out, run), "error": str(error)}
+            else:
+                results[run] = fut.result()
     return [results[r] for r in plan]
 
 
@@ -392,14 +532,16 @@ def exit_code(checks: list[Check], quick: bool) -> int:
     return 0 if quick or all(c.passed for c in checks) else 1
 
 
-def write_study_record(out: Path, name: str, quick: bool, clock: Timer, png: Path, record: dict) -> None:
-    """A study's last step (``make robust``, ``make selection``): ``<out>/<name>.json`` holds ``quick``, the
-    seconds so far, ``record`` and the plot's path; then the quick-mode warning and where everything is."""
+def write_study_record(out: Path, name: str, quick: bool, clock: Timer, png: Optional[Path], record: dict) -> None:
+    """A study's last step (``make robust``, ``make selection``, the generic command): ``<out>/<name>.json`` holds
+    ``quick``, the seconds so far, ``record`` and the plot's path (``None``: no plot); then the quick-mode warning
+    and where everything is."""
     path = out / f"{name}.json"
-    write_json(path, {"quick": quick, "seconds": time.monotonic() - clock.start, **record, "plot": str(png)})
+    plot = None if png is None else str(png)
+    write_json(path, {"quick": quick, "seconds": time.monotonic() - clock.start, **record, "plot": plot})
     if quick:
         print("quick mode: a few steps per model; the numbers above check the pipeline, not the science")
-    print(f"[{clock}] plot: {png}; record: {path}")
+    print(f"[{clock}] {'' if png is None else f'plot: {png}; '}record: {path}")
 
 
 def default_workers() -> int:
@@ -416,3 +558,73 @@ def study_arguments(
     ap.add_argument("--workers", type=int, default=default_workers(), help="models trained at once")
     ap.add_argument("--quick", action="store_true", help=quick_help)
     return ap
+
+
+def dry_run(study: Study, out: Path, quick: bool) -> list[str]:
+    """The jobs the study would run, one line each: every run's train command then its eval commands."""
+    lines = []
+    for run in study.runs:
+        lines.append(f"train {run.label}: {' '.join(train_command(run, out, quick, study.launcher))}")
+        for key, (_, cmd) in eval_commands(run, out, quick, study.task, study.evals).items():
+            lines.append(f"eval  {run.label} [{key}]: {' '.join(cmd)}")
+    return lines
+
+
+def study_report(study: Study) -> Optional[Any]:
+    """The study's ``report`` function (``module:function``), or ``None`` when it declares none."""
+    if not study.report:
+        return None
+    module, _, name = study.report.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"conf/study/{study.name}.yaml: report {study.report!r} cannot be loaded ({e})") from e
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m ckv.apps.study NAME``: run any conf/study/NAME.yaml (module docstring)."""
+    ap = study_arguments(__doc__, "the study's out")
+    ap.add_argument("name", help="a study: conf/study/<name>.yaml")
+    ap.add_argument("--scale", default="", help="one of the study's scales (default: its own)")
+    ap.add_argument("--dry-run", action="store_true", help="print the jobs (train and eval commands); run nothing")
+    ap.set_defaults(out=None, workers=None)
+    args = ap.parse_args(argv)
+    try:
+        study = load_study(args.name, args.scale)
+        report = study_report(study)
+    except ConfigError as e:
+        print(error_message(str(e)), file=sys.stderr)
+        return 2
+    out = Path(args.out or study.out).resolve()
+    if study.launcher and not args.dry_run:
+        print(
+            error_message(
+                f"scale {args.scale!r} submits through the {study.launcher} launcher: use --dry-run here and "
+                "submit its train jobs on the cluster"
+            ),
+            file=sys.stderr,
+        )
+        return 2
+    if args.dry_run:
+        print("\n".join(dry_run(study, out, args.quick)))
+        print(f"{len(study.runs)} runs, {len(study.runs) * (1 + len(eval_names(study.task, study.evals)))} jobs")
+        return 0
+    workers = args.workers or study.workers_for(len(study.runs))
+    clock, env = start(study, study.runs, out, args.quick, workers)
+    done = run_plan(study.runs, out, args.quick, workers, env, clock, study.task, study.evals, keep_going=True)
+    failed = [d for d in done if "error" in d]
+    ok = [d for d in done if "error" not in d]
+    for key in eval_names(study.task, study.evals):
+        print(f"\n{key}:\n" + table([{**d, "results": d["evaluations"][key]} for d in ok]))
+    checks = report(study, ok, out, args.quick) if report is not None and ok else []
+    for d in failed:
+        print(f"FAILED {d['run'].label}: {d['error'].splitlines()[0]} (log: {out / 'logs'})")
+    record = {"all_passed": all(c.passed for c in checks), "checks": [c.__dict__ for c in checks]}
+    record["runs"] = run_records(ok, next(iter(eval_names(study.task, study.evals).values())))
+    record["failed"] = [{"label": d["run"].label, "error": d["error"]} for d in failed]
+    write_study_record(out, study.record, args.quick, clock, None, record)
+    return 1 if failed else exit_code(checks, args.quick)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""make paper's study (conf/study/paper.yaml): every variant of the paper's table on one recipe at either scale (the
+dry run's jobs), the side-by-side table and the rank agreement with the paper on constructed results."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from ckv.apps import paper
+from ckv.apps.study import ROOT, Run, load_study, main
+from ckv.config import PRESETS
+
+# the issue's variant list (issue 39, item 1) as conf/attention options; the baseline W8/S8 once per seed
+VARIANTS = [
+    "full_kv1",
+    "full_kv4",
+    "full_kv8",
+    "w4s4",
+    "w8s4",
+    "w8s6",
+    "w12s12",
+    "w8s8_kv2",
+    "w8s8_kv4",
+    "w8s8_kv8",
+    "w8s8_tied_kv",
+    "w8s8_mean",
+    "w8s8_mean_tied_postnorm",
+    "w8s8_vector_gate",
+    "w8s8_no_qk_norm",
+    "w8s8_no_gate_bias",
+    "w8s8_no_rope",
+    "w8s8_rope16",
+    "w8s8_tail",
+    "w8s8_tail_kv8",
+    "deepseek_w8s4",
+    "deepseek_w8s4_scalar",
+]
+
+
+def dry_run_lines(capsys, *args: str) -> list[str]:
+    assert main(["paper", "--dry-run", *args]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("scale, experiment, rope_dims", [("", "paper_cpu", 2), ("paper", "paper_base", 16)])
+def test_the_dry_run_lists_every_variant_and_seed_with_its_overrides(capsys, scale, experiment, rope_dims):
+    lines = dry_run_lines(capsys, *(["--scale", scale] if scale else []))
+    study = load_study("paper", scale)
+    trains = {m.group(1): m.group(2) for m in (re.match(r"train (\S+): (.*)", x) for x in lines) if m}
+    evals = [x for x in lines if x.startswith("eval ")]
+    expected = {f"{v}/seed=42" for v in VARIANTS} | {f"w8s8/seed={s}" for s in (42, 43, 44, 45)}
+    assert set(trains) == expected == {r.label for r in study.runs} == set(study.params["paper_ids"])
+    assert lines[-1] == f"{len(expected)} runs, {3 * len(expected)} jobs" and len(evals) == 2 * len(expected)
+    for label, cmd in trains.items():
+        name, seed = label.split("/seed=")
+        assert f"experiment={experiment}" in cmd.split() and f"seed={seed}" in cmd.split()
+        assert f"attention={name}" in cmd.split(), cmd  # only the attention changes
+        assert ("hydra/launcher=slurm" in cmd) == (scale == "paper")
+        if "rope16" in name or "deepseek" in name:
+            assert f"attention.rope.dims={rope_dims}" in cmd.split()
+    for pad in paper.PADDINGS:
+        on_pad = [x for x in evals if f"[{pad}]" in x]
+        assert len(on_pad) == len(expected)
+        assert all(f"task.padding={pad}" in x and "task.n_demos=8" in x and "task=lookup" in x for x in on_pad)
+    assert all("task.stride=8" in x for x in evals if x.startswith("eval  full_"))
+
+
+def test_partial_rope_keeps_the_papers_fraction_at_both_scales():
+    cpu = OmegaConf.load(ROOT / "conf" / "experiment" / "paper_cpu.yaml")
+    rope16 = OmegaConf.load(ROOT / "conf" / "attention" / "w8s8_rope16.yaml")
+    fraction = rope16.rope.dims / PRESETS["qwen3_0.6b"]["head_dim"]
+    assert load_study("paper").params["rope16_dims"] / cpu.model.head_dim == fraction
+    assert load_study("paper", "paper").params["rope16_dims"] / PRESETS["qwen3_0.6b"]["head_dim"] == fraction
+    assert cpu.model.n_heads == 8  # so that the 8-KV-head rows exist
+
+
+def report(mean: float, worst: float, gap: float) -> dict:
+    """A lookup report's headline holding the mod-24 numbers the table reads (intervals +- 1 pp)."""
+    h = {"mean": mean, "mean_lower": mean - 0.01, "mean_upper": mean + 0.01}
+    h |= {"worst_residue_accuracy": worst, "worst_residue_lower": worst - 0.01, "worst_residue_upper": worst + 0.01}
+    h |= {"residue_gap": gap, "residue_gap_lower": gap - 0.01, "residue_gap_upper": gap + 0.01}
+    return {"headline": h}
+
+
+def constructed(gaps: dict[str, float]) -> list[dict]:
+    """Finished runs (both paddings) whose gaps are ``gaps`` and whose worst group is 0.5 - gap."""
+    return [
+        {
+            "run": Run("paper_cpu", 42, "variant", name=name),
+            "evaluations": dict.fromkeys(paper.PADDINGS, report(0.6, 0.5 - g, g)),
+        }
+        for name, g in gaps.items()
+    ]
+
+
+def write_csv(path: Path, rows: dict[str, float]) -> None:
+    head = "variant_id,padding,mean_acc,mean_acc_ci_lo,mean_acc_ci_hi,worst_acc,gap_pp,gap_ci_lo,gap_ci_hi\n"
+    body = "".join(
+        f"{vid},{pad},50.0,49.0,51.0,{50 - g},{g},{g - 1},{g + 1}\n"
+        for vid, g in rows.items()
+        for pad in ("prefix", "in-sequence")
+    )
+    path.write_text(head + body)
+
+
+def test_the_table_sits_beside_the_papers_rows_and_ranks_agree_as_constructed(tmp_path):
+    ids = {"a/seed=42": "pa", "b/seed=42": "pb", "c/seed=42": "pc", "d/seed=42": "pd"}
+    ours = {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.4}
+    write_csv(tmp_path / "same.csv", {"pa": 10, "pb": 20, "pc": 30, "pd": 40})  # the same order
+    write_csv(tmp_path / "reversed.csv", {"pa": 40, "pb": 30, "pc": 20, "pd": 10})
+    rows = paper.run_rows(constructed(ours))
+    same, why = paper.read_paper(tmp_path / "same.csv")
+    assert why == "" and same[("pb", "in_sequence")]["gap"] == (0.2, 0.19, 0.21)
+    text = paper.side_by_side(rows, ids, same)
+    line = next(x for x in text.splitlines() if x.startswith("b/seed=42") and "in_sequence" in x)
+    assert "20.0 [19.0, 21.0]" in line and line.count("20.0 [19.0, 21.0]") == 2  # ckv's gap and the paper's
+    for csv_name, rho in (("same.csv", 1.0), ("reversed.csv", -1.0)):
+        lines = paper.rank_lines(rows, ids, paper.read_paper(tmp_path / csv_name)[0], list(ids))
+        assert [(w, n) for w, _, n in lines] == [
+            (f"Spearman of {m} ({p})", 4) for p in paper.PADDINGS for m in ("gap", "worst")
+        ]
+        assert all(r[0] == pytest.approx(rho) for _, r, _ in lines)
+    missing, why = paper.read_paper(tmp_path / "absent.csv")
+    assert missing == {} and "n/a" in why and "absent" in why
+    assert "n/a" in paper.side_by_side(rows, ids, missing).splitlines()[1]
+
+
+def test_spearman_handles_ties_and_the_bootstrap_brackets_rho():
+    assert paper.spearman(np.array([1.0, 2, 2, 4]), np.array([1.0, 2, 3, 4])) == pytest.approx(
+        np.corrcoef([1, 2.5, 2.5, 4], [1, 2, 3, 4])[0, 1]
+    )
+    rho, lo, hi = paper.rank_agreement([1, 2, 3, 4, 5, 6, 7, 8], [2, 1, 3, 4, 6, 5, 7, 8])
+    assert lo <= rho <= hi and rho == pytest.approx(1 - 6 * 4 / (8 * 63))
+    assert paper.rank_agreement([1, 2], [2, 1])[1:] == (None, None)
+
+
+def row(mean=0.9, gap=0.02, p=0.5, floor=0.03, verdict="flat", period=None, stride=8, worst=0.5) -> dict:
+    """A constructed ``claim_row``: intervals +- 2 pp around gap and worst group."""
+    return {
+        "mean": mean,
+        "mean_lower": mean - 0.02,
+        "mean_upper": mean + 0.02,
+        "residue_gap": gap,
+        "residue_gap_lower": gap - 0.02,
+        "residue_gap_upper": gap + 0.02,
+        "residue_p_value": p,
+        "residue_noise_floor": floor,
+        "residue_verdict": verdict,
+        "residue_margin": 0.05,
+        "residue_upper_one_sided": gap + 0.015,
+        "residue_mde": 0.03,
+        "residue_mde_power": 0.8,
+        "dominant_period": period,
+        "stride": stride,
+        "worst_residue_accuracy": worst,
+        "worst_residue_lower": worst - 0.02,
+        "worst_residue_upper": worst + 0.02,
+    }
+
+
+GAP = dict(gap=0.4, p=0.001, verdict="gap", period=8, worst=0.3)
+CRITERIA = {"control_mean": 0.8, "flat_margin": 0.05}
+
+
+def outcome(checks, start: str) -> list[str]:
+    """``PASS`` / ``FAIL`` / ``undecided`` of the checks whose claim starts with ``start``."""
+    return [("PASS" if c.passed else "FAIL" if c.decided else "undecided") for c in checks if c.claim.startswith(start)]
+
+
+def both(r: dict) -> dict:
+    return dict.fromkeys(paper.PADDINGS, r)
+
+
+def test_each_claim_passes_fails_or_stays_undecided_on_constructed_rows():
+    roles = {
+        "ctrl": "control",
+        "base": "baseline",
+        "mean": "mean",
+        "w8s4": "overlap",
+        "tail": "tail",
+        "w4s4": "geometry",
+    }
+    rows = {
+        "ctrl": both(row()),
+        "base": both(row(**GAP)),
+        "mean": both(row(**{**GAP, "period": 4})),  # significant, but its period is not S = 8
+        "w8s4": both(row(**{**GAP, "stride": 4, "period": 4, "worst": 0.5})),  # worst 48-52% > the baseline's 30%
+        "tail": both(row(gap=0.05, p=0.2, verdict="undecided", worst=0.31)),  # worst 29-33%: neither
+        "w4s4": both(row(gap=0.01, verdict="flat", stride=4)),
+    }
+    ranks = [
+        ("Spearman of gap (prefix)", (0.8, 0.3, 1.0), 5),
+        ("Spearman of worst (prefix)", (0.1, -0.5, 0.6), 5),
+        ("Spearman of gap (in_sequence)", (-0.7, -1.0, -0.2), 5),
+    ]
+    checks = paper.claims(rows, roles, CRITERIA, ranks, [0.37, 0.75])
+    assert outcome(checks, "precondition") == ["PASS"]
+    assert outcome(checks, "prefix: the dominant period") == ["FAIL"]  # mean's period 4 != 8
+    assert "mean period 4 (S=8)" in next(c.detail for c in checks if c.claim.startswith("prefix: the dominant"))
+    assert outcome(checks, "ctrl ") == ["PASS", "PASS"]
+    assert outcome(checks, "mean ") == ["PASS", "PASS"]
+    assert outcome(checks, "w8s4 ") == ["PASS", "PASS"] and outcome(checks, "tail ") == ["undecided"] * 2
+    assert outcome(checks, "rank agreement") == ["PASS", "undecided", "FAIL"]
+    assert outcome(checks, "prefix: every baseline seed") == ["PASS"]
+    assert "37.0-75.0 pp" in next(c.detail for c in checks if c.claim.startswith("prefix: every baseline"))
+
+    # the opposite outcomes: a control with a gap, mean pooling flat, the tail's worst group under the baseline's
+    rows |= {"ctrl": both(row(**{**GAP, "mean": 0.85})), "mean": both(row()), "tail": both(row(worst=0.1))}
+    rows["base"] = both(row())  # a baseline seed without a gap
+    checks = paper.claims(rows, roles, CRITERIA, [], [])
+    assert outcome(checks, "ctrl ") == ["FAIL", "FAIL"] and outcome(checks, "mean ") == ["FAIL", "FAIL"]
+    assert outcome(checks, "tail ") == ["FAIL", "FAIL"] and outcome(checks, "rank agreement") == ["undecided"]
+    assert outcome(checks, "prefix: the dominant period") == ["PASS"]  # w8s4, the one significant gap, is at its S
+    assert outcome(checks, "prefix: every baseline seed") == ["FAIL"]
+
+    # the precondition: a control under 80% leaves every claim undecided
+    rows["ctrl"] = both(row(mean=0.5))
+    checks = paper.claims(rows, roles, CRITERIA, ranks, [])
+    assert outcome(checks, "precondition") == ["FAIL"]
+    assert all(not c.decided and "no verdict" in c.detail for c in checks[1:]) and len(checks) > 10
+    # no significant gap anywhere: the period claim has nothing to judge
+    rows = {"ctrl": both(row()), "w4s4": both(row(stride=4))}
+    assert outcome(paper.claims(rows, roles, CRITERIA, [], []), "in_sequence: the dominant") == ["undecided"]
