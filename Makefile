@@ -71,7 +71,7 @@ test-all: $(STAMP)
 demo: $(STAMP)  ## periodic weak spots on a CPU: three models at once, a full-attention control among them (4 min 20 s on 2 cores after the install, fresh clone 2026-12-02; 9 min 15 s on 2026-12-01: the machine varies; README)
 	$(BIN)/python -m ckv.apps.demo --out outputs/demo
 
-demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 models, 1,000 steps (2,000 at S = 8), two at a time; names the models that did not learn (about 23 min on 2 free cores, estimated from issue 43's 1,071 s for 12 x 1,000 steps plus two rounds of 1,000 more; not yet measured end to end: docs/demo.md)
+demo-grid: $(STAMP)  ## strides 2/4/8 x (W = S, W = 2S) x (gate, mean): 12 models, 1,000 steps (2,000 at S = 8), two at a time; names the models that did not learn (52 min 1 s on a fresh clone of 1458d6c, 2026-12-04, its first 33 min beside other jobs; about 30 min on 2 free cores at its last 19 min's pace: docs/demo.md)
 	$(BIN)/python -m ckv.apps.demo --grid --out outputs/demo-grid
 
 demo-v4: $(STAMP)  ## transformers' DeepSeek-V4 vs ckv's V4 variant vs the W = S = 4 gate vs full attention (~13 min on 2 cores; docs/demo.md)
