@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import json
 import re
 import subprocess
@@ -71,9 +72,20 @@ def test_installed_ckv_ships_only_its_own_top_level_names() -> None:
     assert {pattern.split(".")[0] for pattern in found["include"]} == OWN
 
 
+def load_lock_drift():
+    """.ci/lock_drift.py (make test-latest's report) as a module: its lock reader and name normalisation are the
+    ones these tests check with."""
+    spec = importlib.util.spec_from_file_location("lock_drift", REPO / ".ci" / "lock_drift.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DRIFT = load_lock_drift()
+
+
 def locked() -> dict[str, str]:
-    pins = re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", LOCK.read_text(), flags=re.M)
-    return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in pins}
+    return DRIFT.read_lock(LOCK)
 
 
 def test_the_lock_pins_every_requirement_of_pyproject_within_its_range() -> None:
@@ -82,7 +94,7 @@ def test_the_lock_pins_every_requirement_of_pyproject_within_its_range() -> None
     pins = locked()
     for line in project["dependencies"] + project["optional-dependencies"]["dev"]:
         req = Requirement(line)
-        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        name = DRIFT.canonical(req.name)
         assert name in pins, f"{req.name} is in pyproject.toml but not in {LOCK.name}: run make lock"
         assert req.specifier.contains(pins[name], prereleases=True), f"{req.name}=={pins[name]} is outside {req}"
 
@@ -91,7 +103,7 @@ def test_this_environment_is_the_lock() -> None:
     """`make install` installs exactly the lock (make test-latest is the place for newer releases)."""
     if (REPO / ".venv-latest").resolve() == Path(sys.prefix).resolve():
         pytest.skip("make test-latest runs the newest releases: its drift report lists what differs from the lock")
-    have = {re.sub(r"[-_.]+", "-", d.metadata["Name"]).lower(): d.version for d in importlib.metadata.distributions()}
+    have = DRIFT.installed()
     differ = {n: (v, have.get(n)) for n, v in locked().items() if n not in {"pip", "setuptools"} and have.get(n) != v}
     assert not differ, f"installed versions differ from {LOCK.name} (lock, installed): {differ}; run make install"
 
