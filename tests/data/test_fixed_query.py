@@ -124,3 +124,56 @@ def test_bad_tail_filler_names_the_field() -> None:
         LookupConfig(tail_filler=[0, 2], n_filler=0)
     with pytest.raises(ConfigError, match="data.seq_len=64 is too short"):
         DataConfig.from_dict({**data_preset("lookup_split").to_dict(), "seq_len": 64})
+
+
+def paper_cpu_lookup() -> LookupConfig:
+    """make paper's training data (conf/experiment/paper_cpu.yaml over conf/data/lookup_split.yaml)."""
+    base = OmegaConf.load(CONF / "data" / "lookup_split.yaml")
+    recipe = OmegaConf.load(CONF / "experiment" / "paper_cpu.yaml")["data"]
+    return DataConfig.from_dict(OmegaConf.to_container(OmegaConf.merge(base, recipe))).lookup
+
+
+def test_a_pad_budget_puts_the_rest_of_it_after_the_last_record() -> None:
+    cfg = LookupConfig(record="split", key_base=4, filler=(0, 0), prefix_pad=(0, 12), pad_budget=12)
+    assert cfg.last_filler == (0, 12) and cfg.max_len == 1 + 12 + 32 + 2 + 16
+    stream = LookupSequences(cfg, cfg.format(0), cfg.max_len - 1, seed=0, split=0, rank=0, world_size=1)
+    fmt, prefixes, seps = cfg.format(0), set(), set()
+    for _ in range(300):
+        tokens, _ = stream.next()
+        sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
+        prefixes.add(int((tokens[:sep] == fmt.pad_id).sum()))
+        assert int(np.isin(tokens[:sep], list(fmt.filler_ids)).sum()) + (tokens[:sep] == fmt.pad_id).sum() == 12
+        seps.add(sep)
+    assert prefixes == set(range(13)) and seps == {1 + 12 + 32}  # every split, the queries at one position
+
+
+def test_a_pad_budget_is_checked_and_its_sum_enforced_on_the_prompts() -> None:
+    with pytest.raises(ConfigError, match=r"data.lookup.pad_budget sets the tail .*leave data.lookup.tail_filler"):
+        LookupConfig(pad_budget=8, tail_filler=(0, 8), prefix_pad=(0, 8))
+    with pytest.raises(ConfigError, match=r"data.lookup.prefix_pad=\[0, 9\] exceeds pad_budget=8"):
+        LookupConfig(pad_budget=8, prefix_pad=(0, 9))
+    cfg = LookupConfig(filler=(0, 0), prefix_pad=(0, 8), pad_budget=8)
+    pads = np.zeros((2, 17), dtype=np.int64)
+    pads[:, 0], pads[:, -1] = 3, 5
+    assert cfg.pads_outside(pads) is None
+    pads[1, -1] = 4
+    assert cfg.pads_outside(pads) == (
+        "1 of 2 prompts hold other than data.lookup.pad_budget=8 pads before the first and after the last record"
+    )
+
+
+def test_make_paper_trains_on_exactly_the_layouts_of_its_prefix_evaluation(caplog: pytest.LogCaptureFixture) -> None:
+    """paper_cpu's pad budget is the mod-24 evaluation's: every prefix-padded prompt is a layout training draws
+    (in-sequence padding puts pads between records, which training never does: named, not hidden)."""
+    from ckv.eval.lookup import LookupSpec, LookupTask
+
+    training = paper_cpu_lookup()
+    task = OmegaConf.to_container(OmegaConf.load(CONF / "eval" / "task" / "lookup.yaml"))
+    for padding in ("prefix", "in_sequence"):
+        caplog.clear()
+        spec = LookupSpec(**{**{k: task[k] for k in TASK_FIELDS}, "n_base": 48, "padding": padding, "stride": 8})
+        with caplog.at_level(logging.WARNING, logger="ckv.eval.lookup"):
+            built = LookupTask(spec, training.format(0), max_len=training.max_len, training=training)
+        assert len(np.unique(built.table["query_position"])) == 1
+        lines = [r.getMessage() for r in caplog.records]
+        assert lines == [] if padding == "prefix" else "filler tokens between records" in lines[0], (padding, lines)

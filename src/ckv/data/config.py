@@ -98,6 +98,10 @@ class LookupConfig:
     ``prefix_pad: [0, P]`` the records stay back to back while training shows every split of a pad budget ``P``
     between the prefix and the tail: the layouts of an evaluation that keeps the query position fixed
     (``fixed_query``) while the target moves through every phase (``pads_outside`` checks a set of them).
+    ``pad_budget``: ``None`` (default) draws the tail independently of the prefix; an integer ``P`` puts
+    ``P - prefix`` filler tokens after the last record, so every sequence holds exactly ``P`` pads and the queries
+    sit at one position, as in that evaluation (its pad budget: ``ckv.eval.design.PositionDesign.pad_budget``);
+    ``prefix_pad`` must lie within ``[0, P]`` and ``tail_filler`` stay unset.
     ``loss_on``: ``answers`` (default) trains only on answer tokens; ``all`` on every non-pad token.
     ``min_records``: ``None`` (default) draws ``n_records`` records in every sequence; an integer draws each
     sequence's record count uniformly from ``[min_records, n_records]`` (its queries ask only its own records), a
@@ -123,6 +127,7 @@ class LookupConfig:
     filler: Union[int, tuple[int, int], list[int]] = (0, 0)
     prefix_pad: Union[int, tuple[int, int], list[int]] = (0, 0)
     tail_filler: Union[int, tuple[int, int], list[int], None] = None
+    pad_budget: Optional[int] = None
     loss_on: str = "answers"
 
     def __post_init__(self) -> None:
@@ -131,6 +136,17 @@ class LookupConfig:
         self.prefix_pad = _int_range(f"{o}.prefix_pad", self.prefix_pad)
         if self.tail_filler is not None:
             self.tail_filler = _int_range(f"{o}.tail_filler", self.tail_filler)
+        if self.pad_budget is not None:
+            check_int(f"{o}.pad_budget", self.pad_budget, 0)
+            if self.tail_filler is not None:
+                raise ConfigError(
+                    f"{o}.pad_budget sets the tail (pad_budget - prefix pads): leave {o}.tail_filler unset"
+                )
+            if self.prefix_pad[1] > self.pad_budget:
+                raise ConfigError(
+                    f"{o}.prefix_pad={list(self.prefix_pad)} exceeds pad_budget={self.pad_budget} "
+                    "(the tail would be negative)"
+                )
         check_choice(f"{o}.loss_on", self.loss_on, LOSS_ON)
         check_int(f"{o}.n_records", self.n_records, 1)
         check_int(f"{o}.n_queries", self.n_queries, 1)
@@ -147,9 +163,19 @@ class LookupConfig:
             if getattr(self, name) is not None and getattr(self, name)[1] > 0 and fmt.n_filler == 0:
                 raise ConfigError(f"{o}.{name}={list(getattr(self, name))} needs filler ids: set {o}.n_filler >= 1")
 
+    def tail_for(self, prefix_pad: int) -> Optional[tuple[int, int]]:
+        """The range of the filler tokens after the last record of a sequence with ``prefix_pad`` pads: exactly the
+        rest of ``pad_budget`` when set, else ``tail_filler`` (``None``: drawn from ``filler``)."""
+        if self.pad_budget is None:
+            return self.tail_filler
+        return (self.pad_budget - prefix_pad, self.pad_budget - prefix_pad)
+
     @property
     def last_filler(self) -> tuple[int, int]:
-        """The range of the filler tokens after the last record: ``tail_filler``, else ``filler``."""
+        """The range of the filler tokens after the last record: the rest of ``pad_budget`` over the prefix range,
+        else ``tail_filler``, else ``filler``."""
+        if self.pad_budget is not None:
+            return (self.pad_budget - self.prefix_pad[1], self.pad_budget - self.prefix_pad[0])
         return self.filler if self.tail_filler is None else self.tail_filler
 
     def pads_outside(self, pads: np.ndarray) -> Optional[str]:
@@ -167,7 +193,7 @@ class LookupConfig:
             ("filler tokens between records", "filler", self.filler, p[:, 1:-1]),
             (
                 "filler tokens after the last record",
-                "tail_filler" if self.tail_filler else "filler",
+                "pad_budget" if self.pad_budget is not None else "tail_filler" if self.tail_filler else "filler",
                 self.last_filler,
                 p[:, -1:],
             ),
@@ -180,6 +206,13 @@ class LookupConfig:
                 found.append(
                     f"{int(outside.any(axis=1).sum())} of {len(p)} prompts carry {what} outside what training drew "
                     f"(data.lookup.{name}=[{lo}, {hi}]; these prompts have {int(seen.min())}..{int(seen.max())})"
+                )
+        if self.pad_budget is not None:
+            off = p[:, 0] + p[:, -1] != self.pad_budget
+            if off.any():
+                found.append(
+                    f"{int(off.sum())} of {len(p)} prompts hold other than data.lookup.pad_budget={self.pad_budget} "
+                    "pads before the first and after the last record"
                 )
         return "; ".join(found) or None
 
@@ -198,8 +231,12 @@ class LookupConfig:
     @property
     def max_len(self) -> int:
         """Length of the longest example these settings can draw."""
-        fillers = (self.n_records - 1) * self.filler[1] + self.last_filler[1]
-        return self.format(0).example_len(self.n_records, self.n_queries, fillers, self.prefix_pad[1])
+        between = (self.n_records - 1) * self.filler[1]
+        if self.pad_budget is not None:  # prefix and tail share the budget
+            return self.format(0).example_len(self.n_records, self.n_queries, between, self.pad_budget)
+        return self.format(0).example_len(
+            self.n_records, self.n_queries, between + self.last_filler[1], self.prefix_pad[1]
+        )
 
 
 @dataclass
