@@ -24,14 +24,14 @@ def data_preset(name: str) -> DataConfig:
     return DataConfig.from_dict(OmegaConf.to_container(OmegaConf.load(CONF / "data" / f"{name}.yaml")))
 
 
-def demo_task(training: LookupConfig, **overrides: object):
+def demo_task(training: LookupConfig, max_len: int = 128, **overrides: object):
     """The demo's evaluation (conf/eval/task/demo_lookup.yaml, 64 base examples) of a run trained on
-    ``training``."""
+    ``training``, in a context of ``max_len`` tokens."""
     from ckv.eval.lookup import LookupSpec, LookupTask
 
     task = OmegaConf.to_container(OmegaConf.load(CONF / "eval" / "task" / "demo_lookup.yaml"))
     spec = LookupSpec(**{**{k: task[k] for k in TASK_FIELDS}, "n_base": 64, "stride": 4, **overrides})
-    return LookupTask(spec, training.format(0), max_len=128, training=training)
+    return LookupTask(spec, training.format(0), max_len=max_len, training=training)
 
 
 def test_tail_filler_goes_after_the_last_record_only() -> None:
@@ -124,3 +124,44 @@ def test_bad_tail_filler_names_the_field() -> None:
         LookupConfig(tail_filler=[0, 2], n_filler=0)
     with pytest.raises(ConfigError, match="data.seq_len=64 is too short"):
         DataConfig.from_dict({**data_preset("lookup_split").to_dict(), "seq_len": 64})
+
+
+def test_a_pad_budget_splits_one_budget_between_the_prefix_and_the_tail(caplog: pytest.LogCaptureFixture) -> None:
+    """``pad_budget``: every training sequence's prefix pads and tail fillers sum to it, every split drawn, so the
+    longest sequence is the evaluation's (make selection's wide prompts: modulus 80, a 207-token budget), whose
+    layouts are all ones training drew."""
+    d = data_preset("lookup_split").to_dict()
+    d["lookup"] = {**d["lookup"], "tail_filler": None, "prefix_pad": [0, 207], "pad_budget": 207}
+    cfg = DataConfig.from_dict({**d, "seq_len": 1 + 207 + 32 + 2 + 16})
+    fmt = cfg.lookup.format(0)
+    assert cfg.lookup.max_len == cfg.seq_len and cfg.lookup.last_filler == (0, 207)
+    stream = LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    prefixes = set()
+    for _ in range(600):
+        tokens, _ = stream.next()
+        sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
+        prefix = int((tokens[1:sep] == fmt.pad_id).sum())
+        assert prefix + int(np.isin(tokens[:sep], list(fmt.filler_ids)).sum()) == 207
+        prefixes.add(prefix)
+    assert len(prefixes) > 190 and min(prefixes) <= 2 and max(prefixes) >= 205  # ~every split of the budget
+    with caplog.at_level(logging.WARNING, logger="ckv.eval.lookup"):
+        wide = demo_task(cfg.lookup, modulus=80, n_base=80, max_len=288)
+    assert not caplog.records and len(wide.prompts) == 80 * 80
+    assert {len(p) for p in wide.prompts} == {cfg.seq_len - 1}  # the longest sequence but its last answer
+    longer = cfg.lookup.pads_outside(np.array([[0] * 16 + [208]]))  # a tail beyond the budget is named by it
+    assert "filler tokens after the last record outside what training drew (data.lookup.pad_budget=[0, 207]" in longer
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(pad_budget=8, tail_filler=[0, 8]), r"data.lookup.pad_budget=8 and data.lookup.tail_filler=\[0, 8\]"),
+        (dict(pad_budget=4, prefix_pad=[0, 8]), "data.lookup.pad_budget=4 is below the most prefix pads"),
+        (dict(pad_budget=8, n_filler=0), "data.lookup.pad_budget=8 needs filler ids"),
+        (dict(pad_budget=-1), "data.lookup.pad_budget=-1"),
+    ],
+)
+def test_a_bad_pad_budget_names_the_field(fields: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as err:
+        LookupConfig(**fields)
+    assert "\n" not in str(err.value)
