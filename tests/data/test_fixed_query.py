@@ -24,14 +24,14 @@ def data_preset(name: str) -> DataConfig:
     return DataConfig.from_dict(OmegaConf.to_container(OmegaConf.load(CONF / "data" / f"{name}.yaml")))
 
 
-def demo_task(training: LookupConfig, **overrides: object):
+def demo_task(training: LookupConfig, max_len: int = 128, **overrides: object):
     """The demo's evaluation (conf/eval/task/demo_lookup.yaml, 64 base examples) of a run trained on
-    ``training``."""
+    ``training``, in a context of ``max_len`` tokens."""
     from ckv.eval.lookup import LookupSpec, LookupTask
 
     task = OmegaConf.to_container(OmegaConf.load(CONF / "eval" / "task" / "demo_lookup.yaml"))
     spec = LookupSpec(**{**{k: task[k] for k in TASK_FIELDS}, "n_base": 64, "stride": 4, **overrides})
-    return LookupTask(spec, training.format(0), max_len=128, training=training)
+    return LookupTask(spec, training.format(0), max_len=max_len, training=training)
 
 
 def test_tail_filler_goes_after_the_last_record_only() -> None:
@@ -126,40 +126,63 @@ def test_bad_tail_filler_names_the_field() -> None:
         DataConfig.from_dict({**data_preset("lookup_split").to_dict(), "seq_len": 64})
 
 
+def test_a_pad_budget_splits_one_budget_between_the_prefix_and_the_tail(caplog: pytest.LogCaptureFixture) -> None:
+    """``pad_budget``: every training sequence's prefix pads and tail fillers sum to it, every split drawn, so the
+    longest sequence is the evaluation's (make selection's wide prompts: modulus 80, a 207-token budget), whose
+    layouts are all ones training drew."""
+    d = data_preset("lookup_split").to_dict()
+    d["lookup"] = {**d["lookup"], "tail_filler": None, "prefix_pad": [0, 207], "pad_budget": 207}
+    cfg = DataConfig.from_dict({**d, "seq_len": 1 + 207 + 32 + 2 + 16})
+    fmt = cfg.lookup.format(0)
+    assert cfg.lookup.max_len == cfg.seq_len and cfg.lookup.last_filler == (0, 207)
+    stream = LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    prefixes = set()
+    for _ in range(600):
+        tokens, _ = stream.next()
+        sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
+        prefix = int((tokens[1:sep] == fmt.pad_id).sum())
+        assert prefix + int(np.isin(tokens[:sep], list(fmt.filler_ids)).sum()) == 207
+        prefixes.add(prefix)
+    assert len(prefixes) > 190 and min(prefixes) <= 2 and max(prefixes) >= 205  # ~every split of the budget
+    with caplog.at_level(logging.WARNING, logger="ckv.eval.lookup"):
+        wide = demo_task(cfg.lookup, modulus=80, n_base=80, max_len=288)
+    assert not caplog.records and len(wide.prompts) == 80 * 80
+    assert {len(p) for p in wide.prompts} == {cfg.seq_len - 1}  # the longest sequence but its last answer
+    longer = cfg.lookup.pads_outside(np.array([[0] * 16 + [208]]))  # a tail beyond the budget is named by it
+    assert "filler tokens after the last record outside what training drew (data.lookup.pad_budget=[0, 207]" in longer
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(pad_budget=8, tail_filler=[0, 8]), r"data.lookup.pad_budget=8 and data.lookup.tail_filler=\[0, 8\]"),
+        (dict(pad_budget=4, prefix_pad=[0, 8]), "data.lookup.pad_budget=4 is below the most prefix pads"),
+        (dict(pad_budget=8, n_filler=0), "data.lookup.pad_budget=8 needs filler ids"),
+        (dict(pad_budget=-1), "data.lookup.pad_budget=-1"),
+    ],
+)
+def test_a_bad_pad_budget_names_the_field(fields: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as err:
+        LookupConfig(**fields)
+    assert "\n" not in str(err.value)
+
+
+def test_a_prompt_that_breaks_the_pad_budget_is_named() -> None:
+    cfg = LookupConfig(filler=(0, 0), prefix_pad=(0, 8), pad_budget=8)
+    pads = np.zeros((2, 17), dtype=np.int64)
+    pads[:, 0], pads[:, -1] = 3, 5
+    assert cfg.pads_outside(pads) is None
+    pads[1, -1] = 4  # each slot inside its range, the two together short of the budget
+    assert cfg.pads_outside(pads) == (
+        "1 of 2 prompts hold other than data.lookup.pad_budget=8 pads before the first and after the last record"
+    )
+
+
 def paper_cpu_lookup() -> LookupConfig:
     """make paper's training data (conf/experiment/paper_cpu.yaml over conf/data/lookup_split.yaml)."""
     base = OmegaConf.load(CONF / "data" / "lookup_split.yaml")
     recipe = OmegaConf.load(CONF / "experiment" / "paper_cpu.yaml")["data"]
     return DataConfig.from_dict(OmegaConf.to_container(OmegaConf.merge(base, recipe))).lookup
-
-
-def test_a_pad_budget_puts_the_rest_of_it_after_the_last_record() -> None:
-    cfg = LookupConfig(record="split", key_base=4, filler=(0, 0), prefix_pad=(0, 12), pad_budget=12)
-    assert cfg.last_filler == (0, 12) and cfg.max_len == 1 + 12 + 32 + 2 + 16
-    stream = LookupSequences(cfg, cfg.format(0), cfg.max_len - 1, seed=0, split=0, rank=0, world_size=1)
-    fmt, prefixes, seps = cfg.format(0), set(), set()
-    for _ in range(300):
-        tokens, _ = stream.next()
-        sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
-        prefixes.add(int((tokens[:sep] == fmt.pad_id).sum()))
-        assert int(np.isin(tokens[:sep], list(fmt.filler_ids)).sum()) + (tokens[:sep] == fmt.pad_id).sum() == 12
-        seps.add(sep)
-    assert prefixes == set(range(13)) and seps == {1 + 12 + 32}  # every split, the queries at one position
-
-
-def test_a_pad_budget_is_checked_and_its_sum_enforced_on_the_prompts() -> None:
-    with pytest.raises(ConfigError, match=r"data.lookup.pad_budget sets the tail .*leave data.lookup.tail_filler"):
-        LookupConfig(pad_budget=8, tail_filler=(0, 8), prefix_pad=(0, 8))
-    with pytest.raises(ConfigError, match=r"data.lookup.prefix_pad=\[0, 9\] exceeds pad_budget=8"):
-        LookupConfig(pad_budget=8, prefix_pad=(0, 9))
-    cfg = LookupConfig(filler=(0, 0), prefix_pad=(0, 8), pad_budget=8)
-    pads = np.zeros((2, 17), dtype=np.int64)
-    pads[:, 0], pads[:, -1] = 3, 5
-    assert cfg.pads_outside(pads) is None
-    pads[1, -1] = 4
-    assert cfg.pads_outside(pads) == (
-        "1 of 2 prompts hold other than data.lookup.pad_budget=8 pads before the first and after the last record"
-    )
 
 
 def test_make_paper_trains_on_exactly_the_layouts_of_its_prefix_evaluation(caplog: pytest.LogCaptureFixture) -> None:

@@ -98,15 +98,15 @@ class LookupConfig:
     ``prefix_pad: [0, P]`` the records stay back to back while training shows every split of a pad budget ``P``
     between the prefix and the tail: the layouts of an evaluation that keeps the query position fixed
     (``fixed_query``) while the target moves through every phase (``pads_outside`` checks a set of them).
-    ``pad_budget``: ``None`` (default) draws the tail independently of the prefix; an integer ``P`` puts
-    ``P - prefix`` filler tokens after the last record, so every sequence holds exactly ``P`` pads and the queries
-    sit at one position, as in that evaluation (its pad budget: ``ckv.eval.design.PositionDesign.pad_budget``);
-    ``prefix_pad`` must lie within ``[0, P]`` and ``tail_filler`` stay unset.
     ``loss_on``: ``answers`` (default) trains only on answer tokens; ``all`` on every non-pad token.
     ``min_records``: ``None`` (default) draws ``n_records`` records in every sequence; an integer draws each
     sequence's record count uniformly from ``[min_records, n_records]`` (its queries ask only its own records), a
     mixture of short and long prompts that lets long-prompt lookup leave the chance plateau (docs/selection.md);
     evaluations still lay out ``n_records`` records.
+    ``pad_budget``: ``None`` (default) draws the tail from ``tail_filler``; an integer makes every sequence's prefix
+    pads and tail fillers sum to it (the tail is ``pad_budget`` minus the prefix pads drawn from ``prefix_pad``),
+    as in an evaluation that keeps the query position fixed: its layouts and nothing longer (make selection's
+    wide prompts, whose 207-token budget would otherwise double the longest sequence).
     ``offset``: first id of the layout. ``None`` means 0 for ``kind: lookup``; for ``kind: mixture`` it means
     "reserve": the BPE that ckv trains gets one special token per layout id (``<|lookup_i|>``, ids
     ``1..layout_size``, right after the end-of-document token), so text never produces them. An integer offset
@@ -136,17 +136,6 @@ class LookupConfig:
         self.prefix_pad = _int_range(f"{o}.prefix_pad", self.prefix_pad)
         if self.tail_filler is not None:
             self.tail_filler = _int_range(f"{o}.tail_filler", self.tail_filler)
-        if self.pad_budget is not None:
-            check_int(f"{o}.pad_budget", self.pad_budget, 0)
-            if self.tail_filler is not None:
-                raise ConfigError(
-                    f"{o}.pad_budget sets the tail (pad_budget - prefix pads): leave {o}.tail_filler unset"
-                )
-            if self.prefix_pad[1] > self.pad_budget:
-                raise ConfigError(
-                    f"{o}.prefix_pad={list(self.prefix_pad)} exceeds pad_budget={self.pad_budget} "
-                    "(the tail would be negative)"
-                )
         check_choice(f"{o}.loss_on", self.loss_on, LOSS_ON)
         check_int(f"{o}.n_records", self.n_records, 1)
         check_int(f"{o}.n_queries", self.n_queries, 1)
@@ -156,27 +145,48 @@ class LookupConfig:
                 raise ConfigError(f"{o}.min_records={self.min_records} exceeds n_records={self.n_records}")
         if self.offset is not None:
             check_int(f"{o}.offset", self.offset, 0)
+        if self.pad_budget is not None:
+            check_int(f"{o}.pad_budget", self.pad_budget, 0)
+            if self.tail_filler is not None:
+                raise ConfigError(
+                    f"{o}.pad_budget={self.pad_budget} and {o}.tail_filler={list(self.tail_filler)} both set the tail: "
+                    "keep one"
+                )
+            if self.pad_budget < self.prefix_pad[1]:
+                raise ConfigError(
+                    f"{o}.pad_budget={self.pad_budget} is below the most prefix pads {o}.prefix_pad draws "
+                    f"({self.prefix_pad[1]})"
+                )
         fmt = self.format(0)  # validates the layout fields
         if self.n_records > fmt.n_keys:
             raise ConfigError(f"{o}.n_records={self.n_records} exceeds n_keys={fmt.n_keys} (records use distinct keys)")
-        for name in ("filler", "tail_filler"):
-            if getattr(self, name) is not None and getattr(self, name)[1] > 0 and fmt.n_filler == 0:
-                raise ConfigError(f"{o}.{name}={list(getattr(self, name))} needs filler ids: set {o}.n_filler >= 1")
+        for name, most in (("filler", self.filler[1]), (self._tail_field, self.last_filler[1])):
+            if most > 0 and fmt.n_filler == 0:
+                value = getattr(self, name)
+                raise ConfigError(
+                    f"{o}.{name}={value if name == 'pad_budget' else list(value)} needs filler ids: set "
+                    f"{o}.n_filler >= 1"
+                )
 
-    def tail_for(self, prefix_pad: int) -> Optional[tuple[int, int]]:
-        """The range of the filler tokens after the last record of a sequence with ``prefix_pad`` pads: exactly the
-        rest of ``pad_budget`` when set, else ``tail_filler`` (``None``: drawn from ``filler``)."""
-        if self.pad_budget is None:
-            return self.tail_filler
-        return (self.pad_budget - prefix_pad, self.pad_budget - prefix_pad)
+    @property
+    def _tail_field(self) -> str:
+        """The field that sets the filler after the last record."""
+        return "pad_budget" if self.pad_budget is not None else "tail_filler" if self.tail_filler else "filler"
 
     @property
     def last_filler(self) -> tuple[int, int]:
-        """The range of the filler tokens after the last record: the rest of ``pad_budget`` over the prefix range,
-        else ``tail_filler``, else ``filler``."""
+        """The range of the filler tokens after the last record: ``pad_budget`` minus the prefix pads, else
+        ``tail_filler``, else ``filler``."""
         if self.pad_budget is not None:
-            return (self.pad_budget - self.prefix_pad[1], self.pad_budget - self.prefix_pad[0])
+            return self.pad_budget - self.prefix_pad[1], self.pad_budget - self.prefix_pad[0]
         return self.filler if self.tail_filler is None else self.tail_filler
+
+    def tail_range(self, prefix_pad: int) -> Optional[tuple[int, int]]:
+        """The range a sequence with ``prefix_pad`` prefix pads draws its tail from (``make_lookup_example``'s
+        ``tail_filler``): ``pad_budget`` minus them, else ``tail_filler`` (None: ``filler``'s draw)."""
+        if self.pad_budget is not None:
+            return self.pad_budget - prefix_pad, self.pad_budget - prefix_pad
+        return self.tail_filler
 
     def pads_outside(self, pads: np.ndarray) -> Optional[str]:
         """Whether prompts laid out with ``pads`` (P, n_records + 1) tokens per slot (``assemble_lookup``'s: slot 0
@@ -191,12 +201,7 @@ class LookupConfig:
         slots = (
             ("prefix pads", "prefix_pad", self.prefix_pad, p[:, :1]),
             ("filler tokens between records", "filler", self.filler, p[:, 1:-1]),
-            (
-                "filler tokens after the last record",
-                "pad_budget" if self.pad_budget is not None else "tail_filler" if self.tail_filler else "filler",
-                self.last_filler,
-                p[:, -1:],
-            ),
+            ("filler tokens after the last record", self._tail_field, self.last_filler, p[:, -1:]),
         )
         found = []
         for what, name, (lo, hi), counts in slots:
@@ -231,12 +236,11 @@ class LookupConfig:
     @property
     def max_len(self) -> int:
         """Length of the longest example these settings can draw."""
-        between = (self.n_records - 1) * self.filler[1]
-        if self.pad_budget is not None:  # prefix and tail share the budget
-            return self.format(0).example_len(self.n_records, self.n_queries, between, self.pad_budget)
-        return self.format(0).example_len(
-            self.n_records, self.n_queries, between + self.last_filler[1], self.prefix_pad[1]
-        )
+        if self.pad_budget is not None:  # prefix pads and tail together: the budget
+            fillers = (self.n_records - 1) * self.filler[1] + self.pad_budget
+            return self.format(0).example_len(self.n_records, self.n_queries, fillers, 0)
+        fillers = (self.n_records - 1) * self.filler[1] + self.last_filler[1]
+        return self.format(0).example_len(self.n_records, self.n_queries, fillers, self.prefix_pad[1])
 
 
 @dataclass
