@@ -46,7 +46,7 @@ def dry_run_lines(capsys, *args: str) -> list[str]:
     return capsys.readouterr().out.splitlines()
 
 
-@pytest.mark.parametrize("scale, experiment, rope_dims", [("", "paper_cpu", 2), ("paper", "paper_base", 16)])
+@pytest.mark.parametrize("scale, experiment, rope_dims", [("", "paper_cpu", 4), ("paper", "paper_base", 16)])
 def test_the_dry_run_lists_every_variant_and_seed_with_its_overrides(capsys, scale, experiment, rope_dims):
     lines = dry_run_lines(capsys, *(["--scale", scale] if scale else []))
     study = load_study("paper", scale)
