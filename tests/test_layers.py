@@ -10,9 +10,9 @@ inside functions, under ``TYPE_CHECKING`` or through ``importlib.import_module("
 Within L0, ``ckv.options.*`` does not import ``ckv.config``: an option group checks plain values (strides, layer
 and head counts, ``Dims``), never the config that holds it.
 
-Private names stay in their file: in ``kernels/ckv_kernels`` and ``benchmarks`` no file imports or reads another
-file's ``_name`` (a ``_module`` is private to its package), nor a name that the other module's ``__all__``, where
-it declares one, does not list.
+Private names stay in their file: in ``src/ckv``, ``kernels/ckv_kernels`` and ``benchmarks`` no file imports or
+reads another file's ``_name`` (a ``_module`` is private to its package), nor a name that the other module's
+``__all__``, where it declares one, does not list.
 """
 
 from __future__ import annotations
@@ -163,8 +163,7 @@ def test_imports_follow_the_layers() -> None:
 
 
 BENCHMARKS = REPO / "benchmarks"
-# Where the private-name rule holds today; src/ckv joins once its rooms stop reaching into each other (issue 41).
-PRIVATE_RULE_ROOTS = (ROOTS["ckv_kernels"], BENCHMARKS)
+PRIVATE_RULE_ROOTS = (ROOTS["ckv"], ROOTS["ckv_kernels"], BENCHMARKS)
 
 
 def is_private(name: str) -> bool:

@@ -24,7 +24,7 @@ plain integers derived here), the cache, evaluation and the analyses import it i
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -112,6 +112,20 @@ def local_start(t: int | torch.Tensor, local_window: LocalWindow, stride: int) -
     if local_window == "tail":
         return ((t + 1) // stride) * stride
     return t - int(local_window) + 1
+
+
+def earliest_local_key(
+    q_start: int, Tq: int, L: int, local_window: LocalWindow, stride: int, origin: int = 0
+) -> Optional[int]:
+    """The earliest key position any of the queries ``q_start .. q_start+Tq-1`` keeps exactly (None: none keeps
+    one), from ints alone (no host sync). A query at ``t`` keeps ``max(local_start(t), t - L + 1, origin) .. t``; that
+    start never decreases with ``t``, and within ``stride`` queries one keeps a key when any does (only a tail
+    window is ever empty, and only at the last position of each stride), so the first non-empty one is the earliest."""
+    for t in range(q_start, q_start + min(Tq, stride + 1)):
+        first = max(local_start(t, local_window, stride), t - L + 1, origin)
+        if first <= t:
+            return first
+    return None
 
 
 def compressed_mask(q_pos: torch.Tensor, n_entries: int, stride: int, first: int = 0) -> torch.Tensor:

@@ -25,7 +25,7 @@ CODEC = TokenCodec(key_ids=tuple(range(10, 40)), value_ids=tuple(range(50, 90)),
 def figures(monkeypatch: pytest.MonkeyPatch) -> list[Figure]:
     """The figures the plot functions draw, kept instead of written."""
     drawn: list[Figure] = []
-    monkeypatch.setattr(plots, "_save", lambda fig, path: drawn.append(fig) or Path(path))
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.append(fig) or Path(path))
     return drawn
 
 

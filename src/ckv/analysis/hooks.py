@@ -160,7 +160,8 @@ def gated_branches(
             f"{type(module).__name__} (gate parameters are unknown)"
         )
     a = module.config.attention
-    if not compressed_layers(module):
+    compressed = compressed_layers(module)  # every layer (attention.kind is the model's), in order
+    if not compressed:
         raise AnalysisNotApplicable(
             f"analysis={analysis} needs a compressed model, but {model_name} has no compressor "
             f"(attention.kind={a.kind}): there are no gates"
@@ -177,5 +178,5 @@ def gated_branches(
         raise ConfigError(f"layers {bad} do not exist: the model has layers 0..{n - 1}")
     out = []
     for i in chosen:
-        out.extend(Branch(i, name, c) for name, c in module.layers[i].self_attn.compressors().items())
+        out.extend(Branch(i, name, c) for name, c in compressed[i].compressors().items())
     return out

@@ -21,7 +21,7 @@ from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from ckv.eval.plots import PCT, _colors, _save, percent_axis
+from ckv.eval.plots import PCT, palette, percent_axis, save_figure
 
 ANNOTATE_MAX_CELLS = 600  # larger heatmaps get no numbers in their cells
 
@@ -118,7 +118,7 @@ def plot_knockout(result: dict, out_dir: Path, title: str) -> list[Path]:
             "* = paired 95% interval excludes 0; grey = clean accuracy 0",
             fontsize=9,
         )
-        paths.append(_save(fig, out_dir / f"knockout_{kind}.png"))
+        paths.append(save_figure(fig, out_dir / f"knockout_{kind}.png"))
     return paths
 
 
@@ -168,7 +168,7 @@ def plot_gate_profiles(rows: list[dict], window: int, path: Path, title: str) ->
         fontsize=9,
     )
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_gate_training(series: list[dict], window: int, path: Path, title: str) -> Path:
@@ -177,7 +177,7 @@ def plot_gate_training(series: list[dict], window: int, path: Path, title: str) 
     steps = [s["step"] for s in series]
     branches = [b for b in ("K", "V") if any(g["branch"] == b for g in series[0]["gates"])]
     heads = sorted({(g["layer"], g["kv_head"]) for g in series[0]["gates"]})
-    colors = dict(zip(heads, _colors(len(heads))))
+    colors = dict(zip(heads, palette(len(heads))))
     fig = Figure(figsize=(4.6 * (len(branches) + 1), 4.2))
     axes = fig.subplots(1, len(branches) + 1)
     for ax, b in zip(axes, branches):
@@ -197,7 +197,7 @@ def plot_gate_training(series: list[dict], window: int, path: Path, title: str) 
         ax.legend(handles=ax.get_legend_handles_labels()[0][:12] + styles, fontsize=7, ncol=2)
     acc = axes[-1]
     S = len(series[0]["accuracy"]["phase"])
-    for r, color in zip(range(S), _colors(S)):
+    for r, color in zip(range(S), palette(S)):
         acc.plot(steps, [PCT * s["accuracy"]["phase"][r] for s in series], "o-", ms=3, color=color, label=f"phase {r}")
     acc.plot(steps, [PCT * s["accuracy"]["mean"] for s in series], "k--", lw=1.5, label="mean")
     percent_axis(acc)
@@ -208,7 +208,7 @@ def plot_gate_training(series: list[dict], window: int, path: Path, title: str) 
     acc.legend(fontsize=7, ncol=2)
     fig.suptitle(f"{title}: gate concentration over training", fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ---- gate cycling ----------------------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
     axes[0].legend(fontsize=7, loc="lower left")
     sc = axes[len(deltas)]
     changes = []
-    for d, color in zip(deltas, _colors(len(deltas))):
+    for d, color in zip(deltas, palette(len(deltas))):
         if d["delta"] % S == 0:
             continue
         pred = PCT * (np.asarray(d["predicted"]) - np.asarray(clean["accuracy"]))
@@ -280,7 +280,7 @@ def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
         ax.set_visible(False)
     fig.suptitle(f"{title}: gate cycling ({result['shifted']}); clean mean {PCT * clean['mean']:.1f}%", fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 # ---- joint view ------------------------------------------------------------------------------------------------
@@ -347,4 +347,4 @@ def plot_joint(result: dict, path: Path, title: str) -> Path:
         fontsize=9,
     )
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)

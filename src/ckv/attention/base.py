@@ -43,8 +43,19 @@ class AttentionBackend(nn.Module):
     ``kv_bytes_per_token`` (no default: a backend that does not declare them fails with a ConfigError naming its
     kind, never with another backend's figures), ``activation_elements_per_token`` (for ``ckv.plan``) and
     ``phase_stride`` (the period of a phase effect it may cause; None for none); a built module initialises its
-    own parameters in ``init_weights``."""
+    own parameters in ``init_weights``.
 
+    Public surface (what code outside ``ckv.attention`` may read, ``tests/attention/test_surface.py``): the methods,
+    properties and class variables above, and the instance attributes annotated here: the head layout
+    (``n_heads``, ``kv_heads``, ``head_dim``), ``o_proj`` (whose input is the concatenated head outputs, query heads
+    grouped by KV head: the hook point of the knock-outs) and ``rotary`` (the layer's RoPE, its ``inv_freq``). Every
+    other attribute a constructor sets is private to the package."""
+
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    o_proj: nn.Linear
+    rotary: Rotary
     kind: ClassVar[str]
     impls: ClassVar[tuple[str, ...]] = ("auto", "torch")
     config_class: ClassVar[type[AttentionConfig]] = AttentionConfig

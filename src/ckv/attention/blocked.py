@@ -20,8 +20,16 @@ from typing import Any, Optional
 
 import torch
 
-from ckv.attention.reference import _earliest_local_key, check_selected
-from ckv.geometry import LocalWindow, compressed_mask, local_mask, local_span, local_start, visible_entries
+from ckv.attention.reference import check_selected
+from ckv.geometry import (
+    LocalWindow,
+    compressed_mask,
+    earliest_local_key,
+    local_mask,
+    local_span,
+    local_start,
+    visible_entries,
+)
 
 # working memory per query block that ``choose_block`` aims at (read at each call: a user may set it, or pass
 # ``block`` to ``joint_attention_blocked``)
@@ -372,7 +380,7 @@ def joint_attention_blocked(
         raise ValueError(f"block={block} must be >= 1")
     span = local_span(local_window, stride)
     k_start = q_start + Tq - Tk
-    earliest = _earliest_local_key(q_start, Tq, span, local_window, stride, origin)
+    earliest = earliest_local_key(q_start, Tq, span, local_window, stride, origin)
     if earliest is not None and earliest < k_start:
         raise ValueError(f"exact keys start at position {k_start}, but a local window reaches further back")
     topk = None

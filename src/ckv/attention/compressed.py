@@ -49,8 +49,14 @@ class CompressedAttention(CompressedAccounting):
     name), ``indexer`` (the ``LightningIndexer`` or None; its branch is ``indexer.compressor``, its ``topk``
     settable), ``attend`` (the hook point of the joint softmax), ``window``, ``stride`` and ``origin``; each
     ``Compressor``'s ``payload``, ``gate`` (``CompressorGate`` or None) and ``pooling`` (the hook point of its
-    gate weights). ``compressed_layers(module)`` finds the layers of a model."""
+    gate weights). ``compressed_layers(module)`` finds the layers of a model. The instance attributes of the surface
+    are the ones annotated here (``tests/attention/test_surface.py`` holds every caller to them)."""
 
+    indexer: Optional[LightningIndexer]
+    attend: JointAttention
+    window: int
+    stride: int
+    origin: int
     kind = "compressed"
     impls = IMPLS
     config_class = CompressedAttentionConfig

@@ -41,8 +41,12 @@ class Compressor(nn.Module):
     ``kv_heads`` and ``head_dim`` (default: the model's) size the pooled output: the lightning indexer's branch
     pools one key of its own ``head_dim`` (``attention.selection``).
     Public surface: ``payload`` (the payload maps), ``gate`` and ``pooling`` (the hook point of the gate weights);
-    the gate's attribute names are private (they name the parameters in saved weights).
+    the gate's attribute names are private (they name the parameters in saved weights). The instance attributes of
+    the surface are the ones annotated here.
     """
+
+    payload: nn.Parameter
+    pooling: Pooling
 
     def __init__(self, config: ModelConfig, kv_heads: Optional[int] = None, head_dim: Optional[int] = None) -> None:
         super().__init__()

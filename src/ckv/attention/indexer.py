@@ -45,6 +45,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from ckv.attention.compressor import Compressor
 from ckv.attention.rope import Rotary
 from ckv.config import ModelConfig
 from ckv.geometry import compressed_mask, visible_entries
@@ -249,9 +250,14 @@ class LightningIndexer(nn.Module):
     compressor branch (a ``Compressor`` at ``kv_heads=1, head_dim=selection.head_dim``, built by the layer) and
     ``norm`` the pooled keys' RMSNorm (before or after pooling, as the layer's ``compressed_norm``; none without
     ``qk_norm``). ``rotary`` rotates index queries and keys (the layer's theta, side, pairing and YaRN, over the
-    indexer's ``SelectionConfig.rotated_dims``)."""
+    indexer's ``SelectionConfig.rotated_dims``). Public surface: ``compressor``, ``topk`` and ``quant`` (both settable:
+    ``ckv.analysis.selection`` sweeps them), the methods; the rest is private to ``ckv.attention``."""
 
-    def __init__(self, config: ModelConfig, compressor: nn.Module) -> None:
+    compressor: Compressor
+    topk: int
+    quant: str
+
+    def __init__(self, config: ModelConfig, compressor: Compressor) -> None:
         super().__init__()
         a, s = config.attention, config.attention.selection
         self.topk, self.heads, self.head_dim, self.quant = s.topk, s.heads, s.head_dim, s.quant

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ckv.geometry import LocalWindow, compressed_mask, local_span, local_start
+from ckv.geometry import LocalWindow, compressed_mask, earliest_local_key, local_span, local_start
 
 
 def pool_reference(
@@ -27,20 +27,6 @@ def pool_reference(
         alpha = torch.softmax(scores, dim=2).to(payload.dtype)
     pooled = (alpha * payload).sum(dim=2)  # (B, E, KV, D)
     return pooled, alpha
-
-
-def _earliest_local_key(
-    q_start: int, Tq: int, L: int, local_window: LocalWindow, stride: int, origin: int = 0
-) -> Optional[int]:
-    """The earliest key position any of the queries ``q_start .. q_start+Tq-1`` keeps exactly (None: none keeps
-    one), from ints alone (no host sync). A query at ``t`` keeps ``max(local_start(t), t - L + 1, origin) .. t``; that
-    start never decreases with ``t``, and within ``stride`` queries one keeps a key when any does (only a tail
-    window is ever empty, and only at the last position of each stride), so the first non-empty one is the earliest."""
-    for t in range(q_start, q_start + min(Tq, stride + 1)):
-        first = max(local_start(t, local_window, stride), t - L + 1, origin)
-        if first <= t:
-            return first
-    return None
 
 
 def check_selected(selected: torch.Tensor, B: int, Tq: int, E: int) -> None:
@@ -122,7 +108,7 @@ def joint_attention_reference(
         return torch.zeros_like(q), sinks.float().expand(B, Tq, H)  # only the sink: lse = its logit
     band = q_pos[:, None] - L + 1 + torch.arange(L, device=dev)[None, :]  # (Tq, L) key positions
     mask_l = (band >= local_start(q_pos, local_window, stride)[:, None]) & (band >= origin)
-    earliest = _earliest_local_key(q_start, Tq, L, local_window, stride, origin)
+    earliest = earliest_local_key(q_start, Tq, L, local_window, stride, origin)
     if earliest is not None and earliest < k_start:
         raise ValueError(f"exact keys start at position {k_start}, but a local window reaches further back")
     idx = (band - k_start).clamp(0, max(Tk - 1, 0))

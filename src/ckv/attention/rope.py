@@ -48,6 +48,8 @@ class Rotary(nn.Module):
     the leading (HF Qwen3) or trailing (DeepSeek-V4) dims; ``pairing`` rotates dim ``i`` with ``i + rope_dims/2``
     ("half", ``rotate_half``) or dim ``2i`` with ``2i+1`` ("interleaved", ``rotate_pairs``)."""
 
+    inv_freq: torch.Tensor  # (rope_dims / 2,) fp32, a buffer: the public surface of the module
+
     def __init__(
         self,
         rope_dims: int,

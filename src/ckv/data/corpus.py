@@ -48,7 +48,9 @@ def bible_chapters() -> list[str]:
     return chapters
 
 
-def _builder(path: str, key: str = "data.text.paths") -> str:
+def builder_for(path: str, key: str = "data.text.paths") -> str:
+    """The ``datasets`` builder (json, parquet, text) that reads the file ``path`` (a compression suffix aside);
+    DataError naming ``key`` for another type."""
     stem = path
     for ext in COMPRESSION:
         if stem.endswith(ext):
@@ -59,7 +61,7 @@ def _builder(path: str, key: str = "data.text.paths") -> str:
     return builder
 
 
-def _expand(paths: list[str], key: str = "data.text.paths") -> list[str]:
+def expand_paths(paths: list[str], key: str = "data.text.paths") -> list[str]:
     """The files and folders ``paths`` name (globs expanded, in sorted order); ``key`` names the setting in errors."""
     out: list[str] = []
     for p in paths:
@@ -72,14 +74,16 @@ def _expand(paths: list[str], key: str = "data.text.paths") -> list[str]:
     return out
 
 
-def _check_not_empty(files: list[str], key: str = "data.text.paths") -> None:
+def check_not_empty(files: list[str], key: str = "data.text.paths") -> None:
     """DataError naming the first file of ``files`` that is empty (0 bytes): no reader says so clearly."""
     empty = [f for f in files if os.path.getsize(f) == 0]
     if empty:
         raise DataError(f"{key}: {empty[0]!r} is empty (0 bytes); remove it or give a corpus with text")
 
 
-def _load_saved(path: str, key: str = "data.text.paths") -> datasets.Dataset:
+def load_saved(path: str, key: str = "data.text.paths") -> datasets.Dataset:
+    """The dataset of a saved ``datasets`` folder (its ``train`` split, or its one split); DataError naming ``key``
+    when the folder is unreadable or holds several splits without a ``train``."""
     try:
         ds = datasets.load_from_disk(path)
     except (FileNotFoundError, ValueError, OSError) as e:
@@ -97,15 +101,15 @@ def load_corpus(cfg: TextConfig, *, cache_dir: str) -> Corpus:
     """The corpus of ``cfg`` with (at least) its ``text_field`` column; lazy when ``cfg.streaming``."""
     if cfg.paths is None:
         return datasets.Dataset.from_dict({cfg.text_field: bible_chapters()})
-    files = _expand(cfg.paths)
+    files = expand_paths(cfg.paths)
     folders = [f for f in files if os.path.isdir(f)]
     if folders:
         if len(files) > 1:
             raise DataError(f"data.text.paths: give either one saved `datasets` folder or files, got {files}")
-        ds: Corpus = _load_saved(folders[0])
+        ds: Corpus = load_saved(folders[0])
     else:
-        _check_not_empty(files)
-        builders = {_builder(f) for f in files}
+        check_not_empty(files)
+        builders = {builder_for(f) for f in files}
         if len(builders) > 1:
             raise DataError(f"data.text.paths mixes file types ({sorted(builders)}); use one type per corpus")
         builder = builders.pop()

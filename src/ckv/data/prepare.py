@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from ckv.checks import error_message
 from ckv.data.config import MANIFEST_FILE, TOKENIZER_FILE
-from ckv.data.corpus import DataError, _builder, _check_not_empty, _expand, _load_saved
+from ckv.data.corpus import DataError, builder_for, check_not_empty, expand_paths, load_saved
 from ckv.data.tokenizer import load_tokenizer, text_tokenizer, token_id
 from ckv.io.atomic import replace_dir, write_text_atomic
 
@@ -142,10 +142,10 @@ def _read(files: list[str], text_field: str, id_field: str, txt_sample_by: str, 
     for path, full in zip(files, paths):
         name = os.path.basename(full)
         if os.path.isdir(path):
-            ds = _load_saved(path, INPUT)
+            ds = load_saved(path, INPUT)
         else:
-            _check_not_empty([path], INPUT)
-            builder = _builder(path, INPUT)
+            check_not_empty([path], INPUT)
+            builder = builder_for(path, INPUT)
             kwargs = {"sample_by": txt_sample_by} if builder == "text" else {}
             try:
                 ds = datasets.load_dataset(builder, data_files=[path], split="train", cache_dir=cache_dir, **kwargs)
@@ -230,7 +230,7 @@ def prepare(
         raise ValueError(f"--val-fraction={val_fraction} must be in [0, 1)")
     if num_proc < 1 or shard_tokens < 1 or seed < 0:
         raise ValueError(f"--num-proc={num_proc}, --shard-tokens={shard_tokens} must be >= 1 and --seed={seed} >= 0")
-    files = _expand(inputs, INPUT)
+    files = expand_paths(inputs, INPUT)
     tok = load_tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab)

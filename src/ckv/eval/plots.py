@@ -38,12 +38,14 @@ def _fmt_p(p: Optional[float]) -> str:
     return "n/a" if p is None else (f"{p:.2g}" if p >= 1e-3 else f"{p:.1e}")
 
 
-def _colors(n: int) -> list:
+def palette(n: int) -> list:
+    """``n`` distinct colours (tab10, or tab20 beyond 10), the one palette of ckv's plots."""
     cmap = colormaps["tab10" if n <= 10 else "tab20"]
     return [cmap(i % cmap.N) for i in range(n)]
 
 
-def _save(fig: Figure, path: PathLike) -> Path:
+def save_figure(fig: Figure, path: PathLike) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (its folder made), at ckv's plots' resolution; returns the path."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p, dpi=DPI, bbox_inches="tight")
@@ -90,7 +92,7 @@ def _group_curve(
     else:
         ax.plot(x, y, "-", color=color or "0.6", lw=1, zorder=1, label=label if color is not None else None)
         colors = (
-            [_colors(stride)[xi % stride] for xi in x] if stride and color is None else [color or "tab:blue"] * len(x)
+            [palette(stride)[xi % stride] for xi in x] if stride and color is None else [color or "tab:blue"] * len(x)
         )
         ax.errorbar(x, y, yerr=err, fmt="none", ecolor="0.4", capsize=2, lw=0.8, zorder=2)
         ax.scatter(x, y, c=colors, s=22, zorder=3, edgecolors="black", linewidths=0.4)
@@ -113,7 +115,7 @@ def _group_curve(
 def _phase_legend(ax: Axes, stride: int) -> None:
     handles = [
         Line2D([], [], marker="o", ls="", color=c, markeredgecolor="black", label=f"phase {p}")
-        for p, c in enumerate(_colors(stride))
+        for p, c in enumerate(palette(stride))
     ]
     ax.legend(
         handles=ax.get_legend_handles_labels()[0] + handles,
@@ -152,7 +154,7 @@ def plot_lookup(report: dict, path: PathLike, title: str) -> Path:
         dom = "none" if per["dominant_period"] is None else f"{per['dominant_period']:g}"
         extra = f" | periodicity at {S}: {score} (chance {per['chance']:.2f}), dominant period {dom}"
     fig.suptitle(f"{title}: {report['name']}, n={report['n_prompts']} targets{extra}", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _interval_label(grouping: dict) -> str:
@@ -189,7 +191,7 @@ def plot_lookup_comparison(items: Sequence[tuple[str, dict]], path: PathLike, nc
         fontsize=10,
     )
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Path:
@@ -201,7 +203,7 @@ def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Pat
     fig = Figure(figsize=(7.5, 4.6))
     ax = fig.subplots()
     offsets = np.linspace(-0.15, 0.15, len(items)) if len(items) > 1 else [0.0]
-    for (label, rep), color, dx in zip(items, _colors(len(items)), offsets):
+    for (label, rep), color, dx in zip(items, palette(len(items)), offsets):
         ph = rep["phase"]
         x = np.array([g["group"] for g in ph["groups"]]) + dx
         y = np.array([_pct(g["accuracy"]) for g in ph["groups"]])
@@ -227,7 +229,7 @@ def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Pat
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2 if len(items) > 4 else 1)
     kinds = sorted({rep["phase"].get("interval", "wilson").replace("_", " ") for _, rep in items})
     ax.set_title(f"lookup accuracy per phase ({' / '.join(kinds)} 95% intervals; dashed: each run's mean)", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_probe(report: dict, path: PathLike, title: str) -> Path:
@@ -237,7 +239,7 @@ def plot_probe(report: dict, path: PathLike, title: str) -> Path:
     x = np.array([r["filler_tokens"] for r in rows])
     fig = Figure(figsize=(9, 4.4))
     ax = fig.subplots()
-    for lab, color in zip(labels, _colors(len(labels))):
+    for lab, color in zip(labels, palette(len(labels))):
         y = np.array([0.0 if r[f"logp[{lab}]"] is None else PCT * np.exp(r[f"logp[{lab}]"]) for r in rows])
         top = np.array([r["top1_is"] == lab for r in rows])
         ax.plot(x, y, "-", color=color, lw=1.2, label=f"p({lab})")
@@ -262,7 +264,7 @@ def plot_probe(report: dict, path: PathLike, title: str) -> Path:
         f"of p({labels[0]}): {'none' if dom is None else f'{dom:g}'}",
         fontsize=9,
     )
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 GRID_METRICS = (
@@ -377,4 +379,4 @@ def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
         title += f", phase gap {PCT * np.mean(gaps):.1f} pp" if gaps else ""
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)

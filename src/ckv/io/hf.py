@@ -14,7 +14,7 @@ from typing import Any, Union
 
 import torch
 
-from ckv.attention import CompressedAttention, build_attention
+from ckv.attention import CompressedAttention, build_attention, compressed_layers
 from ckv.config import AttentionConfig, ConfigError, ModelConfig
 from ckv.model import Transformer
 from ckv.options import RopeConfig
@@ -269,7 +269,7 @@ def attention_from_deepseek_v4(layer: Any) -> CompressedAttention:
         "ck_norm.weight": take("compressor.kv_norm.weight"),
     }
     series = 2 if csa else 1
-    module = build_attention(cfg, 0)
+    module = compressed_layers(build_attention(cfg, 0))[0]  # the layer itself, as a CompressedAttention
     key = {id(p): name for name, p in module.named_parameters()}  # each parameter's name in the state dict
     branches = {"compressor.": module.compressors()["K"]}
     if csa:

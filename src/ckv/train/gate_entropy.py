@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ckv.attention import Pooling
+from ckv.attention import compressed_layers
 from ckv.config import ConfigError, check_float
 
 _INPUTS = ("payload", "logits", "present")  # Pooling.forward's leading parameters
@@ -76,6 +76,16 @@ def _pool_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Optiona
     return given["logits"], given["present"]
 
 
+def _pooling_steps(model: nn.Module) -> list[nn.Module]:
+    """The pooling step (``Compressor.pooling``) of every compressor branch of ``model``, in module order: each
+    compressed layer's K (and V) branch, then its lightning indexer's own branch."""
+    return [
+        branch.pooling
+        for layer in compressed_layers(model)
+        for branch in (*layer.compressors().values(), *(() if layer.indexer is None else (layer.indexer.compressor,)))
+    ]
+
+
 class GateEntropyFloor:
     """Forward hooks on every ``Pooling`` of ``model`` that add up the gate-entropy penalty of one forward.
 
@@ -88,9 +98,7 @@ class GateEntropyFloor:
         self._terms: list[torch.Tensor] = []
         self._open = False
         self._device = next(model.parameters()).device
-        self._handles = [
-            m.register_forward_hook(self._hook, with_kwargs=True) for m in model.modules() if isinstance(m, Pooling)
-        ]
+        self._handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in _pooling_steps(model)]
         if not self._handles:
             raise ValueError("the gate-entropy floor found no compressor pooling step (Pooling) in the model")
 
@@ -122,5 +130,5 @@ class GateEntropyFloor:
 
     @property
     def hooks(self) -> int:
-        """How many Pooling modules are hooked (2 per compressed layer, 1 with tied K/V)."""
+        """How many Pooling modules are hooked (per compressed layer: K, V unless tied, the indexer's branch)."""
         return len(self._handles)
