@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from ckv.apps.study import (
+    CONTROL_LEARNED,
     Check,
     Study,
     check_lines,
@@ -39,7 +40,7 @@ from ckv.apps.study import (
     study_arguments,
     table,
 )
-from ckv.eval.stats import CONTROL_LEARNED, gap_is_real
+from ckv.eval.stats import gap_is_real
 from ckv.io.results import write_json
 
 DEMO, GRID = load_study("demo"), load_study("demo_grid")

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from ckv.apps.study import (
+    CONTROL_LEARNED,
     Check,
     Run,
     check_lines,
@@ -48,7 +49,7 @@ from ckv.apps.study import (
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
 from ckv.eval.plots import plot_phase_overlay
-from ckv.eval.stats import CONTROL_LEARNED, gap_is_real
+from ckv.eval.stats import gap_is_real
 from ckv.eval.summary import results_file, summary_row
 from ckv.io.results import read_json, write_csv, write_json
 

@@ -35,11 +35,13 @@ from typing import Optional
 
 from ckv import flops
 from ckv.apps.study import (
+    CONTROL_LEARNED,
     QUICK_EVAL,
     Check,
     Run,
     Timer,
     check_lines,
+    compared_stride,
     load_study,
     pp,
     result_row,
@@ -49,7 +51,7 @@ from ckv.apps.study import (
     study_arguments,
     write_study_record,
 )
-from ckv.eval.stats import CONTROL_LEARNED, noninferiority_bounds
+from ckv.eval.stats import noninferiority_bounds
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR, analysis_file, eval_dir, read_run_config
 from ckv.io.results import read_json
@@ -70,17 +72,18 @@ class Model:
     role: str  # "baseline", "fix" or "control"
     baseline: Optional[str] = None  # a fix's equal-memory baseline (same entries per token, heads, local window)
     core: bool = False
+    phase_of: Optional[str] = None  # the control: the model whose stride its phases are read mod
 
 
 TASKS: dict[str, dict] = STUDY.params["tasks"]
 # task -> models; the run folder is <out>/runs/<task>_<model>/seed=<seed>
 MODELS: dict[str, tuple[Model, ...]] = {
     task: tuple(
-        Model(m["name"], m["train"], m["role"], m.get("baseline"), m.get("core", False)) for m in spec["models"]
+        Model(m["name"], m["train"], m["role"], m.get("baseline"), m.get("core", False), m.get("phase_of"))
+        for m in spec["models"]
     )
     for task, spec in TASKS.items()
 }
-CONTROL_STRIDE = {task: spec["control_stride"] for task, spec in TASKS.items()}
 SEEDS, CONFIRM_SEEDS, ABLATION_SEEDS = STUDY.seeds, CONFIRM.seeds, ABLATION.seeds
 LADDER = tuple(STUDY.params["ladder"])  # the ablation ladder's steps, the W8/S4 gate first
 LADDER_STEPS = LADDER[1:]
@@ -119,7 +122,7 @@ def plan(
             seed,
             m.role,
             tuple(m.option.split()),
-            (f"task.stride={CONTROL_STRIDE[task]}",) if m.role == "control" else (),
+            () if m.phase_of is None else (f"task.stride={phase_stride(task, m)}",),
             name=f"{task}_{m.name}",
         )
         for task in tasks
@@ -127,6 +130,13 @@ def plan(
         if (m.name in only if only else m.core or everything or m.name in add)
         for seed in seeds
     )
+
+
+def phase_stride(task: str, model: Model) -> int:
+    """The stride ``model`` (a control) of ``task`` reads its phases mod: that of its ``phase_of`` model
+    (``ckv.apps.study.compared_stride``)."""
+    runs = [Run(TASKS[task]["experiment"], 0, m.role, tuple(m.option.split()), name=m.name) for m in MODELS[task]]
+    return compared_stride(model.phase_of, runs, f"conf/study/robust.yaml params.tasks.{task} {model.name}")
 
 
 def resolve_seeds(seeds: Optional[list[int]], confirm: bool, ablation: bool, quick: bool) -> tuple[int, ...]:

@@ -17,8 +17,9 @@ A study's YAML (``Study``; every key optional but ``out``):
     workers: all            # models trained at once: a number, ``all`` (every run) or absent (default_workers)
     seeds: [0]              # every run once per seed (run-major order)
     runs:                   # experiment (conf/experiment/) + role, and optionally name (the run folder's),
-      - {experiment: demo_full, role: control, eval: [task.stride=4]}   # train/eval overrides, entry (trainer),
-                                                                        # seeds (this run's, instead of the study's)
+      - {experiment: demo_full, role: control, phase_of: demo_gate_s4}  # train/eval overrides, entry (trainer),
+                                  # seeds (this run's, instead of the study's), phase_of (another run's name or
+                                  # experiment: this run's phases are read mod that run's model's stride)
     criteria: {min_gain: 0.30}   # the numbers the study's checks compare with
     params: {...}           # anything else the study's module reads (e.g. a model table its flags choose from)
     evals:                  # several evaluations per run (default: one, on ``task``): name -> eval overrides;
@@ -31,8 +32,11 @@ The generic command runs any of them: ``python -m ckv.apps.study NAME [--quick] 
 [--scale S] [--dry-run]`` (``main``): a failed run is reported and the others go on; a rerun reuses finished
 training (train.py resumes a finished folder) and evaluations newer than the run's last checkpoint.
 
-Values are OmegaConf: ``${params.stride}`` interpolates. The "control learned" bar every study's control is judged
-against is not a study number: ``ckv.eval.stats.CONTROL_LEARNED``.
+A model without a stride (full attention) has no phase of its own: ``phase_of`` names the run it is compared with,
+and its evaluation groups positions mod that run's stride (``task.stride=S`` added after its own eval overrides),
+as that run's attention backend declares it (``phase_stride``) for the config ``train.py`` composes; a study never
+restates a model's stride. Values are OmegaConf: ``${params.n_base}`` interpolates. The "control learned" bar
+every study's control is judged against is not one study's number: ``CONTROL_LEARNED`` (here).
 """
 
 from __future__ import annotations
@@ -51,14 +55,19 @@ from typing import Any, Optional, Union
 
 from omegaconf import OmegaConf
 
+from ckv.attention import check_attention
 from ckv.checks import ConfigError, error_message
 from ckv.eval.summary import flatness_fields, results_file
 from ckv.io.layout import STATE_FILE, latest_checkpoint, read_run_config
 from ckv.io.results import read_json, write_json
+from ckv.plan import compose_train_config, model_config
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
 STUDY_DIR = ROOT / "conf" / "study"
 TASK = "demo_lookup"  # the lookup task of every study so far (a study's ``task`` key)
+# a full-attention control has learned a lookup task when its mean accuracy reaches this; below it, "as good as full
+# attention" means nothing (the bar of make demo, make demo-v4 and make robust's goal and confirmation)
+CONTROL_LEARNED = 0.40
 DISTRIBUTED_ENV = (
     "RANK",
     "WORLD_SIZE",
@@ -94,7 +103,7 @@ STUDY_KEYS = {
     "report",
 }
 SCALE_KEYS = {"params", "train", "eval", "launcher"}
-RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds"}
+RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds", "phase_of"}
 
 
 @dataclass(frozen=True)
@@ -192,6 +201,28 @@ def _seeds(seeds: Any, where: str) -> tuple[int, ...]:
     return seeds
 
 
+def compared_stride(compared: str, runs: list[Run], where: str) -> int:
+    """The stride of the model of the run named ``compared`` (its ``name``, else its ``experiment``) among ``runs``, as
+    its attention backend declares it (``phase_stride``) for the config ``train.py`` composes from the run's
+    experiment and train overrides (``ConfigError``, one line, for no such run or a model without a stride)."""
+    found = [r for r in runs if (r.name or r.experiment) == compared]
+    if not found:
+        known = [r.name or r.experiment for r in runs]
+        raise ConfigError(f"{where}: phase_of={compared!r} is not a run of the study; its runs: {known}")
+    run = found[0]
+    key = (run.experiment, run.train_overrides)
+    if key not in _STRIDES:
+        # vocab_size=1 stands in for the data's vocabulary (as in TrainConfig's checks): no stride depends on it
+        config = model_config(compose_train_config([f"experiment={run.experiment}", *run.train_overrides]), 1)
+        _STRIDES[key] = check_attention(config).phase_stride(config)
+    if _STRIDES[key] is None:
+        raise ConfigError(f"{where}: phase_of={compared!r}: that run's model has no stride (full attention?)")
+    return _STRIDES[key]
+
+
+_STRIDES: dict[tuple[str, tuple[str, ...]], Optional[int]] = {}  # (experiment, train overrides) -> stride
+
+
 def load_study(name: str, scale: str = "") -> Study:
     """``conf/study/<name>.yaml`` as a ``Study`` (``ConfigError``, one line, for a missing study, scale or a bad
     key); ``scale`` (a key of its ``scales``) swaps in that scale's params and adds its overrides to every run."""
@@ -202,8 +233,8 @@ def load_study(name: str, scale: str = "") -> Study:
     if "out" not in raw:
         raise ConfigError(f"conf/study/{name}.yaml: no out (the default output folder)")
     seeds = _seeds(raw.get("seeds") or (0,), f"conf/study/{name}.yaml")
-    runs = []
-    for i, r in enumerate(raw.get("runs") or ()):
+    declared, templates = list(raw.get("runs") or ()), []
+    for i, r in enumerate(declared):
         where = f"conf/study/{name}.yaml runs[{i}]"
         unknown = sorted(set(r) - RUN_KEYS)
         if unknown or "experiment" not in r or "role" not in r:
@@ -211,15 +242,24 @@ def load_study(name: str, scale: str = "") -> Study:
                 f"{where}: a run takes experiment, role and optionally "
                 f"{sorted(RUN_KEYS - {'experiment', 'role'})}; got {sorted(r)}"
             )
-        template = Run(
-            r["experiment"],
-            0,
-            r["role"],
-            _overrides(r.get("train"), where) + scale_train,
-            _overrides(r.get("eval"), where) + scale_eval,
-            name=r.get("name", ""),
-            entry=_overrides(r.get("entry"), where) or ("train.py",),
+        templates.append(
+            Run(
+                r["experiment"],
+                0,
+                r["role"],
+                _overrides(r.get("train"), where) + scale_train,
+                _overrides(r.get("eval"), where),
+                name=r.get("name", ""),
+                entry=_overrides(r.get("entry"), where) or ("train.py",),
+            )
         )
+    runs = []
+    for i, (r, template) in enumerate(zip(declared, templates)):
+        where = f"conf/study/{name}.yaml runs[{i}]"
+        phase = (
+            () if r.get("phase_of") is None else (f"task.stride={compared_stride(r['phase_of'], templates, where)}",)
+        )
+        template = dataclasses.replace(template, eval_overrides=template.eval_overrides + phase + scale_eval)
         runs.append([dataclasses.replace(template, seed=s) for s in _seeds(r.get("seeds") or seeds, where)])
     workers = raw.get("workers")
     if not (workers is None or workers == "all" or (isinstance(workers, int) and workers > 0)):
