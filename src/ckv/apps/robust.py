@@ -51,7 +51,7 @@ from ckv.apps.study import (
     study_arguments,
     write_study_record,
 )
-from ckv.eval.stats import noninferiority_bounds
+from ckv.eval.flatness import noninferiority_bounds
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR, analysis_file, eval_dir, read_run_config
 from ckv.io.results import read_json
@@ -235,7 +235,7 @@ def criteria(rows: list[dict]) -> list[Check]:
     """The study's success criteria, per fix, over its seeds (a criterion needs every seed of the fix, of its
     baseline and of the control): the minimum (worst phase raised by >= MIN_GAIN over the equal-memory baseline
     of the same seed) and the goal (flat: the equivalence test bounds the phase gap under its margin,
-    ``ckv.eval.stats.gap_verdict``; and worst phase within GOAL_MARGIN of full attention's of the same seed; not
+    ``ckv.eval.flatness.gap_verdict``; and worst phase within GOAL_MARGIN of full attention's of the same seed; not
     judged where the control has not learned the task). A fix whose baseline or control is missing from ``rows``
     in some seed gets one ``not judged`` check naming them."""
     by = {(r["task"], r["model"], r["seed"]): r for r in rows}

@@ -530,7 +530,7 @@ def pp(x: Optional[float]) -> str:
 def table(done: list[dict], learned: Optional[list[bool]] = None) -> str:
     """The per-phase table (make demo, make demo-grid, make demo-v4), one line per run: mean, per-phase accuracy,
     phase gap (mod S) with interval, permutation p and noise floor, the gap's one-sided 95% upper bound, the minimum
-    detectable gap (80% power), the verdict (gap / flat / undecided, ``ckv.eval.stats.gap_verdict``), the dominant
+    detectable gap (80% power), the verdict (gap / flat / undecided, ``ckv.eval.flatness.gap_verdict``), the dominant
     period, and with ``learned`` (one flag per run) a last column ``learned``: ``yes`` or ``NO``."""
     lines = [
         f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"

@@ -30,11 +30,12 @@ from ckv.data.config import LookupConfig
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.chunking import ChunkCheck, chunk_check, chunking_lines
 from ckv.eval.design import PADDINGS, base_offsets, choose_targets, make_design, slot_pads
+from ckv.eval.grouping import summarize_groups
 from ckv.eval.models import ModelFacts
 from ckv.eval.plots import plot_lookup
 from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
 from ckv.eval.scoring import LogitsFn, prompt_lengths, score_next_token
-from ckv.eval.stats import StatsOptions, gap_is_real, summarize_groups
+from ckv.eval.stats import StatsOptions, gap_is_real
 from ckv.eval.vocab import VocabSpec, build_codec, vocab_spec
 from ckv.geometry import phase
 

@@ -28,10 +28,10 @@ from ckv.config import ConfigError, check_choice, check_int
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.lookup import PAPER_N_RECORDS, codec_for
 from ckv.eval.models import ModelFacts
+from ckv.eval.periodicity import dominant_period, periodicity_chance, periodicity_score
 from ckv.eval.plots import plot_probe
 from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
 from ckv.eval.scoring import LogitsFn, score_next_token
-from ckv.eval.stats import dominant_period, periodicity_chance, periodicity_score
 from ckv.eval.vocab import AUTO, TextTokenizer, TokenSpec, VocabSpec, check_token, single_token, vocab_spec
 from ckv.geometry import phase
 
