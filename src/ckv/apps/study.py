@@ -48,6 +48,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -527,28 +528,87 @@ def pp(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+@dataclass(frozen=True)
+class Column:
+    """One column of a study's printed table: its ``header``, the ``cell`` text of a row, the ``width`` both are
+    padded to (``align``: ``<`` left, ``>`` right) and the ``gap`` printed before it (none before the first)."""
+
+    header: str
+    cell: Callable[[dict], str]
+    width: int = 0
+    align: str = ">"
+    gap: str = " "
+
+
+def write_table(rows: list[dict], columns: Sequence[Column]) -> str:
+    """The one table writer of the studies: a header line, then one line per row (a dict, e.g. ``result_row``'s)."""
+
+    def line(texts: list[str]) -> str:
+        return "".join((c.gap if i else "") + f"{t:{c.align}{c.width}}" for i, (c, t) in enumerate(zip(columns, texts)))
+
+    return "\n".join([line([c.header for c in columns]), *(line([c.cell(r) for c in columns]) for r in rows)])
+
+
+def interval_text(r: dict, key: str) -> str:
+    """``r[key]`` with its interval (``<key>_lower``, ``<key>_upper``) in pp: ``40.0 [30.0, 50.0]``."""
+    return f"{100 * r[key]:.1f} [{100 * r[key + '_lower']:.1f}, {100 * r[key + '_upper']:.1f}]"
+
+
+def gap_text(r: dict, prefix: str = "phase") -> str:
+    """A row's ``<prefix>`` gap in a check's words: ``gap 40.0 pp [30.0, 50.0]``."""
+    g = f"{prefix}_gap"
+    return f"gap {100 * r[g]:.1f} pp [{100 * r[g + '_lower']:.1f}, {100 * r[g + '_upper']:.1f}]"
+
+
+def per_phase_column(width: int, decimals: int, gap: str = "  ", sep: str = "  ") -> Column:
+    """The per-phase accuracy column: each phase's accuracy in % with ``decimals``, then ``(S=<stride>)``."""
+
+    def cell(r: dict) -> str:
+        return " / ".join(f"{100 * a:.{decimals}f}" for a in r["per_phase"]) + f"{sep}(S={r['stride']})"
+
+    return Column("per-phase accuracy % (phase = pos mod S)", cell, width, "<", gap)
+
+
+PHASE_COLUMNS = (  # the phase gap's statistics as every per-phase table prints them
+    Column("gap pp [95%]", lambda r: interval_text(r, "phase_gap"), 20),
+    Column("perm p", lambda r: f"{r['phase_p_value']:.4f}", 7),
+    Column("floor pp", lambda r: f"{100 * r['phase_noise_floor']:.1f}", 8),
+    Column("<= pp", lambda r: pp(r["phase_upper_one_sided"]), 5),
+    Column("MDE pp", lambda r: pp(r["phase_mde"]), 6),
+    Column("verdict", lambda r: str(r["phase_verdict"]), 9),
+)
+STUDY_COLUMNS = (
+    Column("model", lambda r: r["label"], 22, "<", ""),
+    Column("steps", lambda r: f"{r['steps']:d}", 6),
+    Column("train s", lambda r: f"{r['train_seconds']:.0f}", 8),
+    Column("mean %", lambda r: f"{100 * r['mean']:.1f}", 7),
+    per_phase_column(44, 1),
+    *PHASE_COLUMNS,
+    Column("period", lambda r: str(r["dominant_period"]), 6),
+)
+
+
 def table(done: list[dict], learned: Optional[list[bool]] = None) -> str:
     """The per-phase table (make demo, make demo-grid, make demo-v4), one line per run: mean, per-phase accuracy,
     phase gap (mod S) with interval, permutation p and noise floor, the gap's one-sided 95% upper bound, the minimum
     detectable gap (80% power), the verdict (gap / flat / undecided, ``ckv.eval.flatness.gap_verdict``), the dominant
     period, and with ``learned`` (one flag per run) a last column ``learned``: ``yes`` or ``NO``."""
-    lines = [
-        f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
-        f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'<= pp':>5s} {'MDE pp':>6s} {'verdict':>9s}"
-        f" {'period':>6s}{'' if learned is None else '  learned'}"
-    ]
-    for i, d in enumerate(done):
-        r = result_row(d)
-        per = " / ".join(f"{100 * a:.1f}" for a in r["per_phase"]) + f"  (S={r['stride']})"
-        gap = f"{100 * r['phase_gap']:.1f} [{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}]"
-        lines.append(
-            f"{d['run'].label:22s} {r['steps']:6d} {r['train_seconds']:8.0f} {100 * r['mean']:7.1f}"
-            f"  {per:44s} {gap:>20s} {r['phase_p_value']:7.4f}"
-            f" {100 * r['phase_noise_floor']:8.1f} {pp(r['phase_upper_one_sided']):>5s} {pp(r['phase_mde']):>6s}"
-            f" {str(r['phase_verdict']):>9s} {str(r['dominant_period']):>6s}"
-            f"{'' if learned is None else '  ' + ('yes' if learned[i] else 'NO')}"
-        )
-    return "\n".join(lines)
+    rows = [{**result_row(d), "label": d["run"].label} for d in done]
+    columns = STUDY_COLUMNS
+    if learned is not None:
+        rows = [{**r, "learned": flag} for r, flag in zip(rows, learned)]
+        columns += (Column("learned", lambda r: "yes" if r["learned"] else "NO", 0, "<", "  "),)
+    return write_table(rows, columns)
+
+
+def every_seed(claim: str, seeds: Sequence[int], passed: Sequence[bool], details: Sequence[str]) -> Check:
+    """A criterion that must hold in every seed: passed when it holds in each, its detail ``seed <s>: ...``."""
+    return Check(claim, all(passed), "; ".join(f"seed {s}: {d}" for s, d in zip(seeds, details)))
+
+
+def control_learned(r: dict) -> bool:
+    """Whether a control (its ``result_row``) has learned the task: its mean reaches ``CONTROL_LEARNED``."""
+    return r["mean"] >= CONTROL_LEARNED
 
 
 def run_records(done: list[dict], task: str = TASK) -> list[dict]:
