@@ -1,6 +1,7 @@
 """Everything one grouping of a lookup evaluation reports (``summarize_groups``): per-group accuracy with intervals,
 the mean, the best-minus-worst gap with its interval, permutation test, flatness and power, and its periodicity, as
-plain JSON-ready values."""
+plain JSON-ready values; and the report in words: its headline fields (``gap_headline``) and printed lines
+(``gap_lines``)."""
 
 from __future__ import annotations
 
@@ -129,3 +130,87 @@ def summarize_groups(
             "dominant_score": dom.score,
         }
     return out
+
+
+def gap_headline(report: Optional[dict], prefix: str) -> dict:
+    """The headline fields of one grouping's gap (``summarize_groups``): ``<prefix>_gap`` with its interval,
+    interval kind, permutation p and noise floor, and the worst group with its accuracy and interval; all
+    ``None`` when the grouping was not made (a phase gap without a stride)."""
+    g = (report or {}).get("gap", {})
+    return {
+        f"{prefix}_gap": g.get("value"),
+        f"{prefix}_gap_lower": g.get("lower"),
+        f"{prefix}_gap_upper": g.get("upper"),
+        f"{prefix}_gap_interval": g.get("interval"),
+        f"{prefix}_p_value": g.get("p_value"),
+        f"{prefix}_noise_floor": g.get("noise_floor"),
+        f"worst_{prefix}": g.get("worst_group"),
+        f"worst_{prefix}_accuracy": g.get("worst_accuracy"),
+        f"worst_{prefix}_lower": g.get("worst_lower"),
+        f"worst_{prefix}_upper": g.get("worst_upper"),
+        f"{prefix}_group_interval": (report or {}).get("interval"),
+    }
+
+
+# the gap report's fields the summary prints in its own words; any other field (e.g. a verdict) is printed as is
+SUMMARY_GAP_KEYS = {
+    "value",
+    "lower",
+    "upper",
+    "interval",
+    "best_group",
+    "worst_group",
+    "best_accuracy",
+    "worst_accuracy",
+    "worst_lower",
+    "worst_upper",
+    "p_value",
+    "noise_floor",
+    "n_permutations",
+    "n_bootstrap",
+    "level",
+    "real",
+    "upper_one_sided",
+    "upper_one_sided_level",
+    "margin",
+    "flat",
+    "verdict",
+    "mde",
+    "mde_power",
+    "alpha",
+}
+
+
+def percent(x: Optional[float]) -> str:
+    """A fraction in % with one decimal, ``n/a`` when not computed."""
+    return "n/a" if x is None else f"{100 * x:.1f}"
+
+
+def percent_interval(lower: Optional[float], upper: Optional[float]) -> str:
+    """An interval in %: ``[lower, upper]``."""
+    return f"[{percent(lower)}, {percent(upper)}]"
+
+
+def gap_lines(grouping: dict, label: str, alpha: float = 0.05) -> list[str]:
+    """Summary lines of one grouping's gap (``summarize_groups``): the gap with its interval, noise floor, p-value
+    and what they say, the worst group, and every further field of the gap report."""
+    g = grouping["gap"]
+    real = gap_is_real(g["p_value"], g["lower"], g["noise_floor"], alpha)
+    verdict = "above the noise floor" if real else "not above the noise floor: no evidence of a phase effect"
+    p = "n/a" if g["p_value"] is None else f"{g['p_value']:.2g}"
+    lines = [
+        f"{label} gap {percent(g['value'])} pp {percent_interval(g['lower'], g['upper'])}, noise floor "
+        f"{percent(g['noise_floor'])}, p={p}: {verdict}",
+        f"worst {label} {g['worst_group']}: {percent(g['worst_accuracy'])}% "
+        f"{percent_interval(g['worst_lower'], g['worst_upper'])}; best {g['best_group']}: "
+        f"{percent(g['best_accuracy'])}%",
+    ]
+    if "verdict" in g:  # the equivalence test and the evaluation's power
+        level = round(100 * g["upper_one_sided_level"])
+        lines.append(
+            f"{label} flatness: {g['verdict']} (one-sided {level}% upper bound {percent(g['upper_one_sided'])} pp vs "
+            f"margin {percent(g['margin'])} pp); smallest gap detected with {round(100 * g['mde_power'])}% power: "
+            f"{percent(g['mde'])} pp"
+        )
+    lines += [f"{label} gap {k}: {v}" for k, v in g.items() if k not in SUMMARY_GAP_KEYS]
+    return lines
