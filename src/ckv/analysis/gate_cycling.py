@@ -199,10 +199,10 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
     module = ctx.model.module
     _, shifted = cycling_parameters(module, ctx.model.name, settings.layers)
     S = ctx.task.stride
-    if S != module.config.attention.stride:
+    if S != ctx.model.stride:  # the model's stride as its backend declares it (ModelFacts.stride: phase_stride)
         raise ConfigError(
             f"analysis=gate_cycling: task.stride={S} differs from the model's stride "
-            f"{module.config.attention.stride}; phases must be positions mod the model's stride"
+            f"{ctx.model.stride}; phases must be positions mod the model's stride"
         )
     deltas = list(settings.deltas) if settings.deltas is not None else list(range(S))
     clean = ctx.evaluate()

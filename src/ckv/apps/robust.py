@@ -44,8 +44,8 @@ from ckv.apps.study import (
     compared_stride,
     control_learned,
     every_seed,
+    gap_columns,
     gap_text,
-    interval_text,
     load_study,
     per_phase_column,
     pp,
@@ -174,15 +174,13 @@ COLUMNS = (
     Column("mean %", lambda r: f"{100 * r['mean']:.1f}", 6),
     Column("worst %", lambda r: f"{100 * r['worst_phase_accuracy']:.1f}", 7),
     per_phase_column(42, 0, sep=" "),
-    Column("phase gap pp [95%]", lambda r: interval_text(r, "phase_gap"), 19),
-    Column("floor", lambda r: f"{100 * r['phase_noise_floor']:.1f}", 5),
-    Column("p", lambda r: f"{r['phase_p_value']:.4f}", 6),
-    Column("<= pp", lambda r: pp(r["phase_upper_one_sided"]), 5),
-    Column("MDE", lambda r: pp(r["phase_mde"]), 5),
-    Column("verdict", lambda r: str(r["phase_verdict"]), 9),
-    Column("residue gap pp [95%]", lambda r: interval_text(r, "residue_gap"), 20),
-    Column("floor", lambda r: f"{100 * r['residue_noise_floor']:.1f}", 5),
-    Column("MDE", lambda r: pp(r["residue_mde"]), 5),
+    *gap_columns(
+        "phase",
+        "gap floor p upper mde verdict",
+        ("phase gap pp [95%]", "floor", "p", "<= pp", "MDE", "verdict"),
+        (19, 5, 6, 5, 5, 9),
+    ),
+    *gap_columns("residue", "gap floor mde", ("residue gap pp [95%]", "floor", "MDE"), (20, 5, 5)),
 )
 
 

@@ -569,21 +569,35 @@ def per_phase_column(width: int, decimals: int, gap: str = "  ", sep: str = "  "
     return Column("per-phase accuracy % (phase = pos mod S)", cell, width, "<", gap)
 
 
-PHASE_COLUMNS = (  # the phase gap's statistics as every per-phase table prints them
-    Column("gap pp [95%]", lambda r: interval_text(r, "phase_gap"), 20),
-    Column("perm p", lambda r: f"{r['phase_p_value']:.4f}", 7),
-    Column("floor pp", lambda r: f"{100 * r['phase_noise_floor']:.1f}", 8),
-    Column("<= pp", lambda r: pp(r["phase_upper_one_sided"]), 5),
-    Column("MDE pp", lambda r: pp(r["phase_mde"]), 6),
-    Column("verdict", lambda r: str(r["phase_verdict"]), 9),
-)
+# the cell of each statistic of a grouping's gap (``<grouping>_gap`` ... in ``result_row``), by name
+GAP_CELLS: dict[str, Callable[[str], Callable[[dict], str]]] = {
+    "gap": lambda g: lambda r: interval_text(r, f"{g}_gap"),
+    "p": lambda g: lambda r: f"{r[f'{g}_p_value']:.4f}",
+    "floor": lambda g: lambda r: f"{100 * r[f'{g}_noise_floor']:.1f}",
+    "upper": lambda g: lambda r: pp(r[f"{g}_upper_one_sided"]),
+    "mde": lambda g: lambda r: pp(r[f"{g}_mde"]),
+    "verdict": lambda g: lambda r: str(r[f"{g}_verdict"]),
+}
+
+
+def gap_columns(grouping: str, stats: str, headers: Sequence[str], widths: Sequence[int]) -> tuple[Column, ...]:
+    """Columns of the gap statistics of ``grouping`` (``phase`` or ``residue``): ``stats`` names them in order
+    (space-separated keys of ``GAP_CELLS``), with their ``headers`` and ``widths``."""
+    return tuple(Column(h, GAP_CELLS[s](grouping), w) for s, h, w in zip(stats.split(), headers, widths, strict=True))
+
+
 STUDY_COLUMNS = (
     Column("model", lambda r: r["label"], 22, "<", ""),
     Column("steps", lambda r: f"{r['steps']:d}", 6),
     Column("train s", lambda r: f"{r['train_seconds']:.0f}", 8),
     Column("mean %", lambda r: f"{100 * r['mean']:.1f}", 7),
     per_phase_column(44, 1),
-    *PHASE_COLUMNS,
+    *gap_columns(
+        "phase",
+        "gap p floor upper mde verdict",
+        ("gap pp [95%]", "perm p", "floor pp", "<= pp", "MDE pp", "verdict"),
+        (20, 7, 8, 5, 6, 9),
+    ),
     Column("period", lambda r: str(r["dominant_period"]), 6),
 )
 
