@@ -36,6 +36,7 @@ from ckv import flops
 from ckv.apps.robust_confirm import CONFIRM, CONFIRM_MODELS, CONFIRM_SEEDS, CONFIRM_TASK, confirm_verdicts
 from ckv.apps.robust_crowding import analyse, analysed_tasks, crowding_lines
 from ckv.apps.study import (
+    COMPACT_PHASE_COLUMNS,
     CONTROL_LEARNED,
     Check,
     Column,
@@ -174,12 +175,7 @@ COLUMNS = (
     Column("mean %", lambda r: f"{100 * r['mean']:.1f}", 6),
     Column("worst %", lambda r: f"{100 * r['worst_phase_accuracy']:.1f}", 7),
     per_phase_column(42, 0, sep=" "),
-    *gap_columns(
-        "phase",
-        "gap floor p upper mde verdict",
-        ("phase gap pp [95%]", "floor", "p", "<= pp", "MDE", "verdict"),
-        (19, 5, 6, 5, 5, 9),
-    ),
+    *COMPACT_PHASE_COLUMNS,
     *gap_columns("residue", "gap floor mde", ("residue gap pp [95%]", "floor", "MDE"), (20, 5, 5)),
 )
 

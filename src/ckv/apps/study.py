@@ -586,6 +586,13 @@ def gap_columns(grouping: str, stats: str, headers: Sequence[str], widths: Seque
     return tuple(Column(h, GAP_CELLS[s](grouping), w) for s, h, w in zip(stats.split(), headers, widths, strict=True))
 
 
+# the phase gap's statistics in the compact tables (make robust's, make selection's)
+COMPACT_PHASE_COLUMNS = gap_columns(
+    "phase",
+    "gap floor p upper mde verdict",
+    ("phase gap pp [95%]", "floor", "p", "<= pp", "MDE", "verdict"),
+    (19, 5, 6, 5, 5, 9),
+)
 STUDY_COLUMNS = (
     Column("model", lambda r: r["label"], 22, "<", ""),
     Column("steps", lambda r: f"{r['steps']:d}", 6),
