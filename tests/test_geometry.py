@@ -1,5 +1,8 @@
 """The geometry module against brute-force readings of its conventions (module docstring, docs/attention.md)."""
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,3 +57,46 @@ def test_cache_keeps_exactly_what_future_queries_need(window, stride, local):
             p for p in range(n) for j in range(n // stride, n // stride + 3) if brute_covers(j, p, window, stride)
         }
         assert g.pending_keep(n, window, stride) == len(pending_need)
+
+
+def _names_a_stride(node: ast.expr) -> bool:
+    """``S``, ``stride``, ``<x>.stride``, ``model_stride``, ``r["stride"]``: an expression that reads a stride."""
+    if isinstance(node, ast.Name):
+        return node.id == "S" or node.id.endswith("stride")
+    if isinstance(node, ast.Attribute):
+        return node.attr.endswith("stride")
+    return isinstance(node, ast.Subscript) and str(getattr(node.slice, "value", "")).endswith("stride")
+
+
+def _truth_tests(tree: ast.AST) -> set[int]:
+    """The ids of the expressions used as truth values: ``if n % stride:`` is a divisibility check, not a phase."""
+    tests: set[int] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.If, ast.IfExp, ast.While, ast.Assert)):
+            tests.add(id(n.test))
+        elif isinstance(n, ast.comprehension):
+            tests.update(id(t) for t in n.ifs)
+        elif isinstance(n, ast.BoolOp):
+            tests.update(id(v) for v in n.values)
+        elif isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.Not):
+            tests.add(id(n.operand))
+    return tests
+
+
+def test_only_the_geometry_computes_the_phase_of_a_position():
+    """The phase of a position (``position mod stride``) has one owner, ``geometry.phase``: no other module of
+    ``src/ckv`` takes a value mod a stride (a divisibility check, a modulo used as a truth value, is not a phase)."""
+    src = Path(g.__file__).parent
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        if path == Path(g.__file__):
+            continue
+        tree = ast.parse(path.read_text())
+        tests = _truth_tests(tree)
+        found += [
+            f"{path.relative_to(src)}:{n.lineno}: {ast.unparse(n)}"
+            for n in ast.walk(tree)
+            if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Mod) and _names_a_stride(n.right)
+            if id(n) not in tests
+        ]
+    assert not found, f"phase arithmetic outside ckv.geometry (use geometry.phase): {found}"

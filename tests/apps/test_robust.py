@@ -14,12 +14,12 @@ from ckv.apps.robust import (
     MODEL_BY_RUN,
     MODELS,
     SEEDS,
-    confirm_verdicts,
     criteria,
     plan,
     resolve_seeds,
 )
 from ckv.apps.robust import main as robust_main
+from ckv.apps.robust_confirm import confirm_verdicts
 from ckv.apps.study import ROOT
 from tests.apps.helpers import run_quick
 

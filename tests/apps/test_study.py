@@ -34,10 +34,10 @@ def test_a_base_study_is_merged_under_its_variant():
 
 def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(tmp_path, monkeypatch):
     (tmp_path / "two.yaml").write_text(
-        "out: outputs/two\nseeds: [3, 4]\nworkers: all\nparams: {stride: 8}\nruns:\n"
+        "out: outputs/two\nseeds: [3, 4]\nworkers: all\nparams: {n_base: 8}\nruns:\n"
         "  - {experiment: demo_gate_s4, role: gate, train: attention.stride=2 attention.window=2}\n"
         "  - {name: ctrl, experiment: demo_full, role: control, entry: [-m, x],\n"
-        "     eval: ['task.stride=${params.stride}']}\n"
+        "     eval: ['task.n_base=${params.n_base}'], phase_of: demo_gate_s4}\n"
     )
     monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
     s = load_study("two")
@@ -50,7 +50,9 @@ def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(
     assert s.runs[0].train_overrides == ("attention.stride=2", "attention.window=2") and s.runs[0].entry == (
         "train.py",
     )
-    assert s.runs[2] == Run("demo_full", 3, "control", (), ("task.stride=8",), name="ctrl", entry=("-m", "x"))
+    # the control's phases are read mod the compared run's stride (2, as its train overrides make it)
+    ctrl = Run("demo_full", 3, "control", (), ("task.n_base=8", "task.stride=2"), name="ctrl", entry=("-m", "x"))
+    assert s.runs[2] == ctrl
     assert (s.title, s.record, s.task, s.workers_for(4)) == ("two", "two", study.TASK, 4)
 
 
@@ -63,6 +65,8 @@ def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(
         ("out: o\nruns:\n  - {experiment: demo_full}\n", "a run takes experiment, role"),
         ("out: o\nruns:\n  - {experiment: demo_full, role: c, train: [1]}\n", "overrides are a list of strings"),
         ("out: o\nworkers: 0\n", "workers 0"),
+        ("out: o\nruns:\n  - {experiment: demo_full, role: c, phase_of: x}\n", "phase_of='x' is not a run"),
+        ("out: o\nruns:\n  - {experiment: demo_full, role: c, phase_of: demo_full}\n", "has no stride"),
     ],
 )
 def test_a_bad_study_is_one_line(text, message, tmp_path, monkeypatch):
@@ -73,6 +77,14 @@ def test_a_bad_study_is_one_line(text, message, tmp_path, monkeypatch):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="no study 'nothing'"):
         load_study("nothing")
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_no_study_restates_a_models_stride(name):
+    """A control's phases are read mod the compared model's stride (``phase_of``), never a number the study
+    repeats: no ``task.stride`` override and no ``control_stride`` in conf/study."""
+    text = (study.STUDY_DIR / f"{name}.yaml").read_text()
+    assert "task.stride" not in text and "control_stride" not in text
 
 
 def test_result_row_reads_the_report_once_for_every_table():

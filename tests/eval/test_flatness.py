@@ -10,17 +10,9 @@ import math
 import numpy as np
 import pytest
 
-from ckv.eval.stats import (
-    VERDICTS,
-    StatsOptions,
-    best_minus_worst,
-    bootstrap_group_accuracy,
-    gap_upper_bound,
-    gap_verdict,
-    minimum_detectable_gap,
-    permutation_test,
-    summarize_groups,
-)
+from ckv.eval.flatness import VERDICTS, gap_upper_bound, gap_verdict, minimum_detectable_gap
+from ckv.eval.grouping import summarize_groups
+from ckv.eval.stats import StatsOptions, best_minus_worst, bootstrap_group_accuracy, permutation_test
 
 from .helpers import bernoulli_paired
 

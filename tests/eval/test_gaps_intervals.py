@@ -8,6 +8,7 @@ import pytest
 
 from ckv.config import ConfigError
 from ckv.eval.codec import TokenCodec
+from ckv.eval.grouping import summarize_groups
 from ckv.eval.lookup import LookupSpec, LookupTask
 from ckv.eval.stats import (
     CLUSTER_BOOTSTRAP,
@@ -15,7 +16,6 @@ from ckv.eval.stats import (
     StatsOptions,
     bootstrap_group_accuracy,
     group_accuracy,
-    summarize_groups,
     with_cluster_intervals,
 )
 

@@ -7,22 +7,23 @@ import math
 import numpy as np
 import pytest
 
-from ckv.eval.stats import (
+from ckv.eval.flatness import noninferiority_bounds, se_from_interval
+from ckv.eval.grouping import summarize_groups
+from ckv.eval.periodicity import (
     DominantPeriod,
-    StatsOptions,
-    best_minus_worst,
-    bootstrap_group_accuracy,
     dominant_period,
     f_survival,
-    gap_is_real,
-    group_accuracy,
-    noninferiority_bounds,
     period_pvalue,
     periodicity_chance,
     periodicity_score,
+)
+from ckv.eval.stats import (
+    StatsOptions,
+    best_minus_worst,
+    bootstrap_group_accuracy,
+    gap_is_real,
+    group_accuracy,
     permutation_test,
-    se_from_interval,
-    summarize_groups,
     wilson_interval,
 )
 

@@ -33,6 +33,7 @@ from ckv.analysis.plots import plot_gate_cycling
 from ckv.analysis.registry import AnalysisContext, register_analysis
 from ckv.config import ConfigError
 from ckv.eval.stats import group_accuracy, with_cluster_intervals
+from ckv.geometry import phase
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def prediction_r2(
     """
     a0, obs = np.asarray(clean, dtype=np.float64), np.asarray(observed, dtype=np.float64)
     S = a0.shape[-1]
-    use_k = [k for k, d in enumerate(deltas) if d % S]
+    use_k = [k for k, d in enumerate(deltas) if phase(d, S) != 0]
     use_r = [r for r in range(S) if r != boundary]
     if not use_k or not use_r:
         nan = np.full(a0.shape[:-1], np.nan)
@@ -132,7 +133,7 @@ def prediction_r2(
 def boundary_phases(stride: int, delta: int) -> list[int]:
     """The phases the paper's interior fit leaves out for shift ``d``: the boundary phase ``S - 1`` and
     ``(S - 1 + d) mod S``, the phase the shifted gates move the boundary's behaviour to."""
-    return sorted({stride - 1, (stride - 1 + delta) % stride})
+    return sorted({stride - 1, phase(stride - 1 + delta, stride)})
 
 
 def shift_statistics(clean: np.ndarray, observed: np.ndarray, delta: int) -> dict[str, np.ndarray]:
@@ -198,10 +199,10 @@ def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
     module = ctx.model.module
     _, shifted = cycling_parameters(module, ctx.model.name, settings.layers)
     S = ctx.task.stride
-    if S != module.config.attention.stride:
+    if S != ctx.model.stride:  # the model's stride as its backend declares it (ModelFacts.stride: phase_stride)
         raise ConfigError(
             f"analysis=gate_cycling: task.stride={S} differs from the model's stride "
-            f"{module.config.attention.stride}; phases must be positions mod the model's stride"
+            f"{ctx.model.stride}; phases must be positions mod the model's stride"
         )
     deltas = list(settings.deltas) if settings.deltas is not None else list(range(S))
     clean = ctx.evaluate()

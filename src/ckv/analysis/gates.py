@@ -35,6 +35,7 @@ from ckv.eval.lookup import LookupOutcome, LookupTask
 from ckv.eval.models import LoadedModel, load_ckv_model
 from ckv.eval.runner import RunOptions
 from ckv.eval.stats import group_accuracy
+from ckv.geometry import phase
 from ckv.io.layout import list_checkpoints
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class GateAccumulator:
 def offset_phases(window: int, stride: int, grid_offset: int = 0) -> np.ndarray:
     """(W,) the phase of the token at each window offset: entry ``j`` covers ``[(j+1)S - W + o, (j+1)S - 1 + o]``
     (``o``: the grid offset, ``ckv.geometry``), so offset ``i`` holds a position of phase ``(i - W + o) mod S``."""
-    return (np.arange(window) - window + grid_offset) % stride
+    return phase(np.arange(window) - window + grid_offset, stride)
 
 
 def phase_profile(profile: np.ndarray, stride: int, grid_offset: int = 0) -> np.ndarray:

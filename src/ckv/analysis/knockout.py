@@ -38,6 +38,7 @@ from ckv.config import ConfigError
 from ckv.eval.lookup import LookupOutcome, LookupTask
 from ckv.eval.scoring import score_next_token
 from ckv.eval.stats import group_accuracy, with_cluster_intervals
+from ckv.geometry import phase
 from ckv.io.results import write_csv
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def knockout_effects(ctx: AnalysisContext, clean: LookupOutcome, knocked: list[n
         residues = [
             {
                 "residue": r,
-                "phase": r % S,
+                "phase": phase(r, S),
                 "clean": float(res_acc[0, r]),
                 "knocked": float(res_acc[u, r]),
                 **_flat("effect", interval(res_boot[:, r], res_effect[r], opts.level)),

@@ -22,6 +22,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from ckv.eval.plots import PCT, palette, percent_axis, save_figure
+from ckv.geometry import phase
 
 ANNOTATE_MAX_CELLS = 600  # larger heatmaps get no numbers in their cells
 
@@ -253,7 +254,7 @@ def plot_gate_cycling(result: dict, path: Path, title: str) -> Path:
     sc = axes[len(deltas)]
     changes = []
     for d, color in zip(deltas, palette(len(deltas))):
-        if d["delta"] % S == 0:
+        if phase(d["delta"], S) == 0:
             continue
         pred = PCT * (np.asarray(d["predicted"]) - np.asarray(clean["accuracy"]))
         obs = PCT * (np.asarray(d["observed"]) - np.asarray(clean["accuracy"]))

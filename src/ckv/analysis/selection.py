@@ -60,7 +60,7 @@ from torch import nn
 from ckv.analysis.hooks import AnalysisNotApplicable, settings_from_params
 from ckv.analysis.paired import interval, paired_replicates
 from ckv.analysis.registry import AnalysisContext, register_analysis
-from ckv.attention import CompressedAttention, compressed_layers
+from ckv.attention import AttendCall, CompressedAttention, compressed_layers
 from ckv.attention.indexer import oracle_selection, top_k
 from ckv.checks import check_choice, check_float, check_int
 from ckv.config import ConfigError
@@ -157,9 +157,10 @@ def imposed_selection(
     entries visible to each (``geometry.compressed_mask``), ``-1`` in the slots beyond them (``top_k``). ``oracle``:
     ``oracle_selection`` of the layer's dense joint softmax, as ``attention.selection.by: oracle`` computes it;
     ``random``: a uniformly random order of the visible entries drawn from ``generator``; ``recency``: the latest."""
-    q, kc = args[0], args[1]  # (B, Tq, H, D), (B, E, KV, D)
+    call = AttendCall.decode(args, kwargs)
+    q, kc = call.q, call.kc  # (B, Tq, H, D), (B, E, KV, D)
     B, T, E = q.shape[0], q.shape[1], kc.shape[1]
-    q_start, stride = kwargs["q_start"], kwargs["stride"]
+    q_start, stride = call.q_start, call.stride
     if selector == "oracle":  # the dense joint softmax's log-sum-exp (every visible entry)
         with torch.no_grad():
             _, lse = attend.forward(*args, **{**kwargs, "selected": None})  # (B, Tq, H)
@@ -279,10 +280,10 @@ def drop_record(
     lists them (``-1`` where fewer remain). ``args``/``kwargs``: the layer's ``attend`` call."""
     if not bool(dropped.any()):
         return selected
-    E, T = args[1].shape[1], args[0].shape[1]
-    q_grid = kwargs["q_start"] + T - 1  # the final query's grid position
+    call = AttendCall.decode(args, kwargs)
+    E, q_grid = call.n_entries, call.last_query  # the final query's grid position
     holds = target_entries(layer, E, starts.cpu(), record_len).any(-1)  # (B, E)
-    visible = compressed_mask(torch.tensor([q_grid]), E, kwargs["stride"])[0]  # (E,)
+    visible = compressed_mask(torch.tensor([q_grid]), E, call.stride)[0]  # (E,)
     last = selected[:, -1].cpu()  # (B, K)
     kept = torch.zeros(len(last), E + 1, dtype=torch.bool)  # column E: the empty slots
     kept.scatter_(-1, torch.where(last < 0, E, last), True)
@@ -320,9 +321,9 @@ class SelectionRecorder:
 
     def _hook(self, i: int) -> Callable[..., None]:
         def hook(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            q, kc, selected = args[0], args[1], kwargs.get("selected")
-            last = None if selected is None else selected[:, -1].detach()  # (B, K)
-            self.seen.append((i, last, kc.shape[1], kwargs["q_start"] + q.shape[1] - 1))
+            call = AttendCall.decode(args, kwargs)
+            last = None if call.selected is None else call.selected[:, -1].detach()  # (B, K)
+            self.seen.append((i, last, call.n_entries, call.last_query))
 
         return hook
 

@@ -25,10 +25,13 @@ from pathlib import Path
 from typing import Optional
 
 from ckv.apps.study import (
+    CONTROL_LEARNED,
     Check,
     Study,
     check_lines,
+    control_learned,
     exit_code,
+    gap_text,
     load_study,
     pp,
     result_row,
@@ -39,7 +42,7 @@ from ckv.apps.study import (
     study_arguments,
     table,
 )
-from ckv.eval.stats import CONTROL_LEARNED, gap_is_real
+from ckv.eval.stats import gap_is_real
 from ckv.io.results import write_json
 
 DEMO, GRID = load_study("demo"), load_study("demo_grid")
@@ -63,8 +66,7 @@ def check_science(done: list[dict], criteria: dict[str, float]) -> list[Check]:
             Check(
                 f"{label}: phase gap (mod S={r['stride']}) >= {100 * gate_gap:.0f} pp, interval above the noise floor",
                 ok,
-                f"gap {100 * r['phase_gap']:.1f} pp [{100 * r['phase_gap_lower']:.1f}, "
-                f"{100 * r['phase_gap_upper']:.1f}], noise floor {100 * r['phase_noise_floor']:.1f} pp",
+                f"{gap_text(r)}, noise floor {100 * r['phase_noise_floor']:.1f} pp",
             )
         )
     for label, r in by_role.get("geometry", []):
@@ -77,14 +79,13 @@ def check_science(done: list[dict], criteria: dict[str, float]) -> list[Check]:
                 f"{label}: a significant phase effect whose dominant period equals the stride ({r['stride']})",
                 ok,
                 f"dominant period {r['dominant_period']}, periodicity score "
-                f"{'-' if score is None else round(score, 3)}, gap {100 * r['phase_gap']:.1f} pp "
-                f"[{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}], p = "
+                f"{'-' if score is None else round(score, 3)}, {gap_text(r)}, p = "
                 f"{r['phase_p_value']:.4f}, noise floor {100 * r['phase_noise_floor']:.1f} pp",
             )
         )
     for label, r in by_role.get("control", []):
         best_gate = max(gate_means) if gate_means else 0.0
-        ok_mean = r["mean"] >= CONTROL_LEARNED and r["mean"] >= best_gate - below_gate
+        ok_mean = control_learned(r) and r["mean"] >= best_gate - below_gate
         checks.append(
             Check(
                 f"{label}: full attention has learned (mean >= {100 * CONTROL_LEARNED:.0f}% and >= gate mean - "

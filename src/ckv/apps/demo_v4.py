@@ -33,10 +33,13 @@ from pathlib import Path
 from typing import Optional
 
 from ckv.apps.study import (
+    CONTROL_LEARNED,
     Check,
     Run,
     check_lines,
+    control_learned,
     exit_code,
+    gap_text,
     load_study,
     result_row,
     run_plan,
@@ -48,7 +51,7 @@ from ckv.apps.study import (
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
 from ckv.eval.plots import plot_phase_overlay
-from ckv.eval.stats import CONTROL_LEARNED, gap_is_real
+from ckv.eval.stats import gap_is_real
 from ckv.eval.summary import results_file, summary_row
 from ckv.io.results import read_json, write_csv, write_json
 
@@ -91,10 +94,9 @@ def mechanisms(done: list[dict]) -> list[str]:
         real = gap_is_real(r["phase_p_value"], r["phase_gap_lower"], r["phase_noise_floor"])
         straddling = real and r["worst_phase"] == s - 1
         lines.append(
-            f"{d['run'].label}: learned {'yes' if r['mean'] >= CONTROL_LEARNED else 'no'} "
+            f"{d['run'].label}: learned {'yes' if control_learned(r) else 'no'} "
             f"(mean {100 * r['mean']:.1f}%); "
-            f"phase effect {'yes' if real else 'no'} (gap {100 * r['phase_gap']:.1f} pp "
-            f"[{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}], p = {r['phase_p_value']:.4f}, "
+            f"phase effect {'yes' if real else 'no'} ({gap_text(r)}, p = {r['phase_p_value']:.4f}, "
             f"noise floor {100 * r['phase_noise_floor']:.1f} pp); straddling {'yes' if straddling else 'no'} "
             f"(weakest phase {r['worst_phase']}, boundary phase {s - 1})"
         )
@@ -106,12 +108,12 @@ def control_check(done: list[dict]) -> list[Check]:
     checks = []
     for d in done:
         if d["run"].role == "control":
-            mean = result_row(d)["mean"]
+            r = result_row(d)
             checks.append(
                 Check(
                     f"{d['run'].label}: full attention has learned (mean >= {100 * CONTROL_LEARNED:.0f}%)",
-                    mean >= CONTROL_LEARNED,
-                    f"mean {100 * mean:.1f}%",
+                    control_learned(r),
+                    f"mean {100 * r['mean']:.1f}%",
                 )
             )
     return checks

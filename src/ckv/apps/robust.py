@@ -28,35 +28,42 @@ non-zero when one failed.
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from ckv import flops
+from ckv.apps.robust_confirm import CONFIRM, CONFIRM_MODELS, CONFIRM_SEEDS, CONFIRM_TASK, confirm_verdicts
+from ckv.apps.robust_crowding import analyse, analysed_tasks, crowding_lines
 from ckv.apps.study import (
-    QUICK_EVAL,
+    COMPACT_PHASE_COLUMNS,
+    CONTROL_LEARNED,
     Check,
+    Column,
     Run,
-    Timer,
     check_lines,
+    compared_stride,
+    control_learned,
+    every_seed,
+    gap_columns,
+    gap_text,
     load_study,
+    per_phase_column,
     pp,
     result_row,
-    run_command,
     run_plan,
     start,
     study_arguments,
     write_study_record,
+    write_table,
 )
-from ckv.eval.stats import CONTROL_LEARNED, noninferiority_bounds
 from ckv.flops import parameter_count
-from ckv.io.layout import MODEL_DIR, analysis_file, eval_dir, read_run_config
+from ckv.io.layout import MODEL_DIR, read_run_config
 from ckv.io.results import read_json
 from ckv.io.weights import load_config
 
 BYTES_PER_ELEMENT = 2  # KV memory is reported for a bf16 cache (ckv.flops.kv_bytes_per_token)
-STUDY, CONFIRM, ABLATION = load_study("robust"), load_study("robust_confirm"), load_study("robust_ablation")
+STUDY, ABLATION = load_study("robust"), load_study("robust_ablation")
 
 
 @dataclass(frozen=True)
@@ -70,27 +77,21 @@ class Model:
     role: str  # "baseline", "fix" or "control"
     baseline: Optional[str] = None  # a fix's equal-memory baseline (same entries per token, heads, local window)
     core: bool = False
+    phase_of: Optional[str] = None  # the control: the model whose stride its phases are read mod
 
 
 TASKS: dict[str, dict] = STUDY.params["tasks"]
 # task -> models; the run folder is <out>/runs/<task>_<model>/seed=<seed>
 MODELS: dict[str, tuple[Model, ...]] = {
     task: tuple(
-        Model(m["name"], m["train"], m["role"], m.get("baseline"), m.get("core", False)) for m in spec["models"]
+        Model(m["name"], m["train"], m["role"], m.get("baseline"), m.get("core", False), m.get("phase_of"))
+        for m in spec["models"]
     )
     for task, spec in TASKS.items()
 }
-CONTROL_STRIDE = {task: spec["control_stride"] for task, spec in TASKS.items()}
-SEEDS, CONFIRM_SEEDS, ABLATION_SEEDS = STUDY.seeds, CONFIRM.seeds, ABLATION.seeds
+SEEDS, ABLATION_SEEDS = STUDY.seeds, ABLATION.seeds
 LADDER = tuple(STUDY.params["ladder"])  # the ablation ladder's steps, the W8/S4 gate first
 LADDER_STEPS = LADDER[1:]
-CONFIRM_TASK = CONFIRM.params["task"]
-CONFIRM_MODELS = tuple(CONFIRM.params["models"])
-CONFIRM_FINALISTS = tuple(CONFIRM.params["finalists"])
-CONFIRM_BASELINE, CONFIRM_CONTROL = CONFIRM.params["baseline"], CONFIRM.params["control"]
-NONINFERIORITY_MARGIN = CONFIRM.criteria["noninferiority_margin"]
-ANALYSED_TASKS = tuple(STUDY.params["analysed_tasks"])
-ANALYSIS_N_BASE = STUDY.params["analysis_n_base"]
 MIN_GAIN, GOAL_MARGIN = STUDY.criteria["min_gain"], STUDY.criteria["goal_margin"]
 MODEL_BY_RUN = {f"{task}_{m.name}": m for task, models in MODELS.items() for m in models}
 
@@ -119,7 +120,7 @@ def plan(
             seed,
             m.role,
             tuple(m.option.split()),
-            (f"task.stride={CONTROL_STRIDE[task]}",) if m.role == "control" else (),
+            () if m.phase_of is None else (f"task.stride={phase_stride(task, m)}",),
             name=f"{task}_{m.name}",
         )
         for task in tasks
@@ -127,6 +128,13 @@ def plan(
         if (m.name in only if only else m.core or everything or m.name in add)
         for seed in seeds
     )
+
+
+def phase_stride(task: str, model: Model) -> int:
+    """The stride ``model`` (a control) of ``task`` reads its phases mod: that of its ``phase_of`` model
+    (``ckv.apps.study.compared_stride``)."""
+    runs = [Run(TASKS[task]["experiment"], 0, m.role, tuple(m.option.split()), name=m.name) for m in MODELS[task]]
+    return compared_stride(model.phase_of, runs, f"conf/study/robust.yaml params.tasks.{task} {model.name}")
 
 
 def resolve_seeds(seeds: Optional[list[int]], confirm: bool, ablation: bool, quick: bool) -> tuple[int, ...]:
@@ -158,33 +166,28 @@ def row(d: dict) -> dict:
     }
 
 
+COLUMNS = (
+    Column("task/model/seed", lambda r: f"{r['task']}/{r['model']}/{r['seed']}", 34, "<", ""),
+    Column("KV B/tok", lambda r: f"{r['kv_bytes_per_token']:.0f}", 8),
+    Column("at T", lambda r: f"{r['kv_bytes_per_token_task']:5.0f}@{r['task_tokens']:<3d}", 9),
+    Column("params", lambda r: f"{r['parameters']:d}", 8),
+    Column("train s", lambda r: f"{r['train_seconds']:.0f}", 7),
+    Column("mean %", lambda r: f"{100 * r['mean']:.1f}", 6),
+    Column("worst %", lambda r: f"{100 * r['worst_phase_accuracy']:.1f}", 7),
+    per_phase_column(42, 0, sep=" "),
+    *COMPACT_PHASE_COLUMNS,
+    *gap_columns("residue", "gap floor mde", ("residue gap pp [95%]", "floor", "MDE"), (20, 5, 5)),
+)
+
+
 def table(rows: list[dict]) -> str:
-    """The printed table, one line per run: memory (KV bytes per token in the long-sequence limit and at the
-    task's own length T: everything the decode cache holds after T tokens over T, ``ckv.flops.kv_bytes_per_token``)
-    and cost, accuracy, the phase gap with its interval, noise floor, permutation p, one-sided 95% upper bound
-    (``<=``), minimum detectable gap (``MDE``, 80% power) and verdict (gap / flat / undecided at the equivalence
-    margin), and the residue gap with its interval, noise floor and minimum detectable gap."""
-    head = (
-        f"{'task/model/seed':34s} {'KV B/tok':>8s} {'at T':>9s} {'params':>8s} {'train s':>7s} {'mean %':>6s} "
-        f"{'worst %':>7s}  "
-        f"{'per-phase accuracy % (phase = pos mod S)':42s} {'phase gap pp [95%]':>19s} {'floor':>5s} {'p':>6s} "
-        f"{'<= pp':>5s} {'MDE':>5s} {'verdict':>9s} {'residue gap pp [95%]':>20s} {'floor':>5s} {'MDE':>5s}"
-    )
-    lines = [head]
-    for r in rows:
-        per = " / ".join(f"{100 * a:.0f}" for a in r["per_phase"]) + f" (S={r['stride']})"
-        gap = f"{100 * r['phase_gap']:.1f} [{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}]"
-        res = f"{100 * r['residue_gap']:.1f} [{100 * r['residue_gap_lower']:.1f}, {100 * r['residue_gap_upper']:.1f}]"
-        lines.append(
-            f"{r['task'] + '/' + r['model'] + '/' + str(r['seed']):34s} {r['kv_bytes_per_token']:8.0f} "
-            f"{r['kv_bytes_per_token_task']:5.0f}@{r['task_tokens']:<3d} "
-            f"{r['parameters']:8d} {r['train_seconds']:7.0f} {100 * r['mean']:6.1f} "
-            f"{100 * r['worst_phase_accuracy']:7.1f}  {per:42s} {gap:>19s} "
-            f"{100 * r['phase_noise_floor']:5.1f} {r['phase_p_value']:6.4f} {pp(r['phase_upper_one_sided']):>5s} "
-            f"{pp(r['phase_mde']):>5s} {str(r['phase_verdict']):>9s} {res:>20s} "
-            f"{100 * r['residue_noise_floor']:5.1f} {pp(r['residue_mde']):>5s}"
-        )
-    return "\n".join(lines)
+    """The printed table (``ckv.apps.study.write_table``), one line per run: memory (KV bytes per token in the
+    long-sequence limit and at the task's own length T: everything the decode cache holds after T tokens over T,
+    ``ckv.flops.kv_bytes_per_token``) and cost, accuracy, the phase gap with its interval, noise floor, permutation
+    p, one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``, 80% power) and verdict (gap / flat /
+    undecided at the equivalence margin), and the residue gap with its interval, noise floor and minimum
+    detectable gap."""
+    return write_table(rows, COLUMNS)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -225,7 +228,7 @@ def criteria(rows: list[dict]) -> list[Check]:
     """The study's success criteria, per fix, over its seeds (a criterion needs every seed of the fix, of its
     baseline and of the control): the minimum (worst phase raised by >= MIN_GAIN over the equal-memory baseline
     of the same seed) and the goal (flat: the equivalence test bounds the phase gap under its margin,
-    ``ckv.eval.stats.gap_verdict``; and worst phase within GOAL_MARGIN of full attention's of the same seed; not
+    ``ckv.eval.flatness.gap_verdict``; and worst phase within GOAL_MARGIN of full attention's of the same seed; not
     judged where the control has not learned the task). A fix whose baseline or control is missing from ``rows``
     in some seed gets one ``not judged`` check naming them."""
     by = {(r["task"], r["model"], r["seed"]): r for r in rows}
@@ -249,19 +252,20 @@ def criteria(rows: list[dict]) -> list[Check]:
             continue
         gains = [f["worst_phase_accuracy"] - b["worst_phase_accuracy"] for f, b, _ in pairs]
         checks.append(
-            Check(
+            every_seed(
                 f"{task}/{model}: worst phase >= {100 * MIN_GAIN:.0f} pp above {r0['baseline']} in every seed",
-                all(g >= MIN_GAIN for g in gains),
-                "; ".join(
-                    f"seed {s}: {100 * f['worst_phase_accuracy']:.1f}% vs {100 * b['worst_phase_accuracy']:.1f}% "
+                seeds,
+                [g >= MIN_GAIN for g in gains],
+                [
+                    f"{100 * f['worst_phase_accuracy']:.1f}% vs {100 * b['worst_phase_accuracy']:.1f}% "
                     f"({100 * g:+.1f} pp)"
-                    for s, (f, b, _), g in zip(seeds, pairs, gains)
-                ),
+                    for (f, b, _), g in zip(pairs, gains)
+                ],
             )
         )
         flat = [f["phase_verdict"] == "flat" for f, _, _ in pairs]
         near = [f["worst_phase_accuracy"] >= c["worst_phase_accuracy"] - GOAL_MARGIN for f, _, c in pairs]
-        unlearned = [(s, c["mean"]) for s, (_, _, c) in zip(seeds, pairs) if c["mean"] < CONTROL_LEARNED]
+        unlearned = [(s, c["mean"]) for s, (_, _, c) in zip(seeds, pairs) if not control_learned(c)]
         if unlearned:  # "as good as full attention" means nothing against a control that has not learned the task
             checks.append(
                 Check(
@@ -273,119 +277,17 @@ def criteria(rows: list[dict]) -> list[Check]:
             )
             continue
         checks.append(
-            Check(
+            every_seed(
                 f"{task}/{model}: flat (phase gap's one-sided 95% upper bound under {pp(r0['phase_margin'])} pp) and "
                 f"worst phase within {100 * GOAL_MARGIN:.0f} pp of full attention's in every seed",
-                all(flat) and all(near),
-                "; ".join(
-                    f"seed {s}: {f['phase_verdict']}, gap {100 * f['phase_gap']:.1f} pp "
-                    f"[{100 * f['phase_gap_lower']:.1f}, {100 * f['phase_gap_upper']:.1f}] "
-                    f"<= {pp(f['phase_upper_one_sided'])} p = "
+                seeds,
+                [fl and ne for fl, ne in zip(flat, near)],
+                [
+                    f"{f['phase_verdict']}, {gap_text(f)} <= {pp(f['phase_upper_one_sided'])} p = "
                     f"{f['phase_p_value']:.4f} floor {100 * f['phase_noise_floor']:.1f} MDE {pp(f['phase_mde'])}, "
                     f"worst {100 * f['worst_phase_accuracy']:.1f}% vs full {100 * c['worst_phase_accuracy']:.1f}%"
-                    for s, (f, _, c) in zip(seeds, pairs)
-                ),
-            )
-        )
-    return checks
-
-
-def confirm_verdicts(rows: list[dict]) -> list[Check]:
-    """The confirmation's verdicts, as committed in docs/robustness.md ("Confirmation: criteria"): validity
-    (the control learned, the baseline shows a real gap, in every seed), then per finalist C1 (phase-gap verdict
-    ``flat`` in every seed: equivalence at the 5 pp margin) and C2 (in every seed, every phase's one-sided 95% lower
-    bound of its accuracy minus the same seed's control mean above -NONINFERIORITY_MARGIN) and the verdict:
-    confirmed (C1 and C2), flat but not as good as full attention (C1 only), or not confirmed. A finalist, its
-    baseline or the control missing a seed leaves it unjudged (no check)."""
-    by = {(r["model"], r["seed"]): r for r in rows if r["task"] == CONFIRM_TASK}
-    seeds = sorted({s for _, s in by})
-    base = [by.get((CONFIRM_BASELINE, s)) for s in seeds]
-    ctrl = [by.get((CONFIRM_CONTROL, s)) for s in seeds]
-    if not seeds or any(r is None for r in base + ctrl):
-        return []
-    learned = Check(
-        f"validity: the control ({CONFIRM_CONTROL}) learns the task (mean >= {100 * CONTROL_LEARNED:.0f}%) "
-        "in every seed",
-        all(c["mean"] >= CONTROL_LEARNED for c in ctrl),
-        "; ".join(
-            f"seed {s}: mean {100 * c['mean']:.1f}% [{100 * c['mean_lower']:.1f}, {100 * c['mean_upper']:.1f}], "
-            f"verdict {c['phase_verdict']}"
-            for s, c in zip(seeds, ctrl)
-        ),
-    )
-    mechanism = Check(
-        f"validity: the baseline ({CONFIRM_BASELINE}) shows a real phase gap in every seed",
-        all(b["phase_verdict"] == "gap" for b in base),
-        "; ".join(
-            f"seed {s}: gap {100 * b['phase_gap']:.1f} pp [{100 * b['phase_gap_lower']:.1f}, "
-            f"{100 * b['phase_gap_upper']:.1f}], worst {100 * b['worst_phase_accuracy']:.1f}%, {b['phase_verdict']}"
-            for s, b in zip(seeds, base)
-        ),
-    )
-    checks = [learned, mechanism]
-    if not (learned.passed and mechanism.passed):
-        return checks
-    for name in CONFIRM_FINALISTS:
-        fixes = [by.get((name, s)) for s in seeds]
-        if any(f is None for f in fixes):
-            continue
-        flat = [f["phase_verdict"] == "flat" for f in fixes]
-        bounds = [
-            min(
-                noninferiority_bounds(
-                    f["per_phase"],
-                    f["per_phase_lower"],
-                    f["per_phase_upper"],
-                    c["mean"],
-                    c["mean_lower"],
-                    c["mean_upper"],
-                )
-            )
-            for f, c in zip(fixes, ctrl)
-        ]
-        near = [b > -NONINFERIORITY_MARGIN for b in bounds]
-        checks.append(
-            Check(
-                f"C1 {name}: flat (phase gap's one-sided 95% upper bound under {pp(fixes[0]['phase_margin'])} pp) "
-                "in every seed",
-                all(flat),
-                "; ".join(
-                    f"seed {s}: gap {100 * f['phase_gap']:.1f} pp [{100 * f['phase_gap_lower']:.1f}, "
-                    f"{100 * f['phase_gap_upper']:.1f}] <= {pp(f['phase_upper_one_sided'])}, "
-                    f"MDE {pp(f['phase_mde'])}, {f['phase_verdict']}"
-                    for s, f in zip(seeds, fixes)
-                ),
-            )
-        )
-        checks.append(
-            Check(
-                f"C2 {name}: every phase non-inferior to full attention's mean (margin "
-                f"{100 * NONINFERIORITY_MARGIN:.0f} pp, one-sided 95%) in every seed",
-                all(near),
-                "; ".join(
-                    f"seed {s}: worst phase {100 * f['worst_phase_accuracy']:.1f}% vs full's mean "
-                    f"{100 * c['mean']:.1f}%, lowest bound of (phase - full) {100 * b:+.1f} pp"
-                    for s, f, c, b in zip(seeds, fixes, ctrl, bounds)
-                ),
-            )
-        )
-        verdict = (
-            "confirmed"
-            if all(flat) and all(near)
-            else "flat, not as good as full attention"
-            if all(flat)
-            else "not confirmed"
-        )
-        checks.append(
-            Check(
-                f"verdict {name}: {verdict}",
-                verdict == "confirmed",
-                "reported, not judged: worst phase vs the baseline's "
-                + "; ".join(
-                    f"seed {s}: {100 * f['worst_phase_accuracy']:.1f}% vs {100 * b['worst_phase_accuracy']:.1f}% "
-                    f"({100 * (f['worst_phase_accuracy'] - b['worst_phase_accuracy']):+.1f} pp)"
-                    for s, f, b in zip(seeds, fixes, base)
-                ),
+                    for f, _, c in pairs
+                ],
             )
         )
     return checks
@@ -401,81 +303,9 @@ def ladder_lines(rows: list[dict]) -> list[str]:
             r = by[(step, seed)]
             lines.append(
                 f"{step:22s} seed {seed}: mean {100 * r['mean']:5.1f}%, worst {100 * r['worst_phase_accuracy']:5.1f}%, "
-                f"gap {100 * r['phase_gap']:.1f} pp [{100 * r['phase_gap_lower']:.1f}, "
-                f"{100 * r['phase_gap_upper']:.1f}] <= {pp(r['phase_upper_one_sided'])} MDE {pp(r['phase_mde'])} "
+                f"{gap_text(r)} <= {pp(r['phase_upper_one_sided'])} MDE {pp(r['phase_mde'])} "
                 f"{r['phase_verdict']}; KV {r['kv_bytes_per_token']:.0f} B/token ({r['kv_bytes_per_token_task']:.0f} "
                 f"at T = {r['task_tokens']})"
-            )
-    return lines
-
-
-def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> list[dict]:
-    """The crowding analysis on ``ANALYSED_TASKS``' compressed models: ``eval.py analysis=joint`` (per layer and KV
-    head, the knock-out effect per phase beside the K and V gate profiles, docs/analysis.md), one summary per run.
-    ``static`` is the effective number of offsets of the window-averaged gate (1 = one offset, W = uniform)."""
-    todo = [d for d in done if d["run"].name.split("_", 1)[0] in ANALYSED_TASKS and d["run"].role != "control"]
-
-    def one(d: dict) -> dict:
-        run_command(
-            [
-                sys.executable,
-                "eval.py",
-                f"model.path='{d['dir']}'",
-                f"task={STUDY.task}",
-                "analysis=joint",
-                "progress=false",
-                *(QUICK_EVAL if quick else (f"task.n_base={ANALYSIS_N_BASE}",)),
-            ],
-            out / "logs" / f"joint_{d['run'].name}_seed{d['run'].seed}.log",
-            env,
-        )
-        path = analysis_file(eval_dir(d["dir"], STUDY.task), "joint")
-        res = read_json(path)["analysis"]["results"]
-        print(f"[{clock}] {d['run'].label}: crowding analysis done", flush=True)
-        return {
-            "label": d["run"].label,
-            "window": res["window"],
-            "stride": res["stride"],
-            "worst_phase": res["clean"]["worst_phase"],
-            "layers": [
-                {
-                    k: u.get(k)
-                    for k in (
-                        "layer",
-                        "kv_head",
-                        "k_static",
-                        "v_static",
-                        "k_peak",
-                        "v_peak",
-                        "worst_phase",
-                        "loss_vs_k",
-                        "loss_vs_v",
-                        "knockout",
-                    )
-                }
-                for u in res["rows"]
-            ],
-            "file": str(path),
-        }
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(one, todo))
-
-
-def crowding_lines(analyses: list[dict]) -> list[str]:
-    """One line per analysed run and layer: gate concentration (static effective offsets of W, K and V, with
-    peaks) and the knock-out of the layer's KV head per phase (``100 * (knocked - clean) / clean``, the analysis'
-    relative effect), with the phase it hurts most."""
-    lines = []
-    for a in analyses:
-        for u in a["layers"]:
-            ko = " / ".join("-" if e is None else f"{e:+.0f}" for e in u["knockout"])
-            v = "" if u["v_static"] is None else f", V {u['v_static']:.1f} (peak {u['v_peak']})"
-            lines.append(
-                f"{a['label']} L{u['layer']} kv{u['kv_head']}: static offsets of W={a['window']}: "
-                f"K {u['k_static']:.1f} (peak {u['k_peak']}){v}; "
-                f"knock-out effect per phase (% change of accuracy) {ko}, "
-                f"most hurt phase {u['worst_phase']}; clean worst phase {a['worst_phase']}"
             )
     return lines
 
@@ -551,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     clock, env = start(study, runs, out, args.quick, args.workers)
     done = run_plan(runs, out, args.quick, args.workers, env, clock, study.task)
     rows = [row(d) for d in done]
-    analyses = analyse(done, out, args.quick, args.workers, env, clock)
+    analyses = analyse(done, STUDY, out, args.quick, args.workers, env, clock)
     print("\n" + table(rows) + "\n")
     checks = criteria(rows)
     for line in check_lines(checks, ("MET", "not met")):
@@ -567,7 +397,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for line in ladder:
             print(f"  {line}")
     if analyses:
-        print(f"\ncrowding analysis (eval.py analysis=joint on each compressed model of {', '.join(ANALYSED_TASKS)}):")
+        tasks = ", ".join(analysed_tasks(STUDY))
+        print(f"\ncrowding analysis (eval.py analysis=joint on each compressed model of {tasks}):")
         for line in crowding_lines(analyses):
             print(f"  {line}")
     plot(rows, png)

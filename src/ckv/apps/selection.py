@@ -46,9 +46,11 @@ from typing import Optional
 
 from ckv.analysis import selection as analysis_selection
 from ckv.apps.study import (
+    COMPACT_PHASE_COLUMNS,
     QUICK_EVAL,
     TASK,
     Check,
+    Column,
     Run,
     Timer,
     check_lines,
@@ -60,6 +62,7 @@ from ckv.apps.study import (
     start,
     study_arguments,
     write_study_record,
+    write_table,
 )
 from ckv.io.results import read_json
 from ckv.train.metrics import read_metrics
@@ -200,25 +203,28 @@ def _odds(x: Optional[dict]) -> str:
     return f"{_ratio(x) if x.get('value') is not None else 'inf'} / {x['null']:.2f}"
 
 
+COLUMNS = (
+    Column("model/seed", lambda r: f"{r['model']}/{r['seed']}", 12, "<", ""),
+    Column("steps", lambda r: f"{r['steps']:d}", 5),
+    Column("train s", lambda r: f"{r['train_seconds']:.0f}", 7),
+    Column("mean %", lambda r: f"{100 * r['mean']:.1f}", 6),
+    Column(
+        "per-phase accuracy % (phase = pos mod 4)",
+        lambda r: " / ".join(f"{100 * a:.1f}" for a in r["per_phase"]),
+        41,
+        "<",
+        "  ",
+    ),
+    *COMPACT_PHASE_COLUMNS,
+    Column("recall", lambda r: "-" if r["recall"] is None else f"{r['recall']:.2f}", 6),
+)
+
+
 def table(rows: list[dict]) -> str:
-    """The per-run table: accuracy (mean, per phase), the phase gap with its interval, noise floor, permutation p,
-    one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``), verdict, the indexer's final recall."""
-    lines = [
-        f"{'model/seed':12s} {'steps':>5s} {'train s':>7s} {'mean %':>6s}  "
-        f"{'per-phase accuracy % (phase = pos mod 4)':41s} {'phase gap pp [95%]':>19s} {'floor':>5s} {'p':>6s} "
-        f"{'<= pp':>5s} {'MDE':>5s} {'verdict':>9s} {'recall':>6s}"
-    ]
-    for r in rows:
-        per = " / ".join(f"{100 * a:.1f}" for a in r["per_phase"])
-        gap = f"{100 * r['phase_gap']:.1f} [{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}]"
-        recall = "-" if r["recall"] is None else f"{r['recall']:.2f}"
-        lines.append(
-            f"{r['model'] + '/' + str(r['seed']):12s} {r['steps']:5d} {r['train_seconds']:7.0f} "
-            f"{100 * r['mean']:6.1f}  {per:41s} {gap:>19s} {100 * r['phase_noise_floor']:5.1f} "
-            f"{r['phase_p_value']:6.4f} "
-            f"{pp(r['phase_upper_one_sided']):>5s} {pp(r['phase_mde']):>5s} {str(r['phase_verdict']):>9s} {recall:>6s}"
-        )
-    return "\n".join(lines)
+    """The per-run table (``ckv.apps.study.write_table``): accuracy (mean, per phase), the phase gap with its
+    interval, noise floor, permutation p, one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``),
+    verdict, the indexer's final recall."""
+    return write_table(rows, COLUMNS)
 
 
 def selector_table(rows: list[dict]) -> str:

@@ -17,8 +17,9 @@ A study's YAML (``Study``; every key optional but ``out``):
     workers: all            # models trained at once: a number, ``all`` (every run) or absent (default_workers)
     seeds: [0]              # every run once per seed (run-major order)
     runs:                   # experiment (conf/experiment/) + role, and optionally name (the run folder's),
-      - {experiment: demo_full, role: control, eval: [task.stride=4]}   # train/eval overrides, entry (trainer),
-                                                                        # seeds (this run's, instead of the study's)
+      - {experiment: demo_full, role: control, phase_of: demo_gate_s4}  # train/eval overrides, entry (trainer),
+                                  # seeds (this run's, instead of the study's), phase_of (another run's name or
+                                  # experiment: this run's phases are read mod that run's model's stride)
     criteria: {min_gain: 0.30}   # the numbers the study's checks compare with
     params: {...}           # anything else the study's module reads (e.g. a model table its flags choose from)
     evals:                  # several evaluations per run (default: one, on ``task``): name -> eval overrides;
@@ -31,8 +32,11 @@ The generic command runs any of them: ``python -m ckv.apps.study NAME [--quick] 
 [--scale S] [--dry-run]`` (``main``): a failed run is reported and the others go on; a rerun reuses finished
 training (train.py resumes a finished folder) and evaluations newer than the run's last checkpoint.
 
-Values are OmegaConf: ``${params.stride}`` interpolates. The "control learned" bar every study's control is judged
-against is not a study number: ``ckv.eval.stats.CONTROL_LEARNED``.
+A model without a stride (full attention) has no phase of its own: ``phase_of`` names the run it is compared with,
+and its evaluation groups positions mod that run's stride (``task.stride=S`` added after its own eval overrides),
+as that run's attention backend declares it (``phase_stride``) for the config ``train.py`` composes; a study never
+restates a model's stride. Values are OmegaConf: ``${params.n_base}`` interpolates. The "control learned" bar
+every study's control is judged against is not one study's number: ``CONTROL_LEARNED`` (here).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,14 +56,19 @@ from typing import Any, Optional, Union
 
 from omegaconf import OmegaConf
 
+from ckv.attention import check_attention
 from ckv.checks import ConfigError, error_message
 from ckv.eval.summary import flatness_fields, results_file
 from ckv.io.layout import STATE_FILE, latest_checkpoint, read_run_config
 from ckv.io.results import read_json, write_json
+from ckv.plan import compose_train_config, model_config
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
 STUDY_DIR = ROOT / "conf" / "study"
 TASK = "demo_lookup"  # the lookup task of every study so far (a study's ``task`` key)
+# a full-attention control has learned a lookup task when its mean accuracy reaches this; below it, "as good as full
+# attention" means nothing (the bar of make demo, make demo-v4 and make robust's goal and confirmation)
+CONTROL_LEARNED = 0.40
 DISTRIBUTED_ENV = (
     "RANK",
     "WORLD_SIZE",
@@ -94,7 +104,7 @@ STUDY_KEYS = {
     "report",
 }
 SCALE_KEYS = {"params", "train", "eval", "launcher"}
-RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds"}
+RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds", "phase_of"}
 
 
 @dataclass(frozen=True)
@@ -192,6 +202,28 @@ def _seeds(seeds: Any, where: str) -> tuple[int, ...]:
     return seeds
 
 
+def compared_stride(compared: str, runs: list[Run], where: str) -> int:
+    """The stride of the model of the run named ``compared`` (its ``name``, else its ``experiment``) among ``runs``, as
+    its attention backend declares it (``phase_stride``) for the config ``train.py`` composes from the run's
+    experiment and train overrides (``ConfigError``, one line, for no such run or a model without a stride)."""
+    found = [r for r in runs if (r.name or r.experiment) == compared]
+    if not found:
+        known = [r.name or r.experiment for r in runs]
+        raise ConfigError(f"{where}: phase_of={compared!r} is not a run of the study; its runs: {known}")
+    run = found[0]
+    key = (run.experiment, run.train_overrides)
+    if key not in _STRIDES:
+        # vocab_size=1 stands in for the data's vocabulary (as in TrainConfig's checks): no stride depends on it
+        config = model_config(compose_train_config([f"experiment={run.experiment}", *run.train_overrides]), 1)
+        _STRIDES[key] = check_attention(config).phase_stride(config)
+    if _STRIDES[key] is None:
+        raise ConfigError(f"{where}: phase_of={compared!r}: that run's model has no stride (full attention?)")
+    return _STRIDES[key]
+
+
+_STRIDES: dict[tuple[str, tuple[str, ...]], Optional[int]] = {}  # (experiment, train overrides) -> stride
+
+
 def load_study(name: str, scale: str = "") -> Study:
     """``conf/study/<name>.yaml`` as a ``Study`` (``ConfigError``, one line, for a missing study, scale or a bad
     key); ``scale`` (a key of its ``scales``) swaps in that scale's params and adds its overrides to every run."""
@@ -202,8 +234,8 @@ def load_study(name: str, scale: str = "") -> Study:
     if "out" not in raw:
         raise ConfigError(f"conf/study/{name}.yaml: no out (the default output folder)")
     seeds = _seeds(raw.get("seeds") or (0,), f"conf/study/{name}.yaml")
-    runs = []
-    for i, r in enumerate(raw.get("runs") or ()):
+    declared, templates = list(raw.get("runs") or ()), []
+    for i, r in enumerate(declared):
         where = f"conf/study/{name}.yaml runs[{i}]"
         unknown = sorted(set(r) - RUN_KEYS)
         if unknown or "experiment" not in r or "role" not in r:
@@ -211,15 +243,24 @@ def load_study(name: str, scale: str = "") -> Study:
                 f"{where}: a run takes experiment, role and optionally "
                 f"{sorted(RUN_KEYS - {'experiment', 'role'})}; got {sorted(r)}"
             )
-        template = Run(
-            r["experiment"],
-            0,
-            r["role"],
-            _overrides(r.get("train"), where) + scale_train,
-            _overrides(r.get("eval"), where) + scale_eval,
-            name=r.get("name", ""),
-            entry=_overrides(r.get("entry"), where) or ("train.py",),
+        templates.append(
+            Run(
+                r["experiment"],
+                0,
+                r["role"],
+                _overrides(r.get("train"), where) + scale_train,
+                _overrides(r.get("eval"), where),
+                name=r.get("name", ""),
+                entry=_overrides(r.get("entry"), where) or ("train.py",),
+            )
         )
+    runs = []
+    for i, (r, template) in enumerate(zip(declared, templates)):
+        where = f"conf/study/{name}.yaml runs[{i}]"
+        phase = (
+            () if r.get("phase_of") is None else (f"task.stride={compared_stride(r['phase_of'], templates, where)}",)
+        )
+        template = dataclasses.replace(template, eval_overrides=template.eval_overrides + phase + scale_eval)
         runs.append([dataclasses.replace(template, seed=s) for s in _seeds(r.get("seeds") or seeds, where)])
     workers = raw.get("workers")
     if not (workers is None or workers == "all" or (isinstance(workers, int) and workers > 0)):
@@ -487,28 +528,108 @@ def pp(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+@dataclass(frozen=True)
+class Column:
+    """One column of a study's printed table: its ``header``, the ``cell`` text of a row, the ``width`` both are
+    padded to (``align``: ``<`` left, ``>`` right) and the ``gap`` printed before it (none before the first)."""
+
+    header: str
+    cell: Callable[[dict], str]
+    width: int = 0
+    align: str = ">"
+    gap: str = " "
+
+
+def write_table(rows: list[dict], columns: Sequence[Column]) -> str:
+    """The one table writer of the studies: a header line, then one line per row (a dict, e.g. ``result_row``'s)."""
+
+    def line(texts: list[str]) -> str:
+        return "".join((c.gap if i else "") + f"{t:{c.align}{c.width}}" for i, (c, t) in enumerate(zip(columns, texts)))
+
+    return "\n".join([line([c.header for c in columns]), *(line([c.cell(r) for c in columns]) for r in rows)])
+
+
+def interval_text(r: dict, key: str) -> str:
+    """``r[key]`` with its interval (``<key>_lower``, ``<key>_upper``) in pp: ``40.0 [30.0, 50.0]``."""
+    return f"{100 * r[key]:.1f} [{100 * r[key + '_lower']:.1f}, {100 * r[key + '_upper']:.1f}]"
+
+
+def gap_text(r: dict, prefix: str = "phase") -> str:
+    """A row's ``<prefix>`` gap in a check's words: ``gap 40.0 pp [30.0, 50.0]``."""
+    g = f"{prefix}_gap"
+    return f"gap {100 * r[g]:.1f} pp [{100 * r[g + '_lower']:.1f}, {100 * r[g + '_upper']:.1f}]"
+
+
+def per_phase_column(width: int, decimals: int, gap: str = "  ", sep: str = "  ") -> Column:
+    """The per-phase accuracy column: each phase's accuracy in % with ``decimals``, then ``(S=<stride>)``."""
+
+    def cell(r: dict) -> str:
+        return " / ".join(f"{100 * a:.{decimals}f}" for a in r["per_phase"]) + f"{sep}(S={r['stride']})"
+
+    return Column("per-phase accuracy % (phase = pos mod S)", cell, width, "<", gap)
+
+
+# the cell of each statistic of a grouping's gap (``<grouping>_gap`` ... in ``result_row``), by name
+GAP_CELLS: dict[str, Callable[[str], Callable[[dict], str]]] = {
+    "gap": lambda g: lambda r: interval_text(r, f"{g}_gap"),
+    "p": lambda g: lambda r: f"{r[f'{g}_p_value']:.4f}",
+    "floor": lambda g: lambda r: f"{100 * r[f'{g}_noise_floor']:.1f}",
+    "upper": lambda g: lambda r: pp(r[f"{g}_upper_one_sided"]),
+    "mde": lambda g: lambda r: pp(r[f"{g}_mde"]),
+    "verdict": lambda g: lambda r: str(r[f"{g}_verdict"]),
+}
+
+
+def gap_columns(grouping: str, stats: str, headers: Sequence[str], widths: Sequence[int]) -> tuple[Column, ...]:
+    """Columns of the gap statistics of ``grouping`` (``phase`` or ``residue``): ``stats`` names them in order
+    (space-separated keys of ``GAP_CELLS``), with their ``headers`` and ``widths``."""
+    return tuple(Column(h, GAP_CELLS[s](grouping), w) for s, h, w in zip(stats.split(), headers, widths, strict=True))
+
+
+# the phase gap's statistics in the compact tables (make robust's, make selection's)
+COMPACT_PHASE_COLUMNS = gap_columns(
+    "phase",
+    "gap floor p upper mde verdict",
+    ("phase gap pp [95%]", "floor", "p", "<= pp", "MDE", "verdict"),
+    (19, 5, 6, 5, 5, 9),
+)
+STUDY_COLUMNS = (
+    Column("model", lambda r: r["label"], 22, "<", ""),
+    Column("steps", lambda r: f"{r['steps']:d}", 6),
+    Column("train s", lambda r: f"{r['train_seconds']:.0f}", 8),
+    Column("mean %", lambda r: f"{100 * r['mean']:.1f}", 7),
+    per_phase_column(44, 1),
+    *gap_columns(
+        "phase",
+        "gap p floor upper mde verdict",
+        ("gap pp [95%]", "perm p", "floor pp", "<= pp", "MDE pp", "verdict"),
+        (20, 7, 8, 5, 6, 9),
+    ),
+    Column("period", lambda r: str(r["dominant_period"]), 6),
+)
+
+
 def table(done: list[dict], learned: Optional[list[bool]] = None) -> str:
     """The per-phase table (make demo, make demo-grid, make demo-v4), one line per run: mean, per-phase accuracy,
     phase gap (mod S) with interval, permutation p and noise floor, the gap's one-sided 95% upper bound, the minimum
-    detectable gap (80% power), the verdict (gap / flat / undecided, ``ckv.eval.stats.gap_verdict``), the dominant
+    detectable gap (80% power), the verdict (gap / flat / undecided, ``ckv.eval.flatness.gap_verdict``), the dominant
     period, and with ``learned`` (one flag per run) a last column ``learned``: ``yes`` or ``NO``."""
-    lines = [
-        f"{'model':22s} {'steps':>6s} {'train s':>8s} {'mean %':>7s}  {'per-phase accuracy % (phase = pos mod S)':44s}"
-        f" {'gap pp [95%]':>20s} {'perm p':>7s} {'floor pp':>8s} {'<= pp':>5s} {'MDE pp':>6s} {'verdict':>9s}"
-        f" {'period':>6s}{'' if learned is None else '  learned'}"
-    ]
-    for i, d in enumerate(done):
-        r = result_row(d)
-        per = " / ".join(f"{100 * a:.1f}" for a in r["per_phase"]) + f"  (S={r['stride']})"
-        gap = f"{100 * r['phase_gap']:.1f} [{100 * r['phase_gap_lower']:.1f}, {100 * r['phase_gap_upper']:.1f}]"
-        lines.append(
-            f"{d['run'].label:22s} {r['steps']:6d} {r['train_seconds']:8.0f} {100 * r['mean']:7.1f}"
-            f"  {per:44s} {gap:>20s} {r['phase_p_value']:7.4f}"
-            f" {100 * r['phase_noise_floor']:8.1f} {pp(r['phase_upper_one_sided']):>5s} {pp(r['phase_mde']):>6s}"
-            f" {str(r['phase_verdict']):>9s} {str(r['dominant_period']):>6s}"
-            f"{'' if learned is None else '  ' + ('yes' if learned[i] else 'NO')}"
-        )
-    return "\n".join(lines)
+    rows = [{**result_row(d), "label": d["run"].label} for d in done]
+    columns = STUDY_COLUMNS
+    if learned is not None:
+        rows = [{**r, "learned": flag} for r, flag in zip(rows, learned)]
+        columns += (Column("learned", lambda r: "yes" if r["learned"] else "NO", 0, "<", "  "),)
+    return write_table(rows, columns)
+
+
+def every_seed(claim: str, seeds: Sequence[int], passed: Sequence[bool], details: Sequence[str]) -> Check:
+    """A criterion that must hold in every seed: passed when it holds in each, its detail ``seed <s>: ...``."""
+    return Check(claim, all(passed), "; ".join(f"seed {s}: {d}" for s, d in zip(seeds, details)))
+
+
+def control_learned(r: dict) -> bool:
+    """Whether a control (its ``result_row``) has learned the task: its mean reaches ``CONTROL_LEARNED``."""
+    return r["mean"] >= CONTROL_LEARNED
 
 
 def run_records(done: list[dict], task: str = TASK) -> list[dict]:

@@ -7,8 +7,8 @@ before any data is prepared) finds the backend and lets it refuse a configuratio
 
 Code outside ``ckv.attention`` imports from here; of the compressed backend it uses only its public surface
 (``CompressedAttention``'s docstring, docs/attention.md): ``compressed_layers``, a layer's ``compressors()``,
-``indexer`` and ``attend``, a ``Compressor``'s ``payload``, ``gate`` (``CompressorGate``) and ``pooling``
-(``Pooling``).
+``indexer`` and ``attend`` (a hook decodes its call with ``AttendCall``), a ``Compressor``'s ``payload``, ``gate``
+(``CompressorGate``) and ``pooling`` (``Pooling``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def build_attention(config: ModelConfig, layer_idx: int) -> AttentionBackend:
 from ckv.attention.compressed import CompressedAttention, compressed_layers  # noqa: E402
 from ckv.attention.compressed_config import CompressedAttentionConfig  # noqa: E402
 from ckv.attention.compressor import Compressor, CompressorGate  # noqa: E402
-from ckv.attention.dispatch import JointAttention, Pooling  # noqa: E402
+from ckv.attention.dispatch import AttendCall, JointAttention, Pooling  # noqa: E402
 from ckv.attention.full import FullAttention  # noqa: E402
 
 register(FullAttention)
@@ -56,6 +56,7 @@ register(CompressedAttention)
 
 __all__ = [
     "REGISTRY",
+    "AttendCall",
     "AttentionBackend",
     "CompressedAttention",
     "CompressedAttentionConfig",

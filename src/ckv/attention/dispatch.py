@@ -9,8 +9,10 @@ read its inputs and outputs.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -151,7 +153,8 @@ class Pooling(nn.Module):
 class JointAttention(nn.Module):
     """The joint softmax of a compressed layer as a submodule without parameters or state, so that a forward hook
     can read its inputs (queries, entries, the selection) and its log-sum-exp (the indexer's training target,
-    ``ckv.train.indexer``): ``forward`` takes ``joint_attention``'s arguments and returns ``(out, lse)``."""
+    ``ckv.train.indexer``): ``forward`` takes ``joint_attention``'s arguments and returns ``(out, lse)``; a hook
+    reads them through ``AttendCall.decode`` (never by position or key itself)."""
 
     def forward(
         self,
@@ -185,3 +188,38 @@ class JointAttention(nn.Module):
             selected=selected,
             block=block,
         )
+
+
+@dataclass(frozen=True)
+class AttendCall:
+    """The arguments of one ``JointAttention`` call as its forward hooks and pre-hooks receive them
+    (``args``, ``kwargs``), decoded once here: the queries ``q`` (B, Tq, H, D), the entries' keys ``kc``
+    (B, E, KV, D), the ``stride``, the grid position of the first query ``q_start`` and the top-k ``selected``
+    entries per query (B, Tq, K) or None (every visible entry)."""
+
+    q: torch.Tensor
+    kc: torch.Tensor
+    stride: int
+    q_start: int
+    selected: Optional[torch.Tensor]
+
+    @classmethod
+    def decode(cls, args: tuple, kwargs: dict[str, Any]) -> AttendCall:
+        """The call ``JointAttention.forward(*args, **kwargs)`` (a hook's ``args`` and ``kwargs``), decoded."""
+        bound = _ATTEND_SIGNATURE.bind(None, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        return cls(a["q"], a["kc"], a["stride"], a["q_start"], a["selected"])
+
+    @property
+    def n_entries(self) -> int:
+        """E: the layer's entries in this call."""
+        return self.kc.shape[1]
+
+    @property
+    def last_query(self) -> int:
+        """The grid position of the call's final query."""
+        return self.q_start + self.q.shape[1] - 1
+
+
+_ATTEND_SIGNATURE = inspect.signature(JointAttention.forward)

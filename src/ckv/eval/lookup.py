@@ -30,11 +30,12 @@ from ckv.data.config import LookupConfig
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.chunking import ChunkCheck, chunk_check, chunking_lines
 from ckv.eval.design import PADDINGS, base_offsets, choose_targets, make_design, slot_pads
+from ckv.eval.grouping import gap_headline, gap_lines, percent, percent_interval, summarize_groups
 from ckv.eval.models import ModelFacts
 from ckv.eval.plots import plot_lookup
 from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
 from ckv.eval.scoring import LogitsFn, prompt_lengths, score_next_token
-from ckv.eval.stats import StatsOptions, gap_is_real, summarize_groups
+from ckv.eval.stats import StatsOptions
 from ckv.eval.vocab import VocabSpec, build_codec, vocab_spec
 from ckv.geometry import phase
 
@@ -120,26 +121,6 @@ def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulu
             f"not be balanced; use a common multiple (the paper uses 24)"
         )
     return stride
-
-
-def gap_headline(report: Optional[dict], prefix: str) -> dict:
-    """The headline fields of one grouping's gap (``summarize_groups``): ``<prefix>_gap`` with its interval,
-    interval kind, permutation p and noise floor, and the worst group with its accuracy and interval; all
-    ``None`` when the grouping was not made (a phase gap without a stride)."""
-    g = (report or {}).get("gap", {})
-    return {
-        f"{prefix}_gap": g.get("value"),
-        f"{prefix}_gap_lower": g.get("lower"),
-        f"{prefix}_gap_upper": g.get("upper"),
-        f"{prefix}_gap_interval": g.get("interval"),
-        f"{prefix}_p_value": g.get("p_value"),
-        f"{prefix}_noise_floor": g.get("noise_floor"),
-        f"worst_{prefix}": g.get("worst_group"),
-        f"worst_{prefix}_accuracy": g.get("worst_accuracy"),
-        f"worst_{prefix}_lower": g.get("worst_lower"),
-        f"worst_{prefix}_upper": g.get("worst_upper"),
-        f"{prefix}_group_interval": (report or {}).get("interval"),
-    }
 
 
 @dataclass
@@ -379,73 +360,12 @@ def codec_for(vocab: VocabSpec, model: ModelFacts) -> RecordCodec:
     return build_codec(vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format)
 
 
-# the gap report's fields the summary prints in its own words; any other field (e.g. a verdict) is printed as is
-SUMMARY_GAP_KEYS = {
-    "value",
-    "lower",
-    "upper",
-    "interval",
-    "best_group",
-    "worst_group",
-    "best_accuracy",
-    "worst_accuracy",
-    "worst_lower",
-    "worst_upper",
-    "p_value",
-    "noise_floor",
-    "n_permutations",
-    "n_bootstrap",
-    "level",
-    "real",
-    "upper_one_sided",
-    "upper_one_sided_level",
-    "margin",
-    "flat",
-    "verdict",
-    "mde",
-    "mde_power",
-    "alpha",
-}
-
-
-def _pct(x: Optional[float]) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}"
-
-
-def _interval(lower: Optional[float], upper: Optional[float]) -> str:
-    return f"[{_pct(lower)}, {_pct(upper)}]"
-
-
-def gap_lines(grouping: dict, label: str, alpha: float = 0.05) -> list[str]:
-    """Summary lines of one grouping's gap (``summarize_groups``): the gap with its interval, noise floor, p-value
-    and what they say, the worst group, and every further field of the gap report."""
-    g = grouping["gap"]
-    real = gap_is_real(g["p_value"], g["lower"], g["noise_floor"], alpha)
-    verdict = "above the noise floor" if real else "not above the noise floor: no evidence of a phase effect"
-    p = "n/a" if g["p_value"] is None else f"{g['p_value']:.2g}"
-    lines = [
-        f"{label} gap {_pct(g['value'])} pp {_interval(g['lower'], g['upper'])}, noise floor "
-        f"{_pct(g['noise_floor'])}, p={p}: {verdict}",
-        f"worst {label} {g['worst_group']}: {_pct(g['worst_accuracy'])}% "
-        f"{_interval(g['worst_lower'], g['worst_upper'])}; best {g['best_group']}: {_pct(g['best_accuracy'])}%",
-    ]
-    if "verdict" in g:  # the equivalence test and the evaluation's power
-        level = round(100 * g["upper_one_sided_level"])
-        lines.append(
-            f"{label} flatness: {g['verdict']} (one-sided {level}% upper bound {_pct(g['upper_one_sided'])} pp vs "
-            f"margin {_pct(g['margin'])} pp); smallest gap detected with {round(100 * g['mde_power'])}% power: "
-            f"{_pct(g['mde'])} pp"
-        )
-    lines += [f"{label} gap {k}: {v}" for k, v in g.items() if k not in SUMMARY_GAP_KEYS]
-    return lines
-
-
 def lookup_summary(report: dict) -> list[str]:
     """The one-screen summary of a lookup-style report: mean, per-phase accuracy, worst phase and phase gap (with
     interval and noise floor), then the residue gap."""
     mean = report["residue"]["mean"]
     lines = [
-        f"mean accuracy {_pct(mean['value'])}% {_interval(mean['lower'], mean['upper'])} "
+        f"mean accuracy {percent(mean['value'])}% {percent_interval(mean['lower'], mean['upper'])} "
         f"over {report['n_prompts']} prompts"
     ]
     phases = report["phase"]
@@ -454,7 +374,7 @@ def lookup_summary(report: dict) -> list[str]:
             "no phase groups: the model has no stride; give task.stride (model.stride for transformers models)"
         )
     else:
-        per = "  ".join(f"{g['group']}: {_pct(g['accuracy'])}" for g in phases["groups"])
+        per = "  ".join(f"{g['group']}: {percent(g['accuracy'])}" for g in phases["groups"])
         lines += [f"accuracy per phase (mod {report['stride']}, %): {per}", *gap_lines(phases, "phase")]
     lines += gap_lines(report["residue"], f"residue (mod {report['modulus']})")[:1]
     return lines

@@ -35,7 +35,7 @@ from ckv.config import ConfigError, ModelConfig, check_float
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.device import resolve_device
 from ckv.eval.chunking import ChunkCheck, chunk_check
-from ckv.eval.codec import TokenCodec
+from ckv.eval.codec import needle_codec
 from ckv.eval.design import base_offsets, make_design, slot_pads
 from ckv.eval.hf_models import HFLastLogits, hf_memory
 from ckv.eval.lookup import LookupKind, LookupOutcome, LookupTask, check_task_fields, codec_for, resolve_stride
@@ -124,80 +124,6 @@ class NeedleSpec:
     def records(self) -> int:
         """The record count: ``n_records`` or half the context's worth of records."""
         return self.n_records if self.n_records is not None else self.context_tokens // (2 * self.record_len)
-
-
-@dataclass(frozen=True)
-class MultiTokenKeyCodec:
-    """Records of ``record_len`` tokens over a ``TokenCodec``'s single-token keys and values (a
-    ``ckv.data.lookup.RecordCodec``): key ``j`` is the ``record_len - 1`` key tokens of ``j``'s base-``n`` digits
-    (``n`` = the base's key count), the value one value token. Distinct keys are distinct token sequences."""
-
-    base: TokenCodec
-    record_len: int
-
-    @property
-    def key_len(self) -> int:
-        return self.record_len - 1
-
-    @property
-    def prefix(self) -> list[int]:
-        return self.base.prefix
-
-    @property
-    def pad_id(self) -> int:
-        return self.base.pad_id
-
-    @property
-    def filler_ids(self) -> tuple[int, ...]:
-        return tuple(self.base.filler_ids)
-
-    @property
-    def separator(self) -> list[int]:
-        return self.base.separator
-
-    @property
-    def n_keys(self) -> int:
-        return self.base.n_keys**self.key_len
-
-    @property
-    def n_values(self) -> int:
-        return self.base.n_values
-
-    def record_tokens(self, key: int, value: int) -> list[int]:
-        return self.query_tokens(key) + self.answer_tokens(value)
-
-    def query_tokens(self, key: int) -> list[int]:
-        digits = []
-        for _ in range(self.key_len):
-            key, d = divmod(key, self.base.n_keys)
-            digits.append(self.base.key_ids[d])
-        return digits[::-1]
-
-    def answer_tokens(self, value: int) -> list[int]:
-        return self.base.answer_tokens(value)
-
-    def describe(self) -> dict:
-        return {
-            **self.base.describe(),
-            "source": "multi_token_keys",
-            "record_len": self.record_len,
-            "key_tokens": self.key_len,
-            "n_keys": self.n_keys,
-        }
-
-
-def needle_codec(codec: RecordCodec, record_len: int) -> RecordCodec:
-    """The codec of the haystack: ``codec`` itself when its records have ``record_len`` tokens, else (for word or
-    id vocabularies) keys of ``record_len - 1`` tokens over its keys."""
-    if codec.record_len == record_len:
-        return codec
-    if isinstance(codec, TokenCodec):
-        return MultiTokenKeyCodec(codec, record_len)
-    raise ConfigError(
-        f"task.record_len={record_len}, but the model's lookup layout has records of "
-        f"{codec.record_len} tokens; set task.record_len={codec.record_len} (or use vocab source "
-        f"'words'/'ids')"
-    )
 
 
 def depth_levels(n_base: int, modulus: int, n_depths: int) -> np.ndarray:

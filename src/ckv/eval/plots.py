@@ -19,6 +19,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from ckv.eval.stats import gap_is_real
+from ckv.geometry import phase
 
 PathLike = Union[str, Path]
 PCT = 100.0
@@ -92,7 +93,9 @@ def _group_curve(
     else:
         ax.plot(x, y, "-", color=color or "0.6", lw=1, zorder=1, label=label if color is not None else None)
         colors = (
-            [palette(stride)[xi % stride] for xi in x] if stride and color is None else [color or "tab:blue"] * len(x)
+            [palette(stride)[phase(xi, stride)] for xi in x]
+            if stride and color is None
+            else [color or "tab:blue"] * len(x)
         )
         ax.errorbar(x, y, yerr=err, fmt="none", ecolor="0.4", capsize=2, lw=0.8, zorder=2)
         ax.scatter(x, y, c=colors, s=22, zorder=3, edgecolors="black", linewidths=0.4)
@@ -246,9 +249,9 @@ def plot_probe(report: dict, path: PathLike, title: str) -> Path:
         ax.scatter(x[top], y[top], color=color, s=36, edgecolors="black", zorder=3)
         ax.scatter(x[~top], y[~top], facecolors="white", edgecolors=color, s=20, zorder=3)
     if S > 1:
-        for b in x[x % S == 0]:
+        for b in x[phase(x, S) == 0]:
             ax.axvline(b, color="0.85", lw=0.8, zorder=0)
-        ax.set_xticks(x[x % S == 0])
+        ax.set_xticks(x[phase(x, S) == 0])
     ax.set_xlabel(f"filler length (tokens); grey lines: length = 0 mod {S}")
     ax.set_ylabel("probability of the candidate (whole sequence, %)")
     top_p = max(

@@ -28,11 +28,12 @@ from ckv.config import ConfigError, check_choice, check_int
 from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.lookup import PAPER_N_RECORDS, codec_for
 from ckv.eval.models import ModelFacts
+from ckv.eval.periodicity import dominant_period, periodicity_chance, periodicity_score
 from ckv.eval.plots import plot_probe
 from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
 from ckv.eval.scoring import LogitsFn, score_next_token
-from ckv.eval.stats import dominant_period, periodicity_chance, periodicity_score
 from ckv.eval.vocab import AUTO, TextTokenizer, TokenSpec, VocabSpec, check_token, single_token, vocab_spec
+from ckv.geometry import phase
 
 SOURCES = ("text", "lookup")
 SLOT = "{filler}"
@@ -309,7 +310,7 @@ class ProbeTask:
         are kept) and listed in ``headline.non_canonical_lengths``."""
         labels, S = self.prompt.labels, self.stride
         firsts = [c[0] for c in self.prompt.candidates]
-        phases = self.filler_tokens % S
+        phases = phase(self.filler_tokens, S)
         top1_is = [labels[firsts.index(int(t))] if int(t) in firsts else None for t in top1]  # a candidate or None
         best = logp.argmax(1)  # the more probable candidate, whatever the top-1
         text = bool(self.prompt.filler_texts)

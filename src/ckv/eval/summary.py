@@ -46,7 +46,7 @@ def run_label(results: dict, run_dir: Optional[Path] = None) -> str:
 
 
 SUMMARY_GAP_FIELDS = ("gap", "gap_lower", "gap_upper", "gap_interval", "p_value", "noise_floor")
-# the flatness fields of a grouping's gap report (``ckv.eval.stats.summarize_groups``): the one-sided upper bound,
+# the flatness fields of a grouping's gap report (``ckv.eval.grouping.summarize_groups``): the one-sided upper bound,
 # the equivalence margin, the verdict (gap / flat / undecided) and the minimum detectable gap with its power
 FLATNESS_FIELDS = ("upper_one_sided", "margin", "verdict", "mde", "mde_power")
 

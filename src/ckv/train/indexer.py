@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ckv.attention import CompressedAttention, compressed_layers
+from ckv.attention import AttendCall, CompressedAttention, compressed_layers
 from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, kl_working_bytes, query_chunk, top_k
 from ckv.config import check_choice, check_float, check_int
 from ckv.geometry import compressed_mask, visible_entries
@@ -312,7 +312,8 @@ class IndexerTraining:
         if record is None:  # not training
             return
         queries, keys, selected = record
-        q, kc, lse, q_start, stride = args[0], args[1], output[1], kwargs["q_start"], kwargs["stride"]
+        call, lse = AttendCall.decode(args, kwargs), output[1]
+        q, kc, q_start, stride = call.q, call.kc, call.q_start, call.stride
         # a checkpointed layer's replay in backward must compute the same loss (its saved tensors), then drops it
         loss = indexer_loss(q, kc, lse, queries, keys, None if self.dense else selected, q_start, stride)
         if self._open:
