@@ -310,3 +310,14 @@ def test_no_test_module_imports_another() -> None:
                 if parts[0] == "tests" and any(p.startswith("test_") for p in parts):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}: {name}")
     assert not found, "test modules importing test modules:\n" + "\n".join(found)
+
+
+def test_training_and_evaluation_load_no_corpus_library() -> None:
+    """``datasets`` (with pyarrow and pandas: about as long to import as torch) loads only where a corpus is read or
+    prepared, not when train.py or eval.py starts: every one-line config error and every short run pays for it."""
+    import subprocess
+    import sys
+
+    code = "import sys, ckv.train, ckv.eval; print(sorted({'datasets', 'pyarrow', 'pandas'} & set(sys.modules)))"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]

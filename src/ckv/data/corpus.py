@@ -9,13 +9,14 @@ import glob
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any, Optional, Union
-
-import datasets
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from ckv.data.config import TextConfig
 
-Corpus = Union[datasets.Dataset, datasets.IterableDataset]
+if TYPE_CHECKING:
+    import datasets
+
+Corpus = Union["datasets.Dataset", "datasets.IterableDataset"]
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
@@ -84,6 +85,8 @@ def check_not_empty(files: list[str], key: str = "data.text.paths") -> None:
 def load_saved(path: str, key: str = "data.text.paths") -> datasets.Dataset:
     """The dataset of a saved ``datasets`` folder (its ``train`` split, or its one split); DataError naming ``key``
     when the folder is unreadable or holds several splits without a ``train``."""
+    import datasets  # pyarrow and pandas load only when a corpus is read (startup of every train.py / eval.py)
+
     try:
         ds = datasets.load_from_disk(path)
     except (FileNotFoundError, ValueError, OSError) as e:
@@ -99,6 +102,8 @@ def load_saved(path: str, key: str = "data.text.paths") -> datasets.Dataset:
 
 def load_corpus(cfg: TextConfig, *, cache_dir: str) -> Corpus:
     """The corpus of ``cfg`` with (at least) its ``text_field`` column; lazy when ``cfg.streaming``."""
+    import datasets  # pyarrow and pandas load only when a corpus is read (startup of every train.py / eval.py)
+
     if cfg.paths is None:
         return datasets.Dataset.from_dict({cfg.text_field: bible_chapters()})
     files = expand_paths(cfg.paths)

@@ -34,11 +34,9 @@ import sys
 import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
@@ -47,6 +45,9 @@ from ckv.data.config import MANIFEST_FILE, TOKENIZER_FILE
 from ckv.data.corpus import DataError, builder_for, check_not_empty, expand_paths, load_saved
 from ckv.data.tokenizer import load_tokenizer, text_tokenizer, token_id
 from ckv.io.atomic import replace_dir, write_text_atomic
+
+if TYPE_CHECKING:
+    import datasets
 
 VERSION = 1
 SPLITS = ("train", "val")
@@ -136,6 +137,8 @@ def _input_size(path: str) -> int:
 
 def _read(files: list[str], text_field: str, id_field: str, txt_sample_by: str, cache_dir: str) -> datasets.Dataset:
     """All input documents, in input order, with the text and a stable id column."""
+    import datasets  # pyarrow and pandas load only when a corpus is read (startup of every train.py / eval.py)
+
     parts = []
     paths = [os.path.abspath(os.path.normpath(path)) for path in files]
     root = os.path.commonpath([os.path.dirname(path) for path in paths])  # ids name files relative to it
@@ -170,6 +173,8 @@ def _write_split(
     ds: datasets.Dataset, order: np.ndarray, n: np.ndarray, folder: Path, split: str, dtype: np.dtype, shard_tokens: int
 ) -> dict[str, Any]:
     """Write the documents ``order`` of ``ds`` (in that order) as token shards of ``shard_tokens`` tokens."""
+    import pyarrow.compute as pc  # with datasets: only when a corpus is prepared
+
     total = int(n[order].sum())
     sizes = [min(shard_tokens, total - s) for s in range(0, total, shard_tokens)]
     shards: list[dict[str, Any]] = []
@@ -226,6 +231,9 @@ def prepare(
     """Tokenise ``inputs`` into shards under ``out`` (see the module docstring); returns the manifest. Rows whose
     text is not a non-empty string are skipped and reported in one line (``strict``: refused, ``DataError``); a
     corpus that leaves no training document is refused."""
+    import datasets  # pyarrow and pandas load only when a corpus is read (startup of every train.py / eval.py)
+    import pyarrow.compute as pc
+
     if not 0 <= val_fraction < 1:
         raise ValueError(f"--val-fraction={val_fraction} must be in [0, 1)")
     if num_proc < 1 or shard_tokens < 1 or seed < 0:
