@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install lock test-latest lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation selection smoke clean
+.PHONY: install lock test-latest lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation selection paper smoke clean
 
 # The installer the lock was made and last installed with (make lock refreshes both).
 PIP_PIN := pip==26.3
@@ -88,6 +88,9 @@ robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on t
 
 selection: $(STAMP)  ## does top-k selection create weak phases beyond the geometry? full control, V4 CSA dense and sparse (3-stage indexer) served by indexer (fp32/FP8/FP4)/oracle/random/recency, 3 seeds, 9 models (31 min 54 s on a fresh clone, 2 cores; criteria and results in docs/selection.md)
 	$(BIN)/python -m ckv.apps.selection --out outputs/selection
+
+paper: $(STAMP)  ## the paper's controlled table at CPU scale: 26 models (23 compressed variants incl. 4 baseline seeds, 3 full-attention controls), each evaluated with prefix and in-sequence padding, beside the paper's numbers, with the claims (NOT YET RUN END TO END: about 2.5 h on 2 free cores by the probes' per-model times; resumes where it stopped; docs/paper.md)
+	$(BIN)/python -m ckv.apps.study paper --out outputs/paper
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)
 	$(BIN)/python -m ckv.apps.smoke
