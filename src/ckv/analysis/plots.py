@@ -348,3 +348,96 @@ def plot_joint(result: dict, path: Path, title: str) -> Path:
     )
     fig.tight_layout()
     return _save(fig, path)
+
+
+# ---- several runs (a study's seeds) ----------------------------------------------------------------------------
+MECHANISM_PANELS = ("knockout", "K gates", "V gates", "gate_cycling")  # the columns of plot_mechanisms
+
+
+def _mechanism_panel(fig: Figure, ax: Axes, column: str, results: dict[str, dict]) -> None:
+    """One cell of ``plot_mechanisms``: ``column`` of one run drawn from its analyses' ``results`` (by name)."""
+    name = "gates" if column.endswith("gates") else column
+    if name not in results:
+        ax.text(0.5, 0.5, f"no {name} result", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        ax.set_axis_off()
+        return
+    res = results[name]
+    if column == "knockout":
+        units = [u for u in res["units"] if u["kv_head"] is None]  # layers x phases
+        data, text = _effect_cells(units)
+        cols = [str(r) for r in range(res["stride"])]
+        rows = [u["label"] for u in units]
+        _heatmap(
+            fig,
+            ax,
+            data,
+            rows=rows,
+            cols=cols,
+            cmap="RdBu",
+            vlim=_effect_range(data),
+            center=0.0,
+            cbar_label=EFFECT_LABEL,
+            text=text,
+        )
+        ax.set_xlabel(f"phase (mod {res['stride']})", fontsize=8)
+        ax.set_title("knock-out of each layer (* : 95% interval excludes 0)", fontsize=8)
+    elif column.endswith("gates"):
+        branch = column[0]
+        gates = [g for g in res["gates"] if g["branch"] == branch]
+        if not gates:
+            ax.text(0.5, 0.5, f"no {branch} gates (tied K/V)", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            return
+        data, text = _profile_cells([g["profile"] for g in gates])
+        rows = [f"L{g['layer']} kv{g['kv_head']} (peak {g['peak_offset']})" for g in gates]
+        cols = [str(i) for i in range(res["window"])]
+        _heatmap(
+            fig,
+            ax,
+            data,
+            rows=rows,
+            cols=cols,
+            cmap="BrBG",
+            vlim=_profile_range([g["profile"] for g in gates]),
+            center=0.0,
+            cbar_label=PROFILE_LABEL,
+            text=text,
+        )
+        ax.set_xlabel(f"offset in the window (0..{res['window'] - 1})", fontsize=8)
+        ax.set_title(f"{branch} gate mass per offset / uniform", fontsize=8)
+    else:
+        deltas = res["deltas"]
+        fits = [d["corr2_excl_boundary"] for d in deltas]
+        y = np.array([np.nan if f["value"] is None else f["value"] for f in fits])
+        lo = np.array([np.nan if f["lower"] is None else f["lower"] for f in fits])
+        hi = np.array([np.nan if f["upper"] is None else f["upper"] for f in fits])
+        x = np.arange(len(deltas))
+        ax.bar(x, y, color="tab:blue", alpha=0.6)
+        ax.errorbar(x, y, yerr=np.maximum(np.stack([y - lo, hi - y]), 0), fmt="none", ecolor="black", capsize=3)
+        ax.set_xticks(x, [str(d["delta"]) for d in deltas], fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("gate shift d", fontsize=8)
+        ax.set_ylabel("R^2 (corr^2, excl. boundary)", fontsize=8)
+        ax.set_title(f"gate cycling; pooled {_fmt_interval(res['pooled']['corr2_excl_boundary'])}", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+
+
+def plot_mechanisms(items: Sequence[tuple[str, dict[str, dict]]], path: Path, title: str) -> Path:
+    """One row per run (e.g. a study's seeds of one model): the knock-out effect of each layer per phase, the K and
+    V gates' mass per offset (preferred offsets per layer), and the gate-cycling fit per shift (the paper's R^2,
+    with its 95% interval). ``items``: (label, analysis results by name: ``knockout``, ``gates``,
+    ``gate_cycling``); an analysis a run lacks reads "no ... result"."""
+    if not items:
+        raise ValueError("nothing to plot: no analysed runs")
+    columns = [c for c in MECHANISM_PANELS if any(("gates" if c.endswith("gates") else c) in r for _, r in items)]
+    if not columns:
+        raise ValueError("nothing to plot: the runs have no knockout, gates or gate_cycling result")
+    fig = Figure(figsize=(5.2 * len(columns), 0.4 + 2.9 * len(items)))
+    axes = fig.subplots(len(items), len(columns), squeeze=False)
+    for row, (label, results) in zip(axes, items):
+        for ax, column in zip(row, columns):
+            _mechanism_panel(fig, ax, column, results)
+        row[0].set_ylabel(f"{label}\n{row[0].get_ylabel()}", fontsize=8)
+    fig.suptitle(f"{title}: knock-outs per layer and phase, gate offset profiles, gate cycling", fontsize=10)
+    fig.tight_layout()
+    return _save(fig, path)
