@@ -372,6 +372,10 @@ def _cycling_fits(ax: Axes, res: dict) -> None:
     ax.set_ylabel("R^2 (corr^2, excl. boundary)", fontsize=8)
     ax.set_title(f"gate cycling; pooled {_fmt_interval(res['pooled']['corr2_excl_boundary'])}", fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+    if np.isnan(y).all():
+        ax.text(
+            0.5, 0.5, "n/a at every shift\n(no change to correlate)", ha="center", va="center", transform=ax.transAxes
+        )
 
 
 def _mechanism_panel(fig: Figure, ax: Axes, column: str, results: dict[str, dict]) -> None:

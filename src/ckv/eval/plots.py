@@ -450,7 +450,7 @@ def plot_residue_heatmap(rows: Sequence[tuple[str, dict[str, dict]]], path: Path
     if not names:
         raise ValueError("nothing to plot: no run has a lookup report")
     modulus = max(r["modulus"] for _, reports in rows for r in reports.values())
-    fig = Figure(figsize=(1.5 + 0.28 * modulus * len(names) + 1.2, 1.2 + 0.24 * len(rows)))
+    fig = Figure(figsize=(1.5 + 0.28 * modulus * len(names) + 1.2, 1.2 + 0.24 * len(rows)), layout="constrained")
     axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
     cmap = colormaps["viridis"].with_extremes(bad="0.85")
     for ax, name in zip(axes, names):
@@ -464,7 +464,5 @@ def plot_residue_heatmap(rows: Sequence[tuple[str, dict[str, dict]]], path: Path
         ax.set_xlabel(f"target position mod {modulus}", fontsize=8)
         ax.set_title(name, fontsize=9)
     fig.colorbar(im, ax=list(axes), fraction=0.03, pad=0.01).set_label("top-1 accuracy (%)", fontsize=8)
-    fig.suptitle(
-        "accuracy per target position, every run (grey: no result)", fontsize=10, y=1.0 + 0.5 / fig.get_figheight()
-    )
+    fig.suptitle("accuracy per target position, every run (grey: no result)", fontsize=10)
     return _save(fig, path)
