@@ -11,8 +11,8 @@ See docs/evaluation.md. This file only turns the Hydra config into ckv.eval / ck
 (``PATH_KEYS``) are taken verbatim, so a sweep job folder such as ``.../attention.stride=4,seed=0`` can be pasted
 unquoted. Every task and model setting is checked before the weights load (the task is built from the model's
 configs and tokenizer); configuration and data errors end the program with one ``ckv: error: ...`` line and exit
-code 2. A finished evaluation prints a one-screen summary (``ckv.eval.summary_lines``) and the headline as one
-JSON line.
+code 2 (3, ``EXIT_NOT_APPLICABLE``, for an analysis that does not apply to the model). A finished evaluation
+prints a one-screen summary (``ckv.eval.summary_lines``) and the headline as one JSON line.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from ckv.analysis import run_analysis
-from ckv.apps.cli import HYDRA_ERRORS, one_line_errors, run_hydra_main
+from ckv.analysis.hooks import AnalysisNotApplicable
+from ckv.apps.cli import EXIT_NOT_APPLICABLE, HYDRA_ERRORS, one_line_errors, run_hydra_main
 from ckv.config import ConfigError, check_bool, field_names, reject_unknown
 from ckv.data import DataError
 from ckv.eval import (
@@ -160,7 +161,8 @@ def _run(c: dict) -> None:
         return
     if c.get("analysis"):
         model = source.load(c["device"])
-        envelope = run_analysis(c["analysis"], model, spec, options)
+        with one_line_errors((AnalysisNotApplicable,), EXIT_NOT_APPLICABLE):
+            envelope = run_analysis(c["analysis"], model, spec, options)
         print("\n".join(analysis_lines(envelope["analysis"], output_dir(model, spec, options))))
         return
     if c.get("dry_run"):

@@ -52,9 +52,15 @@ def test_the_dry_run_lists_every_variant_and_seed_with_its_overrides(capsys, sca
     study = load_study("paper", scale)
     trains = {m.group(1): m.group(2) for m in (re.match(r"train (\S+): (.*)", x) for x in lines) if m}
     evals = [x for x in lines if x.startswith("eval ")]
+    analyses = [re.match(r"analyse (\S+) \[(\w+)\]: (.*)", x).groups() for x in lines if x.startswith("analyse ")]
     expected = {f"{v}/seed=42" for v in VARIANTS} | {f"w8s8/seed={s}" for s in (42, 43, 44, 45)}
     assert set(trains) == expected == {r.label for r in study.runs} == set(study.params["paper_ids"])
-    assert lines[-1] == f"{len(expected)} runs, {3 * len(expected)} jobs" and len(evals) == 2 * len(expected)
+    assert len(evals) == 2 * len(expected) and lines[-1] == f"{len(expected)} runs, {len(lines) - 1} jobs"
+    # the baseline seeds' analyses (docs/paper.md, "Figures"), on the prefix evaluation
+    assert sorted((label, name) for label, name, _ in analyses) == sorted(
+        (f"w8s8/seed={s}", a) for s in (42, 43, 44, 45) for a in ("knockout", "gates", "gate_cycling")
+    )
+    assert all("task.padding=prefix" in cmd.split() and f"analysis={a}" in cmd.split() for _, a, cmd in analyses)
     for label, cmd in trains.items():
         name, seed = label.split("/seed=")
         assert f"experiment={experiment}" in cmd.split() and f"seed={seed}" in cmd.split()
@@ -225,3 +231,77 @@ def test_each_claim_passes_fails_or_stays_undecided_on_constructed_rows():
     # no significant gap anywhere: the period claim has nothing to judge
     rows = {"ctrl": both(row()), "w4s4": both(row(stride=4))}
     assert outcome(paper.claims(rows, roles, CRITERIA, [], []), "in_sequence: the dominant") == ["undecided"]
+
+
+def lookup_report(stride: int, dip: float, modulus: int = 24) -> dict:
+    """A lookup report's per-residue groups: accuracy 0.9 but ``dip`` lower at phase S - 1 (intervals +- 5 pp)."""
+    acc = [0.9 - (dip if r % stride == stride - 1 else 0.0) for r in range(modulus)]
+    groups = [{"group": r, "accuracy": a, "lower": a - 0.05, "upper": a + 0.05} for r, a in enumerate(acc)]
+    return {"modulus": modulus, "stride": stride, "residue": {"groups": groups}}
+
+
+def analysis_envelope(path: Path, name: str, results: dict) -> str:
+    """``path`` written as eval.py writes an analysis (``{"analysis": {"results": ...}}``); returns its path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(__import__("json").dumps({"analysis": {"name": name, "results": results}}))
+    return str(path)
+
+
+def analyses_of_a_baseline_seed(folder: Path) -> dict:
+    """A baseline seed's ``analyses`` records (``run_analyses``): knock-out, gates and gate cycling, constructed."""
+    fit = {"value": 0.9, "lower": 0.8, "upper": 1.0}
+    phases = [{"effect": -10.0 * (r == 7), "effect_lower": -12.0, "effect_upper": 1.0} for r in range(8)]
+    results = {
+        "knockout": {"stride": 8, "units": [{"label": f"L{i}", "kv_head": None, "phases": phases} for i in (0, 1)]},
+        "gates": {
+            "window": 8,
+            "gates": [
+                {"layer": i, "kv_head": 0, "branch": b, "profile": [1.0] * 7 + [1.5], "peak_offset": 7}
+                for i in (0, 1)
+                for b in "KV"
+            ],
+        },
+        "gate_cycling": {
+            "deltas": [{"delta": d, "corr2_excl_boundary": fit} for d in (-1, 1)],
+            "pooled": {"corr2_excl_boundary": fit},
+        },
+    }
+    return {
+        name: {"label": "w8s8/seed=42", "analysis": name, "file": analysis_envelope(folder / f"{name}.json", name, r)}
+        for name, r in results.items()
+    }
+
+
+def test_the_figures_show_every_run_in_the_papers_order_and_the_baseline_analyses(tmp_path):
+    """Constructed runs (no training): a control, a baseline seed with its three analyses, a mean-pooled run whose
+    gate analyses were skipped, and a run that did not finish. Every figure is written and named in the report's
+    lines, and a skipped analysis is one line with its reason."""
+    study = load_study("paper")
+    ids = {"full_kv1/seed=42": "full_attn_1kv", "w8s8/seed=42": "kvc_w8s8_1kv_baseline"}
+    ids |= {"w8s8_mean/seed=42": "kvc_w8s8_1kv_meanpool", "w4s4/seed=42": "kvc_w4s4_1kv"}
+    roles = {r.label: r.role for r in study.runs}
+    skip = "ckv: error: analysis=gates needs learned gates, but w8s8_mean pools by uniform averaging"
+    done = [
+        {"run": Run("paper_cpu", 42, "control", name="full_kv1"), "evaluations": both(lookup_report(8, 0.0))},
+        {
+            "run": Run("paper_cpu", 42, "baseline", name="w8s8"),
+            "evaluations": both(lookup_report(8, 0.5)),
+            "analyses": analyses_of_a_baseline_seed(tmp_path / "w8s8"),
+        },
+        {
+            "run": Run("paper_cpu", 42, "mean", name="w8s8_mean"),
+            "evaluations": {"prefix": lookup_report(8, 0.3)},  # the in-sequence evaluation missing: a grey row
+            "analyses": {"gates": {"label": "w8s8_mean/seed=42", "analysis": "gates", "skipped": skip}},
+        },
+    ]
+    paper_rows = {("kvc_w8s8_1kv_baseline", "prefix"): {"mean": (0.7, None, None)}}
+    paths, lines = paper.figures(done, ids, roles, paper_rows, tmp_path)
+    assert set(paths) == {"curves", "heatmap", "mechanisms"}
+    assert all(Path(p).is_file() and Path(p).stat().st_size > 10_000 for p in paths.values())
+    assert [f"  {name}: {p}" for name, p in paths.items()] == lines[1 : 1 + len(paths)]
+    assert f"  w8s8_mean/seed=42 gates: skipped ({skip})" in lines
+    assert sum("w8s8_mean" in x for x in lines) == 1  # one line, not an error
+    panels = paper.curve_panels(done, ids, roles, paper_rows)
+    assert [p.label for p in panels] == list(ids)  # the paper's order, the unfinished run included
+    assert [p.stride for p in panels] == [None, 8, 8, None]  # no stride lines for full attention
+    assert panels[1].reference == {"prefix": 0.7} and panels[3].reports == {}

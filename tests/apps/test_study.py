@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ckv.apps import study
-from ckv.apps.study import Check, Run, check_lines, load_study, main, result_row
+from ckv.apps.cli import EXIT_NOT_APPLICABLE
+from ckv.apps.study import Check, CommandFailed, Run, Timer, check_lines, load_study, main, result_row, run_analyses
 from ckv.checks import ConfigError
 
 from .helpers import finished
@@ -67,6 +68,8 @@ def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(
         ("out: o\nworkers: 0\n", "workers 0"),
         ("out: o\nruns:\n  - {experiment: demo_full, role: c, phase_of: x}\n", "phase_of='x' is not a run"),
         ("out: o\nruns:\n  - {experiment: demo_full, role: c, phase_of: demo_full}\n", "has no stride"),
+        ("out: o\nanalyses: {knockot: {}}\n", "no analysis 'knockot' in conf/eval/analysis"),
+        ("out: o\nanalyses: {gates: {role: [x]}}\n", "an analysis takes roles"),
     ],
 )
 def test_a_bad_study_is_one_line(text, message, tmp_path, monkeypatch):
@@ -155,3 +158,46 @@ def test_the_generic_command_isolates_a_failed_run_and_reuses_finished_work(tmp_
     assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
     assert [r.stat().st_mtime_ns for r in results] == stamps  # evaluations reused
     assert "resum" in (out / "logs" / "train_good_seed0.log").read_text().lower()
+
+
+def test_analyses_run_on_their_roles_and_one_that_does_not_apply_is_skipped_with_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """The study's ``analyses`` on finished runs (eval.py faked): each on the runs of its roles only; eval.py's
+    ``EXIT_NOT_APPLICABLE`` is a skip with its one-line reason, any other failure an error that stops nothing."""
+    (tmp_path / "a.yaml").write_text(
+        "out: o\ntask: demo_lookup\nevals: {a: [task.padding=prefix], b: [task.padding=in_sequence]}\n"
+        "analyses: {knockout: {}, gates: {roles: [gate, mean], eval: [analysis.checkpoints=none]}}\nruns:\n"
+        "  - {name: g, experiment: demo_gate_s4, role: gate}\n  - {name: m, experiment: demo_gate_s4, role: mean}\n"
+        "  - {name: f, experiment: demo_full, role: control}\n"
+    )
+    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    s = load_study("a")
+    ran = []
+
+    def fake(cmd, log, env):
+        ran.append(cmd)
+        if "analysis=gates" in cmd and "m/seed=0" in cmd[2]:
+            raise CommandFailed("failed", EXIT_NOT_APPLICABLE, "ckv: error: analysis=gates needs learned gates")
+        if "analysis=knockout" in cmd and "f/seed=0" in cmd[2]:
+            raise CommandFailed("command failed (1): boom", 1, "Traceback")
+
+    monkeypatch.setattr(study, "run_command", fake)
+    done = [{"run": r, "dir": study.run_dir(tmp_path, r)} for r in s.runs]
+    records = run_analyses(s, done, tmp_path, False, 2, {}, Timer())
+    assert [(r["label"], r["analysis"], sorted(set(r) & {"file", "skipped", "error"})) for r in records] == [
+        ("g/seed=0", "knockout", ["file"]),
+        ("g/seed=0", "gates", ["file"]),
+        ("m/seed=0", "knockout", ["file"]),
+        ("m/seed=0", "gates", ["skipped"]),
+        ("f/seed=0", "knockout", ["error"]),
+    ]
+    assert done[1]["analyses"]["gates"]["skipped"] == "ckv: error: analysis=gates needs learned gates"
+    assert records[1]["file"] == str(tmp_path / "runs/g/seed=0/eval/demo_lookup_a/gates/gates.json")
+    assert all("task.padding=prefix" in c and "task.name=demo_lookup_a" in c for c in ran)  # the first evaluation
+    assert ["analysis.checkpoints=none" in c for c in ran if "analysis=gates" in c] == [True, True]
+    out = capsys.readouterr().out
+    assert [x.split("] ", 1)[1] for x in out.splitlines() if "m/seed=0: gates" in x] == [
+        "m/seed=0: gates skipped, it does not apply (ckv: error: analysis=gates needs learned gates)"
+    ]
+    assert "f/seed=0: knockout FAILED (command failed (1): boom)" in out

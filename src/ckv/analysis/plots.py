@@ -349,3 +349,80 @@ def plot_joint(result: dict, path: Path, title: str) -> Path:
     )
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+# ---- several runs (a study's seeds) ----------------------------------------------------------------------------
+MECHANISM_PANELS = ("knockout", "K gates", "V gates", "gate_cycling")  # the columns of plot_mechanisms
+
+
+def _empty(ax: Axes, text: str) -> None:
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=8)
+    ax.set_axis_off()
+
+
+def _cycling_fits(ax: Axes, res: dict) -> None:
+    """The gate-cycling fit per shift: the paper's R^2 (corr^2 excluding the boundary phase) with its interval."""
+    fits = [d["corr2_excl_boundary"] for d in res["deltas"]]
+    y, lo, hi = (np.array([np.nan if f[k] is None else f[k] for f in fits]) for k in ("value", "lower", "upper"))
+    x = np.arange(len(fits))
+    ax.bar(x, y, color="tab:blue", alpha=0.6)
+    ax.errorbar(x, y, yerr=np.maximum(np.stack([y - lo, hi - y]), 0), fmt="none", ecolor="black", capsize=3)
+    ax.set_xticks(x, [str(d["delta"]) for d in res["deltas"]], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("gate shift d", fontsize=8)
+    ax.set_ylabel("R^2 (corr^2, excl. boundary)", fontsize=8)
+    ax.set_title(f"gate cycling; pooled {_fmt_interval(res['pooled']['corr2_excl_boundary'])}", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    if np.isnan(y).all():
+        ax.text(
+            0.5, 0.5, "n/a at every shift\n(no change to correlate)", ha="center", va="center", transform=ax.transAxes
+        )
+
+
+def _mechanism_panel(fig: Figure, ax: Axes, column: str, results: dict[str, dict]) -> None:
+    """One cell of ``plot_mechanisms``: ``column`` of one run drawn from its analyses' ``results`` (by name)."""
+    name = "gates" if column.endswith("gates") else column
+    if name not in results:
+        return _empty(ax, f"no {name} result")
+    res = results[name]
+    if name == "gate_cycling":
+        return _cycling_fits(ax, res)
+    if name == "knockout":
+        units = [u for u in res["units"] if u["kv_head"] is None]  # layers x phases
+        data, text = _effect_cells(units)
+        rows, cols = [u["label"] for u in units], [str(r) for r in range(res["stride"])]
+        colours = {"cmap": "RdBu", "vlim": _effect_range(data), "cbar_label": EFFECT_LABEL}
+        xlabel, title = f"phase (mod {res['stride']})", "knock-out of each layer (* : 95% interval excludes 0)"
+    else:
+        gates = [g for g in res["gates"] if g["branch"] == column[0]]
+        if not gates:
+            return _empty(ax, f"no {column} (tied K/V)")
+        data, text = _profile_cells([g["profile"] for g in gates])
+        rows = [f"L{g['layer']} kv{g['kv_head']} (peak {g['peak_offset']})" for g in gates]
+        cols = [str(i) for i in range(res["window"])]
+        colours = {"cmap": "BrBG", "vlim": _profile_range([g["profile"] for g in gates]), "cbar_label": PROFILE_LABEL}
+        xlabel, title = f"offset in the window (0..{res['window'] - 1})", f"{column}: mass per offset / uniform"
+    _heatmap(fig, ax, data, rows=rows, cols=cols, center=0.0, text=text, **colours)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_title(title, fontsize=8)
+
+
+def plot_mechanisms(items: Sequence[tuple[str, dict[str, dict]]], path: Path, title: str) -> Path:
+    """One row per run (e.g. a study's seeds of one model): the knock-out effect of each layer per phase, the K and
+    V gates' mass per offset (preferred offsets per layer), and the gate-cycling fit per shift (the paper's R^2,
+    with its 95% interval). ``items``: (label, analysis results by name: ``knockout``, ``gates``,
+    ``gate_cycling``); an analysis a run lacks reads "no ... result"."""
+    if not items:
+        raise ValueError("nothing to plot: no analysed runs")
+    columns = [c for c in MECHANISM_PANELS if any(("gates" if c.endswith("gates") else c) in r for _, r in items)]
+    if not columns:
+        raise ValueError("nothing to plot: the runs have no knockout, gates or gate_cycling result")
+    fig = Figure(figsize=(5.2 * len(columns), 0.4 + 2.9 * len(items)))
+    axes = fig.subplots(len(items), len(columns), squeeze=False)
+    for row, (label, results) in zip(axes, items):
+        for ax, column in zip(row, columns):
+            _mechanism_panel(fig, ax, column, results)
+        row[0].set_ylabel(f"{label}\n{row[0].get_ylabel()}", fontsize=8)
+    fig.suptitle(f"{title}: knock-outs per layer and phase, gate offset profiles, gate cycling", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)

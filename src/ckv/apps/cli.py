@@ -19,6 +19,9 @@ from ckv.checks import error_message
 from ckv.config import REGISTRY, ConfigError, not_taken_error
 
 HYDRA_ERRORS = (HydraException, OmegaConfBaseException)  # composition, overrides, interpolation, unknown keys
+# eval.py's exit code for an analysis that does not apply to the model (``AnalysisNotApplicable``: no gates to
+# analyse, W != S for gate cycling): a study skips it with one line instead of failing (``ckv.apps.study``)
+EXIT_NOT_APPLICABLE = 3
 
 
 def error_line(e: BaseException) -> str:

@@ -1,5 +1,6 @@
 """``conf/study/paper.yaml``'s report (docs/paper.md): ckv's numbers beside the paper's controlled table, the rank
-agreement across the compressed variants, and the study's claims.
+agreement across the compressed variants, the study's claims, and its figures (every run's per-residue curves, the
+run x residue heatmap, the baseline seeds' knock-outs, gate profiles and gate cycling).
 
 Not an app: the generic command (``python -m ckv.apps.study paper``) calls ``report`` after the runs. Every number
 read here is the mod-24 grouping of ckv's lookup report (``residue``: target position mod 24, the paper's groups):
@@ -14,9 +15,12 @@ from typing import Optional
 
 import numpy as np
 
+from ckv.analysis.plots import plot_mechanisms
 from ckv.apps.study import ROOT, Check, Study, check_lines, pp
+from ckv.eval.plots import CurvePanel, plot_residue_curves, plot_residue_heatmap
 from ckv.eval.stats import gap_is_real
 from ckv.eval.summary import flatness_fields
+from ckv.io.results import read_json
 
 PADDINGS = ("prefix", "in_sequence")  # the study's evaluations; the CSV spells the second "in-sequence"
 METRICS = ("mean", "worst", "gap")
@@ -273,9 +277,63 @@ def claims(
     return out
 
 
-def report(study: Study, done: list[dict], out: Path, quick: bool) -> list[Check]:
-    """Print and write (``<out>/paper_table.txt``) the side-by-side table, the rank agreement and the claims;
-    return the claims as checks."""
+def curve_panels(
+    done: list[dict], ids: dict[str, str], roles: dict[str, str], paper: dict[tuple[str, str], dict]
+) -> list[CurvePanel]:
+    """One panel per run in the paper's order (``ids``): its reports by padding, its stride (none for the
+    full-attention controls, whose reports are read mod ``control_stride``) and the paper's mean per padding."""
+    reports = {d["run"].label: d["evaluations"] for d in done}
+    panels = []
+    for label, vid in ids.items():
+        evals = reports.get(label, {})
+        stride = None if roles[label] == "control" else next((r["stride"] for r in evals.values()), None)
+        reference = {pad: paper[(vid, pad)]["mean"][0] for pad in PADDINGS if (vid, pad) in paper}
+        panels.append(CurvePanel(label, evals, stride, reference))
+    return panels
+
+
+def analysis_results(done: list[dict]) -> tuple[list[tuple[str, dict[str, dict]]], list[str]]:
+    """The study's analyses (``ckv.apps.study.run_analyses``) by run: (label, results by analysis name) for each run
+    with at least one result, and one line per analysis result, skip or failure with its file or reason."""
+    items, lines = [], []
+    for d in done:
+        results = {}
+        for name, a in d.get("analyses", {}).items():
+            if "file" in a:
+                env = read_json(Path(a["file"]))["analysis"]
+                results[name] = env["results"]
+                plots = [str(Path(a["file"]).parent / p) for p in env["results"].get("plots", [])]
+                lines.append(f"  {d['run'].label} {name}: {', '.join(plots) or a['file']}")
+            else:
+                why = a.get("skipped") or a["error"].splitlines()[0]
+                lines.append(f"  {d['run'].label} {name}: {'skipped' if 'skipped' in a else 'FAILED'} ({why})")
+        if results:
+            items.append((d["run"].label, results))
+    return items, lines
+
+
+def figures(
+    done: list[dict], ids: dict[str, str], roles: dict[str, str], paper: dict[tuple[str, str], dict], out: Path
+) -> tuple[dict[str, str], list[str]]:
+    """The study's figures (docs/paper.md, "Figures"): ``paper_curves.png`` (every run's accuracy per residue, both
+    paddings overlaid, in the paper's order), ``paper_heatmap.png`` (run x residue, one panel per padding) and, when
+    the analyses ran, ``paper_mechanisms.png`` (per analysed run: knock-out per layer and phase, gate profiles, gate
+    cycling). Returns their paths by name and the report's lines (the figures, then each analysis' files)."""
+    reports = {d["run"].label: d["evaluations"] for d in done}
+    paths = {
+        "curves": plot_residue_curves(curve_panels(done, ids, roles, paper), out / "paper_curves.png"),
+        "heatmap": plot_residue_heatmap([(lab, reports.get(lab, {})) for lab in ids], out / "paper_heatmap.png"),
+    }
+    items, lines = analysis_results(done)
+    if items:
+        paths["mechanisms"] = plot_mechanisms(items, out / "paper_mechanisms.png", "analysed runs")
+    text = ["figures:", *(f"  {name}: {p}" for name, p in paths.items())]
+    return {k: str(v) for k, v in paths.items()}, text + (["analyses (per run):", *lines] if lines else [])
+
+
+def report(study: Study, done: list[dict], out: Path, quick: bool) -> tuple[list[Check], dict]:
+    """Print and write (``<out>/paper_table.txt``) the side-by-side table, the rank agreement, the claims and the
+    figures' paths; return the claims as checks and the figures (``{"figures": name -> path}``) for the record."""
     paper, why = read_paper(paper_path(study))
     roles = {r.label: r.role for r in study.runs}
     ids: dict[str, str] = {lab: v for lab, v in study.params["paper_ids"].items() if lab in roles}
@@ -293,6 +351,8 @@ def report(study: Study, done: list[dict], out: Path, quick: bool) -> list[Check
         paper_gaps,
     )
     text += check_lines(checks, ("PASS", "FAIL", "undecided"))
+    paths, lines = figures(done, ids, roles, paper, out)
+    text += lines
     print("\n" + "\n".join(text) + "\n")
     (out / "paper_table.txt").write_text("\n".join(text) + "\n")
-    return checks
+    return checks, {"figures": paths}

@@ -26,11 +26,15 @@ A study's YAML (``Study``; every key optional but ``out``):
       prefix: [task.padding=prefix]   # each writes its own results folder (task.name=<task>_<name>)
     scales:                 # other scales of the same study (``--scale NAME``): params merged over ``params``,
       paper: {params: {experiment: paper_base}, train: [hydra/launcher=slurm]}   # overrides added to every run
-    report: ckv.apps.paper:report   # the study's own tables and claims after the runs (module:function)
+    report: ckv.apps.paper:report   # the study's own tables and claims after the runs (module:function): it
+                                    # returns its checks and the keys it adds to the record (e.g. its figures)
+    analyses:               # eval.py analysis=<name> (conf/eval/analysis/) on the first evaluation of every finished
+      knockout: {roles: [baseline], eval: [analysis.units=layers]}   # run of these roles (none: every run)
 
 The generic command runs any of them: ``python -m ckv.apps.study NAME [--quick] [--out DIR] [--workers N]
 [--scale S] [--dry-run]`` (``main``): a failed run is reported and the others go on; a rerun reuses finished
-training (train.py resumes a finished folder) and evaluations newer than the run's last checkpoint.
+training (train.py resumes a finished folder) and evaluations and analyses newer than the run's last checkpoint. An
+analysis that does not apply to a run (eval.py's ``EXIT_NOT_APPLICABLE``: no gates, W != S) is skipped with one line.
 
 A model without a stride (full attention) has no phase of its own: ``phase_of`` names the run it is compared with,
 and its evaluation groups positions mod that run's stride (``task.stride=S`` added after its own eval overrides),
@@ -56,15 +60,17 @@ from typing import Any, Optional, Union
 
 from omegaconf import OmegaConf
 
+from ckv.apps.cli import EXIT_NOT_APPLICABLE
 from ckv.attention import check_attention
 from ckv.checks import ConfigError, error_message
 from ckv.eval.summary import flatness_fields, results_file
-from ckv.io.layout import STATE_FILE, latest_checkpoint, read_run_config
+from ckv.io.layout import STATE_FILE, analysis_file, eval_dir, latest_checkpoint, read_run_config
 from ckv.io.results import read_json, write_json
 from ckv.plan import compose_train_config, model_config
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
 STUDY_DIR = ROOT / "conf" / "study"
+ANALYSIS_DIR = ROOT / "conf" / "eval" / "analysis"  # eval.py's analyses (analysis=<name>)
 TASK = "demo_lookup"  # the lookup task of every study so far (a study's ``task`` key)
 # a full-attention control has learned a lookup task when its mean accuracy reaches this; below it, "as good as full
 # attention" means nothing (the bar of make demo, make demo-v4 and make robust's goal and confirmation)
@@ -102,9 +108,11 @@ STUDY_KEYS = {
     "params",
     "scales",
     "report",
+    "analyses",
 }
 SCALE_KEYS = {"params", "train", "eval", "launcher"}
 RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds", "phase_of"}
+ANALYSIS_KEYS = {"roles", "eval"}
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,19 @@ class Run:
     @property
     def label(self) -> str:
         return f"{(self.name or self.experiment).removeprefix('demo_')}/seed={self.seed}"
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One entry of a study's ``analyses``: ``eval.py analysis=<name>`` with ``overrides`` on every finished run whose
+    role is in ``roles`` (every run when empty)."""
+
+    name: str
+    roles: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
+
+    def applies_to(self, run: Run) -> bool:
+        return not self.roles or run.role in self.roles
 
 
 @dataclass(frozen=True)
@@ -144,6 +165,7 @@ class Study:
     scales: tuple[str, ...] = ()  # the scales the YAML declares
     report: str = ""  # ``module:function`` the generic command calls after the runs ("" : none)
     launcher: str = ""  # the chosen scale's Hydra launcher (conf/hydra/launcher/): training is submitted through it
+    analyses: tuple[Analysis, ...] = ()  # run after the evaluations (``run_analyses``)
 
     def workers_for(self, n_runs: int) -> int:
         """Models trained at once when ``--workers`` is not given: ``workers`` (``all``: ``n_runs``), else
@@ -224,6 +246,20 @@ def compared_stride(compared: str, runs: list[Run], where: str) -> int:
 _STRIDES: dict[tuple[str, tuple[str, ...]], Optional[int]] = {}  # (experiment, train overrides) -> stride
 
 
+def _analyses(value: Any, where: str) -> tuple[Analysis, ...]:
+    """A study's ``analyses``: name (an ``eval.py analysis=`` option) -> ``{roles, eval}``."""
+    out = []
+    for name, spec in (value or {}).items():
+        spec = spec or {}
+        if not (ANALYSIS_DIR / f"{name}.yaml").is_file():
+            known = sorted(p.stem for p in ANALYSIS_DIR.glob("*.yaml"))
+            raise ConfigError(f"{where}: no analysis {name!r} in conf/eval/analysis; known: {known}")
+        if not isinstance(spec, dict) or set(spec) - ANALYSIS_KEYS or not isinstance(spec.get("roles") or [], list):
+            raise ConfigError(f"{where}.{name}: an analysis takes roles (a list) and eval (overrides); got {spec!r}")
+        out.append(Analysis(name, tuple(spec.get("roles") or ()), _overrides(spec.get("eval"), f"{where}.{name}")))
+    return tuple(out)
+
+
 def load_study(name: str, scale: str = "") -> Study:
     """``conf/study/<name>.yaml`` as a ``Study`` (``ConfigError``, one line, for a missing study, scale or a bad
     key); ``scale`` (a key of its ``scales``) swaps in that scale's params and adds its overrides to every run."""
@@ -281,6 +317,7 @@ def load_study(name: str, scale: str = "") -> Study:
         launcher=spec.get("launcher", ""),
         scales=tuple(raw.get("scales") or ()),
         report=raw.get("report", ""),
+        analyses=_analyses(raw.get("analyses"), f"conf/study/{name}.yaml analyses"),
     )
 
 
@@ -314,14 +351,28 @@ class Timer:
         return f"{s // 60:d}:{s % 60:02d}"
 
 
+class CommandFailed(RuntimeError):
+    """A study's command exited non-zero: ``returncode`` and the ``last_line`` of its log (its one-line error)."""
+
+    def __init__(self, message: str, returncode: int, last_line: str) -> None:
+        super().__init__(message)
+        self.returncode, self.last_line = returncode, last_line
+
+
 def run_command(cmd: list[str], log: Path, env: dict) -> None:
-    """Run ``cmd`` in the checkout with its output in ``log``; a failure raises with the log's last lines."""
+    """Run ``cmd`` in the checkout with its output in ``log``; a failure raises ``CommandFailed`` with the log's last
+    lines."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
     if proc.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}")
+        lines = log.read_text().splitlines(keepends=True)
+        tail = "".join(lines[-15:])
+        raise CommandFailed(
+            f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}",
+            proc.returncode,
+            lines[-1].strip() if lines else "",
+        )
 
 
 def run_dir(out: Path, run: Run) -> Path:
@@ -388,11 +439,17 @@ def eval_commands(
     }
 
 
+def is_current(rdir: Path, path: Path) -> bool:
+    """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written after the run's last
+    checkpoint (a rerun reuses it; train.py rewrites the final weights when it resumes a finished run, never the
+    checkpoint it resumed from)."""
+    ckpt = latest_checkpoint(rdir)
+    return path.is_file() and ckpt is not None and path.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
+
+
 def evaluation_is_current(rdir: Path, task_name: str) -> bool:
-    """Whether ``rdir`` holds ``task_name``'s results written after its last checkpoint (a rerun reuses them;
-    train.py rewrites the final weights when it resumes a finished run, never the checkpoint it resumed from)."""
-    res, ckpt = results_file(rdir, task_name), latest_checkpoint(rdir)
-    return res.is_file() and ckpt is not None and res.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
+    """Whether ``rdir`` holds ``task_name``'s results written after its last checkpoint (``is_current``)."""
+    return is_current(rdir, results_file(rdir, task_name))
 
 
 def train_and_evaluate(
@@ -472,6 +529,54 @@ def run_plan(
             else:
                 results[run] = fut.result()
     return [results[r] for r in plan]
+
+
+def analysis_command(study: Study, run: Run, analysis: Analysis, out: Path, quick: bool) -> tuple[Path, list[str]]:
+    """``eval.py analysis=<name>``'s command line for ``run``, on the study's first evaluation (its task and
+    overrides, so its results sit in that evaluation's folder), and the analysis' results file."""
+    task_name, cmd = next(iter(eval_commands(run, out, quick, study.task, study.evals).values()))
+    return analysis_file(eval_dir(run_dir(out, run), task_name), analysis.name), [
+        *cmd,
+        f"analysis={analysis.name}",
+        *analysis.overrides,
+    ]
+
+
+def run_analyses(
+    study: Study, done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer
+) -> list[dict]:
+    """The study's ``analyses`` on the finished runs (``done``) of their roles, ``workers`` at a time; an analysis
+    still current (``is_current``) is not rerun. Returns one record per run and analysis: ``{"label", "analysis"}``
+    and ``file`` (its results), ``skipped`` (the one line why it does not apply to that model) or ``error`` (it
+    failed; the others go on); each run's records are also under its ``done`` record's ``analyses``, by name."""
+
+    def one(d: dict, a: Analysis) -> dict:
+        run = d["run"]
+        path, cmd = analysis_command(study, run, a, out, quick)
+        record = {"label": run.label, "analysis": a.name}
+        try:
+            if not is_current(d["dir"], path):
+                run_command(cmd, log_file(out, run, a.name), env)
+        except CommandFailed as e:
+            if e.returncode != EXIT_NOT_APPLICABLE:
+                raise
+            print(f"[{clock}] {run.label}: {a.name} skipped, it does not apply ({e.last_line})", flush=True)
+            return {**record, "skipped": e.last_line}
+        print(f"[{clock}] {run.label}: {a.name} done", flush=True)
+        return {**record, "file": str(path)}
+
+    jobs = [(d, a) for d in done for a in study.analyses if a.applies_to(d["run"])]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(one, d, a) for d, a in jobs]
+    records = []
+    for (d, a), fut in zip(jobs, futures):
+        if fut.exception() is None:
+            records.append(fut.result())
+        else:
+            print(f"[{clock}] {d['run'].label}: {a.name} FAILED ({str(fut.exception()).splitlines()[0]})", flush=True)
+            records.append({"label": d["run"].label, "analysis": a.name, "error": str(fut.exception())})
+        d.setdefault("analyses", {})[a.name] = records[-1]
+    return records
 
 
 def start(study: Study, runs: tuple[Run, ...], out: Path, quick: bool, workers: int) -> tuple[Timer, dict]:
@@ -682,13 +787,25 @@ def study_arguments(
 
 
 def dry_run(study: Study, out: Path, quick: bool) -> list[str]:
-    """The jobs the study would run, one line each: every run's train command then its eval commands."""
+    """The jobs the study would run, one line each: every run's train command, its eval commands, then the
+    analyses of its role."""
     lines = []
     for run in study.runs:
         lines.append(f"train {run.label}: {' '.join(train_command(run, out, quick, study.launcher))}")
         for key, (_, cmd) in eval_commands(run, out, quick, study.task, study.evals).items():
             lines.append(f"eval  {run.label} [{key}]: {' '.join(cmd)}")
+        for a in study.analyses:
+            if a.applies_to(run):
+                lines.append(
+                    f"analyse {run.label} [{a.name}]: {' '.join(analysis_command(study, run, a, out, quick)[1])}"
+                )
     return lines
+
+
+def n_jobs(study: Study) -> int:
+    """How many jobs the study runs: per run, its training, its evaluations and the analyses of its role."""
+    per_run = 1 + len(eval_names(study.task, study.evals))
+    return sum(per_run + sum(a.applies_to(r) for a in study.analyses) for r in study.runs)
 
 
 def study_report(study: Study) -> Optional[Any]:
@@ -728,23 +845,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     if args.dry_run:
         print("\n".join(dry_run(study, out, args.quick)))
-        print(f"{len(study.runs)} runs, {len(study.runs) * (1 + len(eval_names(study.task, study.evals)))} jobs")
+        print(f"{len(study.runs)} runs, {n_jobs(study)} jobs")
         return 0
     workers = args.workers or study.workers_for(len(study.runs))
     clock, env = start(study, study.runs, out, args.quick, workers)
     done = run_plan(study.runs, out, args.quick, workers, env, clock, study.task, study.evals, keep_going=True)
     failed = [d for d in done if "error" in d]
     ok = [d for d in done if "error" not in d]
+    analyses = run_analyses(study, ok, out, args.quick, workers, env, clock)
     for key in eval_names(study.task, study.evals):
         print(f"\n{key}:\n" + table([{**d, "results": d["evaluations"][key]} for d in ok]))
-    checks = report(study, ok, out, args.quick) if report is not None and ok else []
+    checks, extra = report(study, ok, out, args.quick) if report is not None and ok else ([], {})
     for d in failed:
         print(f"FAILED {d['run'].label}: {d['error'].splitlines()[0]} (log: {out / 'logs'})")
+    failed_analyses = [a for a in analyses if "error" in a]
+    for a in failed_analyses:
+        print(f"FAILED {a['label']} {a['analysis']}: {a['error'].splitlines()[0]} (log: {out / 'logs'})")
     record = {"all_passed": all(c.passed for c in checks), "checks": [c.__dict__ for c in checks]}
     record["runs"] = run_records(ok, next(iter(eval_names(study.task, study.evals).values())))
     record["failed"] = [{"label": d["run"].label, "error": d["error"]} for d in failed]
+    record |= {"analyses": analyses, **extra}
     write_study_record(out, study.record, args.quick, clock, None, record)
-    return 1 if failed else exit_code(checks, args.quick)
+    return 1 if failed or failed_analyses else exit_code(checks, args.quick)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
@@ -382,4 +382,92 @@ def plot_grid_summary(rows: Sequence[dict], path: PathLike) -> Path:
         title += f", phase gap {PCT * np.mean(gaps):.1f} pp" if gaps else ""
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    return save_figure(fig, path)
+
+
+@dataclass
+class CurvePanel:
+    """One panel of ``plot_residue_curves``: a run's lookup reports by evaluation name (e.g. the padding; none: the
+    run did not finish), the stride marked on it (``None``: no lines, e.g. full attention) and reference means by
+    evaluation name (fractions, e.g. the paper's)."""
+
+    label: str
+    reports: dict[str, dict]
+    stride: Optional[int]
+    reference: dict[str, float] = field(default_factory=dict)
+
+
+def _evaluation_names(reports: Sequence[dict[str, dict]]) -> list[str]:
+    """Every evaluation name of ``reports`` once, in the order it first appears."""
+    return list(dict.fromkeys(k for r in reports for k in r))
+
+
+def plot_residue_curves(panels: Sequence[CurvePanel], path: PathLike, ncols: int = 6) -> Path:
+    """Small multiples in the given order, one panel per run: accuracy per residue with its 95% band, one colour per
+    evaluation (overlaid), dotted vertical lines every S positions (between phase S - 1 and phase 0) and each
+    reference mean as a dashed line in its evaluation's colour; a run without reports is titled "no results"."""
+    if not panels:
+        raise ValueError("nothing to plot: no runs")
+    names = _evaluation_names([p.reports for p in panels])
+    colors = dict(zip(names, palette(len(names))))
+    ncols = min(ncols, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig = Figure(figsize=(2.9 * ncols, 2.3 * nrows + 0.8))
+    axes = fig.subplots(nrows, ncols, sharex=True, sharey=True, squeeze=False).ravel()
+    modulus = max((r["modulus"] for p in panels for r in p.reports.values()), default=1)
+    for ax, panel in zip(axes, panels):
+        for name, rep in panel.reports.items():
+            groups = rep["residue"]["groups"]
+            x = np.array([g["group"] for g in groups])
+            lo, hi = (np.array([_pct(g[k]) for g in groups]) for k in ("lower", "upper"))
+            ax.fill_between(x, lo, hi, color=colors[name], alpha=0.25, lw=0)
+            ax.plot(x, [_pct(g["accuracy"]) for g in groups], "-", color=colors[name], lw=1.2, marker="o", ms=2)
+        for name, mean in panel.reference.items():
+            ax.axhline(_pct(mean), ls="--", lw=0.9, color=colors.get(name, "black"))
+        if panel.stride:
+            for b in range(panel.stride, modulus, panel.stride):
+                ax.axvline(b - 0.5, ls=":", lw=0.8, color="0.35", zorder=0)
+        stride = "no results" if not panel.reports else "no stride" if panel.stride is None else f"S={panel.stride}"
+        ax.set_title(f"{panel.label} ({stride})", fontsize=8)
+        ax.set_xticks(range(0, modulus, max(1, -(-modulus // MAX_TICKS))))
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+        percent_axis(ax)
+    for ax in axes[len(panels) :]:
+        ax.set_visible(False)
+    for ax in axes[(nrows - 1) * ncols :]:
+        ax.set_xlabel(f"target position mod {modulus}", fontsize=8)
+    for ax in axes[::ncols]:
+        ax.set_ylabel("top-1 accuracy (%)", fontsize=8)
+    handles = [Line2D([], [], color=colors[n], lw=1.5, label=n) for n in names]
+    handles.append(Line2D([], [], color="0.2", ls="--", lw=0.9, label="reference mean (the evaluation's colour)"))
+    handles.append(Line2D([], [], color="0.35", ls=":", lw=0.8, label="every S positions (phase S - 1 | phase 0)"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, bbox_to_anchor=(0.5, 0.0))
+    fig.suptitle("accuracy per target position (bands: 95% intervals)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return save_figure(fig, path)
+
+
+def plot_residue_heatmap(rows: Sequence[tuple[str, dict[str, dict]]], path: PathLike) -> Path:
+    """Runs (rows, in the given order) x target position mod M (columns): accuracy (%), one panel per evaluation side
+    by side on one colour scale (0-100); a run without that evaluation is a grey row."""
+    names = _evaluation_names([reports for _, reports in rows])
+    if not names:
+        raise ValueError("nothing to plot: no run has a lookup report")
+    modulus = max(r["modulus"] for _, reports in rows for r in reports.values())
+    fig = Figure(figsize=(1.5 + 0.28 * modulus * len(names) + 1.2, 1.2 + 0.24 * len(rows)), layout="constrained")
+    axes = fig.subplots(1, len(names), sharey=True, squeeze=False)[0]
+    cmap = colormaps["viridis"].with_extremes(bad="0.85")
+    for ax, name in zip(axes, names):
+        data = np.full((len(rows), modulus), np.nan)  # (run, residue)
+        for i, (_, reports) in enumerate(rows):
+            for g in reports[name]["residue"]["groups"] if name in reports else ():
+                data[i, g["group"]] = _pct(g["accuracy"])
+        im = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=0, vmax=100, aspect="auto", interpolation="nearest")
+        ax.set_xticks(range(modulus), [str(r) for r in range(modulus)], fontsize=6)
+        ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
+        ax.set_xlabel(f"target position mod {modulus}", fontsize=8)
+        ax.set_title(name, fontsize=9)
+    fig.colorbar(im, ax=list(axes), fraction=0.03, pad=0.01).set_label("top-1 accuracy (%)", fontsize=8)
+    fig.suptitle("accuracy per target position, every run (grey: no result)", fontsize=10)
     return save_figure(fig, path)
