@@ -125,11 +125,17 @@ def test_the_table_sits_beside_the_papers_rows_and_ranks_agree_as_constructed(tm
     line = next(x for x in text.splitlines() if x.startswith("b/seed=42") and "in_sequence" in x)
     assert "20.0 [19.0, 21.0]" in line and line.count("20.0 [19.0, 21.0]") == 2  # ckv's gap and the paper's
     for csv_name, rho in (("same.csv", 1.0), ("reversed.csv", -1.0)):
-        lines = paper.rank_lines(rows, ids, paper.read_paper(tmp_path / csv_name)[0], list(ids))
+        everyone = {(lab, pad) for lab in ids for pad in paper.PADDINGS}
+        lines = paper.rank_lines(rows, ids, paper.read_paper(tmp_path / csv_name)[0], list(ids), everyone)
         assert [(w, n) for w, _, n in lines] == [
             (f"Spearman of {m} ({p})", 4) for p in paper.PADDINGS for m in ("gap", "worst")
         ]
         assert all(r[0] == pytest.approx(rho) for _, r, _ in lines)
+        # a variant that did not learn in one padding joins no rank there
+        fewer = paper.rank_lines(
+            rows, ids, paper.read_paper(tmp_path / csv_name)[0], list(ids), everyone - {("a/seed=42", "prefix")}
+        )
+        assert [n for _, _, n in fewer] == [3, 3, 4, 4]
     missing, why = paper.read_paper(tmp_path / "absent.csv")
     assert missing == {} and "n/a" in why and "absent" in why
     assert "n/a" in paper.side_by_side(rows, ids, missing).splitlines()[1]
@@ -169,7 +175,12 @@ def row(mean=0.9, gap=0.02, p=0.5, floor=0.03, verdict="flat", period=None, stri
 
 
 GAP = dict(gap=0.4, p=0.001, verdict="gap", period=8, worst=0.3)
-CRITERIA = {"control_mean": 0.8, "flat_margin": 0.05}
+CRITERIA = {"control_mean": 0.8, "flat_margin": 0.05, "learned_best": 0.5}
+
+
+def learned(rows: dict) -> set:
+    """The constructed rows' learned evaluations (every role but the control's), by the study's bar."""
+    return paper.learned_runs({k: v for k, v in rows.items() if k != "ctrl"}, CRITERIA["learned_best"])
 
 
 def outcome(checks, start: str) -> list[str]:
@@ -203,7 +214,7 @@ def test_each_claim_passes_fails_or_stays_undecided_on_constructed_rows():
         ("Spearman of worst (prefix)", (0.1, -0.5, 0.6), 5),
         ("Spearman of gap (in_sequence)", (-0.7, -1.0, -0.2), 5),
     ]
-    checks = paper.claims(rows, roles, CRITERIA, ranks, [0.37, 0.75])
+    checks = paper.claims(rows, roles, CRITERIA, ranks, [0.37, 0.75], learned(rows))
     assert outcome(checks, "precondition") == ["PASS"]
     assert outcome(checks, "prefix: the dominant period") == ["FAIL"]  # mean's period 4 != 8
     assert "mean period 4 (S=8)" in next(c.detail for c in checks if c.claim.startswith("prefix: the dominant"))
@@ -215,22 +226,33 @@ def test_each_claim_passes_fails_or_stays_undecided_on_constructed_rows():
     assert "37.0-75.0 pp" in next(c.detail for c in checks if c.claim.startswith("prefix: every baseline"))
 
     # the opposite outcomes: a control with a gap, mean pooling flat, the tail's worst group under the baseline's
-    rows |= {"ctrl": both(row(**{**GAP, "mean": 0.85})), "mean": both(row()), "tail": both(row(worst=0.1))}
+    tail = row(gap=0.45, worst=0.1)  # learned (best group 55%), its worst group 8-12% under the baseline's 50%
+    rows |= {"ctrl": both(row(**{**GAP, "mean": 0.85})), "mean": both(row()), "tail": both(tail)}
     rows["base"] = both(row())  # a baseline seed without a gap
-    checks = paper.claims(rows, roles, CRITERIA, [], [])
+    checks = paper.claims(rows, roles, CRITERIA, [], [], learned(rows))
     assert outcome(checks, "ctrl ") == ["FAIL", "FAIL"] and outcome(checks, "mean ") == ["FAIL", "FAIL"]
     assert outcome(checks, "tail ") == ["FAIL", "FAIL"] and outcome(checks, "rank agreement") == ["undecided"]
     assert outcome(checks, "prefix: the dominant period") == ["PASS"]  # w8s4, the one significant gap, is at its S
     assert outcome(checks, "prefix: every baseline seed") == ["FAIL"]
 
     # the precondition: a control under 80% leaves every claim undecided
+    # a compressed model that did not learn (best group under 50%): no phase conclusion, whatever its gap
+    unlearned = {**rows, "mean": both(row(mean=0.1, gap=0.01, worst=0.08)), "base": both(row(**{**GAP, "worst": 0.05}))}
+    checks = paper.claims(unlearned, roles, CRITERIA, [], [], learned(unlearned))
+    assert outcome(checks, "mean ") == ["undecided"] * 2 and outcome(checks, "tail ") == ["undecided"] * 2
+    assert "not learned: best group 9.0% under 50.0%" in next(c.detail for c in checks if c.claim.startswith("mean "))
+    assert outcome(checks, "prefix: every baseline seed") == ["undecided"]
+    assert "not learned: base" in next(c.detail for c in checks if c.claim.startswith("prefix: the dominant"))
+
     rows["ctrl"] = both(row(mean=0.5))
-    checks = paper.claims(rows, roles, CRITERIA, ranks, [])
+    checks = paper.claims(rows, roles, CRITERIA, ranks, [], learned(rows))
     assert outcome(checks, "precondition") == ["FAIL"]
     assert all(not c.decided and "no verdict" in c.detail for c in checks[1:]) and len(checks) > 10
     # no significant gap anywhere: the period claim has nothing to judge
     rows = {"ctrl": both(row()), "w4s4": both(row(stride=4))}
-    assert outcome(paper.claims(rows, roles, CRITERIA, [], []), "in_sequence: the dominant") == ["undecided"]
+    assert outcome(paper.claims(rows, roles, CRITERIA, [], [], learned(rows)), "in_sequence: the dominant") == [
+        "undecided"
+    ]
 
 
 def lookup_report(stride: int, dip: float, modulus: int = 24) -> dict:

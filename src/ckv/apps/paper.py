@@ -123,17 +123,22 @@ def rank_agreement(
 
 
 def rank_lines(
-    rows: dict[str, dict[str, dict]], ids: dict[str, str], paper: dict[tuple[str, str], dict], compressed: list[str]
+    rows: dict[str, dict[str, dict]],
+    ids: dict[str, str],
+    paper: dict[tuple[str, str], dict],
+    compressed: list[str],
+    learned: set[tuple[str, str]],
 ) -> list[tuple[str, tuple[float, Optional[float], Optional[float]], int]]:
-    """Spearman agreement with the paper across the ``compressed`` runs, per padding, of the gap and of the worst
-    group: ``(what, (rho, lower, upper), n variants)``; a run or paper row missing is left out."""
+    """Spearman agreement with the paper across the ``compressed`` runs that learned (``(label, padding)`` in
+    ``learned``), per padding, of the gap and of the worst group: ``(what, (rho, lower, upper), n variants)``; a run
+    or paper row missing is left out."""
     out = []
     for pad in PADDINGS:
         for metric in ("gap", "worst"):
             pairs = [
                 (rows[lab][pad][metric][0], paper[(ids[lab], pad)][metric][0])
                 for lab in compressed
-                if pad in rows.get(lab, {}) and (ids[lab], pad) in paper
+                if pad in rows.get(lab, {}) and (ids[lab], pad) in paper and (lab, pad) in learned
             ]
             if len(pairs) >= 2:
                 a, b = zip(*pairs)
@@ -163,6 +168,23 @@ def _real(r: dict) -> bool:
     return gap_is_real(r["residue_p_value"], r["residue_gap_lower"], r["residue_noise_floor"])
 
 
+def best_group(r: dict) -> float:
+    """The best group's accuracy of a ``claim_row``: its worst group plus its best-minus-worst gap."""
+    return r["worst_residue_accuracy"] + r["residue_gap"]
+
+
+def learned_runs(rows: dict[str, dict[str, dict]], bar: float) -> set[tuple[str, str]]:
+    """``(label, padding)`` of every evaluation whose best group reaches ``bar`` (``criteria.learned_best``)."""
+    return {(lab, pad) for lab, pads in rows.items() for pad, r in pads.items() if best_group(r) >= bar}
+
+
+def _not_learned(r: dict, criteria: dict[str, float]) -> str:
+    return (
+        f"not learned: best group {pp(best_group(r))}% under {pp(criteria['learned_best'])}% (no phase conclusion); "
+        + _gap(r)
+    )
+
+
 def _outcome(claim: str, verdict: Optional[bool], detail: str) -> Check:
     """A check: ``verdict`` True (PASS), False (FAIL) or None (undecided)."""
     return Check(claim, verdict is True, detail, decided=verdict is not None)
@@ -174,11 +196,14 @@ def claims(
     criteria: dict[str, float],
     ranks: list[tuple[str, tuple[float, Optional[float], Optional[float]], int]],
     paper_gaps: list[float],
+    learned: set[tuple[str, str]],
 ) -> list[Check]:
     """The study's claims (docs/paper.md, "Criteria"), each PASS / FAIL / undecided with its interval. ``rows``:
     label -> padding -> ``claim_row``; ``roles``: label -> role (conf/study/paper.yaml); ``ranks``: ``rank_lines``;
-    ``paper_gaps``: the paper baseline seeds' prefix gaps. Precondition: every full-attention control's mean is at
-    least ``criteria.control_mean`` in both paddings; otherwise every claim is undecided (no verdict)."""
+    ``paper_gaps``: the paper baseline seeds' prefix gaps; ``learned``: ``learned_runs``. Precondition: every
+    full-attention control's mean is at least ``criteria.control_mean`` in both paddings; otherwise every claim is
+    undecided (no verdict). A compressed evaluation whose best group is under ``criteria.learned_best`` did not learn:
+    no phase conclusion is drawn from it (its claims read undecided, it joins no comparison or rank)."""
     of = {role: [lab for lab in rows if roles.get(lab) == role] for role in set(roles.values())}
     controls, baseline = of.get("control", []), of.get("baseline", [])
     compressed = [lab for lab in rows if roles.get(lab) != "control"]
@@ -198,7 +223,12 @@ def claims(
         )
     ]
     for pad in PADDINGS:
-        real = [(lab, rows[lab][pad]) for lab in compressed if pad in rows[lab] and _real(rows[lab][pad])]
+        unlearned = [lab for lab in compressed if pad in rows[lab] and (lab, pad) not in learned]
+        real = [
+            (lab, rows[lab][pad])
+            for lab in compressed
+            if pad in rows[lab] and (lab, pad) in learned and _real(rows[lab][pad])
+        ]
         wrong = [
             f"{lab} period {r['dominant_period']} (S={r['stride']})"
             for lab, r in real
@@ -208,8 +238,9 @@ def claims(
             _outcome(
                 f"{pad}: the dominant period equals S for every compressed variant with a significant gap",
                 None if not real else not wrong,
-                f"{len(real)} of {len(compressed)} with a significant gap; "
-                + ("; ".join(wrong) if wrong else "all at their S" if real else "none to judge"),
+                f"{len(real)} of {len(compressed)} learned with a significant gap; "
+                + ("; ".join(wrong) if wrong else "all at their S" if real else "none to judge")
+                + (f"; not learned: {', '.join(unlearned)}" if unlearned else ""),
             )
         )
     for lab in controls:
@@ -225,14 +256,17 @@ def claims(
             )
     for lab in [x for role in ("mean", "no_rope", "kv_heads") for x in of.get(role, [])]:
         for pad, r in rows[lab].items():
+            if (lab, pad) not in learned:
+                out.append(_outcome(f"{lab} {pad}: keeps a significant gap", None, _not_learned(r, criteria)))
+                continue
             verdict = True if _real(r) else False if r["residue_verdict"] == "flat" else None
             out.append(_outcome(f"{lab} {pad}: keeps a significant gap", verdict, _gap(r)))
     for lab in [x for role in ("overlap", "tail") for x in of.get(role, [])]:
         for pad, r in rows[lab].items():
-            base = [rows[b][pad]["worst_residue_accuracy"] for b in baseline if pad in rows[b]]
+            base = [rows[b][pad]["worst_residue_accuracy"] for b in baseline if (b, pad) in learned]
             verdict = (
                 None
-                if not base
+                if not base or (lab, pad) not in learned
                 else True
                 if r["worst_residue_lower"] > max(base)
                 else False
@@ -244,7 +278,9 @@ def claims(
                     f"{lab} {pad}: raises the worst group over the baseline (its interval above every baseline seed's)",
                     verdict,
                     f"worst {pp(r['worst_residue_accuracy'])}% [{pp(r['worst_residue_lower'])}, "
-                    f"{pp(r['worst_residue_upper'])}] vs baseline seeds {', '.join(pp(b) for b in base) or '-'}%",
+                    f"{pp(r['worst_residue_upper'])}] vs the learned baseline seeds "
+                    f"{', '.join(pp(b) for b in base) or '-'}%"
+                    + ("" if (lab, pad) in learned else f"; {_not_learned(r, criteria)}"),
                 )
             )
     for what, (rho, lo, hi), n in ranks:
@@ -263,11 +299,13 @@ def claims(
         gaps = [r["residue_gap"] for _, r in seeds]
         spread = f"{pp(min(gaps))}-{pp(max(gaps))} pp" if gaps else "-"
         theirs = f"{pp(min(paper_gaps))}-{pp(max(paper_gaps))} pp" if paper_gaps else "n/a"
+        unlearned = [lab for lab, _ in seeds if (lab, pad) not in learned]
         out.append(
             _outcome(
                 f"{pad}: every baseline seed has a significant gap (seed spread beside the paper's)",
-                None if not seeds else all(_real(r) for _, r in seeds),
-                f"gap over {len(seeds)} seeds {spread}; the paper's over 4 seeds (prefix) {theirs}",
+                None if not seeds or unlearned else all(_real(r) for _, r in seeds),
+                f"gap over {len(seeds)} seeds {spread}; the paper's over 4 seeds (prefix) {theirs}"
+                + (f"; not learned: {', '.join(unlearned)}" if unlearned else ""),
             )
         )
     if not ok:
@@ -339,17 +377,15 @@ def report(study: Study, done: list[dict], out: Path, quick: bool) -> tuple[list
     ids: dict[str, str] = {lab: v for lab, v in study.params["paper_ids"].items() if lab in roles}
     rows = run_rows(done)
     compressed = [lab for lab in ids if roles[lab] != "control"]
-    ranks = rank_lines(rows, ids, paper, compressed)
+    claim_rows = {d["run"].label: {k: claim_row(v) for k, v in d["evaluations"].items()} for d in done}
+    learned = learned_runs(
+        {lab: claim_rows[lab] for lab in compressed if lab in claim_rows}, study.criteria["learned_best"]
+    )
+    ranks = rank_lines(rows, ids, paper, compressed, learned)
     text = [side_by_side(rows, ids, paper)] + ([why] if why else [])
     baseline_ids = [ids[lab] for lab in ids if roles[lab] == "baseline"]
     paper_gaps = [paper[(v, "prefix")]["gap"][0] for v in baseline_ids if (v, "prefix") in paper]
-    checks = claims(
-        {d["run"].label: {k: claim_row(v) for k, v in d["evaluations"].items()} for d in done},
-        roles,
-        study.criteria,
-        ranks,
-        paper_gaps,
-    )
+    checks = claims(claim_rows, roles, study.criteria, ranks, paper_gaps, learned)
     text += check_lines(checks, ("PASS", "FAIL", "undecided"))
     paths, lines = figures(done, ids, roles, paper, out)
     text += lines
