@@ -86,7 +86,7 @@ robust-confirm: $(STAMP)  ## confirmation on fresh seeds 100-102: V4's maps with
 robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on the split task, 8 steps x 2 seeds (about 50 min on 2 free cores by its last step's per-run time, 336-347 s of training side by side; 135 min measured with a pause and other jobs; trains its first step overlap_w8s4 too, or reuses it from the same --out)
 	$(BIN)/python -m ckv.apps.robust --ablation --out outputs/robust
 
-selection: $(STAMP)  ## does top-k selection create weak phases beyond the geometry? full control, V4 CSA dense and sparse (3-stage indexer) served by indexer (fp32/FP8/FP4)/oracle/random/recency, 3 seeds, 9 models (31 min 54 s on a fresh clone, 2 cores; criteria and results in docs/selection.md)
+selection: $(STAMP)  ## does top-k selection create weak phases beyond the geometry? full control, V4 CSA dense and sparse (V3.2's stages, top-2 of 68 entries) served by indexer (fp32/FP8/FP4)/oracle/random/recency and a positive control, 3 seeds, 9 models (not yet run: about 95 min of training on 2 cores, by probes; criteria in docs/selection.md)
 	$(BIN)/python -m ckv.apps.selection --out outputs/selection
 
 paper: $(STAMP)  ## the paper's controlled table at CPU scale: 26 models (23 compressed variants incl. 4 baseline seeds, 3 full-attention controls), each evaluated with prefix and in-sequence padding, beside the paper's numbers, with the claims (NOT YET RUN END TO END: about 2.5 h on 2 free cores by the probes' per-model times; resumes where it stopped; docs/paper.md)

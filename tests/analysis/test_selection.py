@@ -27,6 +27,7 @@ from ckv.analysis.selection import (
     selection,
     selector_rows,
     simulate_miss_odds,
+    simulate_straddle_excess,
     straddling_phases,
     synthetic_prompts,
     target_entries,
@@ -212,12 +213,28 @@ def test_paired_differences_on_a_constructed_example():
     class _Ctx:
         options = options(Path("."))
 
-    diff = paired_differences(outcomes, "dense", 4, [3], _Ctx)["sel"]
+    diff = paired_differences(outcomes, "dense", 4, [3], _Ctx.options.stats)["sel"]
     assert [p["value"] for p in diff["phases"]] == pytest.approx([0, 0, 0, -0.4])
     assert diff["mean"]["value"] == pytest.approx(-0.1)
     excess = diff["straddle_excess"]
     assert excess["value"] == pytest.approx(-0.4) and excess["lower"] < -0.4 < excess["upper"] < 0
-    assert paired_differences(outcomes, "dense", 4, [], _Ctx)["sel"]["straddle_excess"]["value"] is None
+    assert paired_differences(outcomes, "dense", 4, [], _Ctx.options.stats)["sel"]["straddle_excess"]["value"] is None
+
+
+def test_c2_s_power_simulation_finds_a_cost_and_calls_no_cost_equivalent():
+    """``simulate_straddle_excess``: a selector answering like dense serving everywhere has a zero-width interval,
+    within +-5 pp in every run; one answering apart in half the (mapping, phase) cells but costing nothing is
+    called costly at about the interval's lower tail rate (2.5%) with its estimate near 0; one costing the
+    straddling phase 20 pp is found in nearly every run; more mappings narrow the interval."""
+    opts = StatsOptions(200, seed=0)
+    same = simulate_straddle_excess(32, 8, 0.7, 0.3, 0.0, 0.0, 10, opts)
+    assert same["equivalent"] == 1 and same["half_width"] == 0 and same["cost"] == 0
+    null = simulate_straddle_excess(32, 8, 0.7, 0.3, 0.5, 0.0, 40, opts)
+    assert null["cost"] <= 0.1 and abs(null["value"]) < 0.03 and null["equivalent"] < 1
+    costly = simulate_straddle_excess(64, 8, 0.7, 0.3, 0.5, -0.2, 20, opts)
+    assert costly["cost"] >= 0.9 and costly["value"] == pytest.approx(-0.2, abs=0.04)
+    more = simulate_straddle_excess(128, 8, 0.7, 0.3, 0.5, 0.0, 20, opts)
+    assert more["half_width"] < 0.7 * null["half_width"]  # 4x the mappings: about half the width
 
 
 @pytest.mark.parametrize(

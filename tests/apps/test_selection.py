@@ -11,18 +11,23 @@ from ckv.apps.selection import (
     IMPOSED,
     MODELS,
     N_BASE,
+    ODDS_MARGIN,
     QUANTISED,
     SEEDS,
     STRIDE,
+    STUDY,
     TOPK,
     criteria,
     plan,
+    pooled_excess,
     selector_row,
     selector_table,
     table,
     verdict,
 )
 from ckv.apps.study import QUICK_TRAIN, Run
+from ckv.eval.design import make_design
+from ckv.geometry import visible_entries
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 from tests.train.helpers import train_config
@@ -31,33 +36,45 @@ from tests.train.helpers import train_config
 def test_plan_trains_every_model_for_three_seeds_with_one_attention_option():
     runs = plan(SEEDS)
     assert len(SEEDS) >= 3 and len(runs) == len(MODELS) * len(SEEDS)
-    assert {r.experiment for r in runs} == {"select_long"}
+    assert {r.experiment for r in runs} == {"select_wide"}
     by = {(r.name, r.seed): r for r in runs}
     assert by[("dense", 0)].train_overrides == ("attention=deepseek_v4_csa",)
     assert by[("sparse", 1)].train_overrides[1] == f"attention.selection.topk={TOPK}"
-    # full attention's phases: mod the stride
-    assert by[("full", 0)].eval_overrides == (f"task.n_base={N_BASE}", f"task.stride={STRIDE}")
-    assert all(r.eval_overrides == (f"task.n_base={N_BASE}",) for r in runs if r.role != "control")
-    assert plan(SEEDS[:1], quick=True)[0].eval_overrides == (f"task.stride={STRIDE}",)  # QUICK_EVAL sets n_base
+    # full attention's phases: mod the stride; every run at the study's modulus (its 273-token prompts)
+    modulus = STUDY.params["modulus"]
+    sized = (f"task.n_base={N_BASE}", f"task.modulus={modulus}")
+    assert by[("full", 0)].eval_overrides == (*sized, f"task.stride={STRIDE}")
+    assert all(r.eval_overrides == sized for r in runs if r.role != "control")
+    # quick: QUICK_EVAL's base examples at the task's own 8 shifts
+    assert plan(SEEDS[:1], quick=True)[0].eval_overrides == (f"task.stride={STRIDE}",)
+    assert N_BASE % modulus == 0 and modulus % STRIDE == 0  # equal position moments per residue; whole phases
 
 
 @pytest.mark.parametrize("quick", [False, True])
 def test_every_run_composes_with_the_same_query_path_and_selection_binds(quick):
-    """Every compressed arm has V4's rank-32 query latent; the sparse arm keeps at most 1/16 of the entries the
-    final query of the longest prompt sees; its indexer trains dense, warms up, then trains sparse."""
+    """Every compressed arm has V4's rank-32 query latent; the sparse arm keeps top-k >= 2 of the >= 64 entries
+    the final query of an evaluation prompt sees (issue 40: selection that is not degenerate, its sparse-stage KL
+    not zero) and at most 1/16 of them; its indexer trains dense, warms up, then trains sparse, the warm-up a
+    fifteenth of sparse training (DeepSeek-V3.2's 1,000 and 15,000 steps)."""
     for run in plan(SEEDS[:1], quick):
         cfg = train_config([f"experiment={run.experiment}", *run.train_overrides, *(QUICK_TRAIN if quick else ())])
         query = cfg.attention.get("query")  # the AttentionConfig as a dict
         assert (query is not None and query["lora_rank"] == 32) == (run.role != "control"), run.name
         ix = cfg.trainer.indexer
         assert (ix.dense_stage > 0) == (run.role == "indexer") and ix.dense_stage < cfg.trainer.max_steps
-        if run.role == "indexer":  # the three stages: dense training, the warm-up, then sparse training
-            assert ix.dense_steps > 0 and ix.warmup_steps > 0
-            visible = cfg.data.lookup.max_len // STRIDE
-            assert TOPK / visible <= 1 / 16, (TOPK, visible)
+        if run.role == "indexer" and not quick:  # dense training, the warm-up, then sparse training
+            sparse = cfg.trainer.max_steps - ix.dense_stage
+            assert ix.dense_steps > 0 and ix.warmup_steps * 15 == sparse, (ix, sparse)
+            lookup = cfg.data.lookup
+            design = make_design(STUDY.params["modulus"], lookup.n_records, 2, 1)  # split records, after bos
+            prompt = 1 + 2 * lookup.n_records + design.pad_budget + 2 + 2 * (lookup.n_queries - 1) + 1
+            visible = visible_entries(prompt - 1, STRIDE)
+            assert cfg.attention["selection"]["topk"] == TOPK >= 2 and visible >= 64 and TOPK / visible <= 1 / 16
+            assert prompt <= cfg.data.seq_len  # training draws layouts at least this long
 
 
-def _sel(model: str, seed: int, selector: str, ratio: tuple, geometric: float, excess: tuple | None) -> dict:
+def _sel(model: str, seed: int, selector: str, odds: tuple, excess: tuple | None, mean: float = 0.8) -> dict:
+    """A selector row with the miss odds ratio ``odds`` (value, lower, upper, null) and the straddling excess."""
     paired = (
         None
         if excess is None
@@ -70,13 +87,13 @@ def _sel(model: str, seed: int, selector: str, ratio: tuple, geometric: float, e
         model=model,
         seed=seed,
         selector=selector,
-        mean=0.8,
+        mean=mean,
         paired=paired,
         covered_straddle=0.3,
         covered_others=0.6,
-        ratio=dict(zip(("value", "lower", "upper"), ratio)),
-        geometric_ratio=geometric,
-        miss_odds=dict(value=1.5, lower=1.2, upper=1.9, null=1.07),
+        ratio=dict(value=0.3, lower=0.2, upper=0.4),
+        geometric_ratio=0.5,
+        miss_odds=dict(zip(("value", "lower", "upper", "null"), odds)),
         accuracy_covered_straddle=dict(n=30, rate=0.9),
         accuracy_missed_straddle=dict(n=70, rate=0.5),
     )
@@ -95,31 +112,61 @@ def test_the_tables_and_the_criteria_read_every_seed():
     rows = [_row("dense", "dense", 0, 0.9, "flat"), _row("full", "control", 0, 0.95, "flat"),
             _row("full", "control", 1, 0.79, "flat")]  # fmt: skip
     sel = [
-        _sel("dense", 0, "dense", (1.0, 1.0, 1.0), 0.5, None),
-        _sel("dense", 0, "random", (0.5, 0.4, 0.6), 0.5, (0.0, -0.02, 0.02)),
-        _sel("sparse", 0, "model", (0.3, 0.2, 0.4), 0.5, (-0.1, -0.15, -0.05)),  # a deficit, and it costs accuracy
-        _sel("sparse", 1, "model", (0.45, 0.3, 0.6), 0.5, (-0.1, -0.2, 0.01)),  # within the geometry's interval
+        _sel("dense", 0, "dense", (1.0, 1.0, 1.0, 1.0), None),
+        _sel("dense", 0, "random", (2.1, 1.3, 4.4, 2.0), (0.0, -0.02, 0.02)),  # on its null
+        _sel("dense", 0, "oracle_drop", (1.5, 1.2, 1.9, 1.07), (-0.05, -0.08, -0.02)),  # detected
+        _sel("sparse", 0, "dense", (1.0, 1.0, 1.0, 1.0), None, mean=0.45),  # the sparse model served dense
+        _sel("sparse", 0, "oracle_drop", (1.1, 0.9, 1.4, 1.07), (-0.05, -0.08, -0.02)),  # not detected
+        _sel("sparse", 0, "model", (1.5, 1.2, 1.9, 1.07), (-0.1, -0.15, -0.05)),  # a deficit, and it costs accuracy
+        _sel("sparse", 1, "model", (1.2, 0.9, 1.7, 1.07), (-0.1, -0.2, 0.01)),  # neither decided
     ]
     assert "dense/0" in table(rows) and " 90.0 " in table(rows) and "flat" in table(rows)
     text = selector_table(sel)
-    assert "0.30 [0.20, 0.40]" in text and "-10.0 [-15.0, -5.0]" in text and "90.0/50.0 (30/70)" in text
+    assert "-10.0 [-15.0, -5.0]" in text and "90.0/50.0 (30/70)" in text
     assert "1.50 [1.20, 1.90] / 1.07" in text
     checks = criteria(rows, sel)
     found = {c.claim.split(":")[0]: c for c in checks if not c.claim.startswith("P:")}
-    control, dense, random = [c for c in checks if c.claim.startswith("P:")]
+    control, dense, sparse, random, positive = [c for c in checks if c.claim.startswith("P:")]
     assert not control.passed and "seed 1: 79.0%" in control.detail  # a control seed under 80%
-    assert dense.passed and random.passed and "dense/0: 0.50 [0.40, 0.60] vs 0.50" in random.detail
+    assert dense.passed and "sparse V4 served dense" in sparse.claim and not sparse.passed  # 45% < 50%
+    assert random.passed and "dense/0: 2.10 [1.30, 4.40] / 2.00" in random.detail
+    assert (
+        "oracle_drop" in positive.claim
+        and not positive.passed
+        and "sparse/0: 1.10 [0.90, 1.40] / 1.07" in (positive.detail)
+    )
     c1, c2 = found["C1 sparse served by its trained indexer"], found["C2 sparse served by its trained indexer"]
-    assert not c1.passed and not c2.passed and "vs geometric 0.50" in c1.detail  # seed 1 decides neither
+    assert not c1.passed and "sparse/1: 1.20 [0.90, 1.70] / 1.07" in c1.detail  # seed 1 decides nothing
+    assert c2.passed and "mean -10.0 [-15.8, -4.2] pp (seed 0: -10.0 [-15.0, -5.0]; seed 1: -10.0 [-20.0, 1.0])" in (
+        c2.detail
+    )  # the mean over the seeds: se sqrt((0.10 / 3.92)^2 + (0.21 / 3.92)^2) / 2 = 0.0297, 1.96 se = 5.8 pp
     assert found["verdict sparse served by its trained indexer"].detail == "undecided"
 
 
+def test_c2_pools_the_seeds_excesses():
+    """The mean of the seeds' straddling excesses with the standard error of a mean of independent estimates:
+    three seeds of the same interval give the same mean and a interval narrower by the square root of 3."""
+    rows = [_sel("sparse", s, "model", (1.0, 0.8, 1.2, 1.07), (-0.03, -0.09, 0.03)) for s in SEEDS[:3]]
+    pooled = pooled_excess(rows)
+    assert pooled["value"] == pytest.approx(-0.03)
+    assert pooled["upper"] - pooled["value"] == pytest.approx(0.06 / 3**0.5)
+    assert pooled_excess(rows + [_sel("sparse", 3, "model", (1.0, 0.8, 1.2, 1.07), None)])["value"] is None
+
+
 def test_the_verdict_needs_every_seed():
-    creates = [_sel("sparse", s, "model", (0.3, 0.2, 0.4), 0.5, (-0.1, -0.15, -0.05)) for s in SEEDS]
+    """C1 holds when the miss odds ratio's lower bound exceeds its null, fails when its upper bound lies under
+    ``ODDS_MARGIN`` times the null; the verdict needs C1 alike in every seed and C2 (over the seeds) alike."""
+    null = 1.07
+    creates = [_sel("sparse", s, "model", (1.5, 1.2, 1.9, null), (-0.1, -0.15, -0.05)) for s in SEEDS]
     assert verdict(creates) == "creates"
-    even = [_sel("sparse", s, "model", (0.7, 0.55, 0.9), 0.5, (0.0, -0.03, 0.03)) for s in SEEDS]
+    below = 0.99 * ODDS_MARGIN * null  # an upper bound just under the margin
+    even = [_sel("sparse", s, "model", (1.0, 0.8, below, null), (0.0, -0.03, 0.03)) for s in SEEDS]
     assert verdict(even) == "does not create"
+    wide = [_sel("sparse", s, "model", (1.0, 0.8, 1.01 * ODDS_MARGIN * null, null), (0.0, -0.03, 0.03)) for s in SEEDS]
+    assert verdict(wide) == "undecided"  # the interval reaches a deficit of the margin's size
     assert verdict(creates[:2] + even[2:]) == "undecided" and verdict([]) == "undecided"
+    costly = [_sel("sparse", s, "model", (1.0, 0.8, below, null), (-0.1, -0.15, -0.05)) for s in SEEDS]
+    assert verdict(costly) == "undecided"  # a cost, no coverage deficit: C1 and C2 disagree
 
 
 def test_a_selector_row_pools_the_straddling_phases_of_one_layer():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -26,11 +27,13 @@ from ckv.attention.indexer import (
 )
 from ckv.attention.reference import joint_attention_reference
 from ckv.config import ConfigError
+from ckv.data.synthetic import LookupSequences
 from ckv.train import TrainConfig, read_metrics, train
 from ckv.train.indexer import (
     IndexerTraining,
     IndexerTrainingConfig,
     indexer_loss,
+    indexer_parameters,
     indexer_recall,
     recall_queries,
 )
@@ -160,6 +163,35 @@ def test_at_top_1_the_sparse_stage_loss_is_zero_and_the_warm_up_loss_is_not():
         grads = torch.autograd.grad(loss, [queries.q, queries.w, keys])
         biggest = max(g.abs().max().item() for g in grads)
         assert (loss.item() > 0.1 and biggest > 0) if dense else (loss.item() == 0 and biggest == 0), dense
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_in_make_selection_s_regime_the_sparse_stage_trains_the_indexer(topk):
+    """issue 40: make selection's sparse arm (select_wide, conf/study/selection.yaml's top-2) in its sparse stage,
+    one training forward of two of its sequences: at top-2 the KL over the selected entries and the indexer's
+    gradient are not zero, so the indexer keeps learning there; at top-1 (the previous design) both are zero."""
+    cfg = train_config(
+        ["experiment=select_wide", "attention=deepseek_v4_csa_sparse", f"attention.selection.topk={topk}"]
+    )
+    lookup, T = cfg.data.lookup, cfg.data.seq_len
+    stream = LookupSequences(lookup, lookup.format(0), T, seed=0, split=0, rank=0, world_size=1)
+    ids = torch.from_numpy(np.stack([stream.next()[0] for _ in range(2)]))  # (2, T)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model.build(cfg.attention, lookup.format(0).vocab_size)).train()
+    ix = cfg.trainer.indexer.resolved(cfg.trainer.max_steps, True)
+    hooks = IndexerTraining(model, ix)
+    sparse_step = ix.dense_stage  # the first step of sparse training
+    assert not hooks.attends_densely(sparse_step) and hooks.attends_densely(sparse_step - 1)
+    hooks.start(dense=False)
+    model(ids)
+    loss, recall = hooks.finish()
+    grads = torch.autograd.grad(loss, indexer_parameters(model), allow_unused=True)
+    biggest = max(0.0 if g is None else g.abs().max().item() for g in grads)
+    assert 0 <= recall.item() <= 1  # the selection binds: T // 4 entries at the last query, top-k of them
+    if topk == 1:
+        assert loss.item() == 0 and biggest == 0
+    else:
+        assert loss.item() > 0 and biggest > 0
 
 
 def test_the_recall_is_measured_on_an_evenly_spaced_sample_of_binding_queries():
@@ -446,6 +478,7 @@ def test_bad_configs_fail_with_one_line(tmp_path, indexer, attention, needle):
     [
         (dict(), True, (600, 200)),
         (dict(recipe="cotrain"), True, (800, 0)),
+        (dict(recipe="v32"), True, (520, 30)),  # the warm-up a fifteenth of sparse training (450 steps)
         (dict(recipe="sparse"), True, (0, 0)),
         (dict(dense_steps=50), True, (50, 200)),  # a stage given keeps its steps, the other takes its share
         (dict(recipe="cotrain", warmup_steps=7), True, (800, 7)),

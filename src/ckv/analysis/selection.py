@@ -51,6 +51,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from statistics import NormalDist
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -616,6 +617,61 @@ def simulate_miss_odds(
     }
 
 
+def simulate_straddle_excess(
+    n_base: int,
+    shifts: int,
+    accuracy: float,
+    icc: float,
+    independent: float,
+    excess: float,
+    n_sims: int,
+    opts: StatsOptions,
+    margin: float = 0.05,
+    stride: int = 4,
+    straddling: tuple[int, ...] = (3,),
+) -> dict:
+    """C2's power, by simulation: ``n_sims`` synthetic paired evaluations shaped like ``make selection``'s
+    (``n_base`` key->value mappings, each at ``shifts`` shifts, phase = shift mod ``stride``), served dense (the
+    reference) and by a selector, and ``paired_differences``' straddling excess of each, its interval from the
+    study's own paired cluster bootstrap. Returns the share of intervals under 0 (``cost``: C2 holds), within
+    +-``margin`` (``equivalent``: C2 fails, no cost), their mean half-width (``half_width``) and the mean estimate.
+
+    Each mapping answers with its own accuracy ``p_b``, Beta-distributed with mean ``accuracy`` and intra-mapping
+    correlation ``icc`` (how alike a mapping's shifts are answered). Dense serving answers prompt ``i`` right when
+    ``u_i < p_b``. The selector answers like it (``v_i = u_i``) except in a share ``independent`` of the (mapping,
+    phase) cells, where it answers with an accuracy of its own, drawn from the same distribution, and fresh
+    uniforms ``v_i``: a selector that keeps or misses a mapping's record at one shift of a phase does so at its
+    other shifts of that phase (the conservative case: more shifts then add little). At the ``straddling`` phases
+    its accuracy is lowered by ``-excess`` (``excess`` < 0: a selector that costs the straddling phase accuracy).
+    Seeded by ``opts.seed`` (the i-th bootstrap by ``seed + i``)."""
+    rng = np.random.default_rng(opts.seed)
+    a, b = accuracy * (1 - icc) / icc, (1 - accuracy) * (1 - icc) / icc
+    phases = np.tile(np.arange(shifts) % stride, n_base)  # (P,)
+    mapping = np.repeat(np.arange(n_base), shifts)  # (P,)
+    table = {"phase": phases, "base": mapping}
+    shift = np.where(np.isin(phases, straddling), excess, 0.0)
+    found = []
+    for i in range(n_sims):
+        p = rng.beta(a, b, n_base)[mapping]  # (P,) each prompt's mapping's accuracy
+        apart = (rng.random((n_base, stride)) < independent)[mapping, phases]  # (P,) the selector's own cells
+        q = np.where(apart, rng.beta(a, b, (n_base, stride))[mapping, phases], p)
+        u = rng.random(len(p))
+        v = np.where(apart, rng.random(len(p)), u)
+        served = {
+            "dense": SimpleNamespace(correct=(u < p).astype(np.int64), table=table),
+            "selector": SimpleNamespace(correct=(v < q + shift).astype(np.int64), table=table),
+        }
+        diff = paired_differences(served, "dense", stride, list(straddling), replace(opts, seed=opts.seed + i))
+        found.append(diff["selector"]["straddle_excess"])
+    lower, upper, value = (np.array([f[k] for f in found], dtype=np.float64) for k in ("lower", "upper", "value"))
+    return {
+        "cost": float(np.mean(upper < 0)),
+        "equivalent": float(np.mean((lower > -margin) & (upper < margin))),
+        "half_width": float(np.mean((upper - lower) / 2)),
+        "value": float(np.mean(value)),
+    }
+
+
 def selector_rows(res: SelectionOutcome, stride: int, straddling: list[int], ctx: AnalysisContext) -> dict:
     """One selector's results: per phase the accuracy and, per layer, the hit rate, the covered rate (with a
     Wilson interval) and the accuracy when covered and when missed (``_proportion``: counts, rate, Wilson
@@ -692,16 +748,18 @@ def geometric_rows(res: SelectionOutcome, stride: int, straddling: list[int], ct
 
 
 def paired_differences(
-    outcomes: dict[str, Any], reference: str, stride: int, straddling: list[int], ctx: AnalysisContext
+    outcomes: dict[str, Any], reference: str, stride: int, straddling: list[int], opts: StatsOptions
 ) -> dict[str, dict]:
     """Per selector other than ``reference``: its accuracy minus the reference's on the same prompts, per phase
     and overall, and ``straddle_excess``, the difference at the ``straddling`` phases minus the difference at the
     others (how much more the selector costs the straddling phases; None values without straddling phases), each
     ``{"value", "lower", "upper"}`` with a paired cluster-bootstrap interval (one resample of the key->value
-    mappings applied to every selector: ``ckv.analysis.paired``)."""
+    mappings applied to every selector: ``ckv.analysis.paired``), ``opts`` the task's statistics options.
+    ``outcomes``: per selector its ``correct`` (P,) and ``table`` (``phase``, ``base``: the mapping) on the same
+    prompts."""
     names = [reference, *(n for n in outcomes if n != reference)]
     correct = [outcomes[n].correct for n in names]
-    t, opts = outcomes[reference].table, ctx.options.stats
+    t = outcomes[reference].table
     reps = paired_replicates(correct, t["phase"], stride, t["base"], opts)  # (R, K, S)
     reps_all = paired_replicates(correct, np.zeros_like(t["phase"]), 1, t["base"], opts)[..., 0]  # (R, K)
     acc = [group_accuracy(c, t["phase"], stride).accuracy for c in correct]
@@ -821,7 +879,7 @@ def selection(ctx: AnalysisContext) -> dict:
         "selectors": {name: selector_rows(res, stride, straddling, ctx) for name, res in results.items()},
         "geometric": None if k is None else geometric_rows(first, stride, straddling, ctx),
         "paired": paired_differences(
-            {n: r.outcome for n, r in results.items()}, settings.reference, stride, straddling, ctx
+            {n: r.outcome for n, r in results.items()}, settings.reference, stride, straddling, ctx.options.stats
         ),
         "quantisation": quantisation_rows(results, fp32, stride, ctx.options.stats.level) if quantised else None,
     }

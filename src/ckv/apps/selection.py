@@ -1,10 +1,11 @@
 """``make selection``: does DeepSeek-V4's top-k selection create weak phases beyond the compressor's own geometry?
 (docs/selection.md)
 
-One CPU task where selection binds like V4's (``conf/experiment/select_long.yaml``: make demo's model and split
-records, 16 of them from 64 keys and 16 queries, so the final query of a 74-token evaluation prompt sees 18 compressed
-entries at S = 4, of which top-``TOPK`` keeps 1/18) and three models, ``SEEDS`` each, with the SAME query path (V4's
-low-rank latent, rank 32) wherever attention is compressed:
+One CPU task where V4's selection is not degenerate (``conf/experiment/select_wide.yaml``: make demo's model and
+split records, 16 of them from 64 keys and 16 queries, behind a 207-token pad budget, so the final query of a
+273-token evaluation prompt sees 68 compressed entries at S = 4, of which top-``TOPK`` keeps 2 and the sparse
+stage's indexer KL is not zero) and three models, ``SEEDS`` each, with the SAME query path (V4's low-rank latent,
+rank 32) wherever attention is compressed:
 
 - ``dense``: V4's dense CSA (``deepseek_v4_csa``), trained dense, then SERVED on the same prompts by every
   selector of ``eval.py analysis=selection`` at top-``TOPK``: ``dense`` (every visible entry, the reference),
@@ -12,11 +13,12 @@ low-rank latent, rank 32) wherever attention is compressed:
   training regime), ``random`` (k visible entries uniformly, seeded), ``recency`` (the k most recent) and the
   positive control ``oracle_drop`` (the oracle dropping the straddling record with probability ``DROP``: the
   miss odds ratio must find it);
-- ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by its default
-  recipe (``trainer.indexer.recipe=three_stage``, docs/training.md: 60% dense training, 20% the indexer's warm-up
-  on the frozen model, 20% sparse training), served by its trained indexer (``model``), by the same five selectors
-  on its own weights (the oracle on the indexer's schedule) and by its indexer fake-quantised to FP8 and FP4
-  (``QUANTISED``: how many selections change against fp32, and at which phase);
+- ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by
+  ``trainer.indexer.recipe=v32`` (docs/selection.md, "Recipe, sourced": 52% dense training, 3% the indexer's
+  warm-up on the frozen model, 45% sparse training, DeepSeek-V3.2's warm-up:sparse of 1:15), served by its trained
+  indexer (``model``), by the same five selectors on its own weights (the oracle on the indexer's schedule) and by
+  its indexer fake-quantised to FP8 and FP4 (``QUANTISED``: how many selections change against fp32, and at which
+  phase);
 - ``full``: the full-attention control, which must learn the task (mean >= ``CONTROL_FLOOR`` in every seed).
 
 The runs, seeds, top-k, selectors and the criteria's numbers are ``conf/study/selection.yaml``; the study runner
@@ -24,11 +26,11 @@ The runs, seeds, top-k, selectors and the criteria's numbers are ``conf/study/se
 lookup, then this module analyses it with ``eval.py analysis=selection`` on the same prompts. Printed: the per-run
 table (mean, per-phase accuracy, phase gap with interval, noise floor, verdict), the per-selector
 table (paired accuracy difference against dense serving of the same weights, covered rate at the straddling phase
-and at the others, its ratio with interval beside the geometric expectation of a random top-k, the miss odds
-ratio with interval beside its coverage-matched null (``ckv.analysis.selection.miss_odds_ratio``: the statistic
-that is fair at any coverage; the committed criteria below still judge the ratio), and the accuracy when the record
-was covered vs missed at the straddling phase) and the criteria of docs/selection.md (``criteria``); one plot,
-everything under ``outputs/selection/``.
+and at the others, their ratio beside the geometric expectation of a random top-k, the miss odds ratio with
+interval beside its coverage-matched null (``ckv.analysis.selection.miss_odds_ratio``: the statistic that is fair
+at any coverage, which the criteria judge), and the accuracy when the record was covered vs missed at the
+straddling phase) and the criteria of docs/selection.md (``criteria``, committed before any result of this
+design); one plot, everything under ``outputs/selection/``.
 
     python -m ckv.apps.selection            # make selection (9 runs; time in the Makefile and docs/selection.md)
     python -m ckv.apps.selection --quick    # seed 0, a few steps per model: checks the pipeline only
@@ -39,6 +41,7 @@ The criteria are reported, not enforced: the run exits 0 when every command succ
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,14 +67,16 @@ from ckv.apps.study import (
     write_study_record,
     write_table,
 )
+from ckv.eval.flatness import se_from_interval
+from ckv.eval.stats import Z95
 from ckv.io.results import read_json
 from ckv.train.metrics import read_metrics
 
 STUDY = load_study("selection")  # conf/study/selection.yaml: the runs, seeds and the criteria's numbers
 SEEDS = STUDY.seeds
 STRIDE, TOPK, N_BASE, LAYER, DROP = (STUDY.params[k] for k in ("stride", "topk", "n_base", "layer", "drop"))
-CONTROL_FLOOR, DENSE_LEARNED, EQUIVALENCE = (
-    STUDY.criteria[k] for k in ("control_learned", "dense_learned", "equivalence")
+CONTROL_FLOOR, DENSE_LEARNED, ODDS_MARGIN, EQUIVALENCE = (
+    STUDY.criteria[k] for k in ("control_learned", "dense_learned", "odds_margin", "equivalence")
 )
 PRIMARY = tuple(tuple(pair) for pair in STUDY.params["primary"])
 SELECTORS = {name: tuple(names) for name, names in STUDY.params["selectors"].items()}  # per model; control: none
@@ -80,12 +85,16 @@ IMPOSED = SELECTORS["dense"]  # the selectors every compressed run is served by
 QUANTISED = tuple(s for s in SELECTORS["sparse"] if s in analysis_selection.QUANTISED)  # reported, not judged
 
 
+QUICK_DROPS = ("task.n_base=", "task.modulus=")  # quick: QUICK_EVAL's base examples at the task's 8 shifts
+
+
 def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[Run, ...]:
     """The study's runs of ``seeds``, named after the model (``<out>/runs/<model>/seed=<seed>``), evaluated on
-    ``N_BASE`` base examples (quick: ``QUICK_EVAL``'s)."""
+    ``N_BASE`` base examples at the study's modulus (quick: ``QUICK_EVAL``'s base examples at the task's own
+    modulus, 8 shifts each: shorter prompts, the pipeline only)."""
     return tuple(
         dataclasses.replace(
-            r, eval_overrides=tuple(o for o in r.eval_overrides if not (quick and o.startswith("task.n_base=")))
+            r, eval_overrides=tuple(o for o in r.eval_overrides if not (quick and o.startswith(QUICK_DROPS)))
         )
         for r in STUDY.runs
         if r.seed in seeds
@@ -265,18 +274,32 @@ def quantisation_table(rows: list[dict]) -> str:
 
 
 def _deficit(r: dict) -> Optional[bool]:
-    """C1 of one (run, selector) row: True when the straddling ratio's 95% upper bound lies under the geometric
-    ratio, False when its lower bound reaches it, None (undecided) otherwise or without a ratio."""
-    ratio, geo = r["ratio"], r["geometric_ratio"]
-    if geo is None or ratio.get("upper") is None or ratio.get("lower") is None:
+    """C1 of one (run, selector) row: True when the miss odds ratio's 95% lower bound lies above its
+    coverage-matched null (the straddling record missed relatively more than by a phase-blind selector of the same
+    coverage), False when its upper bound lies under ``ODDS_MARGIN`` times the null (no deficit that large), None
+    (undecided) otherwise or without the statistic."""
+    odds = r.get("miss_odds") or {}
+    lo, hi, null = odds.get("lower"), odds.get("upper"), odds.get("null")
+    if null is None or lo is None or hi is None:
         return None
-    return True if ratio["upper"] < geo else (False if ratio["lower"] >= geo else None)
+    return True if lo > null else (False if hi < ODDS_MARGIN * null else None)
 
 
-def _cost(r: dict) -> Optional[bool]:
-    """C2 of one row: True when the paired straddling excess's 95% upper bound is under 0, False when its interval
-    lies within +-``EQUIVALENCE`` (no cost beyond the margin), None otherwise."""
-    excess = (r["paired"] or {}).get("straddle_excess") or {}
+def pooled_excess(these: list[dict]) -> dict:
+    """C2's statistic over the seeds of one (model, selector): the mean of the seeds' paired straddling excesses,
+    ``{"value", "lower", "upper"}``, its 95% interval from their own (each interval read as a normal standard error,
+    ``se_from_interval``; the seeds' models independent); None values when a seed has none."""
+    cells = [(r["paired"] or {}).get("straddle_excess") or {} for r in these]
+    if not cells or any(c.get(k) is None for c in cells for k in ("value", "lower", "upper")):
+        return {"value": None, "lower": None, "upper": None}
+    value = sum(c["value"] for c in cells) / len(cells)
+    se = math.sqrt(sum(se_from_interval(c["lower"], c["upper"]) ** 2 for c in cells)) / len(cells)
+    return {"value": value, "lower": value - Z95 * se, "upper": value + Z95 * se}
+
+
+def _cost(excess: dict) -> Optional[bool]:
+    """C2 of a straddling excess (``pooled_excess``): True when its 95% upper bound is under 0, False when its
+    interval lies within +-``EQUIVALENCE`` (no cost beyond the margin), None otherwise."""
     lo, hi = excess.get("lower"), excess.get("upper")
     if lo is None or hi is None:
         return None
@@ -284,26 +307,45 @@ def _cost(r: dict) -> Optional[bool]:
 
 
 def verdict(these: list[dict]) -> str:
-    """docs/selection.md's verdict over the seeds of one (model, selector): ``creates`` when C1 and C2 hold in
-    every seed, ``does not create`` when in every seed C1 fails (the ratio reaches the geometric one) and C2 fails
-    (the excess lies within the margin), else ``undecided``."""
-    c1, c2 = [_deficit(r) for r in these], [_cost(r) for r in these]
-    if these and all(c is True for c in c1) and all(c is True for c in c2):
+    """docs/selection.md's verdict over the seeds of one (model, selector): ``creates`` when C1 holds in every seed
+    and C2 over the seeds (``pooled_excess``), ``does not create`` when C1 fails in every seed (the miss odds
+    ratio's upper bound under ``ODDS_MARGIN`` times its null) and C2 fails (the pooled excess within the margin),
+    else ``undecided``."""
+    c1, c2 = [_deficit(r) for r in these], _cost(pooled_excess(these))
+    if these and all(c is True for c in c1) and c2 is True:
         return "creates"
-    if these and all(c is False for c in c1) and all(c is False for c in c2):
+    if these and all(c is False for c in c1) and c2 is False:
         return "does not create"
     return "undecided"
 
 
+def _odds_detail(rows: list[dict]) -> str:
+    """``model/seed: OR [95%] / null`` of each row."""
+    return "; ".join(f"{r['model']}/{r['seed']}: {_odds(r.get('miss_odds'))}" for r in rows)
+
+
+def _on_null(r: dict) -> bool:
+    """Whether a row's miss odds ratio interval contains its null."""
+    odds = r.get("miss_odds") or {}
+    lo, hi, null = odds.get("lower"), odds.get("upper"), odds.get("null")
+    return None not in (lo, hi, null) and lo <= null <= hi
+
+
 def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
-    """docs/selection.md's criteria, as committed before the results: the preconditions (the control and the dense
-    arm learned the task; the random selector's straddling ratio agrees with the geometric expectation), then per
-    (model, selector) of ``PRIMARY`` C1 (the straddling phase covered relatively less than by a random top-k: the
-    ratio's 95% upper bound under the geometric ratio) and C2 (the paired straddling excess against dense serving
-    of the same weights: 95% upper bound under 0), each in every seed, and the verdict."""
+    """docs/selection.md's criteria, as committed before the results of this design (issue 40): the preconditions
+    (P1 the control learned the task; P2 dense V4, and the sparse model served dense, learned it; P3 the random
+    selector's miss odds ratio interval contains its null; P4 the positive control ``oracle_drop`` is detected, its
+    interval above its null, in every run), then per (model, selector) of ``PRIMARY`` C1 (the miss odds ratio's
+    95% lower bound above its coverage-matched null, in every seed) and C2 (the paired straddling excess against
+    dense serving of the same weights, its mean over the seeds: 95% upper bound under 0), and the verdict."""
     out = []
-    for role, floor, what in (("control", CONTROL_FLOOR, "full attention"), ("dense", DENSE_LEARNED, "dense V4")):
-        these = [r for r in rows if r["role"] == role]
+    learned = [
+        ("full attention", [r for r in rows if r["role"] == "control"], CONTROL_FLOOR),
+        ("dense V4", [r for r in rows if r["role"] == "dense"], DENSE_LEARNED),
+        ("sparse V4 served dense", [r for r in sel_rows if r["model"] == "sparse" and r["selector"] == "dense"],
+         DENSE_LEARNED),
+    ]  # fmt: skip
+    for what, these, floor in learned:
         if these:
             out.append(
                 Check(
@@ -312,16 +354,23 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
                     "; ".join(f"seed {r['seed']}: {100 * r['mean']:.1f}%" for r in these),
                 )
             )
-    randoms = [r for r in sel_rows if r["selector"] == "random" and r["geometric_ratio"] is not None]
+    randoms = [r for r in sel_rows if r["selector"] == "random"]
     if randoms:
         out.append(
             Check(
-                "P: the random selector's straddling ratio interval contains the geometric ratio (every run)",
-                all(r["ratio"]["lower"] <= r["geometric_ratio"] <= r["ratio"]["upper"] for r in randoms),
-                "; ".join(
-                    f"{r['model']}/{r['seed']}: {_ratio(r['ratio'])} vs {_number(r['geometric_ratio'])}"
-                    for r in randoms
-                ),
+                "P: the random selector's miss odds ratio interval contains its null (every run)",
+                all(_on_null(r) for r in randoms),
+                _odds_detail(randoms),
+            )
+        )
+    controls = [r for r in sel_rows if r["selector"] == analysis_selection.CONTROL]
+    if controls:
+        out.append(
+            Check(
+                f"P: the positive control ({analysis_selection.CONTROL}, drop {DROP}) is detected: its miss odds "
+                "ratio's 95% lower bound above its null (every run)",
+                all(_deficit(r) is True for r in controls),
+                _odds_detail(controls),
             )
         )
     for model, selector in PRIMARY:
@@ -331,21 +380,19 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
         who = f"{model} served by {'its trained indexer' if selector == 'model' else selector}"
         out.append(
             Check(
-                f"C1 {who}: covers the straddling phase relatively less than a random top-{TOPK} (L{LAYER} ratio's "
-                "95% upper bound < the geometric ratio, every seed)",
+                f"C1 {who}: misses the straddling record relatively more than a phase-blind top-{TOPK} of its "
+                f"coverage (L{LAYER} miss odds ratio's 95% lower bound > its null, every seed)",
                 all(_deficit(r) is True for r in these),
-                "; ".join(
-                    f"seed {r['seed']}: {_ratio(r['ratio'])} vs geometric {_number(r['geometric_ratio'])}"
-                    for r in these
-                ),
+                _odds_detail(these),
             )
         )
+        seeds = "; ".join(f"seed {r['seed']}: {_iv((r['paired'] or {}).get('straddle_excess'))}" for r in these)
         out.append(
             Check(
                 f"C2 {who}: costs the straddling phase more accuracy than the others (paired excess against dense "
-                "serving: 95% upper bound < 0, every seed)",
-                all(_cost(r) is True for r in these),
-                "; ".join(f"seed {r['seed']}: {_iv((r['paired'] or {}).get('straddle_excess'))} pp" for r in these),
+                "serving, the mean over the seeds: 95% upper bound < 0)",
+                _cost(pooled_excess(these)) is True,
+                f"mean {_iv(pooled_excess(these))} pp ({seeds})",
             )
         )
         out.append(

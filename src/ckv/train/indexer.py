@@ -32,7 +32,9 @@ to two dense stages, in this order (``dense_steps``, then ``warmup_steps``; eith
 
 ``dense_steps`` then ``warmup_steps`` then sparse is the three-stage recipe, the default (``recipe: three_stage``:
 60% / 20% / 20% of ``trainer.max_steps`` unless the steps are given: DeepSeek-V3.2's order, ckv's shares and one
-learning-rate schedule for every stage; docs/selection.md, "Recipe, sourced", names each deviation);
+learning-rate schedule for every stage; docs/selection.md, "Recipe, sourced", names each deviation); ``recipe:
+v32`` is the same order with DeepSeek-V3.2's warm-up:sparse proportion (52% / 3% / 45%: the warm-up a fifteenth of
+sparse training, as V3.2's 1,000 and 15,000 steps);
 ``dense_steps`` alone (no warm-up) is co-training (``recipe: cotrain``: 80% dense, then sparse), ckv's
 alternative, which no source describes as DeepSeek's; ``recipe: sparse`` trains sparse from step 0.
 
@@ -75,14 +77,18 @@ from ckv.attention.indexer import IndexQueries, entry_logits, index_scores, kl_w
 from ckv.config import check_choice, check_float, check_int
 from ckv.geometry import compressed_mask, visible_entries
 
-# trainer.indexer.recipe -> (dense training, indexer warm-up) in % of trainer.max_steps; then sparse training. What
-# is DeepSeek's and what is ckv's: docs/selection.md, "Recipe, sourced".
+# trainer.indexer.recipe -> (dense training, indexer warm-up) in % of trainer.max_steps; then sparse training. Which
+# parts are DeepSeek's (DeepSeek-V3.2-Exp technical report, "Continued Pre-Training"; maxtext's and Megatron-LM's
+# DSA code) and which are ckv's: docs/selection.md, "Recipe, sourced". In every recipe the stages' losses, what each
+# stage freezes and the detached indexer input are DeepSeek-V3.2's; the learning rate is ckv's (one schedule for
+# every stage, where V3.2 gives the warm-up 1e-3 and sparse training 7.3e-6).
 RECIPES = {
-    # DeepSeek-V3.2's ORDER and losses (a trained dense model, the indexer's dense warm-up with everything else
-    # frozen, then sparse training with the KL over the selected set); the SHARES are ckv's: dense training stands in
-    # for V3.2's trained checkpoint (the indexer co-trains in it), and warm-up = sparse in steps, where V3.2 runs
-    # 1,000 warm-up steps before 15,000 sparse ones (2.1B and 943.7B tokens) at its own learning rates
+    # DeepSeek-V3.2's ORDER; ckv's SHARES: dense training stands in for V3.2's trained checkpoint (the indexer
+    # co-trains in it), and warm-up = sparse in steps, where V3.2 runs 1,000 warm-up steps before 15,000 sparse ones
     "three_stage": (60, 20),
+    # DeepSeek-V3.2's order AND its warm-up:sparse proportion, 3:45 = 1,000:15,000 steps; ckv's: the dense share,
+    # about as long as sparse training, standing in for V3.2's trained checkpoint
+    "v32": (52, 3),
     "cotrain": (80, 0),  # ckv's: dense training with the indexer fitted meanwhile, then sparse; no warm-up
     "sparse": (0, 0),  # ckv's: sparse training from step 0
 }
