@@ -70,7 +70,9 @@ class _Attend(torch.nn.Module):
 def _selections(selector: str, k: int, E: int = 6, T: int = 24, stride: int = 4, seed: int = 0) -> torch.Tensor:
     q, kc = torch.randn(2, T, 2, 8), torch.randn(2, E, 1, 8)
     gen = torch.Generator().manual_seed(seed)
-    return imposed_selection(selector, _Attend(), (q, kc), dict(q_start=0, stride=stride), k, gen)  # (B, T, k)
+    args = (q, kc, torch.zeros_like(kc), q, q)  # a JointAttention call: queries, entries' keys and values, local k, v
+    call = dict(q_start=0, stride=stride, local_window=None)
+    return imposed_selection(selector, _Attend(), args, call, k, gen)  # (B, T, k)
 
 
 @pytest.mark.parametrize("selector", ["oracle", "random", "recency"])
