@@ -70,6 +70,11 @@ def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(
         ("out: o\nruns:\n  - {experiment: demo_full, role: c, phase_of: demo_full}\n", "has no stride"),
         ("out: o\nanalyses: {knockot: {}}\n", "no analysis 'knockot' in conf/eval/analysis"),
         ("out: o\nanalyses: {gates: {role: [x]}}\n", "an analysis takes roles"),
+        (
+            "out: o\nruns:\n  - {experiment: nothing, role: c}\n"
+            "  - {experiment: demo_full, role: c, phase_of: nothing}\n",
+            "phase_of='nothing': its config does not compose",
+        ),
     ],
 )
 def test_a_bad_study_is_one_line(text, message, tmp_path, monkeypatch):

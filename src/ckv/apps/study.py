@@ -235,8 +235,11 @@ def compared_stride(compared: str, runs: list[Run], where: str) -> int:
     run = found[0]
     key = (run.experiment, run.train_overrides)
     if key not in _STRIDES:
-        # vocab_size=1 stands in for the data's vocabulary (as in TrainConfig's checks): no stride depends on it
-        config = model_config(compose_train_config([f"experiment={run.experiment}", *run.train_overrides]), 1)
+        try:  # vocab_size=1 stands in for the data's vocabulary (as in TrainConfig's checks): no stride depends on it
+            config = model_config(compose_train_config([f"experiment={run.experiment}", *run.train_overrides]), 1)
+        except Exception as e:  # Hydra's and the config's errors alike: one line naming the run
+            detail = " ".join(str(e).split())
+            raise ConfigError(f"{where}: phase_of={compared!r}: its config does not compose: {detail}") from e
         _STRIDES[key] = check_attention(config).phase_stride(config)
     if _STRIDES[key] is None:
         raise ConfigError(f"{where}: phase_of={compared!r}: that run's model has no stride (full attention?)")
