@@ -95,9 +95,9 @@ LONG_OPS = ("sdpa", "triton", "fast", "reference", "flex")
 GPU_MATCH_TOL = 2e-2  # bf16 inputs against the fp32 reference on the same values
 
 from ckv import ModelConfig, Transformer  # noqa: E402
-from ckv.checkpointing import apply_activation_checkpointing  # noqa: E402
 from ckv.flops import flops_per_token, mfu, parameter_count, peak_flops  # noqa: E402
-from ckv.loss import chunked_cross_entropy  # noqa: E402
+from ckv.train.checkpointing import apply_activation_checkpointing  # noqa: E402
+from ckv.train.loss import chunked_cross_entropy  # noqa: E402
 
 
 class Section:

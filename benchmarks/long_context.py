@@ -11,9 +11,9 @@ the same run:
 1. **Training step**: ckv's ``tiny`` preset (2 layers, width 64, 4 query heads of 16), a 1,024-token vocabulary,
    batch 1, ``T`` tokens, for ``full`` (SDPA), ``w8s8``, ``w8s4``, ``deepseek_v4_csa``, ``deepseek_v4_csa_sparse``
    and ``deepseek_v4_hca`` (``conf/attention``, composed as ``train.py`` composes them): forward with the fused
-   chunked cross-entropy (``ckv.loss``), the lightning indexer's KL (``ckv.train.indexer``, sparse stage) where the
-   model has one, backward and one AdamW step; timed after a warm-up step on the first 1,024 tokens (first-call
-   costs), the fastest of 3 steps up to 4K tokens, one step above. tokens/s and peak RSS as a ratio to
+   chunked cross-entropy (``ckv.train.loss``), the lightning indexer's KL (``ckv.train.indexer``, sparse stage)
+   where the model has one, backward and one AdamW step; timed after a warm-up step on the first 1,024 tokens
+   (first-call costs), the fastest of 3 steps up to 4K tokens, one step above. tokens/s and peak RSS as a ratio to
    ``full`` at the same ``T``. Then one no-grad forward (``Transformer.hidden_states``) at the longest ``T``.
 2. **The attention op alone**: B = 1, 4 query heads of 64, 1 KV head, W8/S8 entries (random: the op, not the
    compressor), a 16-token local window and per-head sinks, at ``T`` tokens: forward, and forward + backward
@@ -83,8 +83,8 @@ def peak_rss_bytes() -> int:
 def _composed(attention: str, impl: Optional[str]) -> dict[str, Any]:
     """The tiny preset's ``ModelConfig`` with ``conf/attention/<attention>.yaml`` as ``train.py`` composes it (Hydra,
     once per option), as a dict."""
-    from ckv.plan import compose_train_config
-    from ckv.plan import model_config as plan_model_config
+    from ckv.train.plan import compose_train_config
+    from ckv.train.plan import model_config as plan_model_config
 
     overrides = [f"attention={attention}", "model=tiny"] + ([] if impl is None else [f"attention.impl={impl}"])
     return plan_model_config(compose_train_config(overrides), vocab_size=VOCAB).to_dict()
@@ -114,8 +114,8 @@ def train_child(config: dict[str, Any], seq_len: int, mode: str) -> dict[str, An
     import torch
 
     from ckv import ModelConfig, Transformer
-    from ckv.loss import chunked_cross_entropy
     from ckv.train.indexer import IndexerTraining, IndexerTrainingConfig, has_indexer
+    from ckv.train.loss import chunked_cross_entropy
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

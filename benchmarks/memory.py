@@ -3,8 +3,8 @@ checkpointing plus the chunked, fused cross-entropy, side by side, with the loss
 
 - ``today``: ``model(ids)`` materialises the logits (B, T, V), ``ckv.train.engine.lm_loss`` takes their fp32
   cross-entropy, no checkpointing;
-- ``lean``: ``ckv.checkpointing.apply_activation_checkpointing(model, "full")`` and
-  ``ckv.loss.chunked_cross_entropy(model.hidden_states(ids), model.lm_head.weight, labels)``.
+- ``lean``: ``ckv.train.checkpointing.apply_activation_checkpointing(model, "full")`` and
+  ``ckv.train.loss.chunked_cross_entropy(model.hidden_states(ids), model.lm_head.weight, labels)``.
 
 Method (Linux): each (attention, variant) runs in a fresh Python process with the same seed, model and batch,
 and with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every allocation of 64 KiB or more on its own and
@@ -64,9 +64,9 @@ def child(variant: str, attention: str, vocab: int, seq_len: int, batch: int, ch
 
     torch.set_num_threads(threads)
     from ckv import ModelConfig, Transformer
-    from ckv.checkpointing import apply_activation_checkpointing
-    from ckv.loss import chunked_cross_entropy
+    from ckv.train.checkpointing import apply_activation_checkpointing
     from ckv.train.engine import lm_loss
+    from ckv.train.loss import chunked_cross_entropy
 
     torch.manual_seed(0)
     cfg = ModelConfig.from_preset("small", vocab_size=vocab, max_seq_len=seq_len, attention=ATTENTION[attention])

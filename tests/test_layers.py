@@ -2,10 +2,10 @@
 inside functions, under ``TYPE_CHECKING`` or through ``importlib.import_module("...")`` — points down or sideways.
 
     L0  model    ckv (package), ckv.checks, ckv.config, ckv.options.*, ckv.device, ckv.geometry, ckv.norm,
-                 ckv.model, ckv.cache, ckv.flops, ckv.loss, ckv.checkpointing, ckv.attention.*
+                 ckv.model, ckv.cache, ckv.flops, ckv.attention.*
     L0k kernels  ckv_kernels.*: imports nothing from ckv; only ckv.attention.* imports it
     L1  ckv.io.*      L2 ckv.data.*      L3 ckv.train.* | ckv.eval.* (neither imports the other)
-    L4  ckv.analysis.*                   L5 ckv.apps.*, ckv.plan
+    L4  ckv.analysis.*                   L5 ckv.apps.*
 
 Within L0, ``ckv.options.*`` does not import ``ckv.config``: an option group checks plain values (strides, layer
 and head counts, ``Dims``), never the config that holds it.
@@ -34,10 +34,7 @@ MODEL_LAYER = {
     "ckv.model",
     "ckv.cache",
     "ckv.flops",
-    "ckv.loss",
-    "ckv.checkpointing",
 }
-APPS = {"ckv.plan"}  # python -m ckv.plan composes Hydra configs like train.py
 PACKAGE_LAYERS = {
     "ckv.options": 0,
     "ckv.attention": 0,
@@ -75,8 +72,6 @@ def layer(module: str) -> Optional[tuple[int, str]]:
         return None
     if module in MODEL_LAYER:
         return 0, "model"
-    if module in APPS:
-        return PACKAGE_LAYERS["ckv.apps"], "ckv.apps"
     package = ".".join(module.split(".")[:2])
     if package not in PACKAGE_LAYERS:
         raise AssertionError(f"{module} is in no layer of this test's table: add it (and to docs/architecture.md)")

@@ -37,7 +37,7 @@ NOT_HERE = {  # a line's start -> why it is not run here
 }
 SLOW_ONLY = {  # checked by the slow test only
     "python benchmarks/attention.py": "minutes on a CPU",
-    "python -m ckv.plan": "composes and plans a 0.6B model (seconds; tests/test_plan.py covers the planner)",
+    "python -m ckv.train.plan": "composes and plans a 0.6B model (seconds; tests/train/test_plan.py covers it)",
 }
 PLACEHOLDER = "<run dir>"  # README's stand-in for a run folder; one word here (RUN_DIR)
 RUN_DIR = "RUN_DIR"

@@ -12,8 +12,8 @@ from ckv import AttentionConfig, ConfigError, ModelConfig, Transformer
 from ckv.attention import REGISTRY, CompressedAttention, FullAttention, check_attention, full, register
 from ckv.attention.base import AttentionBackend, LayerFlops
 from ckv.flops import flops_per_token, kv_bytes_per_token, parameter_count
-from ckv.plan import plan
 from ckv.train import TrainConfig
+from ckv.train.plan import plan
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -5,6 +5,7 @@ most, and the comparison's panels keep their tick and axis labels apart."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from matplotlib.figure import Figure
@@ -69,3 +70,23 @@ def test_comparison_panels_keep_their_labels_apart(figures: list[Figure], tmp_pa
     assert all(len(ax.get_xticks()) <= plots.MAX_TICKS for ax in axes)  # mod 24 without a stride: every 3rd
     assert [bool(ax.get_ylabel()) for ax in axes] == [True, False, False, False, True, False]  # once per row
     assert all(ax.get_ylim() == (0.0, 100.0) for ax in axes)
+
+
+def test_worst_phase_vs_kv_bytes_draws_a_panel_per_task_and_a_series_per_model(figures: list[Figure], tmp_path: Path):
+    """The robustness studies' plot (``make robust``): tasks in the models' order, models in their task's order,
+    memory on a log axis, each model's role in its label."""
+    models = {
+        "split": [SimpleNamespace(name="w4s4", role="baseline"), SimpleNamespace(name="conv", role="fix")],
+        "dense": [SimpleNamespace(name="full", role="control")],
+    }
+    rows = [
+        {"task": task, "model": m.name, "kv_bytes_per_token": 2.0**i, "worst_phase_accuracy": 0.5}
+        for task, ms in models.items()
+        for i, m in enumerate(ms, start=4)
+    ]
+    plots.plot_worst_phase_vs_kv_bytes(rows[::-1], models, tmp_path / "robust.png")
+    axes = figures[-1].axes
+    assert [ax.get_title() for ax in axes] == ["split: one point per seed", "dense: one point per seed"]
+    assert all(ax.get_xscale() == "log" for ax in axes)
+    labels = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in axes]
+    assert labels == [["w4s4 (baseline)", "conv (fix)"], ["full (control)"]]

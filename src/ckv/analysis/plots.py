@@ -426,3 +426,106 @@ def plot_mechanisms(items: Sequence[tuple[str, dict[str, dict]]], path: Path, ti
     fig.suptitle(f"{title}: knock-outs per layer and phase, gate offset profiles, gate cycling", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def plot_selection(result: dict, path: Path, title: str) -> Path:
+    """``analysis=selection``'s plot. Left: accuracy per phase, one line per selector. Right: the last layer's
+    covered rate per phase, one line per selector with its Wilson interval, and the geometric expectation of a
+    random top-k (dashed, black)."""
+    fig = Figure(figsize=(12, 4.5))
+    acc, cov = fig.subplots(1, 2)
+    for j, (name, res) in enumerate(result["selectors"].items()):
+        color = colormaps["tab10"](j)
+        phases = [p["phase"] for p in res["phases"]]
+        acc.plot(phases, [PCT * p["accuracy"] for p in res["phases"]], "-o", color=color, label=name)
+        last = [p["layers"][-1]["covered"] for p in res["phases"]]
+        cov.errorbar(
+            phases,
+            [PCT * c["rate"] for c in last],
+            yerr=[[PCT * (c["rate"] - c["lower"]) for c in last], [PCT * (c["upper"] - c["rate"]) for c in last]],
+            fmt="-s",
+            color=color,
+            capsize=3,
+            label=name,
+        )
+    if result["geometric"] is not None:
+        geo = result["geometric"]["phases"]
+        cov.plot([p["phase"] for p in geo], [PCT * p["covered"][-1] for p in geo], "k--", label="random (geometry)")
+    for ax, what in ((acc, "accuracy (%)"), (cov, "target record covered by the last layer's selection (%)")):
+        _phase_panel(ax, what, result["stride"], fontsize=7)
+    fig.suptitle(f"{title}: top-{result['topk']}", fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def _phase_panel(ax: Axes, what: str, stride: int, fontsize: int) -> None:
+    """A per-phase panel's axes: phases 0..stride-1 on x, ``what`` in percent on y, grid and legend."""
+    ax.set_xlabel(f"phase of the target record (position mod {stride})")
+    ax.set_ylabel(what)
+    ax.set_ylim(-2, 102)
+    ax.set_xticks(range(stride))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=fontsize)
+
+
+def plot_selection_study(
+    rows: Sequence[dict],
+    sel_rows: Sequence[dict],
+    analyses: dict[str, dict],
+    path: Path,
+    *,
+    models: Sequence[str],
+    seeds: Sequence[int],
+    layer: int,
+    stride: int,
+    topk: int,
+    solid: str,
+) -> Path:
+    """``make selection``'s plot. Left: accuracy per phase, one line per run of ``rows`` (colour per model of
+    ``models``, line style per seed of ``seeds``). Right: per phase, the share of prompts whose target record layer
+    ``layer``'s selection covers, per selector (colour) and model (``solid``'s lines solid, the others dashed), mean
+    over the seeds' ``analyses``, phases mod ``stride``, beside the geometric expectation of a random top-``topk``
+    (black, dashed)."""
+    fig = Figure(figsize=(12, 4.5))
+    acc, cov = fig.subplots(1, 2)
+    styles = ("-", "--", ":", "-.")
+    for r in rows:
+        ls = styles[seeds.index(r["seed"]) % len(styles)] if r["seed"] in seeds else "-"
+        acc.plot(
+            range(len(r["per_phase"])),
+            [PCT * a for a in r["per_phase"]],
+            ls,
+            color=colormaps["tab10"](models.index(r["model"])),
+            marker="o",
+            label=f"{r['model']}/seed={r['seed']}",
+        )
+    names = sorted({(r["model"], r["selector"]) for r in sel_rows})
+    selectors = sorted({s for _, s in names})
+    for model, selector in names:
+        labels = [lab for lab in analyses if lab.startswith(f"{model}/")]
+        curves = [
+            [p["layers"][layer]["covered"]["rate"] for p in analyses[lab]["selectors"][selector]["phases"]]
+            for lab in labels
+        ]
+        cov.plot(
+            range(stride),
+            [PCT * sum(c[i] for c in curves) / len(curves) for i in range(stride)],
+            "-" if model == solid else "--",
+            marker="s",
+            color=colormaps["tab10"](selectors.index(selector)),
+            label=f"{model}: {selector}",
+        )
+    geo = [a["geometric"] for a in analyses.values() if a["geometric"] is not None]
+    if geo:
+        cov.plot(
+            range(stride),
+            [PCT * sum(g["phases"][i]["covered"][layer] for g in geo) / len(geo) for i in range(stride)],
+            "k--",
+            label=f"random top-{topk} (geometry)",
+        )
+    for ax, what in ((acc, "accuracy (%)"), (cov, f"target record covered by L{layer}'s selection (%)")):
+        _phase_panel(ax, what, stride, fontsize=6)
+    acc.set_title("fixed-query lookup, per phase")
+    cov.set_title(f"selection at the query, top-{topk} (analysis=selection; mean over seeds)")
+    fig.tight_layout()
+    return save_figure(fig, path)

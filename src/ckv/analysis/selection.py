@@ -49,7 +49,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from pathlib import Path
 from statistics import NormalDist
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -60,6 +59,7 @@ from torch import nn
 
 from ckv.analysis.hooks import AnalysisNotApplicable, settings_from_params
 from ckv.analysis.paired import interval, paired_replicates
+from ckv.analysis.plots import plot_selection
 from ckv.analysis.registry import AnalysisContext, register_analysis
 from ckv.attention import AttendCall, CompressedAttention, compressed_layers
 from ckv.attention.indexer import oracle_selection, top_k
@@ -799,44 +799,6 @@ def quantisation_rows(results: dict[str, SelectionOutcome], against: str, stride
             ],
         }
     return out
-
-
-def plot_selection(result: dict, path: Path, title: str) -> Path:
-    """Left: accuracy per phase, one line per selector. Right: the last layer's covered rate per phase, one line
-    per selector with its Wilson interval, and the geometric expectation of a random top-k (dashed, black)."""
-    import matplotlib.pyplot as plt
-
-    fig, (acc, cov) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for j, (name, res) in enumerate(result["selectors"].items()):
-        color = plt.cm.tab10(j)
-        phases = [p["phase"] for p in res["phases"]]
-        acc.plot(phases, [100 * p["accuracy"] for p in res["phases"]], "-o", color=color, label=name)
-        last = [p["layers"][-1]["covered"] for p in res["phases"]]
-        cov.errorbar(
-            phases,
-            [100 * c["rate"] for c in last],
-            yerr=[[100 * (c["rate"] - c["lower"]) for c in last], [100 * (c["upper"] - c["rate"]) for c in last]],
-            fmt="-s",
-            color=color,
-            capsize=3,
-            label=name,
-        )
-    if result["geometric"] is not None:
-        geo = result["geometric"]["phases"]
-        cov.plot([p["phase"] for p in geo], [100 * p["covered"][-1] for p in geo], "k--", label="random (geometry)")
-    for ax, what in ((acc, "accuracy (%)"), (cov, "target record covered by the last layer's selection (%)")):
-        ax.set_xlabel(f"phase of the target record (position mod {result['stride']})")
-        ax.set_ylabel(what)
-        ax.set_ylim(-2, 102)
-        ax.set_xticks(range(result["stride"]))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{title}: top-{result['topk']}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
 
 
 @register_analysis("selection")

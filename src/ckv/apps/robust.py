@@ -57,6 +57,7 @@ from ckv.apps.study import (
     write_study_record,
     write_table,
 )
+from ckv.eval.plots import plot_worst_phase_vs_kv_bytes
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR, read_run_config
 from ckv.io.results import read_json
@@ -188,40 +189,6 @@ def table(rows: list[dict]) -> str:
     undecided at the equivalence margin), and the residue gap with its interval, noise floor and minimum
     detectable gap."""
     return write_table(rows, COLUMNS)
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    """Worst-phase accuracy against KV bytes per token: one panel per task, one point per run, one colour per
-    model; models of equal memory are spread a little along x (the axis is logarithmic: full attention stores
-    4-8x more per token)."""
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({r["task"] for r in rows}, key=list(MODELS).index)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 4.5), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        models = [m for m in MODELS[task] if any(r["task"] == task and r["model"] == m.name for r in rows)]
-        for i, m in enumerate(models):
-            pts = [r for r in rows if r["task"] == task and r["model"] == m.name]
-            dodge = 2 ** (0.06 * (i - (len(models) - 1) / 2))
-            ax.scatter(
-                [r["kv_bytes_per_token"] * dodge for r in pts],
-                [100 * r["worst_phase_accuracy"] for r in pts],
-                color=plt.cm.tab10(i),
-                marker={"control": "s", "baseline": "X"}.get(m.role, "o"),
-                label=f"{m.name} ({m.role})",
-                s=45,
-                alpha=0.85,
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV-cache bytes per token (bf16, all layers; equal-memory models spread a little)")
-        ax.set_ylabel("worst-phase accuracy (%)")
-        ax.set_ylim(-2, 102)
-        ax.set_title(f"{task}: one point per seed")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="center right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def criteria(rows: list[dict]) -> list[Check]:
@@ -357,7 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out = Path(args.out).resolve()
     png = out / "worst_phase_vs_kv_bytes.png"
     if args.replot:
-        plot(read_json(out / f"{study.record}.json")["rows"], png)
+        plot_worst_phase_vs_kv_bytes(read_json(out / f"{study.record}.json")["rows"], MODELS, png)
         print(f"plot: {png}")
         return 0
     try:
@@ -401,7 +368,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"\ncrowding analysis (eval.py analysis=joint on each compressed model of {tasks}):")
         for line in crowding_lines(analyses):
             print(f"  {line}")
-    plot(rows, png)
+    plot_worst_phase_vs_kv_bytes(rows, MODELS, png)
     write_study_record(
         out,
         study.record,

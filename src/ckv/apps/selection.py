@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Optional
 
 from ckv.analysis import selection as analysis_selection
+from ckv.analysis.plots import plot_selection_study
 from ckv.apps.study import (
     COMPACT_PHASE_COLUMNS,
     QUICK_EVAL,
@@ -403,64 +404,6 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
     return out
 
 
-def plot(rows: list[dict], sel_rows: list[dict], analyses: dict[str, dict], path: Path) -> None:
-    """Left: accuracy per phase, one line per run (colour per model, line style per seed). Right: per phase, the
-    share of prompts whose target record layer ``LAYER``'s selection covers, per selector (colour) and model (line
-    style), mean over seeds, beside the geometric expectation of a random top-k (black, dashed)."""
-    import matplotlib.pyplot as plt
-
-    fig, (acc, cov) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = ("-", "--", ":", "-.")
-    for r in rows:
-        colour = plt.cm.tab10(MODELS.index(r["model"]))
-        ls = styles[SEEDS.index(r["seed"]) % len(styles)] if r["seed"] in SEEDS else "-"
-        acc.plot(
-            range(len(r["per_phase"])),
-            [100 * a for a in r["per_phase"]],
-            ls,
-            color=colour,
-            marker="o",
-            label=f"{r['model']}/seed={r['seed']}",
-        )
-    names = sorted({(r["model"], r["selector"]) for r in sel_rows})
-    selectors = sorted({s for _, s in names})
-    for model, selector in names:
-        labels = [lab for lab in analyses if lab.startswith(f"{model}/")]
-        curves = [
-            [p["layers"][LAYER]["covered"]["rate"] for p in analyses[lab]["selectors"][selector]["phases"]]
-            for lab in labels
-        ]
-        mean = [100 * sum(c[i] for c in curves) / len(curves) for i in range(STRIDE)]
-        cov.plot(
-            range(STRIDE),
-            mean,
-            "-" if model == "sparse" else "--",
-            marker="s",
-            color=plt.cm.tab10(selectors.index(selector)),
-            label=f"{model}: {selector}",
-        )
-    geo = [a["geometric"] for a in analyses.values() if a["geometric"] is not None]
-    if geo:
-        cov.plot(
-            range(STRIDE),
-            [100 * sum(g["phases"][i]["covered"][LAYER] for g in geo) / len(geo) for i in range(STRIDE)],
-            "k--",
-            label=f"random top-{TOPK} (geometry)",
-        )
-    for ax, what in ((acc, "accuracy (%)"), (cov, f"target record covered by L{LAYER}'s selection (%)")):
-        ax.set_xlabel(f"phase of the target record (position mod {STRIDE})")
-        ax.set_ylabel(what)
-        ax.set_ylim(-2, 102)
-        ax.set_xticks(range(STRIDE))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
-    acc.set_title("fixed-query lookup, per phase")
-    cov.set_title(f"selection at the query, top-{TOPK} (analysis=selection; mean over seeds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = study_arguments(__doc__, STUDY.out, "seed 0 only, a few steps per model: pipeline check only")
     args = args.parse_args(argv)
@@ -477,7 +420,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     found = criteria(rows, sel_rows)
     print("\n".join(check_lines(found, ("yes", "no"))))
     png = out / "selection.png"
-    plot(rows, sel_rows, analyses, png)
+    plot_selection_study(
+        rows, sel_rows, analyses, png, models=MODELS, seeds=SEEDS, layer=LAYER, stride=STRIDE, topk=TOPK, solid="sparse"
+    )
     write_study_record(
         out,
         STUDY.record,

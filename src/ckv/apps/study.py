@@ -66,7 +66,7 @@ from ckv.checks import ConfigError, error_message
 from ckv.eval.summary import flatness_fields, results_file
 from ckv.io.layout import STATE_FILE, analysis_file, eval_dir, latest_checkpoint, read_run_config
 from ckv.io.results import read_json, write_json
-from ckv.plan import compose_train_config, model_config
+from ckv.train.plan import compose_train_config, model_config
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
 STUDY_DIR = ROOT / "conf" / "study"

@@ -41,7 +41,7 @@ class AttentionBackend(nn.Module):
     Accounting (OLMo-core's ``SequenceMixer``, torchtitan's model ``Config``): the backend answers, from the
     config alone, ``num_params`` (default: counted on a module built on the meta device), ``flops_per_token`` and
     ``kv_bytes_per_token`` (no default: a backend that does not declare them fails with a ConfigError naming its
-    kind, never with another backend's figures), ``activation_elements_per_token`` (for ``ckv.plan``) and
+    kind, never with another backend's figures), ``activation_elements_per_token`` (for ``ckv.train.plan``) and
     ``phase_stride`` (the period of a phase effect it may cause; None for none); a built module initialises its
     own parameters in ``init_weights``.
 
@@ -162,13 +162,13 @@ class AttentionBackend(nn.Module):
     @classmethod
     def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int) -> float:
         """Transient bytes per sequence of the indexer's training loss over ``tokens`` queries of a ``seq_len``-token
-        sequence (``ckv.plan``); 0 for a backend without an indexer."""
+        sequence (``ckv.train.plan``); 0 for a backend without an indexer."""
         return 0.0
 
     @classmethod
     def working_bytes(cls, config: ModelConfig, seq_len: int, device: torch.device) -> dict[str, float]:
         """The transient bytes per sequence of one layer's training step on ``device`` beyond what autograd saves,
-        by part (``attention``, ``index scores``, ``KL logits``; one part at a time: ``ckv.plan`` takes the
+        by part (``attention``, ``index scores``, ``KL logits``; one part at a time: ``ckv.train.plan`` takes the
         largest). Default: none (fused kernels and SDPA's causal path hold no score matrix)."""
         return {}
 
@@ -180,7 +180,7 @@ class AttentionBackend(nn.Module):
     @classmethod
     def activation_elements_per_token(cls, config: ModelConfig) -> float:
         """Activation elements autograd saves per token in this layer's attention (Q/K/V before and after their
-        norms and the output: ``4 H D + 4 KV D``), for ``ckv.plan``."""
+        norms and the output: ``4 H D + 4 KV D``), for ``ckv.train.plan``."""
         return 4 * config.n_heads * config.head_dim + 4 * config.kv_heads * config.head_dim
 
     @classmethod

@@ -30,7 +30,7 @@ def layer_grids(config: ModelConfig, layer_idx: int) -> list[tuple[int, slice]]:
 
 class CompressedAccounting(AttentionBackend):
     """The figures of a compressed attention layer from its config (per layer; the option groups declare their
-    own shares), which ``ckv.flops``, ``ckv.plan`` and the memory estimates ask for: ``num_params``,
+    own shares), which ``ckv.flops``, ``ckv.train.plan`` and the memory estimates ask for: ``num_params``,
     ``flops_per_token`` (over ``entry_pairs``), ``kv_elements_per_token`` / ``kv_bytes_per_token`` (the parts of
     ``CompressedLayerCache``), ``prefill_bytes``, ``working_bytes``, ``activation_elements_per_token``."""
 

@@ -288,7 +288,7 @@ class ShardsConfig:
 
     def check_prepared(self) -> None:
         """Every folder holds a manifest (checked when the data is built, so a config naming folders of another
-        machine, e.g. for ``ckv.plan``, still loads)."""
+        machine, e.g. for ``ckv.train.plan``, still loads)."""
         for k, src in enumerate(self.entries()):
             path = src.get("path")
             where = f"data.shards.sources[{k}]" if self.sources is not None else "data.shards"

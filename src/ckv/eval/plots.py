@@ -7,10 +7,10 @@ line, and says in its title what the best-minus-worst gap, its interval and the 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Protocol, Union
 
 import numpy as np
 from matplotlib import colormaps
@@ -267,6 +267,51 @@ def plot_probe(report: dict, path: PathLike, title: str) -> Path:
         f"of p({labels[0]}): {'none' if dom is None else f'{dom:g}'}",
         fontsize=9,
     )
+    return save_figure(fig, path)
+
+
+class RoledModel(Protocol):
+    """A study's model as its plots name it: ``name`` and ``role`` (``baseline``, ``fix`` or ``control``)."""
+
+    name: str
+    role: str
+
+
+ROLE_MARKERS = {"control": "s", "baseline": "X"}  # any other role ("fix"): a circle
+
+
+def plot_worst_phase_vs_kv_bytes(
+    rows: Sequence[dict], models: Mapping[str, Sequence[RoledModel]], path: PathLike
+) -> Path:
+    """Worst-phase accuracy against KV bytes per token (``rows``: a study's run rows with ``task``, ``model``,
+    ``kv_bytes_per_token`` and ``worst_phase_accuracy``): one panel per task in ``models``' order, one point per
+    run, one colour per model of ``models[task]`` (marker by role); models of equal memory are spread a little
+    along x (the axis is logarithmic: full attention stores 4-8x more per token)."""
+    tasks = sorted({r["task"] for r in rows}, key=list(models).index)
+    fig = Figure(figsize=(6.5 * len(tasks), 4.5))
+    axes = fig.subplots(1, len(tasks), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        shown = [m for m in models[task] if any(r["task"] == task and r["model"] == m.name for r in rows)]
+        for i, m in enumerate(shown):
+            pts = [r for r in rows if r["task"] == task and r["model"] == m.name]
+            dodge = 2 ** (0.06 * (i - (len(shown) - 1) / 2))
+            ax.scatter(
+                [r["kv_bytes_per_token"] * dodge for r in pts],
+                [PCT * r["worst_phase_accuracy"] for r in pts],
+                color=colormaps["tab10"](i),
+                marker=ROLE_MARKERS.get(m.role, "o"),
+                label=f"{m.name} ({m.role})",
+                s=45,
+                alpha=0.85,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV-cache bytes per token (bf16, all layers; equal-memory models spread a little)")
+        ax.set_ylabel("worst-phase accuracy (%)")
+        ax.set_ylim(-2, 102)
+        ax.set_title(f"{task}: one point per seed")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center right")
+    fig.tight_layout()
     return save_figure(fig, path)
 
 

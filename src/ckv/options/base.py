@@ -85,5 +85,5 @@ class OptionGroup:
         return 0.0
 
     def activation_elements_per_token(self, dims: Dims) -> float:
-        """Activation elements autograd saves per token for this group's own maps (``ckv.plan``)."""
+        """Activation elements autograd saves per token for this group's own maps (``ckv.train.plan``)."""
         return 0.0

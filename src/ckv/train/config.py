@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ckv.attention import check_attention
-from ckv.checkpointing import MODES as CHECKPOINTING_MODES
 from ckv.config import (
     REGISTRY,
     AttentionConfig,
@@ -28,6 +27,7 @@ from ckv.config import (
     saved_attention,
 )
 from ckv.data import DataConfig
+from ckv.train.checkpointing import MODES as CHECKPOINTING_MODES
 from ckv.train.gate_entropy import GateEntropyConfig
 from ckv.train.indexer import IndexerTrainingConfig
 
@@ -127,8 +127,8 @@ class TrainerConfig:
     damaged, ``resume=strict`` stops naming the damaged file and ``resume=fallback`` takes the newest intact one.
 
     Memory and speed (docs/training.md, "Memory, throughput and planning"): ``activation_checkpointing``
-    (``none | full | selective``, ``ckv.checkpointing``), ``loss_chunk_tokens`` (0: the LM head's full logits and
-    ``F.cross_entropy``; N: ``ckv.loss.chunked_cross_entropy`` over N tokens at a time, refused under ZeRO-3
+    (``none | full | selective``, ``ckv.train.checkpointing``), ``loss_chunk_tokens`` (0: the LM head's full logits and
+    ``F.cross_entropy``; N: ``ckv.train.loss.chunked_cross_entropy`` over N tokens at a time, refused under ZeRO-3
     whose partitioned head weight it cannot read), ``compile`` (``torch.compile`` of the model). The hot path
     makes no host sync: a stop signal is acted on at the next multiple of ``stop_check_every`` steps (a
     collective), token-id range checks run at the data boundary, and ``debug_checks`` turns the model's own

@@ -14,14 +14,14 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from ckv.checkpointing import apply_activation_checkpointing
 from ckv.config import ConfigError
-from ckv.loss import chunked_cross_entropy
 from ckv.model import Transformer
+from ckv.train.checkpointing import apply_activation_checkpointing
 from ckv.train.config import TrainConfig
 from ckv.train.distributed import DistEnv, import_deepspeed
 from ckv.train.gate_entropy import GateEntropyFloor
 from ckv.train.indexer import IndexerTraining, has_indexer, indexer_parameters
+from ckv.train.loss import chunked_cross_entropy
 from ckv.train.schedule import build_scheduler
 
 IGNORE_INDEX = -100
@@ -110,7 +110,7 @@ class Engine:
     token-id check off (unless ``trainer.debug_checks``) and, with ``trainer.compile``, compiles the model in place
     (``nn.Module.compile``: parameter names and checkpoints stay those of the plain model). The loss is the LM
     head's full logits through ``lm_loss`` or, with ``trainer.loss_chunk_tokens`` > 0, the fused chunked
-    cross-entropy of ``ckv.loss`` on the final hidden states. With ``trainer.gate_entropy.floor`` > 0 it hooks
+    cross-entropy of ``ckv.train.loss`` on the final hidden states. With ``trainer.gate_entropy.floor`` > 0 it hooks
     the compressors' pooling steps (``ckv.train.gate_entropy``) and backpropagates the loss plus the gate-entropy
     penalty; ``micro_step`` still returns the LM loss and ``step_deficit`` the gate-entropy deficit of the last step.
     A model with a lightning indexer (``attention.selection``) gets ``trainer.indexer``'s hooks

@@ -1,4 +1,4 @@
-"""ckv.checkpointing: full and selective activation checkpointing give the plain model's loss and gradients and
+"""ckv.train.checkpointing: full and selective activation checkpointing give the plain model's loss and gradients and
 leave names, evaluation and decoding unchanged."""
 
 import copy
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from ckv import Transformer
-from ckv.checkpointing import apply_activation_checkpointing
 from ckv.config import ConfigError
+from ckv.train.checkpointing import apply_activation_checkpointing
 from tests.helpers import small_config, variant
 
 

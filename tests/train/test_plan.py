@@ -1,4 +1,4 @@
-"""ckv.plan: composes like train.py and prints numbers that agree with each other and with the model."""
+"""ckv.train.plan: composes like train.py and prints numbers that agree with each other and with the model."""
 
 import subprocess
 import sys
@@ -11,8 +11,8 @@ from ckv.attention import check_attention
 from ckv.attention.indexer import WORKING_BYTES, index_working_bytes, kl_working_bytes
 from ckv.config import ConfigError
 from ckv.flops import PEAK_BF16_FLOPS, flops_per_token
-from ckv.loss import logits_bytes
-from ckv.plan import GIB, activation_bytes_per_token, compose_train_config, format_plan, model_config, plan
+from ckv.train.loss import logits_bytes
+from ckv.train.plan import GIB, activation_bytes_per_token, compose_train_config, format_plan, model_config, plan
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +80,16 @@ def test_bad_inputs(paper):
 
 def test_command_line():
     out = subprocess.run(
-        [sys.executable, "-m", "ckv.plan", "experiment=paper_base", "--gpus", "8", "--gpu-mem", "141", "--gpu", "h200"],
+        [sys.executable, "-m", "ckv.train.plan", *"experiment=paper_base --gpus 8 --gpu-mem 141 --gpu h200".split()],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     assert "parameters" in out and "8 x h200 (141 GiB" in out and out.count("\n") >= 9
-    bad = subprocess.run([sys.executable, "-m", "ckv.plan", "experiment=cpu_smoke"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "ckv.plan: error:" in bad.stderr and "--vocab-size" in bad.stderr
+    bad = subprocess.run(
+        [sys.executable, "-m", "ckv.train.plan", "experiment=cpu_smoke"], capture_output=True, text=True
+    )
+    assert bad.returncode != 0 and "ckv.train.plan: error:" in bad.stderr and "--vocab-size" in bad.stderr
 
 
 def test_activation_estimate_is_near_what_autograd_saves():

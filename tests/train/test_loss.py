@@ -1,11 +1,11 @@
-"""ckv.loss: the chunked, fused cross-entropy gives today's loss and gradients (hidden states and head weight)."""
+"""ckv.train.loss: the chunked, fused cross-entropy gives today's loss and gradients (hidden states and head weight)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ckv.data import IGNORE
-from ckv.loss import DEFAULT_IGNORE_INDEX, chunked_cross_entropy
+from ckv.train.loss import DEFAULT_IGNORE_INDEX, chunked_cross_entropy
 
 
 def _reference(h, w, labels):

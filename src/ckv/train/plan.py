@@ -1,4 +1,4 @@
-"""Plan a training run before it runs: ``python -m ckv.plan [hydra overrides] [--gpus 8 --gpu-mem 80 ...]``.
+"""Plan a training run before it runs: ``python -m ckv.train.plan [hydra overrides] [--gpus 8 --gpu-mem 80 ...]``.
 
 The config is composed exactly as ``train.py`` composes it (Hydra's compose API over ``conf/``, then
 ``TrainConfig.from_dict``); mandatory values left unset (``???``, e.g. the corpus paths) do not matter here and
@@ -16,10 +16,10 @@ Memory model (an estimate; bytes per parameter from the ZeRO paper, Rajbhandari 
   (4 mlp_dim), and the attention's share as its backend declares it (Q/K/V before and after their norms and the
   output, 4 H D + 4 KV D, plus for compressed attention each token's share of the pooled windows,
   window/stride x (d + branches x 2 KV D)); for full
-  attention this lies within 25% of what autograd saves on CPU (tests/test_plan.py). Full activation
+  attention this lies within 25% of what autograd saves on CPU (tests/train/test_plan.py). Full activation
   checkpointing keeps each block's input (d per token and layer) plus one block's activations twice over
   (its recompute and its gradients);
-- logits (``ckv.loss.logits_bytes``): today's path holds the micro-batch's logits in bf16 plus two fp32 copies
+- logits (``ckv.train.loss.logits_bytes``): today's path holds the micro-batch's logits in bf16 plus two fp32 copies
   (the fp32 cast and the saved log-softmax); the chunked loss one chunk's, plus an fp32 weight-gradient buffer;
 - working memory per sequence, one layer's part at a time (``AttentionBackend.working_bytes``, fp32, the largest
   part counted): compressed attention's score blocks (none with the Triton kernels; one query block's
@@ -43,10 +43,10 @@ import torch
 from ckv.attention import check_attention
 from ckv.config import ConfigError, ModelConfig
 from ckv.flops import KV_PRECISIONS, PEAK_BF16_FLOPS, flops_per_token, kv_bytes_by_part, parameter_count, peak_flops
-from ckv.loss import DEFAULT_CHUNK_TOKENS, logits_bytes
+from ckv.train.loss import DEFAULT_CHUNK_TOKENS, logits_bytes
 
 GIB = 2**30
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 STAGES = (0, 1, 2, 3)
 
 
@@ -124,7 +124,7 @@ def plan(
     reserve: float = 0.1,
     kv_precision: str = "bf16",
 ) -> dict[str, Any]:
-    """Every number ``python -m ckv.plan`` prints, as a dict (bytes, FLOPs, seconds)."""
+    """Every number ``python -m ckv.train.plan`` prints, as a dict (bytes, FLOPs, seconds)."""
     for name, value, ok in (
         ("--gpus", gpus, gpus >= 1),
         ("--gpu-mem", gpu_mem_gib, gpu_mem_gib > 0),
@@ -267,7 +267,7 @@ def format_plan(p: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(
-        prog="python -m ckv.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m ckv.train.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py (e.g. experiment=paper_base)")
     p.add_argument("--gpus", type=int, default=8)
@@ -300,7 +300,7 @@ def main(argv: Optional[list[str]] = None) -> dict[str, Any]:
             kv_precision=args.kv_precision,
         )
     except (ConfigError, HydraException) as e:  # Hydra's: an unknown config group or option, a bad override
-        sys.exit(f"ckv.plan: error: {' '.join(str(e).split())}")
+        sys.exit(f"ckv.train.plan: error: {' '.join(str(e).split())}")
     print(json.dumps(result, indent=1) if args.json else format_plan(result))
     return result
 
