@@ -67,7 +67,7 @@ from ckv.checks import check_choice, check_float, check_int
 from ckv.config import ConfigError
 from ckv.eval.scoring import length_batches
 from ckv.eval.stats import StatsOptions, bootstrap_group_accuracy, group_accuracy, wilson_interval
-from ckv.geometry import compressed_mask, window_positions
+from ckv.geometry import compressed_mask, phase, window_positions
 
 
 def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttention]:
@@ -646,7 +646,7 @@ def simulate_straddle_excess(
     Seeded by ``opts.seed`` (the i-th bootstrap by ``seed + i``)."""
     rng = np.random.default_rng(opts.seed)
     a, b = accuracy * (1 - icc) / icc, (1 - accuracy) * (1 - icc) / icc
-    phases = np.tile(np.arange(shifts) % stride, n_base)  # (P,)
+    phases = np.tile(phase(np.arange(shifts), stride), n_base)  # (P,)
     mapping = np.repeat(np.arange(n_base), shifts)  # (P,)
     table = {"phase": phases, "base": mapping}
     shift = np.where(np.isin(phases, straddling), excess, 0.0)
