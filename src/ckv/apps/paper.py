@@ -16,7 +16,8 @@ from typing import Optional
 import numpy as np
 
 from ckv.analysis.plots import plot_mechanisms
-from ckv.apps.study import ROOT, Check, Study, check_lines, pp
+from ckv.apps.study_config import ROOT, Study
+from ckv.apps.study_results import Check, check_lines, pp
 from ckv.eval.plots import CurvePanel, plot_residue_curves, plot_residue_heatmap
 from ckv.eval.stats import gap_is_real
 from ckv.eval.summary import flatness_fields

@@ -35,28 +35,25 @@ from typing import Optional
 from ckv import flops
 from ckv.apps.robust_confirm import CONFIRM, CONFIRM_MODELS, CONFIRM_SEEDS, CONFIRM_TASK, confirm_verdicts
 from ckv.apps.robust_crowding import analyse, analysed_tasks, crowding_lines
-from ckv.apps.study import (
+from ckv.apps.study import study_arguments
+from ckv.apps.study_config import Run, compared_stride, load_study
+from ckv.apps.study_results import (
     COMPACT_PHASE_COLUMNS,
     CONTROL_LEARNED,
     Check,
     Column,
-    Run,
     check_lines,
-    compared_stride,
     control_learned,
     every_seed,
     gap_columns,
     gap_text,
-    load_study,
     per_phase_column,
     pp,
     result_row,
-    run_plan,
-    start,
-    study_arguments,
     write_study_record,
     write_table,
 )
+from ckv.apps.study_run import run_plan, start
 from ckv.eval.plots import plot_worst_phase_vs_kv_bytes
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR, read_run_config

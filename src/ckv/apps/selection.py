@@ -49,25 +49,19 @@ from typing import Optional
 
 from ckv.analysis import selection as analysis_selection
 from ckv.analysis.plots import plot_selection_study
-from ckv.apps.study import (
+from ckv.apps.study import study_arguments
+from ckv.apps.study_config import TASK, Run, load_study
+from ckv.apps.study_results import (
     COMPACT_PHASE_COLUMNS,
-    QUICK_EVAL,
-    TASK,
     Check,
     Column,
-    Run,
-    Timer,
     check_lines,
-    load_study,
     pp,
     result_row,
-    run_command,
-    run_plan,
-    start,
-    study_arguments,
     write_study_record,
     write_table,
 )
+from ckv.apps.study_run import QUICK_EVAL, Timer, run_command, run_plan, start
 from ckv.eval.flatness import se_from_interval
 from ckv.eval.stats import Z95
 from ckv.io.results import read_json
