@@ -332,7 +332,7 @@ def curve_panels(
 
 
 def analysis_results(done: list[dict]) -> tuple[list[tuple[str, dict[str, dict]]], list[str]]:
-    """The study's analyses (``ckv.apps.study.run_analyses``) by run: (label, results by analysis name) for each run
+    """The study's analyses (``ckv.apps.study_run.run_analyses``) by run: (label, results by analysis name) for each run
     with at least one result, and one line per analysis result, skip or failure with its file or reason."""
     items, lines = [], []
     for d in done:

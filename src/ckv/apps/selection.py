@@ -132,7 +132,7 @@ def final_recall(run_dir: Path) -> Optional[float]:
 
 
 def row(d: dict) -> dict:
-    """One run's row: the studies' one results row (``ckv.apps.study.result_row``), its model and the indexer's
+    """One run's row: the studies' one results row (``ckv.apps.study_results.result_row``), its model and the indexer's
     final recall."""
     return {"model": d["run"].name, **result_row(d), "recall": final_recall(Path(d["dir"]))}
 
@@ -225,7 +225,7 @@ COLUMNS = (
 
 
 def table(rows: list[dict]) -> str:
-    """The per-run table (``ckv.apps.study.write_table``): accuracy (mean, per phase), the phase gap with its
+    """The per-run table (``ckv.apps.study_results.write_table``): accuracy (mean, per phase), the phase gap with its
     interval, noise floor, permutation p, one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``),
     verdict, the indexer's final recall."""
     return write_table(rows, COLUMNS)
