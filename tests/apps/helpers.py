@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ckv.apps.study import ROOT, Run
+from ckv.apps.study_config import ROOT, Run
 
 
 def run_quick(module: str, out: Path, *args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from ckv.apps.demo import DEMO, GRID, grid_findings
-from ckv.apps.study import TASK, Check, Run, exit_code, table
+from ckv.apps.study_config import TASK, Run
+from ckv.apps.study_results import Check, exit_code, table
 
 from .helpers import finished, run_quick
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckv.apps.demo_v4 import hf_eval_overrides, mechanisms, v4_plan
-from ckv.apps.study import ROOT, TASK, Run
+from ckv.apps.study_config import ROOT, TASK, Run
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
 

@@ -11,7 +11,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from ckv.apps import paper
-from ckv.apps.study import ROOT, Run, load_study, main
+from ckv.apps.study import main
+from ckv.apps.study_config import ROOT, Run, load_study
 from ckv.config import PRESETS
 
 # the issue's variant list (issue 39, item 1) as conf/attention options; the baseline W8/S8 once per seed

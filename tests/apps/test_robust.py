@@ -20,7 +20,7 @@ from ckv.apps.robust import (
 )
 from ckv.apps.robust import main as robust_main
 from ckv.apps.robust_confirm import confirm_verdicts
-from ckv.apps.study import ROOT
+from ckv.apps.study_config import ROOT
 from tests.apps.helpers import run_quick
 
 

@@ -25,7 +25,8 @@ from ckv.apps.selection import (
     table,
     verdict,
 )
-from ckv.apps.study import QUICK_TRAIN, Run
+from ckv.apps.study_config import Run
+from ckv.apps.study_run import QUICK_TRAIN
 from ckv.eval.design import make_design
 from ckv.geometry import visible_entries
 from tests.apps.helpers import run_quick

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from ckv.apps import study
+from ckv.apps import study_config, study_run
 from ckv.apps.cli import EXIT_NOT_APPLICABLE
-from ckv.apps.study import Check, CommandFailed, Run, Timer, check_lines, load_study, main, result_row, run_analyses
+from ckv.apps.study import main
+from ckv.apps.study_config import Run, load_study
+from ckv.apps.study_results import Check, check_lines, result_row
+from ckv.apps.study_run import CommandFailed, Timer, run_analyses
 from ckv.checks import ConfigError
 
 from .helpers import finished
 
-STUDIES = sorted(p.stem for p in study.STUDY_DIR.glob("*.yaml"))
+STUDIES = sorted(p.stem for p in study_config.STUDY_DIR.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("name", STUDIES)
@@ -20,7 +23,7 @@ def test_every_study_loads_with_existing_experiments_and_distinct_run_folders(na
     s = load_study(name)
     assert s.out and s.record and s.title and s.seeds
     for r in s.runs:
-        assert (study.ROOT / "conf" / "experiment" / f"{r.experiment}.yaml").is_file(), r
+        assert (study_config.ROOT / "conf" / "experiment" / f"{r.experiment}.yaml").is_file(), r
     assert len({(r.name or r.experiment, r.seed) for r in s.runs}) == len(s.runs)
     assert all(isinstance(v, float) for v in s.criteria.values())
 
@@ -40,7 +43,7 @@ def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(
         "  - {name: ctrl, experiment: demo_full, role: control, entry: [-m, x],\n"
         "     eval: ['task.n_base=${params.n_base}'], phase_of: demo_gate_s4}\n"
     )
-    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
     s = load_study("two")
     assert [(r.label, r.seed) for r in s.runs] == [
         ("gate_s4/seed=3", 3),
@@ -54,7 +57,7 @@ def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(
     # the control's phases are read mod the compared run's stride (2, as its train overrides make it)
     ctrl = Run("demo_full", 3, "control", (), ("task.n_base=8", "task.stride=2"), name="ctrl", entry=("-m", "x"))
     assert s.runs[2] == ctrl
-    assert (s.title, s.record, s.task, s.workers_for(4)) == ("two", "two", study.TASK, 4)
+    assert (s.title, s.record, s.task, s.workers_for(4)) == ("two", "two", study_config.TASK, 4)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +82,7 @@ def test_runs_are_every_declared_run_once_per_seed_and_workers_follow_the_study(
 )
 def test_a_bad_study_is_one_line(text, message, tmp_path, monkeypatch):
     (tmp_path / "bad.yaml").write_text(text)
-    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")) as e:
         load_study("bad")
     assert "\n" not in str(e.value)
@@ -91,7 +94,7 @@ def test_a_bad_study_is_one_line(text, message, tmp_path, monkeypatch):
 def test_no_study_restates_a_models_stride(name):
     """A control's phases are read mod the compared model's stride (``phase_of``), never a number the study
     repeats: no ``task.stride`` override and no ``control_stride`` in conf/study."""
-    text = (study.STUDY_DIR / f"{name}.yaml").read_text()
+    text = (study_config.STUDY_DIR / f"{name}.yaml").read_text()
     assert "task.stride" not in text and "control_stride" not in text
 
 
@@ -123,7 +126,7 @@ def test_a_run_may_declare_its_own_seeds_and_a_scale_swaps_params_and_adds_overr
         "runs:\n  - {experiment: '${params.experiment}', role: r, train: 'a=${params.dims}', seeds: [5, 6]}\n"
         "  - {experiment: '${params.experiment}', role: c}\n"
     )
-    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
     own, big = load_study("s"), load_study("s", "big")
     assert [(r.experiment, r.seed, r.train_overrides) for r in own.runs] == [
         ("demo_full", 5, ("a=2",)),
@@ -149,7 +152,7 @@ def test_the_generic_command_isolates_a_failed_run_and_reuses_finished_work(tmp_
         "  - {name: good, experiment: demo_gate_s4, role: gate}\n"
         "  - {name: bad, experiment: demo_gate_s4, role: gate, train: attention.stride=nonsense}\n"
     )
-    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
     out = tmp_path / "out"
     assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
     text = capsys.readouterr().out
@@ -176,7 +179,7 @@ def test_analyses_run_on_their_roles_and_one_that_does_not_apply_is_skipped_with
         "  - {name: g, experiment: demo_gate_s4, role: gate}\n  - {name: m, experiment: demo_gate_s4, role: mean}\n"
         "  - {name: f, experiment: demo_full, role: control}\n"
     )
-    monkeypatch.setattr(study, "STUDY_DIR", tmp_path)
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
     s = load_study("a")
     ran = []
 
@@ -187,8 +190,8 @@ def test_analyses_run_on_their_roles_and_one_that_does_not_apply_is_skipped_with
         if "analysis=knockout" in cmd and "f/seed=0" in cmd[2]:
             raise CommandFailed("command failed (1): boom", 1, "Traceback")
 
-    monkeypatch.setattr(study, "run_command", fake)
-    done = [{"run": r, "dir": study.run_dir(tmp_path, r)} for r in s.runs]
+    monkeypatch.setattr(study_run, "run_command", fake)
+    done = [{"run": r, "dir": study_run.run_dir(tmp_path, r)} for r in s.runs]
     records = run_analyses(s, done, tmp_path, False, 2, {}, Timer())
     assert [(r["label"], r["analysis"], sorted(set(r) & {"file", "skipped", "error"})) for r in records] == [
         ("g/seed=0", "knockout", ["file"]),

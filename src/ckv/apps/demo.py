@@ -24,24 +24,21 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ckv.apps.study import (
+from ckv.apps.study import study_arguments
+from ckv.apps.study_config import Study, load_study
+from ckv.apps.study_results import (
     CONTROL_LEARNED,
     Check,
-    Study,
     check_lines,
     control_learned,
     exit_code,
     gap_text,
-    load_study,
     pp,
     result_row,
-    run_command,
-    run_plan,
     run_records,
-    start,
-    study_arguments,
     table,
 )
+from ckv.apps.study_run import run_command, run_plan, start
 from ckv.eval.stats import gap_is_real
 from ckv.io.results import write_json
 

@@ -32,22 +32,20 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from ckv.apps.study import (
+from ckv.apps.study import study_arguments
+from ckv.apps.study_config import Run, load_study
+from ckv.apps.study_results import (
     CONTROL_LEARNED,
     Check,
-    Run,
     check_lines,
     control_learned,
     exit_code,
     gap_text,
-    load_study,
     result_row,
-    run_plan,
     run_records,
-    start,
-    study_arguments,
     table,
 )
+from ckv.apps.study_run import run_plan, start
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
 from ckv.eval.plots import plot_phase_overlay

@@ -16,7 +16,8 @@ from typing import Optional
 import numpy as np
 
 from ckv.analysis.plots import plot_mechanisms
-from ckv.apps.study import ROOT, Check, Study, check_lines, pp
+from ckv.apps.study_config import ROOT, Study
+from ckv.apps.study_results import Check, check_lines, pp
 from ckv.eval.plots import CurvePanel, plot_residue_curves, plot_residue_heatmap
 from ckv.eval.stats import gap_is_real
 from ckv.eval.summary import flatness_fields
@@ -331,7 +332,7 @@ def curve_panels(
 
 
 def analysis_results(done: list[dict]) -> tuple[list[tuple[str, dict[str, dict]]], list[str]]:
-    """The study's analyses (``ckv.apps.study.run_analyses``) by run: (label, results by analysis name) for each run
+    """The study's analyses (``ckv.apps.study_run.run_analyses``) by run: (label, results by analysis name) for each run
     with at least one result, and one line per analysis result, skip or failure with its file or reason."""
     items, lines = [], []
     for d in done:

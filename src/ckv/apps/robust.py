@@ -35,28 +35,25 @@ from typing import Optional
 from ckv import flops
 from ckv.apps.robust_confirm import CONFIRM, CONFIRM_MODELS, CONFIRM_SEEDS, CONFIRM_TASK, confirm_verdicts
 from ckv.apps.robust_crowding import analyse, analysed_tasks, crowding_lines
-from ckv.apps.study import (
+from ckv.apps.study import study_arguments
+from ckv.apps.study_config import Run, compared_stride, load_study
+from ckv.apps.study_results import (
     COMPACT_PHASE_COLUMNS,
     CONTROL_LEARNED,
     Check,
     Column,
-    Run,
     check_lines,
-    compared_stride,
     control_learned,
     every_seed,
     gap_columns,
     gap_text,
-    load_study,
     per_phase_column,
     pp,
     result_row,
-    run_plan,
-    start,
-    study_arguments,
     write_study_record,
     write_table,
 )
+from ckv.apps.study_run import run_plan, start
 from ckv.eval.plots import plot_worst_phase_vs_kv_bytes
 from ckv.flops import parameter_count
 from ckv.io.layout import MODEL_DIR, read_run_config
@@ -133,7 +130,7 @@ def plan(
 
 def phase_stride(task: str, model: Model) -> int:
     """The stride ``model`` (a control) of ``task`` reads its phases mod: that of its ``phase_of`` model
-    (``ckv.apps.study.compared_stride``)."""
+    (``ckv.apps.study_config.compared_stride``)."""
     runs = [Run(TASKS[task]["experiment"], 0, m.role, tuple(m.option.split()), name=m.name) for m in MODELS[task]]
     return compared_stride(model.phase_of, runs, f"conf/study/robust.yaml params.tasks.{task} {model.name}")
 
@@ -151,7 +148,7 @@ def resolve_seeds(seeds: Optional[list[int]], confirm: bool, ablation: bool, qui
 
 def row(d: dict) -> dict:
     """One table row of a finished run: its task, model and baseline, the study's one row of its results
-    (``ckv.apps.study.result_row``), and its memory and cost."""
+    (``ckv.apps.study_results.result_row``), and its memory and cost."""
     cfg = load_config(Path(d["dir"]) / MODEL_DIR)
     task_tokens = read_run_config(d["dir"])["data"]["seq_len"]  # the task's longest example
     task, model = d["run"].name.split("_", 1)
@@ -182,7 +179,7 @@ COLUMNS = (
 
 
 def table(rows: list[dict]) -> str:
-    """The printed table (``ckv.apps.study.write_table``), one line per run: memory (KV bytes per token in the
+    """The printed table (``ckv.apps.study_results.write_table``), one line per run: memory (KV bytes per token in the
     long-sequence limit and at the task's own length T: everything the decode cache holds after T tokens over T,
     ``ckv.flops.kv_bytes_per_token``) and cost, accuracy, the phase gap with its interval, noise floor, permutation
     p, one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``, 80% power) and verdict (gap / flat /

@@ -4,7 +4,8 @@ runs them and prints these checks."""
 
 from __future__ import annotations
 
-from ckv.apps.study import CONTROL_LEARNED, Check, control_learned, every_seed, gap_text, load_study, pp
+from ckv.apps.study_config import load_study
+from ckv.apps.study_results import CONTROL_LEARNED, Check, control_learned, every_seed, gap_text, pp
 from ckv.eval.flatness import noninferiority_bounds
 
 CONFIRM = load_study("robust_confirm")

@@ -7,7 +7,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from ckv.apps.study import QUICK_EVAL, Study, Timer, run_command
+from ckv.apps.study_config import Study
+from ckv.apps.study_run import QUICK_EVAL, Timer, run_command
 from ckv.io.layout import analysis_file, eval_dir
 from ckv.io.results import read_json
 

@@ -49,25 +49,19 @@ from typing import Optional
 
 from ckv.analysis import selection as analysis_selection
 from ckv.analysis.plots import plot_selection_study
-from ckv.apps.study import (
+from ckv.apps.study import study_arguments
+from ckv.apps.study_config import TASK, Run, load_study
+from ckv.apps.study_results import (
     COMPACT_PHASE_COLUMNS,
-    QUICK_EVAL,
-    TASK,
     Check,
     Column,
-    Run,
-    Timer,
     check_lines,
-    load_study,
     pp,
     result_row,
-    run_command,
-    run_plan,
-    start,
-    study_arguments,
     write_study_record,
     write_table,
 )
+from ckv.apps.study_run import QUICK_EVAL, Timer, run_command, run_plan, start
 from ckv.eval.flatness import se_from_interval
 from ckv.eval.stats import Z95
 from ckv.io.results import read_json
@@ -138,7 +132,7 @@ def final_recall(run_dir: Path) -> Optional[float]:
 
 
 def row(d: dict) -> dict:
-    """One run's row: the studies' one results row (``ckv.apps.study.result_row``), its model and the indexer's
+    """One run's row: the studies' one results row (``ckv.apps.study_results.result_row``), its model and the indexer's
     final recall."""
     return {"model": d["run"].name, **result_row(d), "recall": final_recall(Path(d["dir"]))}
 
@@ -231,7 +225,7 @@ COLUMNS = (
 
 
 def table(rows: list[dict]) -> str:
-    """The per-run table (``ckv.apps.study.write_table``): accuracy (mean, per phase), the phase gap with its
+    """The per-run table (``ckv.apps.study_results.write_table``): accuracy (mean, per phase), the phase gap with its
     interval, noise floor, permutation p, one-sided 95% upper bound (``<=``), minimum detectable gap (``MDE``),
     verdict, the indexer's final recall."""
     return write_table(rows, COLUMNS)

@@ -1,0 +1,256 @@
+"""The studies' loader: ``load_study`` reads ``conf/study/<name>.yaml`` (the keys: ``ckv.apps.study``'s docstring)
+into a ``Study`` of ``Run``s and ``Analysis``es; a control's ``phase_of`` becomes the compared model's stride
+(``compared_stride``, from its attention backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from omegaconf import OmegaConf
+
+from ckv.attention import check_attention
+from ckv.checks import ConfigError
+from ckv.train.plan import compose_train_config, model_config
+
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
+STUDY_DIR = ROOT / "conf" / "study"
+ANALYSIS_DIR = ROOT / "conf" / "eval" / "analysis"  # eval.py's analyses (analysis=<name>)
+TASK = "demo_lookup"  # the lookup task of every study so far (a study's ``task`` key)
+STUDY_KEYS = {
+    "base",
+    "title",
+    "out",
+    "record",
+    "task",
+    "evals",
+    "workers",
+    "seeds",
+    "runs",
+    "criteria",
+    "params",
+    "scales",
+    "report",
+    "analyses",
+}
+SCALE_KEYS = {"params", "train", "eval", "launcher"}
+RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds", "phase_of"}
+ANALYSIS_KEYS = {"roles", "eval"}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One model of a study: an experiment config, a seed, its role in the checks, and extra overrides."""
+
+    experiment: str
+    seed: int
+    role: str  # what the study's checks make of it, e.g. "gate", "baseline", "fix", "control"
+    train_overrides: tuple[str, ...] = ()
+    eval_overrides: tuple[str, ...] = ()
+    name: str = ""  # the run folder's name under <out>/runs (default: the experiment)
+    entry: tuple[str, ...] = ("train.py",)  # the trainer command after ``python``; it takes train.py's overrides
+
+    @property
+    def label(self) -> str:
+        return f"{(self.name or self.experiment).removeprefix('demo_')}/seed={self.seed}"
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """One entry of a study's ``analyses``: ``eval.py analysis=<name>`` with ``overrides`` on every finished run whose
+    role is in ``roles`` (every run when empty)."""
+
+    name: str
+    roles: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
+
+    def applies_to(self, run: Run) -> bool:
+        return not self.roles or run.role in self.roles
+
+
+@dataclass(frozen=True)
+class Study:
+    """A study as its ``conf/study/<name>.yaml`` declares it (the module docstring lists the keys); ``runs`` is the
+    plan: every declared run once per seed."""
+
+    name: str
+    title: str
+    out: str
+    record: str
+    task: str
+    workers: Union[int, str, None]
+    seeds: tuple[int, ...]
+    runs: tuple[Run, ...]
+    criteria: dict[str, float]
+    params: dict[str, Any]
+    evals: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> eval overrides; empty: one, on task
+    scale: str = ""  # the scale chosen from the YAML's ``scales`` ("": the study's own)
+    scales: tuple[str, ...] = ()  # the scales the YAML declares
+    report: str = ""  # ``module:function`` the generic command calls after the runs ("" : none)
+    launcher: str = ""  # the chosen scale's Hydra launcher (conf/hydra/launcher/): training is submitted through it
+    analyses: tuple[Analysis, ...] = ()  # run after the evaluations (``run_analyses``)
+
+    def workers_for(self, n_runs: int) -> int:
+        """Models trained at once when ``--workers`` is not given: ``workers`` (``all``: ``n_runs``), else
+        ``default_workers``."""
+        if self.workers == "all":
+            return n_runs
+        return default_workers() if self.workers is None else int(self.workers)
+
+
+def _overrides(value: Any, where: str) -> tuple[str, ...]:
+    """Overrides as a YAML list or one space-separated string."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return tuple(value.split())
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError(f"{where}: overrides are a list of strings or one space-separated string, not {value!r}")
+
+
+def _raw_study(name: str) -> Any:
+    """The OmegaConf node of ``conf/study/<name>.yaml`` merged over its ``base`` (recursively)."""
+    path = STUDY_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
+        raise ConfigError(f"no study {name!r} in {STUDY_DIR}; known: {known}")
+    node = OmegaConf.load(path)
+    unknown = sorted(set(node) - STUDY_KEYS)
+    if unknown:
+        raise ConfigError(f"conf/study/{name}.yaml: unknown keys {unknown}; a study takes {sorted(STUDY_KEYS)}")
+    base = node.get("base")
+    return node if base is None else OmegaConf.merge(_raw_study(base), node)
+
+
+def _scaled(node: Any, name: str, scale: str) -> Any:
+    """The study's node with scale ``scale``'s params merged over its own (before interpolation, so ``${params.x}``
+    reads the scale's)."""
+    if not scale:
+        return node
+    scales = node.get("scales") or {}
+    if scale not in scales:
+        raise ConfigError(f"conf/study/{name}.yaml: no scale {scale!r}; its scales: {sorted(scales)}")
+    unknown = sorted(set(scales[scale]) - SCALE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"conf/study/{name}.yaml scales.{scale}: unknown keys {unknown}; a scale takes {sorted(SCALE_KEYS)}"
+        )
+    return OmegaConf.merge(node, {"params": scales[scale].get("params") or {}})
+
+
+def _seeds(seeds: Any, where: str) -> tuple[int, ...]:
+    """A seeds list: distinct integers >= 0 (``ConfigError`` otherwise)."""
+    seeds = tuple(seeds)
+    if len(set(seeds)) != len(seeds) or any(not isinstance(s, int) or s < 0 for s in seeds):
+        raise ConfigError(f"{where}: seeds {list(seeds)}: distinct integers >= 0, please")
+    return seeds
+
+
+def compared_stride(compared: str, runs: list[Run], where: str) -> int:
+    """The stride of the model of the run named ``compared`` (its ``name``, else its ``experiment``) among ``runs``, as
+    its attention backend declares it (``phase_stride``) for the config ``train.py`` composes from the run's
+    experiment and train overrides (``ConfigError``, one line, for no such run or a model without a stride)."""
+    found = [r for r in runs if (r.name or r.experiment) == compared]
+    if not found:
+        known = [r.name or r.experiment for r in runs]
+        raise ConfigError(f"{where}: phase_of={compared!r} is not a run of the study; its runs: {known}")
+    run = found[0]
+    key = (run.experiment, run.train_overrides)
+    if key not in _STRIDES:
+        try:  # vocab_size=1 stands in for the data's vocabulary (as in TrainConfig's checks): no stride depends on it
+            config = model_config(compose_train_config([f"experiment={run.experiment}", *run.train_overrides]), 1)
+        except Exception as e:  # Hydra's and the config's errors alike: one line naming the run
+            detail = " ".join(str(e).split())
+            raise ConfigError(f"{where}: phase_of={compared!r}: its config does not compose: {detail}") from e
+        _STRIDES[key] = check_attention(config).phase_stride(config)
+    if _STRIDES[key] is None:
+        raise ConfigError(f"{where}: phase_of={compared!r}: that run's model has no stride (full attention?)")
+    return _STRIDES[key]
+
+
+_STRIDES: dict[tuple[str, tuple[str, ...]], Optional[int]] = {}  # (experiment, train overrides) -> stride
+
+
+def _analyses(value: Any, where: str) -> tuple[Analysis, ...]:
+    """A study's ``analyses``: name (an ``eval.py analysis=`` option) -> ``{roles, eval}``."""
+    out = []
+    for name, spec in (value or {}).items():
+        spec = spec or {}
+        if not (ANALYSIS_DIR / f"{name}.yaml").is_file():
+            known = sorted(p.stem for p in ANALYSIS_DIR.glob("*.yaml"))
+            raise ConfigError(f"{where}: no analysis {name!r} in conf/eval/analysis; known: {known}")
+        if not isinstance(spec, dict) or set(spec) - ANALYSIS_KEYS or not isinstance(spec.get("roles") or [], list):
+            raise ConfigError(f"{where}.{name}: an analysis takes roles (a list) and eval (overrides); got {spec!r}")
+        out.append(Analysis(name, tuple(spec.get("roles") or ()), _overrides(spec.get("eval"), f"{where}.{name}")))
+    return tuple(out)
+
+
+def load_study(name: str, scale: str = "") -> Study:
+    """``conf/study/<name>.yaml`` as a ``Study`` (``ConfigError``, one line, for a missing study, scale or a bad
+    key); ``scale`` (a key of its ``scales``) swaps in that scale's params and adds its overrides to every run."""
+    raw = OmegaConf.to_container(_scaled(_raw_study(name), name, scale), resolve=True)
+    spec = (raw.get("scales") or {}).get(scale) or {}
+    scale_train = _overrides(spec.get("train"), f"conf/study/{name}.yaml scales.{scale}")
+    scale_eval = _overrides(spec.get("eval"), f"conf/study/{name}.yaml scales.{scale}")
+    if "out" not in raw:
+        raise ConfigError(f"conf/study/{name}.yaml: no out (the default output folder)")
+    seeds = _seeds(raw.get("seeds") or (0,), f"conf/study/{name}.yaml")
+    declared, templates = list(raw.get("runs") or ()), []
+    for i, r in enumerate(declared):
+        where = f"conf/study/{name}.yaml runs[{i}]"
+        unknown = sorted(set(r) - RUN_KEYS)
+        if unknown or "experiment" not in r or "role" not in r:
+            raise ConfigError(
+                f"{where}: a run takes experiment, role and optionally "
+                f"{sorted(RUN_KEYS - {'experiment', 'role'})}; got {sorted(r)}"
+            )
+        templates.append(
+            Run(
+                r["experiment"],
+                0,
+                r["role"],
+                _overrides(r.get("train"), where) + scale_train,
+                _overrides(r.get("eval"), where),
+                name=r.get("name", ""),
+                entry=_overrides(r.get("entry"), where) or ("train.py",),
+            )
+        )
+    runs = []
+    for i, (r, template) in enumerate(zip(declared, templates)):
+        where = f"conf/study/{name}.yaml runs[{i}]"
+        phase = (
+            () if r.get("phase_of") is None else (f"task.stride={compared_stride(r['phase_of'], templates, where)}",)
+        )
+        template = dataclasses.replace(template, eval_overrides=template.eval_overrides + phase + scale_eval)
+        runs.append([dataclasses.replace(template, seed=s) for s in _seeds(r.get("seeds") or seeds, where)])
+    workers = raw.get("workers")
+    if not (workers is None or workers == "all" or (isinstance(workers, int) and workers > 0)):
+        raise ConfigError(f"conf/study/{name}.yaml: workers {workers!r}: a number > 0, all, or absent")
+    return Study(
+        name=name,
+        title=raw.get("title", name),
+        out=raw["out"],
+        record=raw.get("record", name),
+        task=raw.get("task", TASK),
+        workers=workers,
+        seeds=seeds,
+        runs=tuple(r for per_seed in runs for r in per_seed),
+        criteria=dict(raw.get("criteria") or {}),
+        params=dict(raw.get("params") or {}),
+        evals={k: _overrides(v, f"conf/study/{name}.yaml evals.{k}") for k, v in (raw.get("evals") or {}).items()},
+        scale=scale,
+        launcher=spec.get("launcher", ""),
+        scales=tuple(raw.get("scales") or ()),
+        report=raw.get("report", ""),
+        analyses=_analyses(raw.get("analyses"), f"conf/study/{name}.yaml analyses"),
+    )
+
+
+def default_workers() -> int:
+    """Models trained at once unless a study says otherwise: one per core, at most two (each job has one thread)."""
+    return min(2, os.cpu_count() or 1)

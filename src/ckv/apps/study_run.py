@@ -1,0 +1,291 @@
+"""The studies' runner: ``run_plan`` trains every run with ``train.py`` (a finished folder is resumed, i.e. reused)
+and evaluates it with ``eval.py`` (``train_command``, ``eval_commands``), ``workers`` at a time; ``run_analyses``
+runs a study's ``eval.py analysis=<name>`` on the finished runs (an analysis that does not apply is skipped with one
+line); evaluations and analyses newer than the run's last checkpoint are reused (``is_current``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ckv.apps.cli import EXIT_NOT_APPLICABLE
+from ckv.apps.study_config import ROOT, TASK, Analysis, Run, Study
+from ckv.eval.summary import results_file
+from ckv.io.layout import STATE_FILE, analysis_file, eval_dir, latest_checkpoint, read_run_config
+from ckv.io.results import read_json
+
+DISTRIBUTED_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+)
+# --quick: a few steps per model and a small evaluation: checks the pipeline, not the science
+QUICK_TRAIN = (
+    "trainer.max_steps=12",
+    "trainer.val_every=0",
+    "trainer.save_every=0",
+    "trainer.log_every=4",
+    "optim.warmup_steps=2",
+)
+QUICK_EVAL = ("task.n_base=64", "stats.n_bootstrap=200", "stats.n_permutations=200")
+
+
+@dataclass
+class Timer:
+    """Wall time since the study started, printed as ``m:ss``."""
+
+    start: float = field(default_factory=time.monotonic)
+
+    def __str__(self) -> str:
+        s = int(time.monotonic() - self.start)
+        return f"{s // 60:d}:{s % 60:02d}"
+
+
+class CommandFailed(RuntimeError):
+    """A study's command exited non-zero: ``returncode`` and the ``last_line`` of its log (its one-line error)."""
+
+    def __init__(self, message: str, returncode: int, last_line: str) -> None:
+        super().__init__(message)
+        self.returncode, self.last_line = returncode, last_line
+
+
+def run_command(cmd: list[str], log: Path, env: dict) -> None:
+    """Run ``cmd`` in the checkout with its output in ``log``; a failure raises ``CommandFailed`` with the log's last
+    lines."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        lines = log.read_text().splitlines(keepends=True)
+        tail = "".join(lines[-15:])
+        raise CommandFailed(
+            f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- {log} (last lines) ---\n{tail}",
+            proc.returncode,
+            lines[-1].strip() if lines else "",
+        )
+
+
+def run_dir(out: Path, run: Run) -> Path:
+    """The run folder a study gives ``train.py`` (``hydra.run.dir``): ``<out>/runs/<name or experiment>/seed=<s>``."""
+    return out / "runs" / (run.name or run.experiment) / f"seed={run.seed}"
+
+
+def log_file(out: Path, run: Run, stage: str) -> Path:
+    """The log of one stage (``train``, ``eval`` or ``eval_<name>``) of ``run``."""
+    return out / "logs" / f"{stage}_{run.name or run.experiment}_seed{run.seed}.log"
+
+
+def train_command(run: Run, out: Path, quick: bool, launcher: str = "") -> list[str]:
+    """``train.py``'s command line for ``run`` (its folder: ``run_dir``); with ``launcher`` (e.g. ``slurm``) a
+    one-job multirun submitted through ``hydra/launcher=<launcher>`` into the same folder."""
+    rdir = run_dir(out, run)
+    where = (
+        ("-m", f"hydra/launcher={launcher}", f"hydra.sweep.dir='{rdir}'", "hydra.sweep.subdir=.")
+        if launcher
+        else (f"hydra.run.dir='{rdir}'",)
+    )
+    return [
+        sys.executable,
+        *run.entry,
+        *where,
+        f"experiment={run.experiment}",
+        f"seed={run.seed}",
+        "trainer.progress=false",
+        "wandb.enabled=false",
+        *run.train_overrides,
+        *(QUICK_TRAIN if quick else ()),
+    ]
+
+
+def eval_names(task: str, evals: Optional[dict[str, tuple[str, ...]]]) -> dict[str, str]:
+    """Evaluation name -> the task name its results folder has: ``{task: task}`` without ``evals``, else
+    ``<task>_<name>`` per entry."""
+    return {task: task} if not evals else {k: f"{task}_{k}" for k in evals}
+
+
+def eval_commands(
+    run: Run, out: Path, quick: bool, task: str = TASK, evals: Optional[dict[str, tuple[str, ...]]] = None
+) -> dict[str, tuple[str, list[str]]]:
+    """``eval.py``'s command lines for ``run``: evaluation name -> (task name, command). No ``evals``: one, named
+    ``task``, on ``task``; else one per entry, named ``<task>_<name>`` (its own results folder), with its
+    overrides."""
+    specs = {k: (name, (evals or {}).get(k, ())) for k, name in eval_names(task, evals).items()}
+    return {
+        k: (
+            name,
+            [
+                sys.executable,
+                "eval.py",
+                f"model.path='{run_dir(out, run)}'",
+                f"task={task}",
+                *(() if name == task else (f"task.name={name}",)),
+                "progress=false",
+                *run.eval_overrides,
+                *extra,
+                *(QUICK_EVAL if quick else ()),
+            ],
+        )
+        for k, (name, extra) in specs.items()
+    }
+
+
+def is_current(rdir: Path, path: Path) -> bool:
+    """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written after the run's last
+    checkpoint (a rerun reuses it; train.py rewrites the final weights when it resumes a finished run, never the
+    checkpoint it resumed from)."""
+    ckpt = latest_checkpoint(rdir)
+    return path.is_file() and ckpt is not None and path.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
+
+
+def evaluation_is_current(rdir: Path, task_name: str) -> bool:
+    """Whether ``rdir`` holds ``task_name``'s results written after its last checkpoint (``is_current``)."""
+    return is_current(rdir, results_file(rdir, task_name))
+
+
+def train_and_evaluate(
+    run: Run,
+    out: Path,
+    quick: bool,
+    env: dict,
+    clock: Timer,
+    task: str = TASK,
+    evals: Optional[dict[str, tuple[str, ...]]] = None,
+    reuse: bool = False,
+) -> dict:
+    """Train one model with ``train.py`` (resuming if its folder exists), then evaluate it with ``eval.py``
+    (``eval_commands``; ``reuse``: an evaluation still current is not rerun). Returns ``{"run", "dir",
+    "train_seconds", "steps", "results", "evaluations"}`` (``results``: the first evaluation's report;
+    ``evaluations``: every report by evaluation name)."""
+    t0 = time.monotonic()
+    rdir = run_dir(out, run)
+    run_command(train_command(run, out, quick), log_file(out, run, "train"), env)
+    train_s = time.monotonic() - t0
+    reports = {}
+    for key, (name, cmd) in eval_commands(run, out, quick, task, evals).items():
+        if not (reuse and evaluation_is_current(rdir, name)):
+            run_command(cmd, log_file(out, run, "eval" if name == task else f"eval_{key}"), env)
+        reports[key] = read_json(results_file(rdir, name))["results"]
+    steps = read_run_config(rdir)["trainer"]["max_steps"]
+    print(
+        f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
+        flush=True,
+    )
+    first = next(iter(reports.values()))
+    return {"run": run, "dir": rdir, "train_seconds": train_s, "steps": steps, "results": first, "evaluations": reports}
+
+
+def job_env() -> dict:
+    """The environment of every train/eval job: one thread, offline, headless plots, no launcher rank variables
+    (every run is its own single-process job: rank variables left behind would make two runs rendezvous on the
+    same port)."""
+    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_ENV}
+    return {
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "MPLBACKEND": "Agg",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+    }
+
+
+def run_plan(
+    plan: tuple[Run, ...],
+    out: Path,
+    quick: bool,
+    workers: int,
+    env: dict,
+    clock: Timer,
+    task: str = TASK,
+    evals: Optional[dict[str, tuple[str, ...]]] = None,
+    keep_going: bool = False,
+) -> list[dict]:
+    """Train and evaluate every run, ``workers`` at a time; returns ``train_and_evaluate``'s records in plan order.
+    By default the first failure stops the plan (queued runs never start); ``keep_going`` (the generic command)
+    lets the others finish, reuses current evaluations, and records a failed run as ``{"run", "dir", "error"}``."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(train_and_evaluate, r, out, quick, env, clock, task, evals, keep_going): r for r in plan}
+        results = {}
+        for fut in as_completed(futures):
+            run, error = futures[fut], fut.exception()
+            if error is not None and not keep_going:
+                for f in futures:
+                    f.cancel()
+                raise error
+            if error is not None:
+                print(f"[{clock}] {run.label}: FAILED ({str(error).splitlines()[0]})", flush=True)
+                results[run] = {"run": run, "dir": run_dir(out, run), "error": str(error)}
+            else:
+                results[run] = fut.result()
+    return [results[r] for r in plan]
+
+
+def analysis_command(study: Study, run: Run, analysis: Analysis, out: Path, quick: bool) -> tuple[Path, list[str]]:
+    """``eval.py analysis=<name>``'s command line for ``run``, on the study's first evaluation (its task and
+    overrides, so its results sit in that evaluation's folder), and the analysis' results file."""
+    task_name, cmd = next(iter(eval_commands(run, out, quick, study.task, study.evals).values()))
+    return analysis_file(eval_dir(run_dir(out, run), task_name), analysis.name), [
+        *cmd,
+        f"analysis={analysis.name}",
+        *analysis.overrides,
+    ]
+
+
+def run_analyses(
+    study: Study, done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer
+) -> list[dict]:
+    """The study's ``analyses`` on the finished runs (``done``) of their roles, ``workers`` at a time; an analysis
+    still current (``is_current``) is not rerun. Returns one record per run and analysis: ``{"label", "analysis"}``
+    and ``file`` (its results), ``skipped`` (the one line why it does not apply to that model) or ``error`` (it
+    failed; the others go on); each run's records are also under its ``done`` record's ``analyses``, by name."""
+
+    def one(d: dict, a: Analysis) -> dict:
+        run = d["run"]
+        path, cmd = analysis_command(study, run, a, out, quick)
+        record = {"label": run.label, "analysis": a.name}
+        try:
+            if not is_current(d["dir"], path):
+                run_command(cmd, log_file(out, run, a.name), env)
+        except CommandFailed as e:
+            if e.returncode != EXIT_NOT_APPLICABLE:
+                raise
+            print(f"[{clock}] {run.label}: {a.name} skipped, it does not apply ({e.last_line})", flush=True)
+            return {**record, "skipped": e.last_line}
+        print(f"[{clock}] {run.label}: {a.name} done", flush=True)
+        return {**record, "file": str(path)}
+
+    jobs = [(d, a) for d in done for a in study.analyses if a.applies_to(d["run"])]
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(one, d, a) for d, a in jobs]
+    records = []
+    for (d, a), fut in zip(jobs, futures):
+        if fut.exception() is None:
+            records.append(fut.result())
+        else:
+            print(f"[{clock}] {d['run'].label}: {a.name} FAILED ({str(fut.exception()).splitlines()[0]})", flush=True)
+            records.append({"label": d["run"].label, "analysis": a.name, "error": str(fut.exception())})
+        d.setdefault("analyses", {})[a.name] = records[-1]
+    return records
+
+
+def start(study: Study, runs: tuple[Run, ...], out: Path, quick: bool, workers: int) -> tuple[Timer, dict]:
+    """Print the study's first line and return its clock and the jobs' environment."""
+    print(
+        f"ckv {study.title} -> {out}: {len(runs)} models, {workers} at a time"
+        f"{' (quick: pipeline check, not the science)' if quick else ''}",
+        flush=True,
+    )
+    return Timer(), job_env()
