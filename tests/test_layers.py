@@ -18,6 +18,8 @@ reads another file's ``_name`` (a ``_module`` is private to its package), nor a 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
@@ -310,9 +312,6 @@ def test_no_test_module_imports_another() -> None:
 def test_training_and_evaluation_load_no_corpus_library() -> None:
     """``datasets`` (with pyarrow and pandas: about as long to import as torch) loads only where a corpus is read or
     prepared, not when train.py or eval.py starts: every one-line config error and every short run pays for it."""
-    import subprocess
-    import sys
-
     code = "import sys, ckv.train, ckv.eval; print(sorted({'datasets', 'pyarrow', 'pandas'} & set(sys.modules)))"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-2000:]
