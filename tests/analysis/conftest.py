@@ -43,6 +43,8 @@ TINY_RUN = {
 # the model trained without filler tokens: shifts add prefix pads only (the query moves with the target)
 SPEC = LookupSpec(modulus=4, fixed_query=False)
 STATS = StatsOptions(n_bootstrap=100, n_permutations=100)
+# the selection tests' compressed layers: W = 8, S = 4 (entry j pools positions 4j - 4 .. 4j + 3), one KV head
+W8S4 = dict(kind="compressed", window=8, stride=4, local_window=2, kv_heads=1)
 TRAIN_THREADS = 2
 
 

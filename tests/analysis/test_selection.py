@@ -1,181 +1,26 @@
-"""analysis=selection: which entries hold a record, which the query attended, and the analysis on tiny models."""
+"""analysis=selection (``ckv.analysis.selection``): the covered/missed table and the analysis on tiny models."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from ckv import Transformer
 from ckv.analysis import run_analysis
-from ckv.analysis.selection import (
-    ImposedSelection,
-    SelectionOutcome,
-    blind_cover_probability,
-    chosen_entries,
-    imposed_selection,
-    miss_odds_power,
-    miss_odds_ratio,
-    miss_odds_ratio_from_counts,
-    odds_ratio,
-    paired_differences,
-    random_cover_probability,
-    selection,
-    selector_rows,
-    simulate_miss_odds,
-    simulate_straddle_excess,
-    straddling_phases,
-    synthetic_prompts,
-    target_entries,
-)
+from ckv.analysis.selection import SelectionOutcome, selection, selector_rows
+from ckv.analysis.selection_hooks import ImposedSelection
 from ckv.config import ConfigError
 from ckv.eval import load_ckv_model
-from ckv.eval.stats import StatsOptions
-from tests.helpers import small_config
 
 from ..eval.helpers import make_run, png_ok
-from .conftest import SPEC, context, options
-
-W8S4 = dict(kind="compressed", window=8, stride=4, local_window=2, kv_heads=1)
+from .conftest import SPEC, W8S4, context, options
 
 
-def test_the_entries_holding_a_record_and_the_entries_a_query_attended():
-    """W = 8, S = 4: entry j pools positions 4j - 4 .. 4j + 3. A record at 5, 6 lies in entries 1 and 2 (both
-    tokens); one at 7, 8 straddles: 7 in entries 1, 2 and 8 in entries 2, 3."""
-    layer = Transformer(small_config(W8S4, n_layers=1)).layers[0].self_attn
-    holds = target_entries(layer, 5, torch.tensor([5, 7]), 2)  # (B=2, E=5, R=2)
-    assert holds[0].T.tolist() == [[False, True, True, False, False]] * 2
-    assert holds[1].T.tolist() == [[False, True, True, False, False], [False, False, True, True, False]]
-    # the query at grid position 15 sees entries 0..3 (entry s closes at 4s + 3)
-    assert chosen_entries(None, 5, 15, 4, 2).tolist() == [[True, True, True, True, False]] * 2
-    chosen = chosen_entries(torch.tensor([[1, -1], [3, 4]]), 5, 15, 4, 2)  # entry 4 is not visible: not attended
-    assert chosen.tolist() == [[False, True, False, False, False], [False, False, False, True, False]]
-    hit = (holds.any(-1) & chosen).any(-1)
-    covered = (holds & chosen[..., None]).any(1).all(-1)
-    assert hit.tolist() == [True, True] and covered.tolist() == [True, False]  # 7 is in neither 3 nor 4
-
-
-class _Attend(torch.nn.Module):
-    """Stands in for a layer's ``attend``: an ``lse`` of 0 makes the oracle's scores the summed entry weights."""
-
-    def forward(self, q, kc, *rest, **kwargs):
-        B, T, H, _ = q.shape
-        return q, torch.zeros(B, T, H)
-
-
-def _selections(selector: str, k: int, E: int = 6, T: int = 24, stride: int = 4, seed: int = 0) -> torch.Tensor:
-    q, kc = torch.randn(2, T, 2, 8), torch.randn(2, E, 1, 8)
-    gen = torch.Generator().manual_seed(seed)
-    args = (q, kc, torch.zeros_like(kc), q, q)  # a JointAttention call: queries, entries' keys and values, local k, v
-    call = dict(q_start=0, stride=stride, local_window=None)
-    return imposed_selection(selector, _Attend(), args, call, k, gen)  # (B, T, k)
-
-
-@pytest.mark.parametrize("selector", ["oracle", "random", "recency"])
-def test_every_selector_picks_visible_entries_without_repeats_and_marks_empty_slots(selector):
-    """Query t (grid position) sees entries s with 4 s + 3 <= t: visible and distinct picks, -1 exactly in the
-    slots beyond the visible count."""
-    k, sel = 3, _selections(selector, 3)
-    for t in range(sel.shape[1]):
-        n_visible = min((t + 1) // 4, 6)
-        for row in sel[:, t].tolist():
-            picked = [s for s in row if s >= 0]
-            assert len(picked) == len(set(picked)) == min(k, n_visible)
-            assert all(s < n_visible for s in picked) and row.count(-1) == k - len(picked)
-
-
-def test_recency_keeps_the_last_k_visible_entries_and_random_is_seeded_and_uniform():
-    rec = _selections("recency", 2)
-    assert rec[0, 23].tolist() == [5, 4] and rec[1, 15].tolist() == [3, 2] and rec[0, 7].tolist() == [1, 0]
-    assert torch.equal(_selections("random", 2, seed=5), _selections("random", 2, seed=5))
-    assert not torch.equal(_selections("random", 2, seed=5), _selections("random", 2, seed=6))
-    counts = torch.zeros(6)
-    for seed in range(200):  # the last query sees all 6 entries: each is picked 2/6 of the time
-        counts += torch.bincount(_selections("random", 2, seed=seed)[:, -1].reshape(-1), minlength=6)
-    share = counts / counts.sum()
-    assert torch.all((share - 1 / 6).abs() < 0.04), share
-
-
-def _brute_force(holds: np.ndarray, k: int) -> float:
-    n = len(holds)
-    subsets = list(itertools.combinations(range(n), min(k, n)))
-    return sum(holds[list(c)].any(0).all() for c in subsets) / len(subsets)
-
-
-def test_the_geometric_expectation_equals_an_enumeration_of_every_top_k():
-    rng = np.random.default_rng(0)
-    for _ in range(40):
-        n, R, k = int(rng.integers(1, 8)), int(rng.integers(1, 4)), int(rng.integers(1, 9))
-        holds = rng.random((n, R)) < 0.35
-        assert random_cover_probability(holds, k) == pytest.approx(_brute_force(holds, k))
-    # W = 8, S = 4, 15 visible entries, top-2: two entries hold a record whole (phases 0-2), or one entry holds it
-    # whole and one more holds each token (phase 3)
-    inside = np.zeros((15, 2), dtype=bool)
-    inside[[6, 7]] = True
-    straddle = np.zeros((15, 2), dtype=bool)
-    straddle[6, 0] = straddle[7] = straddle[8, 1] = True
-    assert random_cover_probability(inside, 2) == pytest.approx(1 - 78 / 105)  # 1 - C(13, 2) / C(15, 2)
-    assert random_cover_probability(straddle, 2) == pytest.approx(15 / 105)  # entry 7 with any, or entries 6 and 8
-
-
-def test_the_phase_blind_selector_is_matched_to_the_coverage_per_prompt():
-    """q_i = f + (1 - f) g_i with mean q = the coverage; below the random selector's coverage: the random one."""
-    geometric, phases, _ = synthetic_prompts(128)
-    for coverage in (0.2, 0.6, 0.95):
-        q, f = blind_cover_probability(geometric, coverage)
-        assert q.mean() == pytest.approx(coverage) and np.allclose(q, f + (1 - f) * geometric)
-    q, f = blind_cover_probability(geometric, 0.01)
-    assert f == 0 and np.array_equal(q, geometric)
-    # its miss odds ratio is the null: a selector covering exactly q_i scores the null on expectation
-    r = miss_odds_ratio(blind_cover_probability(geometric, 0.9)[0], geometric, phases, [3], None, StatsOptions(10))
-    assert r["value"] == pytest.approx(r["null"]) and r["blind"] == pytest.approx(blind_cover_probability(
-        geometric, 0.9)[1])  # fmt: skip
-
-
-def test_the_miss_odds_ratio_of_counts_and_its_power():
-    """From counts: the odds of a miss at the straddling side over the others' ((256 - 126) / 126 over
-    (768 - 446) / 446), an interval around it, the null above 1; the power at the null itself is the one-sided
-    level, (1 - 0.95) / 2."""
-    r = miss_odds_ratio_from_counts((126, 446), (256, 768), (1 / 18, 2 / 18), StatsOptions(400))
-    assert r["value"] == pytest.approx((130 / 126) / (322 / 446)) and r["lower"] < r["value"] < r["upper"]
-    assert 1 < r["null"] < r["value"] and 0 < r["blind"] < 1
-    assert miss_odds_power((0.3, 0.2), float(odds_ratio(0.3, 0.2)), (256, 768)) == pytest.approx(0.025)
-
-
-@pytest.mark.parametrize("coverage", [0.90, 0.97, 0.99])
-def test_a_phase_blind_selector_at_high_coverage_lands_on_the_null(coverage):
-    """200 synthetic selections of 1,024 prompts shaped like the study's (``synthetic_prompts``: 14 to 22 visible
-    entries per mapping, top-1) by the phase-blind selector: the 95% interval of the
-    miss odds ratio contains the coverage-matched null at about the nominal rate (within 3 binomial standard
-    errors of 0.95: 0.95 +- 0.046), where the covered-rate ratio against the random top-1's 0.50 would call every
-    one of them even."""
-    geometric, phases, clusters = synthetic_prompts(128)
-    sim = simulate_miss_odds(geometric, phases, [3], clusters, coverage, 0.0, 200, StatsOptions(400, seed=0))
-    tolerance = 3 * (0.95 * 0.05 / 200) ** 0.5
-    assert abs(sim["contains_null"] - 0.95) <= tolerance, sim
-    assert sim["expected"]["power"] < 0.05  # drop 0: the null holds; "detected" is the one-sided false positive
-
-
-@pytest.mark.parametrize("coverage, drop", [(0.9, 0.1), (0.6, 0.2)])
-def test_the_positive_control_is_detected_at_its_derived_power(coverage, drop):
-    """The positive control (the phase-blind selector that also drops the straddling record with probability
-    ``drop``) is detected (interval above the null) at the rate derived by ``positive_control_power`` (normal
-    approximation of the log odds ratio), within 3 binomial standard errors of 200 simulations."""
-    geometric, phases, clusters = synthetic_prompts(128)
-    sim = simulate_miss_odds(geometric, phases, [3], clusters, coverage, drop, 200, StatsOptions(400, seed=1))
-    power = sim["expected"]["power"]
-    assert power > 0.8 and abs(sim["detected"] - power) <= 3 * (power * (1 - power) / 200) ** 0.5, sim
-    assert sim["below"] == 0
-
-
-def test_straddling_phases_and_the_covered_missed_table_add_up():
+def test_the_covered_missed_table_adds_up():
     phases = np.tile(np.arange(4), 50)
     whole = np.where(phases == 3, 1, 2)[None].repeat(2, 0)  # (layers, P)
-    assert straddling_phases(whole, phases, 4) == [3] and straddling_phases(np.full((1, 200), 2), phases, 4) == []
     rng = np.random.default_rng(1)
     covered = rng.random((2, 200)) < np.where(phases == 3, 0.3, 0.7)
     correct = np.where(covered[-1], rng.random(200) < 0.9, rng.random(200) < 0.2)
@@ -200,43 +45,6 @@ def test_straddling_phases_and_the_covered_missed_table_add_up():
     ratio = rows["layers"][-1]["straddle_ratio"]
     want = covered[-1][phases == 3].mean() / covered[-1][phases != 3].mean()
     assert ratio["value"] == pytest.approx(want) and ratio["lower"] < want < ratio["upper"] < 1
-
-
-def test_paired_differences_on_a_constructed_example():
-    """The selector loses 20 of the reference's 50 correct answers at phase 3 and none elsewhere: the paired
-    difference is -0.4 at phase 3, 0 at the others, and its excess at the straddling phase excludes 0."""
-    phases = np.tile(np.arange(4), 50)  # 50 prompts per phase, 50 base examples of 4
-    table = {"phase": phases, "base": np.repeat(np.arange(50), 4)}
-    ref = np.ones(200)
-    sel = ref.copy()
-    sel[np.flatnonzero(phases == 3)[:20]] = 0
-    outcomes = {name: type("O", (), {"correct": c, "table": table}) for name, c in (("dense", ref), ("sel", sel))}
-
-    class _Ctx:
-        options = options(Path("."))
-
-    diff = paired_differences(outcomes, "dense", 4, [3], _Ctx.options.stats)["sel"]
-    assert [p["value"] for p in diff["phases"]] == pytest.approx([0, 0, 0, -0.4])
-    assert diff["mean"]["value"] == pytest.approx(-0.1)
-    excess = diff["straddle_excess"]
-    assert excess["value"] == pytest.approx(-0.4) and excess["lower"] < -0.4 < excess["upper"] < 0
-    assert paired_differences(outcomes, "dense", 4, [], _Ctx.options.stats)["sel"]["straddle_excess"]["value"] is None
-
-
-def test_c2_s_power_simulation_finds_a_cost_and_calls_no_cost_equivalent():
-    """``simulate_straddle_excess``: a selector answering like dense serving everywhere has a zero-width interval,
-    within +-5 pp in every run; one answering apart in half the (mapping, phase) cells but costing nothing is
-    called costly at about the interval's lower tail rate (2.5%) with its estimate near 0; one costing the
-    straddling phase 20 pp is found in nearly every run; more mappings narrow the interval."""
-    opts = StatsOptions(200, seed=0)
-    same = simulate_straddle_excess(32, 8, 0.7, 0.3, 0.0, 0.0, 10, opts)
-    assert same["equivalent"] == 1 and same["half_width"] == 0 and same["cost"] == 0
-    null = simulate_straddle_excess(32, 8, 0.7, 0.3, 0.5, 0.0, 40, opts)
-    assert null["cost"] <= 0.1 and abs(null["value"]) < 0.03 and null["equivalent"] < 1
-    costly = simulate_straddle_excess(64, 8, 0.7, 0.3, 0.5, -0.2, 20, opts)
-    assert costly["cost"] >= 0.9 and costly["value"] == pytest.approx(-0.2, abs=0.04)
-    more = simulate_straddle_excess(128, 8, 0.7, 0.3, 0.5, 0.0, 20, opts)
-    assert more["half_width"] < 0.7 * null["half_width"]  # 4x the mappings: about half the width
 
 
 @pytest.mark.parametrize(

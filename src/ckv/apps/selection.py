@@ -27,8 +27,8 @@ lookup, then this module analyses it with ``eval.py analysis=selection`` on the 
 table (mean, per-phase accuracy, phase gap with interval, noise floor, verdict), the per-selector
 table (paired accuracy difference against dense serving of the same weights, covered rate at the straddling phase
 and at the others, their ratio beside the geometric expectation of a random top-k, the miss odds ratio with
-interval beside its coverage-matched null (``ckv.analysis.selection.miss_odds_ratio``: the statistic that is fair
-at any coverage, which the criteria judge), and the accuracy when the record was covered vs missed at the
+interval beside its coverage-matched null (``ckv.analysis.selection_stats.miss_odds_ratio``: the statistic that is
+fair at any coverage, which the criteria judge), and the accuracy when the record was covered vs missed at the
 straddling phase) and the criteria of docs/selection.md (``criteria``, committed before any result of this
 design); one plot, everything under ``outputs/selection/``.
 
@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-from ckv.analysis import selection as analysis_selection
+from ckv.analysis import selection_hooks
 from ckv.analysis.plots import plot_selection_study
 from ckv.apps.study import study_arguments
 from ckv.apps.study_config import TASK, Run, load_study
@@ -77,7 +77,7 @@ PRIMARY = tuple(tuple(pair) for pair in STUDY.params["primary"])
 SELECTORS = {name: tuple(names) for name, names in STUDY.params["selectors"].items()}  # per model; control: none
 MODELS = tuple(dict.fromkeys(r.name for r in STUDY.runs))  # the model names in plan order
 IMPOSED = SELECTORS["dense"]  # the selectors every compressed run is served by
-QUANTISED = tuple(s for s in SELECTORS["sparse"] if s in analysis_selection.QUANTISED)  # reported, not judged
+QUANTISED = tuple(s for s in SELECTORS["sparse"] if s in selection_hooks.QUANTISED)  # reported, not judged
 
 
 QUICK_DROPS = ("task.n_base=", "task.modulus=")  # quick: QUICK_EVAL's base examples at the task's 8 shifts
@@ -358,11 +358,11 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
                 _odds_detail(randoms),
             )
         )
-    controls = [r for r in sel_rows if r["selector"] == analysis_selection.CONTROL]
+    controls = [r for r in sel_rows if r["selector"] == selection_hooks.CONTROL]
     if controls:
         out.append(
             Check(
-                f"P: the positive control ({analysis_selection.CONTROL}, drop {DROP}) is detected: its miss odds "
+                f"P: the positive control ({selection_hooks.CONTROL}, drop {DROP}) is detected: its miss odds "
                 "ratio's 95% lower bound above its null (every run)",
                 all(_deficit(r) is True for r in controls),
                 _odds_detail(controls),
