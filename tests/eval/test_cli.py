@@ -60,14 +60,13 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
     """Hydra's composition and override errors, a key eval.py does not read and a missing model folder, each as one
     ``ckv: error:`` line (an unknown key is never answered with a ``+key`` hint)."""
     missing = tmp_path / "runs" / "demo" / "seed=0"
+    tasks = sorted(p.stem for p in (ROOT / "conf" / "eval" / "task").glob("*.yaml"))  # Hydra's choices
     cases = {
         "nosuch=1": "ckv: error: nosuch is not a setting (Key 'nosuch' is not in struct); check its spelling",
         "+limt=4": "ckv: error: unknown eval field(s) ['limt']; valid fields: ['analysis', 'batch_size', 'device', "
         "'dry_run', 'limit', 'model', 'out_dir', 'plots', 'progress', 'stats', 'summary', 'summary_out', "
         "'summary_rerun', 'task']",  # composed in, then refused: never a full evaluation that ignores it
-        "task=nosuch": "ckv: error: In 'config': Could not find 'task/nosuch'; choose one of ['demo_lookup', "
-        "'lookup', 'lookup_ids', 'lookup_words', 'needle', 'probe_fp8', "
-        "'probe_synthetic']",
+        "task=nosuch": f"ckv: error: In 'config': Could not find 'task/nosuch'; choose one of {tasks}",
         f"model.path={missing}": f"ckv: error: model.path={str(missing)!r} does not exist",
     }
     for override, line in cases.items():

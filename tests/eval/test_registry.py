@@ -121,6 +121,7 @@ def test_a_registered_toy_task_runs_end_to_end_through_the_runner(copy_task, tmp
 
 
 def test_task_configs_and_registrations_are_checked(copy_task) -> None:
+    registered = sorted(TASKS)
     with pytest.raises(ConfigError, match=r"unknown task \(kind 'copy'\) field\(s\) \['m'\]"):
         task_from_dict({"kind": "copy", "m": 1})
     with pytest.raises(ConfigError, match="task.n=0 must be an integer >= 1"):
@@ -145,7 +146,7 @@ def test_task_configs_and_registrations_are_checked(copy_task) -> None:
 
     with pytest.raises(TypeError, match="needs a 'name' field"):
         register_task(NoName)
-    assert sorted(TASKS) == ["copy", "lookup", "needle", "probe"]
+    assert sorted(TASKS) == registered  # the refused registrations left no trace
     with pytest.raises(ConfigError, match="not the spec of a registered task kind"):
         task_type(object())
     assert task_type(LookupSpec()).kind == "lookup"
