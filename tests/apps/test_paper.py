@@ -328,3 +328,18 @@ def test_the_figures_show_every_run_in_the_papers_order_and_the_baseline_analyse
     assert [p.label for p in panels] == list(ids)  # the paper's order, the unfinished run included
     assert [p.stride for p in panels] == [None, 8, 8, None]  # no stride lines for full attention
     assert panels[1].reference == {"prefix": 0.7} and panels[3].reports == {}
+
+
+def test_the_papers_table_ships_with_ckv_and_names_every_run():
+    """The side-by-side column reads a copy of the paper's table inside the checkout (a clone anywhere has it): every
+    run's paper id has its rows, prefix for all and in-sequence for the compressed ones (the paper's controls are
+    prefix only); where the shared reference folder sits beside the checkout, the copy is byte-identical to it."""
+    study = load_study("paper")
+    rows, why = paper.read_paper(paper.paper_path(study))
+    assert why == "" and paper.paper_path(study).is_relative_to(ROOT)
+    for label, pid in study.params["paper_ids"].items():
+        pads = ("prefix",) if label.startswith("full_") else paper.PADDINGS
+        assert all((pid, pad) in rows for pad in pads), (label, pid)
+    shared = ROOT.parent / "shared" / "paper" / "controlled_table.csv"
+    if shared.is_file():
+        assert paper.paper_path(study).read_bytes() == shared.read_bytes()

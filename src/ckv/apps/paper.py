@@ -46,7 +46,7 @@ def read_paper(path: Path) -> tuple[dict[tuple[str, str], dict], str]:
     """The paper's rows by ``(variant_id, padding)`` (padding as the study names it) with ``mean``, ``worst`` and
     ``gap`` as ``(value, lower, upper)`` fractions, and why there are none (``""`` when read)."""
     if not path.is_file():
-        return {}, f"the paper's column is n/a: {path} is absent (the shared folder beside the checkout)"
+        return {}, f"the paper's column is n/a: {path} is absent"
     rows = {}
     with open(path, newline="") as f:
         for r in csv.DictReader(f):
@@ -59,7 +59,7 @@ def read_paper(path: Path) -> tuple[dict[tuple[str, str], dict], str]:
 
 
 def paper_path(study: Study) -> Path:
-    """The paper's CSV: ``params.paper_csv`` relative to the checkout (``../shared/paper/...``)."""
+    """The paper's CSV: ``params.paper_csv`` relative to the checkout (conf/study/data/, shipped with ckv)."""
     return (ROOT / study.params["paper_csv"]).resolve()
 
 
