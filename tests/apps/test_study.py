@@ -9,7 +9,7 @@ from ckv.apps import study_config, study_run
 from ckv.apps.cli import EXIT_NOT_APPLICABLE
 from ckv.apps.study import main
 from ckv.apps.study_config import Run, load_study
-from ckv.apps.study_results import Check, check_lines, result_row
+from ckv.apps.study_results import Check, check_lines, exit_code, result_row
 from ckv.apps.study_run import CommandFailed, Timer, run_analyses
 from ckv.checks import ConfigError
 
@@ -117,6 +117,13 @@ def test_check_lines_name_each_outcome_in_the_studys_words():
     checks = [Check("a", True, "x"), Check("b", False, "y"), Check("c", False, "z", decided=False)]
     assert check_lines(checks, ("MET", "not met")) == ["  [MET] a: x", "  [not met] b: y", "  [undecided] c: z"]
     assert check_lines(checks[2:], ("PASS", "FAIL", "open")) == ["  [open] c: z"]
+
+
+def test_the_exit_code_is_1_only_for_a_decided_failure():
+    """An undecided claim is an answer (make paper's unlearned variants), not an error: only a decided FAIL gives 1."""
+    passed, failed, undecided = Check("a", True, "x"), Check("b", False, "y"), Check("c", False, "z", decided=False)
+    assert [exit_code(c, quick=False) for c in ([], [passed], [passed, undecided], [undecided, failed])] == [0, 0, 0, 1]
+    assert exit_code([failed], quick=True) == 0
 
 
 def test_a_run_may_declare_its_own_seeds_and_a_scale_swaps_params_and_adds_overrides(tmp_path, monkeypatch):
