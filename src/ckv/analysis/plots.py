@@ -1,4 +1,5 @@
-"""PNG plots of the mechanism analyses (knock-out, gate concentration, gate cycling, joint view).
+"""Every PNG plot of the mechanism analyses, one file on purpose: ckv.analysis's one matplotlib home (knock-out, gates,
+gate cycling, joint view, selection), sharing its colour scales and figure helpers.
 
 Heatmaps use diverging colour maps centred on "no effect": knock-out effects in percent of the clean accuracy
 (red = accuracy lost, blue = gained, centred at 0) and gate profiles as log2 of the mass relative to uniform

@@ -1,4 +1,5 @@
-"""PNG plots of evaluation reports (matplotlib's object API: no pyplot state, no display needed).
+"""Every PNG plot of evaluation reports, one file on purpose: ckv.eval's one matplotlib home, sharing its axes and
+colours (matplotlib's object API: no pyplot state, no display needed).
 
 Every accuracy plot shows percentages on a fixed 0-100 axis, 95% intervals as error bars, the mean as a dashed
 line, and says in its title what the best-minus-worst gap, its interval and the noise floor are.

@@ -1,4 +1,5 @@
-"""The filler-length probe (the paper's code-completion probe, generalised).
+"""The filler-length probe (the paper's code-completion probe, generalised), one task in one file: its spec,
+prompts, scoring and report.
 
 A prompt ``before + filler(n) + after`` is scored for every filler length ``n`` (in TOKENS, exact under the
 model's own tokenizer) of a range: the full-vocabulary top-1 next token and the log-probability of each
