@@ -368,8 +368,9 @@ def test_missing_data_path_is_named_in_one_line_from_a_shell(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_multirun_two_strides(tmp_path, cache_dir):
-    proc = _run_entry(
+def test_multirun_two_strides(tmp_path, cache_dir, monkeypatch, capsys):
+    code, _, err = run_script(
+        "train.py",
         [
             "-m",
             "experiment=cpu_smoke",
@@ -382,9 +383,11 @@ def test_multirun_two_strides(tmp_path, cache_dir):
             f"out_dir={tmp_path}",
             "wandb.enabled=false",
             f"trainer.data_cache_dir={cache_dir}",
-        ]
+        ],
+        monkeypatch,
+        capsys,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert code == 0, err[-3000:]
     runs = sorted(p for p in (tmp_path / "cpu_smoke").iterdir() if p.is_dir())
     assert [p.name for p in runs] == [
         f"attention.stride={s},attention=w8s8,data.seq_len=66,data=lookup_split,trainer.max_steps=3,seed=0"
