@@ -1,14 +1,19 @@
 """Small builders shared by test modules of several packages: tiny model configs and the attention option matrix,
-brute-force readings of the geometry, tiny DeepSeek-V4 layers, a dispatch recorder and the eval.py loader."""
+brute-force readings of the geometry, tiny DeepSeek-V4 layers, a dispatch recorder, the eval.py loader and the
+in-process runner of train.py and eval.py."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import importlib.util
+import logging
+import runpy
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -19,7 +24,8 @@ from ckv.apps.variants import load_variant, option_names
 # width, query heads, head dim, rotated dims, sliding window
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
 V4_DIMS = (32, 4, 16, 8, 5)
-ATTENTION_DIR = Path(__file__).resolve().parents[1] / "conf" / "attention"
+REPO = Path(__file__).resolve().parents[1]
+ATTENTION_DIR = REPO / "conf" / "attention"
 VARIANTS = option_names(ATTENTION_DIR)  # every conf/attention/*.yaml, and each group option on the group bases
 
 
@@ -90,10 +96,37 @@ class LargestTensor(TorchDispatchMode):
 
 def eval_cli():
     """The checkout's ``eval.py`` as a module (it is a script, not part of the ckv package)."""
-    spec = importlib.util.spec_from_file_location("ckv_eval_cli", Path(__file__).resolve().parents[1] / "eval.py")
+    spec = importlib.util.spec_from_file_location("ckv_eval_cli", REPO / "eval.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_script(
+    script: str, args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> tuple[int, str, str]:
+    """``python <script> <args>`` (``train.py``, ``eval.py``) in this process, from the checkout's root: the script runs
+    as ``__main__`` with ``sys.argv`` set, so its Hydra main, argument parsing and error handling run as from a shell,
+    without a new interpreter's imports (seconds per run). Returns ``(exit code, stdout, stderr)``, the code as the
+    interpreter derives it from ``SystemExit`` (a message is printed to stderr with code 1). The handlers and level
+    Hydra gives the root logger for a job and the ``HYDRA_FULL_ERROR`` the script sets are undone."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", [script, *args])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)  # restored (unset) after the test
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    code = 0
+    try:
+        runpy.run_path(str(REPO / script), run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = 1 if isinstance(e.code, str) else e.code or 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 def tiny_v4_config(layer_type: str, **fields):  # -> transformers.DeepseekV4Config
@@ -134,7 +167,7 @@ def randomise(module: torch.nn.Module) -> None:
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
 
 
-ERRORS_DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+ERRORS_DOC = REPO / "docs" / "errors.md"
 
 
 def assert_documented(line: str) -> None:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +14,7 @@ from ckv.analysis.gates import phase_profile
 from ckv.analysis.joint_view import correlation, joint_rows
 from ckv.apps.cli import EXIT_NOT_APPLICABLE
 from ckv.eval import load_ckv_model
+from tests.helpers import run_script
 
 from ..eval.helpers import make_run, png_ok
 from .conftest import SPEC, options
@@ -115,36 +113,20 @@ def test_joint_rows_fold_offsets_to_phases_when_w_exceeds_s() -> None:
     assert row["loss_vs_v"] == pytest.approx(-1 / 3)
 
 
-def _eval(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    return subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "eval.py"),
-            *args,
-            "progress=false",
-            "device=cpu",
-            "stats.n_bootstrap=50",
-            "stats.n_permutations=50",
-            "task.modulus=4",
-            "task.fixed_query=false",
-            "limit=4",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def _eval(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
+    """``python eval.py <args>`` with small statistics, in this process (``run_script``): exit code, stdout, stderr."""
+    fixed = ["progress=false", "device=cpu", "stats.n_bootstrap=50", "stats.n_permutations=50", "task.modulus=4"]
+    return run_script("eval.py", [*args, *fixed, "task.fixed_query=false", "limit=4"], monkeypatch, capsys)
 
 
-def test_eval_cli_runs_an_analysis(trained_run: Path, tmp_path: Path) -> None:
-    p = _eval(f"model.path={trained_run}", "analysis=gates", "analysis.checkpoints=[100]", f"out_dir={tmp_path}")
-    assert p.returncode == 0, p.stderr[-3000:]
+def test_eval_cli_runs_an_analysis(trained_run: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    args = [f"model.path={trained_run}", "analysis=gates", "analysis.checkpoints=[100]", f"out_dir={tmp_path}"]
+    code, out, err = _eval(monkeypatch, capsys, *args)
+    assert code == 0, err[-3000:]
     results = json.loads((tmp_path / "gates" / "gates.json").read_text())["analysis"]["results"]
     assert [c["step"] for c in results["checkpoints"]] == [100]
-    lines = p.stdout.splitlines()  # a short report: each result in a line, then where the files went
-    assert "analysis gates:" in lines and len(lines) <= len(results) + 3, p.stdout[-3000:]
+    lines = out.splitlines()  # a short report: each result in a line, then where the files went
+    assert "analysis gates:" in lines and len(lines) <= len(results) + 3, out[-3000:]
     assert (
         lines[-1]
         == f"files -> {tmp_path / 'gates'}: {', '.join(sorted(f.name for f in (tmp_path / 'gates').iterdir()))}"
@@ -152,7 +134,7 @@ def test_eval_cli_runs_an_analysis(trained_run: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_eval_cli_says_when_an_analysis_does_not_apply(tmp_path: Path) -> None:
+def test_eval_cli_says_when_an_analysis_does_not_apply(tmp_path: Path, monkeypatch, capsys) -> None:
     run = make_run(tmp_path, attention=dict(kind="compressed", window=4, stride=4, local_window=4, gate=None))
-    p = _eval(f"model.path={run}", "analysis=gate_cycling")
-    assert p.returncode == EXIT_NOT_APPLICABLE and "attention.gate=null" in p.stderr  # a study skips it
+    code, _, err = _eval(monkeypatch, capsys, f"model.path={run}", "analysis=gate_cycling")
+    assert code == EXIT_NOT_APPLICABLE and "attention.gate=null" in err  # a study skips it

@@ -14,6 +14,7 @@ from ckv.apps.demo_v4 import hf_eval_overrides, mechanisms, v4_plan
 from ckv.apps.study_config import ROOT, TASK, Run
 from ckv.apps.train_hf_v4 import compose_train_config, has_deepseek_v4
 from ckv.data import lookup_format_for
+from tests.helpers import run_script
 
 from .helpers import finished, run_quick
 
@@ -99,9 +100,13 @@ def test_mechanism_lines_claim_straddling_only_for_a_real_gap_at_the_boundary(
 
 
 @pytest.mark.smoke
-def test_a_tiny_v4_trained_on_ckv_lookup_runs_the_lookup_needle_and_probe_through_eval_py(tmp_path):
+def test_a_tiny_v4_trained_on_ckv_lookup_runs_the_lookup_needle_and_probe_through_eval_py(
+    tmp_path, monkeypatch, capsys
+):
     """transformers' own DeepseekV4ForCausalLM, trained by ckv.apps.train_hf_v4 on the demo's lookup data (12
-    steps: its loss falls), then scored by ``eval.py model=hf`` on the three tasks with the layout it trained on."""
+    steps: its loss falls), then scored by ``eval.py model=hf`` on the three tasks with the layout it trained on
+    (eval.py run in this process, ``run_script``: its Hydra main as from a shell, without three interpreter
+    starts)."""
     if not has_deepseek_v4():
         pytest.skip("the installed transformers has no DeepseekV4ForCausalLM")
     run = tmp_path / "v4"
@@ -157,15 +162,8 @@ def test_a_tiny_v4_trained_on_ckv_lookup_runs_the_lookup_needle_and_probe_throug
     }
     for name, args in tasks.items():
         out = tmp_path / name
-        proc = subprocess.run(
-            [sys.executable, "eval.py", *args, f"out_dir={out}"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, name + ": " + proc.stderr[-2000:]
+        code, _, err = run_script("eval.py", [*args, f"out_dir={out}"], monkeypatch, capsys)
+        assert code == 0, name + ": " + err[-2000:]
         res = json.loads((out / "results.json").read_text())
         assert res["model"]["architecture"] == "DeepseekV4ForCausalLM" and res["results"]["stride"] == 4
     needle = json.loads((tmp_path / "needle" / "results.json").read_text())["results"]

@@ -3,15 +3,25 @@ the one results row every table reads."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
 import pytest
+import yaml
 
 from ckv.apps import study_config, study_run
 from ckv.apps.cli import EXIT_NOT_APPLICABLE
 from ckv.apps.study import main
 from ckv.apps.study_config import Run, load_study
 from ckv.apps.study_results import Check, check_lines, exit_code, result_row
-from ckv.apps.study_run import CommandFailed, Timer, run_analyses
+from ckv.apps.study_run import CommandFailed, Timer, job_env, run_analyses, run_command
 from ckv.checks import ConfigError
+from ckv.eval.summary import results_file
+from ckv.io.layout import CHECKPOINTS_DIR, CONFIG_FILE, STATE_FILE, latest_checkpoint, step_dir_name
+from ckv.io.results import write_json
 
 from .helpers import finished
 
@@ -150,29 +160,89 @@ def test_a_run_may_declare_its_own_seeds_and_a_scale_swaps_params_and_adds_overr
         load_study("s", "huge")
 
 
-@pytest.mark.smoke
+def _instant_jobs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """``study_run.run_command`` replaced by instant stand-ins of train.py and eval.py (the runner's real commands run
+    in tests/apps/test_demo.py's quick demo); returns every command run, in order. train.py: a command with
+    ``attention.stride=nonsense`` fails with its one-line error; a folder without a checkpoint gets what a finished
+    run leaves (config.yaml and its last checkpoint, written a second earlier); a finished folder is resumed and left
+    as it is, as train.py does (``test_a_finished_run_reruns_as_a_resume_that_rewrites_no_checkpoint`` in
+    tests/train/test_train.py). eval.py: a lookup report (``finished``) in the results file of its task name."""
+    ran = []
+
+    def fake(cmd: list[str], log: Path, env: dict) -> None:
+        ran.append(cmd)
+        args = dict(a.split("=", 1) for a in cmd[2:] if "=" in a)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        if cmd[1] == "eval.py":
+            rdir = Path(args["model.path"].strip("'"))
+            report = finished(Run("demo_gate_s4", 0, "gate"))["results"]
+            write_json(results_file(rdir, args.get("task.name", args["task"])), {"results": report})
+            log.write_text("evaluated\n")
+            return
+        if args.get("attention.stride") == "nonsense":
+            line = "ckv: error: attention.stride='nonsense' must be an integer"
+            log.write_text(line + "\n")
+            raise CommandFailed(f"command failed (1): {' '.join(cmd)}", 1, line)
+        rdir = Path(args["hydra.run.dir"].strip("'"))
+        if latest_checkpoint(rdir) is not None:
+            log.write_text(f"resumed at step {args['trainer.max_steps']}\n")
+            return
+        state = rdir / CHECKPOINTS_DIR / step_dir_name(int(args["trainer.max_steps"])) / STATE_FILE
+        state.parent.mkdir(parents=True)
+        state.write_text("{}")
+        os.utime(state, (time.time() - 1, time.time() - 1))
+        (rdir / CONFIG_FILE).write_text(yaml.safe_dump({"trainer": {"max_steps": int(args["trainer.max_steps"])}}))
+        log.write_text("fresh start\n")
+
+    monkeypatch.setattr(study_run, "run_command", fake)
+    return ran
+
+
 def test_the_generic_command_isolates_a_failed_run_and_reuses_finished_work(tmp_path, monkeypatch, capsys):
-    """A tiny study: one run that trains, one whose config is wrong. The wrong one is reported, the other finishes
-    with both its evaluations; a rerun reuses the finished training and evaluations."""
+    """A tiny study: one run that trains, one whose config is wrong (train.py and eval.py stand-ins:
+    ``_instant_jobs``). The wrong one is reported, the other finishes with both its evaluations; a rerun trains both
+    again (a finished folder resumes) and reuses the evaluations written after the last checkpoint."""
     (tmp_path / "tiny.yaml").write_text(
         "out: o\ntask: demo_lookup\nevals: {a: [task.padding=prefix], b: [task.padding=in_sequence]}\nruns:\n"
         "  - {name: good, experiment: demo_gate_s4, role: gate}\n"
         "  - {name: bad, experiment: demo_gate_s4, role: gate, train: attention.stride=nonsense}\n"
     )
     monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
+    ran = _instant_jobs(monkeypatch)
     out = tmp_path / "out"
     assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
     text = capsys.readouterr().out
     assert "FAILED bad/seed=0" in text and "good/seed=0: trained" in text
-    record = __import__("json").loads((out / "tiny.json").read_text())
+    assert sorted((c[1], c[2]) for c in ran) == [
+        ("eval.py", f"model.path='{out}/runs/good/seed=0'"),
+        ("eval.py", f"model.path='{out}/runs/good/seed=0'"),
+        ("train.py", f"hydra.run.dir='{out}/runs/bad/seed=0'"),
+        ("train.py", f"hydra.run.dir='{out}/runs/good/seed=0'"),
+    ]
+    record = json.loads((out / "tiny.json").read_text())
     assert [r["label"] for r in record["runs"]] == ["good/seed=0"] and record["failed"][0]["label"] == "bad/seed=0"
     good = out / "runs" / "good" / "seed=0"
     results = [good / "eval" / f"demo_lookup_{k}" / "results.json" for k in "ab"]
     assert all(r.is_file() for r in results)
     stamps = [r.stat().st_mtime_ns for r in results]
+    first = len(ran)
     assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
-    assert [r.stat().st_mtime_ns for r in results] == stamps  # evaluations reused
-    assert "resum" in (out / "logs" / "train_good_seed0.log").read_text().lower()
+    assert sorted(c[1] for c in ran[first:]) == ["train.py", "train.py"]  # no evaluation again
+    assert [r.stat().st_mtime_ns for r in results] == stamps
+
+
+def test_a_failed_command_raises_with_its_exit_code_and_last_line(tmp_path):
+    """``run_command`` on real processes: the output goes to the log; a non-zero exit raises ``CommandFailed`` with
+    the code and the log's last line (a ckv one-line error), which a study prints."""
+    log = tmp_path / "logs" / "job.log"
+    with pytest.raises(CommandFailed) as e:
+        run_command(
+            [sys.executable, "-c", "print('working', flush=True); raise SystemExit('ckv: error: bad')"], log, job_env()
+        )
+    assert (e.value.returncode, e.value.last_line) == (1, "ckv: error: bad")
+    assert log.read_text().splitlines() == ["working", "ckv: error: bad"]
+    run_command([sys.executable, "-c", "print('done')"], log, job_env())
+    assert log.read_text() == "done\n"
 
 
 def test_analyses_run_on_their_roles_and_one_that_does_not_apply_is_skipped_with_one_line(

@@ -1,4 +1,5 @@
-"""eval.py end to end through Hydra (subprocesses, as users run it)."""
+"""eval.py end to end through Hydra as from a shell: in this process (``run_script``: its Hydra main with ``sys.argv``
+set), and in a fresh interpreter for the smoke run's evaluation (the last test)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import eval_cli
+from tests.helpers import eval_cli, run_script
 
 from .helpers import make_run, png_ok
 
@@ -30,18 +31,19 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_eval_run_then_summary(tmp_path: Path) -> None:
+def test_eval_run_then_summary(tmp_path: Path, monkeypatch, capsys) -> None:
     sweep = tmp_path / "sweep"
     gate = make_run(sweep, attention=dict(kind="compressed", window=4, stride=4, local_window=4), name="gate,seed=0")
     make_run(sweep, attention=dict(kind="full"), name="full,seed=0")
-    p = _eval(f"model.path={gate}", "task.modulus=8", "limit=4")  # pasted verbatim: the folder name holds ',' and '='
-
-    assert p.returncode == 0, p.stderr[-3000:]
+    args = [f"model.path={gate}", "task.modulus=8", "limit=4", *FAST]  # pasted verbatim: the name holds ',' and '='
+    code, out, err = run_script("eval.py", args, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
     results = json.loads((gate / "eval" / "lookup" / "results.json").read_text())
-    assert results["results"]["n_prompts"] == 32 and '"phase_gap"' in p.stdout
+    assert results["results"]["n_prompts"] == 32 and '"phase_gap"' in out
     # the summary evaluates the run that has no results yet, with the same task settings
-    p = _eval(f"summary='{sweep}'", "task.modulus=8", "task.stride=4", "limit=4")  # quoted by hand: kept as is
-    assert p.returncode == 0, p.stderr[-3000:]
+    args = [f"summary='{sweep}'", "task.modulus=8", "task.stride=4", "limit=4", *FAST]  # quoted by hand: kept as is
+    code, _, err = run_script("eval.py", args, monkeypatch, capsys)
+    assert code == 0, err[-3000:]
     summary = json.loads((sweep / "summary" / "lookup" / "summary.json").read_text())
     assert sorted(r["run"] for r in summary["runs"]) == ["full,seed=0", "gate,seed=0"]
     assert png_ok(sweep / "summary" / "lookup" / "summary_grid.png")
@@ -56,9 +58,10 @@ def test_bad_input_fails_with_a_clear_message(tmp_path: Path) -> None:
     assert lines[0].startswith("ckv: error: task.modulus=2 is smaller than the stride 4")
 
 
-def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
+def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path, monkeypatch, capsys) -> None:
     """Hydra's composition and override errors, a key eval.py does not read and a missing model folder, each as one
-    ``ckv: error:`` line (an unknown key is never answered with a ``+key`` hint)."""
+    ``ckv: error:`` line (an unknown key is never answered with a ``+key`` hint). eval.py runs in this process
+    (``run_script``); tests/eval/test_bad_inputs.py runs a bad setting in a fresh interpreter."""
     missing = tmp_path / "runs" / "demo" / "seed=0"
     tasks = sorted(p.stem for p in (ROOT / "conf" / "eval" / "task").glob("*.yaml"))  # Hydra's choices
     cases = {
@@ -70,8 +73,8 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
         f"model.path={missing}": f"ckv: error: model.path={str(missing)!r} does not exist",
     }
     for override, line in cases.items():
-        p = _eval(override)
-        assert (p.returncode, p.stderr.splitlines()) == (2, [line]), override
+        code, _, err = run_script("eval.py", [override, *FAST], monkeypatch, capsys)
+        assert (code, err.splitlines()) == (2, [line]), override
 
 
 def test_path_values_are_quoted_for_hydra() -> None:

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,10 +19,10 @@ from ckv.eval.needle import NeedleSpec, NeedleTask, depth_levels
 from ckv.eval.scoring import CkvChunkedLastLogits
 from ckv.model import Transformer
 from ckv.train.config import ModelSpec
+from tests.helpers import run_script
 
 from .helpers import make_run, png_ok, save_tiny, tiny_qwen3, word_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
 FAST = StatsOptions(n_bootstrap=50, n_permutations=50)
 KEYS, VALUES, PAD, SEP = tuple(range(10, 30)), tuple(range(100, 120)), 5, 6  # 20**3 = 8000 three-token keys
 
@@ -148,7 +145,9 @@ def hf_models(tmp_path_factory: pytest.TempPathFactory, tiny_v4: Callable[[int],
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v4"])
-def test_eval_py_runs_the_needle_on_a_tiny_hf_model(hf_models: dict[str, Path], name: str, tmp_path: Path) -> None:
+def test_eval_py_runs_the_needle_on_a_tiny_hf_model(
+    hf_models: dict[str, Path], name: str, tmp_path: Path, monkeypatch, capsys
+) -> None:
     tok = word_tokenizer()
     ids = tok.convert_tokens_to_ids
     keys, values = [ids("cat"), ids("cat") + 20], [ids("Alice"), ids("Alice") + 20]  # 20 animals, 20 names
@@ -175,11 +174,8 @@ def test_eval_py_runs_the_needle_on_a_tiny_hf_model(hf_models: dict[str, Path], 
         "stats.n_permutations=50",
         "device=cpu",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "eval.py"), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    code, _, err = run_script("eval.py", args, monkeypatch, capsys)  # in this process: no interpreter start
+    assert code == 0, err[-3000:]
     results = json.loads((out / "results.json").read_text())
     r = results["results"]
     assert (

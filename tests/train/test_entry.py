@@ -21,7 +21,7 @@ from ckv.model import Transformer
 from ckv.train import TrainConfig, read_metrics
 from ckv.train.config import RESUMABLE_CHANGES, TrainerConfig, trajectory_neutral
 from ckv.train.indexer import IndexerTrainingConfig
-from tests.helpers import assert_documented
+from tests.helpers import assert_documented, run_script
 
 from .golden_attention import GOLDEN, composed_options
 from .helpers import REPO, USER_DATA, child_env, compose_config, sweep, train_config
@@ -241,15 +241,14 @@ def test_run_folder_name_leaves_out_exactly_the_resumable_keys():
         ("optim.lr=inf", "optim.lr=inf must be a finite number > 0"),
     ],
 )
-def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field):
+def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field, monkeypatch, capsys):
     """The default data (the shipped corpus) would train a BPE tokenizer first; a bad model, attention or optim
     value must fail before that, in one line, and leave the tokenizer cache untouched."""
     cache = tmp_path / "cache"
-    proc = _run_entry(
-        [typo, f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache}", "wandb.enabled=false"], timeout=60
-    )
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(f"ckv: error: {field}"), proc.stderr
+    args = [typo, f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache}", "wandb.enabled=false"]
+    code, _, err = run_script("train.py", args, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"ckv: error: {field}"), err
     assert not cache.exists()
     assert list(tmp_path.iterdir()) == []  # the run folder Hydra made for the refused run is gone
 
@@ -273,31 +272,32 @@ def test_bad_override_fails_before_any_data_is_prepared(tmp_path, typo, field):
         (["+model.n_kv_heads=3"], "ckv: error: model.n_heads=4 is not divisible by model.n_kv_heads=3;"),
     ],
 )
-def test_kv_heads_have_one_source(tmp_path, overrides, line):
+def test_kv_heads_have_one_source(tmp_path, overrides, line, monkeypatch, capsys):
     """The KV head count is attention.kv_heads when the attention option sets it, else model.n_kv_heads: a
     command-line model.n_kv_heads the attention overrides, or a count that does not divide the query heads, is one
     line naming the keys, before any data is prepared and without a run folder."""
     cache = tmp_path / "cache"
-    proc = _run_entry([*overrides, f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache}", "wandb.enabled=false"])
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(line), proc.stderr
+    args = [*overrides, f"out_dir={tmp_path}", f"trainer.data_cache_dir={cache}", "wandb.enabled=false"]
+    code, _, err = run_script("train.py", args, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(line), err
     assert list(tmp_path.iterdir()) == []
     assert_documented(lines[0])
 
 
 @pytest.mark.parametrize("below_a_file", [False, True])
-def test_unusable_out_dir_is_one_line(tmp_path, below_a_file):
+def test_unusable_out_dir_is_one_line(tmp_path, below_a_file, monkeypatch, capsys):
     """An out_dir that can not be a folder (under /proc, below a regular file): one line naming it, before Hydra
     makes the run folder (was a traceback of 27-54 lines)."""
     (tmp_path / "file").write_text("")
     out_dir = str(tmp_path / "file" / "runs") if below_a_file else "/proc/ckv_runs"
-    proc = _run_entry(["experiment=cpu_smoke", f"out_dir={out_dir}"], timeout=60)
-    lines = proc.stderr.strip().splitlines()
+    code, _, err = run_script("train.py", ["experiment=cpu_smoke", f"out_dir={out_dir}"], monkeypatch, capsys)
+    lines = err.strip().splitlines()
     reason = "Not a directory" if below_a_file else "No such file or directory"
-    assert proc.returncode == 1 and lines == [
+    assert code == 1 and lines == [
         f"ckv: error: out_dir={out_dir!r} can not hold run folders ({reason}: {out_dir!r}); give a folder you can "
         "write to: out_dir=..."
-    ], proc.stderr
+    ], err
     if not below_a_file:
         assert_documented(lines[0])
 
@@ -343,11 +343,11 @@ def test_paper_kv_head_ablation_builds_its_kv_heads(attention, kv_heads):
         ),
     ],
 )
-def test_hydra_errors_are_one_line(tmp_path, override, line):
+def test_hydra_errors_are_one_line(tmp_path, override, line, monkeypatch, capsys):
     """Hydra's own errors (an unknown option, an unknown key) as one line: no search path, no "+key" hint."""
-    proc = _run_entry([override, f"out_dir={tmp_path}"], timeout=60)
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(line), proc.stderr
+    code, _, err = run_script("train.py", [override, f"out_dir={tmp_path}"], monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(line), err
     assert "+" not in lines[0]
 
 
@@ -357,13 +357,20 @@ def _run_entry(args: list[str], timeout: int = 300) -> subprocess.CompletedProce
     )
 
 
-def test_missing_data_path_is_named(tmp_path):
+def test_missing_data_path_is_named_in_one_line_from_a_shell(tmp_path):
+    """``python train.py`` in a fresh interpreter, as a user runs it, for the error tests above that run it in this
+    process (``run_script``): a value left ``???`` is one line naming the key, exit code 1, and no run folder."""
     proc = _run_entry(["experiment=paper_base", f"out_dir={tmp_path}"])
-    assert proc.returncode == 1 and "data.shards.path is not set" in proc.stderr
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "ckv: error: data.shards.path is not set (it is marked ??? in the config): add data.shards.path=... on the "
+        "command line"
+    ], proc.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_multirun_two_strides(tmp_path, cache_dir):
-    proc = _run_entry(
+def test_multirun_two_strides(tmp_path, cache_dir, monkeypatch, capsys):
+    code, _, err = run_script(
+        "train.py",
         [
             "-m",
             "experiment=cpu_smoke",
@@ -376,9 +383,11 @@ def test_multirun_two_strides(tmp_path, cache_dir):
             f"out_dir={tmp_path}",
             "wandb.enabled=false",
             f"trainer.data_cache_dir={cache_dir}",
-        ]
+        ],
+        monkeypatch,
+        capsys,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert code == 0, err[-3000:]
     runs = sorted(p for p in (tmp_path / "cpu_smoke").iterdir() if p.is_dir())
     assert [p.name for p in runs] == [
         f"attention.stride={s},attention=w8s8,data.seq_len=66,data=lookup_split,trainer.max_steps=3,seed=0"

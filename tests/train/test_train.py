@@ -12,6 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from ckv.config import ConfigError
+from ckv.io.layout import STATE_FILE
 from ckv.io.weights import load_weights
 from ckv.model import Transformer
 from ckv.train import (
@@ -82,6 +83,21 @@ def test_resume_after_sigterm_is_exact(make_config, monkeypatch):
     assert [s for s, _ in list_checkpoints(interrupted.run_dir)] == [6, 8]
     starts = (Path(interrupted.run_dir) / "run_info.jsonl").read_text().splitlines()
     assert len(starts) == 2 and all(json.loads(s)["packages"]["torch"] for s in starts)
+
+
+def test_a_finished_run_reruns_as_a_resume_that_rewrites_no_checkpoint(make_config, capsys):
+    """What a study's rerun relies on (``ckv.apps.study_run.is_current``): training a finished folder again resumes
+    at its last step, trains no step, and leaves that checkpoint as it was, so evaluations written after it stay
+    current."""
+    cfg = make_config(trainer={"max_steps": 2})
+    run_dir = Path(train(cfg))
+    state = latest_checkpoint(run_dir) / STATE_FILE
+    before = (state.read_text(), state.stat().st_mtime_ns)
+    capsys.readouterr()
+    train(cfg)
+    assert "resumed at step 2" in capsys.readouterr().err
+    assert latest_checkpoint(run_dir) / STATE_FILE == state and (state.read_text(), state.stat().st_mtime_ns) == before
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r] == [1, 2]
 
 
 def test_run_folder_outputs(make_config):
