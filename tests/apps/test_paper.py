@@ -1,5 +1,6 @@
 """make paper's study (conf/study/paper.yaml): every variant of the paper's table on one recipe at either scale (the
-dry run's jobs), the side-by-side table and the rank agreement with the paper on constructed results."""
+dry run's jobs), the side-by-side table and the rank agreement with the paper on constructed results, and CI's quick
+run of the real study on two of its runs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,15 @@ from omegaconf import OmegaConf
 
 from ckv.apps import paper
 from ckv.apps.study import main
-from ckv.apps.study_config import ROOT, Run, load_study
+from ckv.apps.study_config import ROOT, Run, load_study, select_runs
+from ckv.apps.study_run import eval_names, run_dir
 from ckv.config import PRESETS
+from ckv.eval.summary import results_file
+from ckv.io.results import read_json
 
+from .helpers import run_quick
+
+PNG = b"\x89PNG\r\n\x1a\n"
 # the issue's variant list (issue 39, item 1) as conf/attention options; the baseline W8/S8 once per seed
 VARIANTS = [
     "full_kv1",
@@ -74,6 +81,46 @@ def test_the_dry_run_lists_every_variant_and_seed_with_its_overrides(capsys, sca
         assert len(on_pad) == len(expected)
         assert all(f"task.padding={pad}" in x and "task.n_demos=8" in x and "task=lookup" in x for x in on_pad)
     assert all("task.stride=8" in x for x in evals if x.startswith("eval  full_"))
+
+
+@pytest.mark.smoke
+def test_quick_paper_on_a_control_and_a_baseline_seed_writes_what_a_reader_looks_at(tmp_path):
+    """``python -m ckv.apps.study paper --quick --runs 'full_kv1/*,w8s8/seed=42'``: the real study, 12 steps per
+    model, on a full-attention control and one baseline seed. Both paddings are evaluated for both runs, the
+    side-by-side table carries the paper's column (the shipped CSV), every claim is printed, the three figures are
+    written and the baseline seed's analyses ran."""
+    out = tmp_path / "paper"
+    proc = run_quick("ckv.apps.study", out, "paper", "--runs", "full_kv1/*,w8s8/seed=42", "--workers", "2")
+    study = select_runs(load_study("paper"), "full_kv1/*,w8s8/seed=42")
+    labels = [r.label for r in study.runs]
+    assert labels == ["full_kv1/seed=42", "w8s8/seed=42"]
+    record = read_json(out / "paper.json")
+    assert record["quick"] is True and record["failed"] == [] and [r["label"] for r in record["runs"]] == labels
+    rows, why = paper.read_paper(paper.paper_path(study))
+    assert why == ""
+    text = proc.stdout.splitlines()
+    for run in study.runs:
+        vid = study.params["paper_ids"][run.label]
+        for pad, task_name in eval_names(study.task, study.evals).items():  # one evaluation per padding
+            results = read_json(results_file(run_dir(out, run), task_name))["results"]
+            assert results["name"] == task_name and len(results["residue"]["groups"]) == results["modulus"]
+            line = next(x for x in text if x.split()[:2] == [run.label, pad])  # the side-by-side table's row
+            assert paper._cell(paper.measured(results)["gap"]) in line, line  # ckv's gap ...
+            if (vid, pad) in rows:  # ... beside the paper's (its controls are prefix only)
+                assert paper._cell(rows[(vid, pad)]["gap"]) in line, line
+    for check in record["checks"]:
+        word = "PASS" if check["passed"] else "FAIL" if check["decided"] else "undecided"
+        assert f"  [{word}] {check['claim']}: {check['detail']}" in text
+    assert record["checks"][0]["claim"].startswith("precondition")
+    assert {Path(p).name for p in record["figures"].values()} == {
+        "paper_curves.png",
+        "paper_heatmap.png",
+        "paper_mechanisms.png",
+    }
+    assert all(Path(p).parent == out and Path(p).read_bytes()[:8] == PNG for p in record["figures"].values())
+    analysed = {(a["label"], a["analysis"]) for a in record["analyses"] if Path(a.get("file", "")).is_file()}
+    assert analysed == {("w8s8/seed=42", a.name) for a in study.analyses}  # the baseline seed's, and no other
+    assert len(record["analyses"]) == len(study.analyses)
 
 
 def test_partial_rope_keeps_the_papers_fraction_at_both_scales():

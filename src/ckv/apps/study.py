@@ -33,9 +33,11 @@ A study's YAML (``Study``; every key optional but ``out``):
       knockout: {roles: [baseline], eval: [analysis.units=layers]}   # run of these roles (none: every run)
 
 The generic command runs any of them: ``python -m ckv.apps.study NAME [--quick] [--out DIR] [--workers N]
-[--scale S] [--dry-run]`` (``main``): a failed run is reported and the others go on; a rerun reuses finished
-training (train.py resumes a finished folder) and evaluations and analyses newer than the run's last checkpoint. An
-analysis that does not apply to a run (eval.py's ``EXIT_NOT_APPLICABLE``: no gates, W != S) is skipped with one line.
+[--scale S] [--runs PATTERN,...] [--dry-run]`` (``main``; ``--runs``: only the runs whose label, e.g.
+``w8s8/seed=42``, matches one of the fnmatch patterns, ``select_runs``): a failed run is reported and the others go
+on; a rerun reuses finished training (train.py resumes a finished folder) and evaluations and analyses newer than
+the run's last checkpoint. An analysis that does not apply to a run (eval.py's ``EXIT_NOT_APPLICABLE``: no gates,
+W != S) is skipped with one line.
 
 A model without a stride (full attention) has no phase of its own: ``phase_of`` names the run it is compared with,
 and its evaluation groups positions mod that run's stride (``task.stride=S`` added after its own eval overrides),
@@ -52,7 +54,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ckv.apps.study_config import Study, default_workers, load_study
+from ckv.apps.study_config import Study, default_workers, load_study, select_runs
 from ckv.apps.study_results import exit_code, run_records, table, write_study_record
 from ckv.apps.study_run import analysis_command, eval_commands, eval_names, run_analyses, run_plan, start, train_command
 from ckv.checks import ConfigError, error_message
@@ -108,10 +110,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("name", help="a study: conf/study/<name>.yaml")
     ap.add_argument("--scale", default="", help="one of the study's scales (default: its own)")
     ap.add_argument("--dry-run", action="store_true", help="print the jobs (train and eval commands); run nothing")
+    ap.add_argument(
+        "--runs",
+        default="",
+        metavar="PATTERN[,PATTERN...]",
+        help="only the runs whose label matches one of these fnmatch patterns (e.g. 'full_kv1/*,w8s8/seed=42')",
+    )
     ap.set_defaults(out=None, workers=None)
     args = ap.parse_args(argv)
     try:
         study = load_study(args.name, args.scale)
+        study = select_runs(study, args.runs) if args.runs else study
         report = study_report(study)
     except ConfigError as e:
         print(error_message(str(e)), file=sys.stderr)

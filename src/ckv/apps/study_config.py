@@ -6,6 +6,7 @@ into a ``Study`` of ``Run``s and ``Analysis``es; a control's ``phase_of`` become
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,6 +250,23 @@ def load_study(name: str, scale: str = "") -> Study:
         report=raw.get("report", ""),
         analyses=_analyses(raw.get("analyses"), f"conf/study/{name}.yaml analyses"),
     )
+
+
+def select_runs(study: Study, patterns: str) -> Study:
+    """``study`` with only the runs whose label (``w8s8/seed=42``) matches one of ``patterns``, comma-separated
+    fnmatch patterns (``full_kv1/*,w8s8/seed=42``), in the study's order; ``ConfigError`` (one line naming the
+    study's labels) for a pattern that matches no run."""
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    labels = [r.label for r in study.runs]
+    matches = {p: [lab for lab in labels if fnmatch.fnmatchcase(lab, p)] for p in wanted}
+    unmatched = [p for p, found in matches.items() if not found]
+    if not wanted or unmatched:
+        raise ConfigError(
+            f"conf/study/{study.name}.yaml: no run matches --runs {', '.join(unmatched) or repr(patterns)}; "
+            f"its runs: {', '.join(labels)}"
+        )
+    kept = {lab for found in matches.values() for lab in found}
+    return dataclasses.replace(study, runs=tuple(r for r in study.runs if r.label in kept))
 
 
 def default_workers() -> int:
