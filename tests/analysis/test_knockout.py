@@ -140,16 +140,21 @@ def test_an_effect_confined_to_one_residue_is_reported_there_and_folded_the_pape
     trained: LoadedModel, tmp_path: Path
 ) -> None:
     """Knocked outcome = clean, except every prompt of residue rho fails: that residue loses 100% of its accuracy,
-    every other residue 0%; its phase rho mod 4 averages the relative changes of its two residues (-100 and 0)."""
+    every other residue 0%; its phase rho mod 4 averages the relative changes of its two residues (-100 and 0). A
+    residue the clean model never gets right has no relative change (None), nor has its phase's fold."""
     ctx = AnalysisContext(trained, build_task(RESIDUE_SPEC, trained, 8), options(tmp_path), {}, tmp_path)
     clean = ctx.evaluate()
     residue = clean.table["residue"]
-    rho = int(np.argmax([clean.correct[residue == r].mean() for r in range(8)]))  # a residue the model gets right
+    accuracy = [clean.correct[residue == r].mean() for r in range(8)]
+    rho = int(np.argmax(accuracy))  # a residue the model gets right
     knocked = np.where(residue == rho, 0, clean.correct)
     (unit,) = knockout_effects(ctx, clean, [knocked])
-    assert [r["effect"] for r in unit["residues"]] == [-100.0 if r == rho else 0.0 for r in range(8)]
-    assert [p["folded_effect"] for p in unit["phases"]] == [-50.0 if p == rho % 4 else 0.0 for p in range(4)]
-    table = effect_table([{"layer": 0, "kv_head": 0}], np.array([[r["effect"] for r in unit["residues"]]]), 4)
+    effects = [None if accuracy[r] == 0 else -100.0 if r == rho else 0.0 for r in range(8)]
+    assert [r["effect"] for r in unit["residues"]] == effects
+    folded = [None if None in effects[p::4] else float(np.mean(effects[p::4])) for p in range(4)]
+    assert folded[rho % 4] in (-50.0, None) and [p["folded_effect"] for p in unit["phases"]] == folded
+    residue_effects = np.array([[np.nan if r["effect"] is None else r["effect"] for r in unit["residues"]]])
+    table = effect_table([{"layer": 0, "kv_head": 0}], residue_effects, 4)
     assert table["phase_effect"] == [[[p["folded_effect"] for p in unit["phases"]]]]  # layer x KV head x phase
 
 
