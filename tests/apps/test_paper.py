@@ -384,8 +384,9 @@ def test_the_papers_table_ships_with_ckv_and_names_every_run():
     study = load_study("paper")
     rows, why = paper.read_paper(paper.paper_path(study))
     assert why == "" and paper.paper_path(study).is_relative_to(ROOT)
+    controls = {r.label for r in study.runs if r.role == "control"}
     for label, pid in study.params["paper_ids"].items():
-        pads = ("prefix",) if label.startswith("full_") else paper.PADDINGS
+        pads = ("prefix",) if label in controls else paper.PADDINGS
         assert all((pid, pad) in rows for pad in pads), (label, pid)
     shared = ROOT.parent / "shared" / "paper" / "controlled_table.csv"
     if shared.is_file():
