@@ -141,7 +141,45 @@ def test_the_tables_and_the_criteria_read_every_seed():
     assert c2.passed and "mean -10.0 [-15.8, -4.2] pp (seed 0: -10.0 [-15.0, -5.0]; seed 1: -10.0 [-20.0, 1.0])" in (
         c2.detail
     )  # the mean over the seeds: se sqrt((0.10 / 3.92)^2 + (0.21 / 3.92)^2) / 2 = 0.0297, 1.96 se = 5.8 pp
-    assert found["verdict sparse served by its trained indexer"].detail == "undecided"
+    # a precondition is not met (the control's seed 1): no verdict, whatever C1 and C2 read
+    assert found["verdict sparse served by its trained indexer"].detail == (
+        "no verdict: a precondition is not met (C1 and C2 read 'undecided')"
+    )
+
+
+def test_the_verdict_is_drawn_only_when_every_precondition_is_met():
+    rows = [_row("full", "control", s, 0.9, "flat") for s in SEEDS] + [
+        _row("dense", "dense", s, 0.8, "gap") for s in SEEDS
+    ]
+    creates = [_sel("sparse", s, "model", (1.5, 1.2, 1.9, 1.07), (-0.1, -0.15, -0.05)) for s in SEEDS]
+    served = [_sel("sparse", s, "dense", (1.0, 1.0, 1.0, 1.0), None, mean=0.7) for s in SEEDS]
+    judged = {c.claim.split(":")[0]: c for c in criteria(rows, creates + served)}
+    assert judged["verdict sparse served by its trained indexer"].detail == "creates"
+    rows[0]["mean"] = 0.79  # the control's seed 0 under 80%
+    judged = {c.claim.split(":")[0]: c for c in criteria(rows, creates + served)}
+    verdict_line = judged["verdict sparse served by its trained indexer"]
+    assert not verdict_line.passed and verdict_line.detail.startswith("no verdict")
+    assert judged["C1 sparse served by its trained indexer"].passed  # C1 and C2 are still read and printed
+
+
+def test_the_selection_analysis_serves_the_evaluation_s_own_prompts(tmp_path, monkeypatch):
+    """analysis=selection gets every override of the run's evaluation (the study's modulus and base examples):
+    the selectors are read on the prompts the evaluation scored, not on the task's defaults."""
+    import ckv.apps.selection as app
+    from ckv.apps.study_run import Timer
+
+    calls = []
+    monkeypatch.setattr(app, "run_command", lambda cmd, log, env: calls.append(cmd))
+    monkeypatch.setattr(app, "read_json", lambda path: {"analysis": {"results": {}}})
+    for quick in (False, True):
+        calls.clear()
+        runs = plan(SEEDS[:1], quick)
+        done = [{"run": r, "dir": str(tmp_path / r.label)} for r in runs]
+        app.analyse(done, tmp_path, quick, 1, {}, Timer())
+        assert len(calls) == len([r for r in runs if r.name != "full"])
+        for cmd, run in zip(calls, [r for r in runs if r.name != "full"]):
+            assert set(run.eval_overrides) <= set(cmd) and "analysis=selection" in cmd
+            assert (f"task.modulus={STUDY.params['modulus']}" in cmd) != quick, cmd
 
 
 def test_c2_pools_the_seeds_excesses():

@@ -61,7 +61,7 @@ from ckv.apps.study_results import (
     write_study_record,
     write_table,
 )
-from ckv.apps.study_run import QUICK_EVAL, Timer, run_command, run_plan, start
+from ckv.apps.study_run import Timer, eval_commands, run_command, run_plan, start
 from ckv.eval.flatness import se_from_interval
 from ckv.eval.stats import Z95
 from ckv.io.results import read_json
@@ -104,15 +104,14 @@ def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, c
     def one(d: dict) -> tuple[str, dict]:
         run = d["run"]
         selectors = ",".join(SELECTORS[run.name])
-        cmd = [sys.executable, "eval.py", f"model.path='{d['dir']}'", f"task={TASK}", "analysis=selection"]
+        _, cmd = eval_commands(run, out, quick)[TASK]  # the evaluation's own command: the same prompts
         run_command(
             [
                 *cmd,
+                "analysis=selection",
                 f"analysis.selectors=[{selectors}]",
                 f"analysis.topk={TOPK}",
                 f"analysis.drop={DROP}",
-                "progress=false",
-                *(QUICK_EVAL if quick else (f"task.n_base={N_BASE}",)),
             ],
             out / "logs" / f"selection_{run.name}_seed{run.seed}.log",
             env,
@@ -332,7 +331,8 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
     selector's miss odds ratio interval contains its null; P4 the positive control ``oracle_drop`` is detected, its
     interval above its null, in every run), then per (model, selector) of ``PRIMARY`` C1 (the miss odds ratio's
     95% lower bound above its coverage-matched null, in every seed) and C2 (the paired straddling excess against
-    dense serving of the same weights, its mean over the seeds: 95% upper bound under 0), and the verdict."""
+    dense serving of the same weights, its mean over the seeds: 95% upper bound under 0), and the verdict: "no
+    verdict" while any precondition is not met, whatever C1 and C2 read (both are still printed)."""
     out = []
     learned = [
         ("full attention", [r for r in rows if r["role"] == "control"], CONTROL_FLOOR),
@@ -368,6 +368,7 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
                 _odds_detail(controls),
             )
         )
+    unmet = [c for c in out if not c.passed]  # the preconditions: no verdict without every one (docs/selection.md)
     for model, selector in PRIMARY:
         these = [r for r in sel_rows if r["model"] == model and r["selector"] == selector]
         if not these:
@@ -390,11 +391,12 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
                 f"mean {_iv(pooled_excess(these))} pp ({seeds})",
             )
         )
-        out.append(
-            Check(
-                f"verdict {who}: creates weak phases beyond the geometry", verdict(these) == "creates", verdict(these)
-            )
+        judged = (
+            verdict(these)
+            if not unmet
+            else f"no verdict: a precondition is not met (C1 and C2 read {verdict(these)!r})"
         )
+        out.append(Check(f"verdict {who}: creates weak phases beyond the geometry", judged == "creates", judged))
     return out
 
 
