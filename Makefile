@@ -89,7 +89,7 @@ robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on t
 selection: $(STAMP)  ## does top-k selection create weak phases beyond the geometry? full control, V4 CSA dense and sparse (V3.2's stages, top-2 of 68 entries) served by indexer (fp32/FP8/FP4)/oracle/random/recency and a positive control, 3 seeds, 9 models (not yet run: about 95 min of training on 2 cores, by probes; criteria in docs/selection.md)
 	$(BIN)/python -m ckv.apps.selection --out outputs/selection
 
-paper: $(STAMP)  ## the paper's controlled table at CPU scale: 26 models (23 compressed variants incl. 4 baseline seeds, 3 full-attention controls), each evaluated with prefix and in-sequence padding, beside the paper's numbers, with the claims (70 min 21 s on a fresh clone of 10916a9, 2 cores beside lighter test jobs, 2026-12-05: `time make paper` after `make install`; resumes where it stopped; results in docs/paper.md)
+paper: $(STAMP)  ## the paper's controlled table at CPU scale: 26 models (23 compressed variants incl. 4 baseline seeds, 3 full-attention controls), each evaluated with prefix and in-sequence padding, beside the paper's numbers, with the claims (not yet run at the current recipe: about 2 h on 2 idle cores, estimated in docs/paper.md; the first run, at 1,000 steps: 70 min 21 s on a fresh clone; resumes where it stopped)
 	$(BIN)/python -m ckv.apps.study paper --out outputs/paper
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)

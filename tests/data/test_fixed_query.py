@@ -83,6 +83,25 @@ def test_min_records_draws_each_sequence_s_record_count_from_the_range(min_recor
     assert counts == ({16} if min_records is None else set(range(8, 17)))
 
 
+@pytest.mark.parametrize("distinct", [False, True])
+def test_distinct_queries_ask_each_record_at_most_once(distinct: bool) -> None:
+    d = data_preset("lookup_split").to_dict()
+    d["lookup"] |= {"n_queries": 16, "distinct_queries": distinct}
+    d["seq_len"] = 106
+    cfg = DataConfig.from_dict(d)
+    fmt = cfg.lookup.format(0)
+    stream = LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    repeats = 0
+    for _ in range(100):
+        tokens, labels = stream.next()
+        sep = int(np.flatnonzero(tokens == fmt.sep_id)[-1])
+        asked = tokens[sep + 1 :: 2][:16]  # the query section: (query, answer) pairs after the separator
+        assert (labels != -100).sum() == 16
+        repeats += 16 - len(set(asked.tolist()))
+    # with replacement 16 queries of 16 records repeat about 6 of them (16 - 16 * (1 - (15/16)**16))
+    assert repeats == 0 if distinct else repeats > 400, repeats
+
+
 def test_the_demo_evaluation_uses_only_layouts_the_demo_data_draws(caplog: pytest.LogCaptureFixture) -> None:
     for name in ("lookup_split", "lookup_dense"):
         training = data_preset(name).lookup

@@ -413,18 +413,22 @@ def make_lookup_example(
     values: Optional[Sequence[int]] = None,
     fillers: Optional[Sequence[int]] = None,
     query_records: Optional[Sequence[int]] = None,
+    distinct_queries: bool = False,
 ) -> LookupExample:
     """Draw one training lookup sequence, deterministically given ``rng``, and assemble it (``assemble_lookup``).
 
     ``filler=(lo, hi)``: the number of filler tokens after each record is uniform in ``[lo, hi]``, after the
     last one in ``tail_filler`` when given; ``prefix_pad`` pad tokens follow ``bos``. Keys are distinct, values
-    drawn with replacement, queried records drawn with replacement. ``keys``/``values``/``fillers`` (per
-    record) and ``query_records`` (per query) override the random draws, for position-controlled evaluations.
+    drawn with replacement, queried records drawn with replacement (``distinct_queries``: without).
+    ``keys``/``values``/``fillers`` (per record) and ``query_records`` (per query) override the random draws, for
+    position-controlled evaluations.
     """
     if not 1 <= n_records <= fmt.n_keys:
         raise ValueError(f"n_records={n_records} must be in [1, n_keys={fmt.n_keys}] (records use distinct keys)")
     if n_queries < 0 or prefix_pad < 0:
         raise ValueError(f"n_queries={n_queries} and prefix_pad={prefix_pad} must be >= 0")
+    if distinct_queries and n_queries > n_records:
+        raise ValueError(f"n_queries={n_queries} distinct queries need as many records, got n_records={n_records}")
     lo, hi = filler
     tlo, thi = filler if tail_filler is None else tail_filler
     if not 0 <= lo <= hi or not 0 <= tlo <= thi:
@@ -439,5 +443,10 @@ def make_lookup_example(
     keys_ = _given_or(keys, n_records, "keys", lambda: rng.choice(fmt.n_keys, n_records, replace=False))
     values_ = _given_or(values, n_records, "values", lambda: rng.integers(0, fmt.n_values, n_records))
     fillers_ = _given_or(fillers, n_records, "fillers", draw_fillers)
-    queried = _given_or(query_records, n_queries, "query_records", lambda: rng.integers(0, n_records, n_queries))
+    def draw_queries() -> np.ndarray:
+        if distinct_queries:
+            return rng.choice(n_records, n_queries, replace=False)
+        return rng.integers(0, n_records, n_queries)
+
+    queried = _given_or(query_records, n_queries, "query_records", draw_queries)
     return assemble_lookup(fmt, keys_, values_, np.concatenate([[prefix_pad], fillers_]), queried, rng)

@@ -40,7 +40,14 @@ class LookupSequences:
         # drawn only with min_records set: streams without it stay the draws they always were
         n_records = c.n_records if c.min_records is None else int(rng.integers(c.min_records, c.n_records + 1))
         ex = make_lookup_example(
-            self.fmt, rng, n_records, c.n_queries, filler=c.filler, prefix_pad=pad, tail_filler=c.tail_range(pad)
+            self.fmt,
+            rng,
+            n_records,
+            c.n_queries,
+            filler=c.filler,
+            prefix_pad=pad,
+            tail_filler=c.tail_range(pad),
+            distinct_queries=c.distinct_queries,
         )
         n = len(ex.tokens)
         tokens = np.full(self.seq_len + 1, self.fmt.pad_id, dtype=np.int64)  # (T+1,)
