@@ -443,6 +443,7 @@ def make_lookup_example(
     keys_ = _given_or(keys, n_records, "keys", lambda: rng.choice(fmt.n_keys, n_records, replace=False))
     values_ = _given_or(values, n_records, "values", lambda: rng.integers(0, fmt.n_values, n_records))
     fillers_ = _given_or(fillers, n_records, "fillers", draw_fillers)
+
     def draw_queries() -> np.ndarray:
         if distinct_queries:
             return rng.choice(n_records, n_queries, replace=False)
