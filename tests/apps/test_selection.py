@@ -10,7 +10,6 @@ import pytest
 from ckv.apps.selection import (
     IMPOSED,
     MODELS,
-    N_BASE,
     ODDS_MARGIN,
     QUANTISED,
     SEEDS,
@@ -32,6 +31,8 @@ from ckv.geometry import visible_entries
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 from tests.train.helpers import train_config
+
+N_BASE = STUDY.params["n_base"]
 
 
 def test_plan_trains_every_model_for_three_seeds_with_one_attention_option():

@@ -69,7 +69,7 @@ from ckv.train.metrics import read_metrics
 
 STUDY = load_study("selection")  # conf/study/selection.yaml: the runs, seeds and the criteria's numbers
 SEEDS = STUDY.seeds
-STRIDE, TOPK, N_BASE, LAYER, DROP = (STUDY.params[k] for k in ("stride", "topk", "n_base", "layer", "drop"))
+STRIDE, TOPK, LAYER, DROP = (STUDY.params[k] for k in ("stride", "topk", "layer", "drop"))
 CONTROL_FLOOR, DENSE_LEARNED, ODDS_MARGIN, EQUIVALENCE = (
     STUDY.criteria[k] for k in ("control_learned", "dense_learned", "odds_margin", "equivalence")
 )
@@ -85,7 +85,7 @@ QUICK_DROPS = ("task.n_base=", "task.modulus=")  # quick: QUICK_EVAL's base exam
 
 def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[Run, ...]:
     """The study's runs of ``seeds``, named after the model (``<out>/runs/<model>/seed=<seed>``), evaluated on
-    ``N_BASE`` base examples at the study's modulus (quick: ``QUICK_EVAL``'s base examples at the task's own
+    ``params.n_base`` base examples at the study's modulus (quick: ``QUICK_EVAL``'s base examples at the task's own
     modulus, 8 shifts each: shorter prompts, the pipeline only)."""
     return tuple(
         dataclasses.replace(
