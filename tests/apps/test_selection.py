@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -24,10 +26,12 @@ from ckv.apps.selection import (
     table,
     verdict,
 )
-from ckv.apps.study_config import Run
-from ckv.apps.study_run import QUICK_TRAIN
+from ckv.apps.study_config import TASK, Run
+from ckv.apps.study_run import QUICK_TRAIN, run_dir
 from ckv.eval.design import make_design
 from ckv.geometry import visible_entries
+from ckv.io.layout import CHECKPOINTS_DIR, STATE_FILE, analysis_file, eval_dir, step_dir_name
+from ckv.io.results import write_json
 from tests.apps.helpers import run_quick
 from tests.eval.helpers import png_ok
 from tests.train.helpers import train_config
@@ -163,24 +167,44 @@ def test_the_verdict_is_drawn_only_when_every_precondition_is_met():
     assert judged["C1 sparse served by its trained indexer"].passed  # C1 and C2 are still read and printed
 
 
-def test_the_selection_analysis_serves_the_evaluation_s_own_prompts(tmp_path, monkeypatch):
+def test_the_selection_analysis_serves_the_evaluation_s_own_prompts_and_a_rerun_reuses_it(tmp_path, monkeypatch):
     """analysis=selection gets every override of the run's evaluation (the study's modulus and base examples):
-    the selectors are read on the prompts the evaluation scored, not on the task's defaults."""
+    the selectors are read on the prompts the evaluation scored, not on the task's defaults. A rerun reuses an
+    analysis written by the same command after the run's last checkpoint, and reruns it at another top-k."""
     import ckv.apps.selection as app
+    from ckv.apps import study_run
     from ckv.apps.study_run import Timer
 
     calls = []
-    monkeypatch.setattr(app, "run_command", lambda cmd, log, env: calls.append(cmd))
-    monkeypatch.setattr(app, "read_json", lambda path: {"analysis": {"results": {}}})
+
+    def fake(cmd: list[str], log: Path, env: dict) -> None:
+        calls.append(cmd)
+        rdir = Path(next(a for a in cmd if a.startswith("model.path=")).split("=", 1)[1].strip("'"))
+        write_json(analysis_file(eval_dir(rdir, TASK), "selection"), {"analysis": {"results": {}}})
+
+    monkeypatch.setattr(study_run, "run_command", fake)
     for quick in (False, True):
-        calls.clear()
         runs = plan(SEEDS[:1], quick)
-        done = [{"run": r, "dir": str(tmp_path / r.label)} for r in runs]
-        app.analyse(done, tmp_path, quick, 1, {}, Timer())
+        out = tmp_path / str(quick)
+        done = [{"run": r, "dir": str(run_dir(out, r))} for r in runs]
+        for d in done:  # a finished run: its last checkpoint written before the analysis
+            state = Path(d["dir"]) / CHECKPOINTS_DIR / step_dir_name(12) / STATE_FILE
+            state.parent.mkdir(parents=True)
+            state.write_text("{}")
+            os.utime(state, (time.time() - 5, time.time() - 5))
+        calls.clear()
+        app.analyse(done, out, quick, 1, {}, Timer())
         assert len(calls) == len([r for r in runs if r.name != "full"])
         for cmd, run in zip(calls, [r for r in runs if r.name != "full"]):
             assert set(run.eval_overrides) <= set(cmd) and "analysis=selection" in cmd
             assert (f"task.modulus={STUDY.params['modulus']}" in cmd) != quick, cmd
+        first = list(calls)
+        app.analyse(done, out, quick, 1, {}, Timer())
+        assert calls == first  # reused
+        monkeypatch.setattr(app, "TOPK", 3)
+        app.analyse(done, out, quick, 1, {}, Timer())
+        assert len(calls) == 2 * len(first) and all("analysis.topk=3" in c for c in calls[len(first) :])
+        monkeypatch.setattr(app, "TOPK", STUDY.params["topk"])
 
 
 def test_c2_pools_the_seeds_excesses():

@@ -17,7 +17,7 @@ from ckv.apps.cli import EXIT_NOT_APPLICABLE
 from ckv.apps.study import main
 from ckv.apps.study_config import Run, load_study
 from ckv.apps.study_results import Check, check_lines, exit_code, result_row
-from ckv.apps.study_run import CommandFailed, Timer, job_env, run_analyses, run_command
+from ckv.apps.study_run import CommandFailed, Timer, command_file, job_env, run_analyses, run_command
 from ckv.checks import ConfigError
 from ckv.eval.summary import results_file
 from ckv.io.layout import CHECKPOINTS_DIR, CONFIG_FILE, STATE_FILE, latest_checkpoint, step_dir_name
@@ -229,6 +229,17 @@ def test_the_generic_command_isolates_a_failed_run_and_reuses_finished_work(tmp_
     assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
     assert sorted(c[1] for c in ran[first:]) == ["train.py", "train.py"]  # no evaluation again
     assert [r.stat().st_mtime_ns for r in results] == stamps
+    # results written by another command line are not reused: evaluation b's overrides change, a's do not
+    (tmp_path / "tiny.yaml").write_text(
+        (tmp_path / "tiny.yaml")
+        .read_text()
+        .replace("task.padding=in_sequence]", "task.padding=in_sequence, task.n_demos=4]")
+    )
+    first = len(ran)
+    assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
+    evals = [c for c in ran[first:] if c[1] == "eval.py"]
+    assert len(evals) == 1 and "task.name=demo_lookup_b" in evals[0] and "task.n_demos=4" in evals[0]
+    assert results[0].stat().st_mtime_ns == stamps[0] and json.loads(command_file(results[1]).read_text()) == evals[0]
 
 
 def test_a_failed_command_raises_with_its_exit_code_and_last_line(tmp_path):

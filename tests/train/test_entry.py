@@ -341,14 +341,21 @@ def test_paper_kv_head_ablation_builds_its_kv_heads(attention, kv_heads):
             "attention.window=4",
             "ckv: error: attention.window is not a field of attention.kind='full'; it takes ['kind', 'impl', ",
         ),
+        (  # a real setting the composed data file leaves out: the "+" that adds it, not "check its spelling"
+            "data=lookup_split data.lookup.distinct_queries=true",
+            "ckv: error: data.lookup.distinct_queries is a setting the composed config does not list (its config file "
+            "leaves it at the default): add it with +data.lookup.distinct_queries=VALUE, or set it in an experiment",
+        ),
+        ("data=lookup_split data.lookup.distinct_querie=true", "ckv: error: data.lookup.distinct_querie is not a setting (Key"),
     ],
 )
 def test_hydra_errors_are_one_line(tmp_path, override, line, monkeypatch, capsys):
-    """Hydra's own errors (an unknown option, an unknown key) as one line: no search path, no "+key" hint."""
-    code, _, err = run_script("train.py", [override, f"out_dir={tmp_path}"], monkeypatch, capsys)
+    """Hydra's own errors (an unknown option, an unknown key) as one line: no search path; a "+key" hint only for
+    a ``TrainConfig`` field the composed files leave out."""
+    code, _, err = run_script("train.py", [*override.split(), f"out_dir={tmp_path}"], monkeypatch, capsys)
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1 and lines[0].startswith(line), err
-    assert "+" not in lines[0]
+    assert ("+" in lines[0]) == ("a setting the composed config does not list" in line)
 
 
 def _run_entry(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:

@@ -4,12 +4,14 @@ hint to append an unknown key with ``+``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
@@ -17,6 +19,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 from ckv.checks import error_message
 from ckv.config import REGISTRY, ConfigError, not_taken_error
+from ckv.train.config import TrainConfig
 
 HYDRA_ERRORS = (HydraException, OmegaConfBaseException)  # composition, overrides, interpolation, unknown keys
 # eval.py's exit code for an analysis that does not apply to the model (``AnalysisNotApplicable``: no gates to
@@ -25,8 +28,9 @@ EXIT_NOT_APPLICABLE = 3
 
 
 def error_line(e: BaseException) -> str:
-    """The one line that reports a configuration or data error ``e``: an unknown key names the key (never a ``+``
-    to append it; an attention field, the kind that does not take it), an unknown group option lists the options."""
+    """The one line that reports a configuration or data error ``e``: an unknown key names the key (a ``+`` to
+    append it only where it is a ``TrainConfig`` field the composed files leave out; an attention field, the kind
+    that does not take it), an unknown group option lists the options."""
     cause = e.__cause__
     if isinstance(e, ConfigCompositionException) and isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
         key = cause.full_key or str(cause).splitlines()[0]
@@ -34,6 +38,11 @@ def error_line(e: BaseException) -> str:
         kind = parent.get("kind") if isinstance(parent, DictConfig) and key == f"attention.{cause.key}" else None
         if kind in REGISTRY:
             message = str(not_taken_error([str(cause.key)], kind))
+        elif is_train_field(key):
+            message = (
+                f"{key} is a setting the composed config does not list (its config file leaves it at the "
+                f"default): add it with +{key}=VALUE, or set it in an experiment file"
+            )
         else:
             message = f"{key} is not a setting ({str(cause).splitlines()[0]}); check its spelling"
     elif isinstance(e, OverrideParseException):
@@ -47,6 +56,18 @@ def error_line(e: BaseException) -> str:
     else:
         message = str(e)
     return error_message(message)
+
+
+def is_train_field(key: str) -> bool:
+    """Whether the dotted ``key`` names a field of ``TrainConfig``'s dataclasses (``data.lookup.distinct_queries``):
+    a real setting that a config file leaves out, not a misspelling."""
+    cls: Any = TrainConfig
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return False
+        cls = typing.get_type_hints(cls).get(part)
+    return True
 
 
 def _raised_by_resolver(e: BaseException) -> Optional[ConfigError]:

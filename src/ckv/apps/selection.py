@@ -61,9 +61,10 @@ from ckv.apps.study_results import (
     write_study_record,
     write_table,
 )
-from ckv.apps.study_run import Timer, eval_commands, run_command, run_plan, start
+from ckv.apps.study_run import Timer, eval_commands, run_plan, run_unless_current, start
 from ckv.eval.flatness import se_from_interval
 from ckv.eval.stats import Z95
+from ckv.io.layout import analysis_file, eval_dir
 from ckv.io.results import read_json
 from ckv.train.metrics import read_metrics
 
@@ -98,25 +99,24 @@ def plan(seeds: tuple[int, ...], quick: bool = False) -> tuple[Run, ...]:
 
 def analyse(done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer) -> dict[str, dict]:
     """``eval.py analysis=selection`` on the same prompts as the evaluation, every compressed run served by its
-    model's selectors at top-``TOPK``. Returns the results by run label."""
+    model's selectors at top-``TOPK`` (an analysis still current for its command is reused: ``run_unless_current``).
+    Returns the results by run label."""
     todo = [d for d in done if SELECTORS.get(d["run"].name)]
 
     def one(d: dict) -> tuple[str, dict]:
         run = d["run"]
         selectors = ",".join(SELECTORS[run.name])
         _, cmd = eval_commands(run, out, quick)[TASK]  # the evaluation's own command: the same prompts
-        run_command(
-            [
-                *cmd,
-                "analysis=selection",
-                f"analysis.selectors=[{selectors}]",
-                f"analysis.topk={TOPK}",
-                f"analysis.drop={DROP}",
-            ],
-            out / "logs" / f"selection_{run.name}_seed{run.seed}.log",
-            env,
-        )
-        res = read_json(Path(d["dir"]) / "eval" / TASK / "selection" / "selection.json")["analysis"]["results"]
+        path = analysis_file(eval_dir(Path(d["dir"]), TASK), "selection")
+        cmd = [
+            *cmd,
+            "analysis=selection",
+            f"analysis.selectors=[{selectors}]",
+            f"analysis.topk={TOPK}",
+            f"analysis.drop={DROP}",
+        ]
+        run_unless_current(cmd, out / "logs" / f"selection_{run.name}_seed{run.seed}.log", env, Path(d["dir"]), path)
+        res = read_json(path)["analysis"]["results"]
         print(f"[{clock}] {run.label}: selection analysis done", flush=True)
         return run.label, res
 

@@ -1,11 +1,13 @@
 """The studies' runner: ``run_plan`` trains every run with ``train.py`` (a finished folder is resumed, i.e. reused)
 and evaluates it with ``eval.py`` (``train_command``, ``eval_commands``), ``workers`` at a time; ``run_analyses``
 runs a study's ``eval.py analysis=<name>`` on the finished runs (an analysis that does not apply is skipped with one
-line); evaluations and analyses newer than the run's last checkpoint are reused (``is_current``).
+line); evaluations and analyses written by the same command line after the run's last checkpoint are reused
+(``is_current``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -141,17 +143,36 @@ def eval_commands(
     }
 
 
-def is_current(rdir: Path, path: Path) -> bool:
-    """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written after the run's last
-    checkpoint (a rerun reuses it; train.py rewrites the final weights when it resumes a finished run, never the
-    checkpoint it resumed from)."""
-    ckpt = latest_checkpoint(rdir)
-    return path.is_file() and ckpt is not None and path.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
+def command_file(path: Path) -> Path:
+    """The file beside ``path`` (an evaluation's or analysis' results) that holds the command line which wrote it."""
+    return path.with_name(path.name + ".command.json")
 
 
-def evaluation_is_current(rdir: Path, task_name: str) -> bool:
-    """Whether ``rdir`` holds ``task_name``'s results written after its last checkpoint (``is_current``)."""
-    return is_current(rdir, results_file(rdir, task_name))
+def is_current(rdir: Path, path: Path, cmd: list[str]) -> bool:
+    """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written by ``cmd`` (its
+    ``command_file``) after the run's last checkpoint: a rerun reuses it (train.py rewrites the final weights when it
+    resumes a finished run, never the checkpoint it resumed from); results of another command line (other
+    overrides, another task) or of an earlier model are not."""
+    ckpt, stamp = latest_checkpoint(rdir), command_file(path)
+    return (
+        path.is_file()
+        and stamp.is_file()
+        and ckpt is not None
+        and path.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
+        and json.loads(stamp.read_text()) == cmd
+    )
+
+
+def run_unless_current(cmd: list[str], log: Path, env: dict, rdir: Path, path: Path) -> bool:
+    """Run ``cmd`` (``run_command``) unless ``path``, its results, is current for it (``is_current``); once it
+    succeeds, record it in ``path``'s ``command_file``. Returns whether it ran."""
+    if is_current(rdir, path, cmd):
+        return False
+    command_file(path).unlink(missing_ok=True)
+    run_command(cmd, log, env)
+    command_file(path).parent.mkdir(parents=True, exist_ok=True)
+    command_file(path).write_text(json.dumps(cmd))
+    return True
 
 
 def train_and_evaluate(
@@ -162,20 +183,20 @@ def train_and_evaluate(
     clock: Timer,
     task: str = TASK,
     evals: Optional[dict[str, tuple[str, ...]]] = None,
-    reuse: bool = False,
 ) -> dict:
     """Train one model with ``train.py`` (resuming if its folder exists), then evaluate it with ``eval.py``
-    (``eval_commands``; ``reuse``: an evaluation still current is not rerun). Returns ``{"run", "dir",
-    "train_seconds", "steps", "results", "evaluations"}`` (``results``: the first evaluation's report;
-    ``evaluations``: every report by evaluation name)."""
+    (``eval_commands``; an evaluation still current for its command is not rerun: ``run_unless_current``). Returns
+    ``{"run", "dir", "train_seconds", "steps", "results", "evaluations"}`` (``results``: the first evaluation's
+    report; ``evaluations``: every report by evaluation name)."""
     t0 = time.monotonic()
     rdir = run_dir(out, run)
     run_command(train_command(run, out, quick), log_file(out, run, "train"), env)
     train_s = time.monotonic() - t0
     reports = {}
     for key, (name, cmd) in eval_commands(run, out, quick, task, evals).items():
-        if not (reuse and evaluation_is_current(rdir, name)):
-            run_command(cmd, log_file(out, run, "eval" if name == task else f"eval_{key}"), env)
+        run_unless_current(
+            cmd, log_file(out, run, "eval" if name == task else f"eval_{key}"), env, rdir, results_file(rdir, name)
+        )
         reports[key] = read_json(results_file(rdir, name))["results"]
     steps = read_run_config(rdir)["trainer"]["max_steps"]
     print(
@@ -215,9 +236,9 @@ def run_plan(
 ) -> list[dict]:
     """Train and evaluate every run, ``workers`` at a time; returns ``train_and_evaluate``'s records in plan order.
     By default the first failure stops the plan (queued runs never start); ``keep_going`` (the generic command)
-    lets the others finish, reuses current evaluations, and records a failed run as ``{"run", "dir", "error"}``."""
+    lets the others finish and records a failed run as ``{"run", "dir", "error"}``."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(train_and_evaluate, r, out, quick, env, clock, task, evals, keep_going): r for r in plan}
+        futures = {pool.submit(train_and_evaluate, r, out, quick, env, clock, task, evals): r for r in plan}
         results = {}
         for fut in as_completed(futures):
             run, error = futures[fut], fut.exception()
@@ -257,8 +278,7 @@ def run_analyses(
         path, cmd = analysis_command(study, run, a, out, quick)
         record = {"label": run.label, "analysis": a.name}
         try:
-            if not is_current(d["dir"], path):
-                run_command(cmd, log_file(out, run, a.name), env)
+            run_unless_current(cmd, log_file(out, run, a.name), env, d["dir"], path)
         except CommandFailed as e:
             if e.returncode != EXIT_NOT_APPLICABLE:
                 raise
