@@ -183,6 +183,7 @@ def test_the_selection_analysis_serves_the_evaluation_s_own_prompts_and_a_rerun_
         write_json(analysis_file(eval_dir(rdir, TASK), "selection"), {"analysis": {"results": {}}})
 
     monkeypatch.setattr(study_run, "run_command", fake)
+    monkeypatch.setattr(study_run, "code_version", lambda: "c0ffee")  # a clean checkout at one commit
     for quick in (False, True):
         runs = plan(SEEDS[:1], quick)
         out = tmp_path / str(quick)

@@ -195,6 +195,7 @@ def _instant_jobs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         log.write_text("fresh start\n")
 
     monkeypatch.setattr(study_run, "run_command", fake)
+    monkeypatch.setattr(study_run, "code_version", lambda: "c0ffee")  # a clean checkout at one commit
     return ran
 
 
@@ -239,7 +240,14 @@ def test_the_generic_command_isolates_a_failed_run_and_reuses_finished_work(tmp_
     assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
     evals = [c for c in ran[first:] if c[1] == "eval.py"]
     assert len(evals) == 1 and "task.name=demo_lookup_b" in evals[0] and "task.n_demos=4" in evals[0]
-    assert results[0].stat().st_mtime_ns == stamps[0] and json.loads(command_file(results[1]).read_text()) == evals[0]
+    assert results[0].stat().st_mtime_ns == stamps[0]
+    assert json.loads(command_file(results[1]).read_text()) == {"command": evals[0], "code": "c0ffee"}
+    # nor results of other code: another commit, or uncommitted changes (no commit names the code)
+    for code in ("beef", None):
+        monkeypatch.setattr(study_run, "code_version", lambda code=code: code)
+        first = len(ran)
+        assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
+        assert sorted(c[1] for c in ran[first:]) == ["eval.py", "eval.py", "train.py", "train.py"]
 
 
 def test_a_failed_command_raises_with_its_exit_code_and_last_line(tmp_path):

@@ -36,8 +36,9 @@ The generic command runs any of them: ``python -m ckv.apps.study NAME [--quick] 
 [--scale S] [--runs PATTERN,...] [--dry-run]`` (``main``; ``--runs``: only the runs whose label, e.g.
 ``w8s8/seed=42``, matches one of the fnmatch patterns, ``select_runs``): a failed run is reported and the others go
 on; a rerun reuses finished training (train.py resumes a finished folder) and evaluations and analyses written by
-the same command line after the run's last checkpoint (``study_run.is_current``). An analysis that does not apply
-to a run (eval.py's ``EXIT_NOT_APPLICABLE``: no gates, W != S) is skipped with one line.
+the same command line at the same commit (a clean checkout) after the run's last checkpoint
+(``study_run.is_current``). An analysis that does not apply to a run (eval.py's ``EXIT_NOT_APPLICABLE``: no gates,
+W != S) is skipped with one line.
 
 A model without a stride (full attention) has no phase of its own: ``phase_of`` names the run it is compared with,
 and its evaluation groups positions mod that run's stride (``task.stride=S`` added after its own eval overrides),

@@ -1,8 +1,8 @@
 """The studies' runner: ``run_plan`` trains every run with ``train.py`` (a finished folder is resumed, i.e. reused)
 and evaluates it with ``eval.py`` (``train_command``, ``eval_commands``), ``workers`` at a time; ``run_analyses``
 runs a study's ``eval.py analysis=<name>`` on the finished runs (an analysis that does not apply is skipped with one
-line); evaluations and analyses written by the same command line after the run's last checkpoint are reused
-(``is_current``).
+line); evaluations and analyses written by the same command line at the same commit after the run's last
+checkpoint are reused (``is_current``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ckv.apps.study_config import ROOT, TASK, Analysis, Run, Study
 from ckv.eval.summary import results_file
 from ckv.io.layout import STATE_FILE, analysis_file, eval_dir, latest_checkpoint, read_run_config
 from ckv.io.results import read_json
+from ckv.train.run import git_info
 
 DISTRIBUTED_ENV = (
     "RANK",
@@ -144,34 +145,43 @@ def eval_commands(
 
 
 def command_file(path: Path) -> Path:
-    """The file beside ``path`` (an evaluation's or analysis' results) that holds the command line which wrote it."""
+    """The file beside ``path`` (an evaluation's or analysis' results) that holds the command line which wrote it and
+    the code's commit."""
     return path.with_name(path.name + ".command.json")
 
 
+def code_version() -> Optional[str]:
+    """The checkout's commit, None when it is unknown or has uncommitted changes (results it writes are never
+    reused: the code that made them cannot be named)."""
+    info = git_info(ROOT)
+    return None if info["git_dirty"] is not False else info["git_sha"]
+
+
 def is_current(rdir: Path, path: Path, cmd: list[str]) -> bool:
-    """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written by ``cmd`` (its
-    ``command_file``) after the run's last checkpoint: a rerun reuses it (train.py rewrites the final weights when it
-    resumes a finished run, never the checkpoint it resumed from); results of another command line (other
-    overrides, another task) or of an earlier model are not."""
-    ckpt, stamp = latest_checkpoint(rdir), command_file(path)
+    """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written by ``cmd`` at this
+    commit (its ``command_file``) after the run's last checkpoint: a rerun reuses it (train.py rewrites the final
+    weights when it resumes a finished run, never the checkpoint it resumed from); results of another command line
+    (other overrides, another task), of other code or of an earlier model are not."""
+    ckpt, stamp, code = latest_checkpoint(rdir), command_file(path), code_version()
     return (
-        path.is_file()
+        code is not None
+        and path.is_file()
         and stamp.is_file()
         and ckpt is not None
         and path.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
-        and json.loads(stamp.read_text()) == cmd
+        and json.loads(stamp.read_text()) == {"command": cmd, "code": code}
     )
 
 
 def run_unless_current(cmd: list[str], log: Path, env: dict, rdir: Path, path: Path) -> bool:
     """Run ``cmd`` (``run_command``) unless ``path``, its results, is current for it (``is_current``); once it
-    succeeds, record it in ``path``'s ``command_file``. Returns whether it ran."""
+    succeeds, record it and the commit in ``path``'s ``command_file``. Returns whether it ran."""
     if is_current(rdir, path, cmd):
         return False
     command_file(path).unlink(missing_ok=True)
     run_command(cmd, log, env)
     command_file(path).parent.mkdir(parents=True, exist_ok=True)
-    command_file(path).write_text(json.dumps(cmd))
+    command_file(path).write_text(json.dumps({"command": cmd, "code": code_version()}))
     return True
 
 
