@@ -89,7 +89,7 @@ robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on t
 selection: $(STAMP)  ## does top-k selection create weak phases beyond the geometry? full control, V4 CSA dense and sparse (V3.2's stages, top-2 of 68 entries) served by indexer (fp32/FP8/FP4)/oracle/random/recency and a positive control, 3 seeds, 9 models (first run: 84 min 38 s on a fresh clone, 2 cores, its analyses then at the wrong size; about 2 h 15 min with them fixed, not yet measured end to end; no verdict: its preconditions failed; docs/selection.md)
 	$(BIN)/python -m ckv.apps.selection --out outputs/selection
 
-paper: $(STAMP)  ## the paper's controlled table at CPU scale: 26 models (23 compressed variants incl. 4 baseline seeds, 3 full-attention controls), each evaluated with prefix and in-sequence padding, beside the paper's numbers, with the claims (not yet run at the current recipe: about 2 h on 2 idle cores, estimated in docs/paper.md; the first run, at 1,000 steps: 70 min 21 s on a fresh clone; resumes where it stopped)
+paper: $(STAMP)  ## the paper's controlled table at CPU scale: 26 models (23 compressed variants incl. 4 baseline seeds, 3 full-attention controls), each evaluated with prefix and in-sequence padding, beside the paper's numbers, with the claims (109 min 42 s on a fresh clone, 2 idle cores; resumes where it stopped)
 	$(BIN)/python -m ckv.apps.study paper --out outputs/paper
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)
