@@ -346,7 +346,10 @@ def test_paper_kv_head_ablation_builds_its_kv_heads(attention, kv_heads):
             "ckv: error: data.lookup.distinct_queries is a setting the composed config does not list (its config file "
             "leaves it at the default): add it with +data.lookup.distinct_queries=VALUE, or set it in an experiment",
         ),
-        ("data=lookup_split data.lookup.distinct_querie=true", "ckv: error: data.lookup.distinct_querie is not a setting (Key"),
+        (
+            "data=lookup_split data.lookup.distinct_querie=true",
+            "ckv: error: data.lookup.distinct_querie is not a setting (Key",
+        ),
     ],
 )
 def test_hydra_errors_are_one_line(tmp_path, override, line, monkeypatch, capsys):
