@@ -102,6 +102,27 @@ def test_distinct_queries_ask_each_record_at_most_once(distinct: bool) -> None:
     assert repeats == 0 if distinct else repeats > 400, repeats
 
 
+def test_distinct_queries_ask_every_record_of_a_sequence_that_holds_fewer_than_n_queries() -> None:
+    """min_records 8, 16 distinct queries: a sequence of r records asks min(16, r) distinct ones, i.e. all r of
+    them (each record once), and nothing after the last answer but pads."""
+    d = data_preset("lookup_split").to_dict()
+    d["lookup"] |= {"n_queries": 16, "min_records": 8, "distinct_queries": True}
+    d["seq_len"] = 106
+    cfg = DataConfig.from_dict(d)
+    fmt = cfg.lookup.format(0)
+    stream = LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    counts = set()
+    for _ in range(200):
+        tokens, labels = stream.next()
+        sep = int(np.flatnonzero(tokens == fmt.sep_id)[-1])
+        n = int(((~np.isin(tokens[1:sep], [fmt.pad_id, *fmt.filler_ids, fmt.sep_id])).sum()) // fmt.record_len)
+        answered = int((labels != -100).sum())
+        asked = tokens[sep + 1 :: 2][:answered]
+        assert answered == n and len(set(asked.tolist())) == n, (n, answered)
+        counts.add(n)
+    assert counts == set(range(8, 17))
+
+
 def test_the_demo_evaluation_uses_only_layouts_the_demo_data_draws(caplog: pytest.LogCaptureFixture) -> None:
     for name in ("lookup_split", "lookup_dense"):
         training = data_preset(name).lookup

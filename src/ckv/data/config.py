@@ -104,8 +104,9 @@ class LookupConfig:
     mixture of short and long prompts that lets long-prompt lookup leave the chance plateau (docs/selection.md);
     evaluations still lay out ``n_records`` records.
     ``distinct_queries``: ``False`` (default) draws the queried records with replacement, so a later query can repeat
-    an earlier one and be answered by copying it; ``True`` asks distinct records (at most as many queries as the
-    fewest records a sequence holds), as the fixed-query evaluation's demonstrations and target do (make paper).
+    an earlier one and be answered by copying it; ``True`` asks distinct records, as the fixed-query evaluation's
+    demonstrations and target do (make paper): ``n_queries`` of them (at most ``n_records``), or every record of a
+    sequence that holds fewer (``min_records``).
     ``pad_budget``: ``None`` (default) draws the tail from ``tail_filler``; an integer makes every sequence's prefix
     pads and tail fillers sum to it (the tail is ``pad_budget`` minus the prefix pads drawn from ``prefix_pad``),
     as in an evaluation that keeps the query position fixed: its layouts and nothing longer (make selection's
@@ -147,10 +148,10 @@ class LookupConfig:
             check_int(f"{o}.min_records", self.min_records, 1)
             if self.min_records > self.n_records:
                 raise ConfigError(f"{o}.min_records={self.min_records} exceeds n_records={self.n_records}")
-        if self.distinct_queries and self.n_queries > (fewest := self.min_records or self.n_records):
+        if self.distinct_queries and self.n_queries > self.n_records:
             raise ConfigError(
-                f"{o}.n_queries={self.n_queries} distinct queries need as many records, and a sequence holds "
-                f"{fewest}: lower n_queries or set {o}.distinct_queries=false"
+                f"{o}.n_queries={self.n_queries} distinct queries need as many records, and a sequence holds at most "
+                f"{self.n_records}: lower n_queries or set {o}.distinct_queries=false"
             )
         if self.offset is not None:
             check_int(f"{o}.offset", self.offset, 0)

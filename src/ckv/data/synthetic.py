@@ -39,11 +39,13 @@ class LookupSequences:
         pad = int(rng.integers(c.prefix_pad[0], c.prefix_pad[1] + 1))
         # drawn only with min_records set: streams without it stay the draws they always were
         n_records = c.n_records if c.min_records is None else int(rng.integers(c.min_records, c.n_records + 1))
+        # distinct queries ask each record at most once: a sequence of fewer records than n_queries asks them all
+        n_queries = min(c.n_queries, n_records) if c.distinct_queries else c.n_queries
         ex = make_lookup_example(
             self.fmt,
             rng,
             n_records,
-            c.n_queries,
+            n_queries,
             filler=c.filler,
             prefix_pad=pad,
             tail_filler=c.tail_range(pad),
