@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -66,31 +67,33 @@ def test_the_training_stream_draws_the_tail_range() -> None:
     assert tails == set(range(9))
 
 
-@pytest.mark.parametrize("min_records", [None, 8])
-def test_min_records_draws_each_sequence_s_record_count_from_the_range(min_records) -> None:
+def split_stream(seq_len: Optional[int] = None, **lookup: Any) -> tuple[LookupSequences, Any]:
+    """The ``lookup_split`` preset's training stream with ``lookup`` settings changed (and ``seq_len``), and its
+    format."""
     d = data_preset("lookup_split").to_dict()
-    d["lookup"]["min_records"] = min_records
+    d["lookup"] |= lookup
+    d["seq_len"] = seq_len or d["seq_len"]
     cfg = DataConfig.from_dict(d)
     fmt = cfg.lookup.format(0)
-    stream = LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    return LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1), fmt
+
+
+@pytest.mark.parametrize("min_records", [None, 8])
+def test_min_records_draws_each_sequence_s_record_count_from_the_range(min_records) -> None:
+    stream, fmt = split_stream(min_records=min_records)
     counts = set()
     for _ in range(300):
         tokens, labels = stream.next()
         sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
         records = ~np.isin(tokens[1:sep], [fmt.pad_id, *fmt.filler_ids])  # after bos: record tokens only
         counts.add(int(records.sum()) // fmt.record_len)
-        assert (labels != -100).sum() == cfg.lookup.n_queries  # every sequence still asks n_queries
+        assert (labels != -100).sum() == stream.cfg.n_queries  # every sequence still asks n_queries
     assert counts == ({16} if min_records is None else set(range(8, 17)))
 
 
 @pytest.mark.parametrize("distinct", [False, True])
 def test_distinct_queries_ask_each_record_at_most_once(distinct: bool) -> None:
-    d = data_preset("lookup_split").to_dict()
-    d["lookup"] |= {"n_queries": 16, "distinct_queries": distinct}
-    d["seq_len"] = 106
-    cfg = DataConfig.from_dict(d)
-    fmt = cfg.lookup.format(0)
-    stream = LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    stream, fmt = split_stream(106, n_queries=16, distinct_queries=distinct)
     repeats = 0
     for _ in range(100):
         tokens, labels = stream.next()
@@ -105,12 +108,7 @@ def test_distinct_queries_ask_each_record_at_most_once(distinct: bool) -> None:
 def test_distinct_queries_ask_every_record_of_a_sequence_that_holds_fewer_than_n_queries() -> None:
     """min_records 8, 16 distinct queries: a sequence of r records asks min(16, r) distinct ones, i.e. all r of
     them (each record once), and nothing after the last answer but pads."""
-    d = data_preset("lookup_split").to_dict()
-    d["lookup"] |= {"n_queries": 16, "min_records": 8, "distinct_queries": True}
-    d["seq_len"] = 106
-    cfg = DataConfig.from_dict(d)
-    fmt = cfg.lookup.format(0)
-    stream = LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1)
+    stream, fmt = split_stream(106, n_queries=16, min_records=8, distinct_queries=True)
     counts = set()
     for _ in range(200):
         tokens, labels = stream.next()
