@@ -157,31 +157,32 @@ def code_version() -> Optional[str]:
     return None if info["git_dirty"] is not False else info["git_sha"]
 
 
-def is_current(rdir: Path, path: Path, cmd: list[str]) -> bool:
-    """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written by ``cmd`` at this
-    commit (its ``command_file``) after the run's last checkpoint: a rerun reuses it (train.py rewrites the final
-    weights when it resumes a finished run, never the checkpoint it resumed from); results of another command line
-    (other overrides, another task), of other code or of an earlier model are not."""
-    ckpt, stamp, code = latest_checkpoint(rdir), command_file(path), code_version()
+def is_current(rdir: Path, path: Path, stamp: dict) -> bool:
+    """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written after the run's last
+    checkpoint by the command and commit in ``stamp`` (its ``command_file``): a rerun reuses it (train.py rewrites
+    the final weights when it resumes a finished run, never the checkpoint it resumed from); results of another
+    command line (other overrides, another task), of other code or of an earlier model are not."""
+    ckpt, written = latest_checkpoint(rdir), command_file(path)
     return (
-        code is not None
+        stamp["code"] is not None
         and path.is_file()
-        and stamp.is_file()
+        and written.is_file()
         and ckpt is not None
         and path.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
-        and json.loads(stamp.read_text()) == {"command": cmd, "code": code}
+        and json.loads(written.read_text()) == stamp
     )
 
 
 def run_unless_current(cmd: list[str], log: Path, env: dict, rdir: Path, path: Path) -> bool:
-    """Run ``cmd`` (``run_command``) unless ``path``, its results, is current for it (``is_current``); once it
-    succeeds, record it and the commit in ``path``'s ``command_file``. Returns whether it ran."""
-    if is_current(rdir, path, cmd):
+    """Run ``cmd`` (``run_command``) unless ``path``, its results, is current for it at this commit (``is_current``);
+    once it succeeds, record the command and commit in ``path``'s ``command_file``. Returns whether it ran."""
+    stamp = {"command": cmd, "code": code_version()}
+    if is_current(rdir, path, stamp):
         return False
     command_file(path).unlink(missing_ok=True)
     run_command(cmd, log, env)
     command_file(path).parent.mkdir(parents=True, exist_ok=True)
-    command_file(path).write_text(json.dumps({"command": cmd, "code": code_version()}))
+    command_file(path).write_text(json.dumps(stamp))
     return True
 
 
@@ -204,10 +205,9 @@ def train_and_evaluate(
     train_s = time.monotonic() - t0
     reports = {}
     for key, (name, cmd) in eval_commands(run, out, quick, task, evals).items():
-        run_unless_current(
-            cmd, log_file(out, run, "eval" if name == task else f"eval_{key}"), env, rdir, results_file(rdir, name)
-        )
-        reports[key] = read_json(results_file(rdir, name))["results"]
+        results = results_file(rdir, name)
+        run_unless_current(cmd, log_file(out, run, "eval" if name == task else f"eval_{key}"), env, rdir, results)
+        reports[key] = read_json(results)["results"]
     steps = read_run_config(rdir)["trainer"]["max_steps"]
     print(
         f"[{clock}] {run.label}: trained in {train_s:.0f} s, evaluated in {time.monotonic() - t0 - train_s:.0f} s",
