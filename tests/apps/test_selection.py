@@ -44,12 +44,12 @@ def test_plan_trains_every_model_for_three_seeds_with_one_attention_option():
     assert len(SEEDS) >= 3 and len(runs) == len(MODELS) * len(SEEDS)
     assert {r.experiment for r in runs} == {"select_wide"}
     by = {(r.name, r.seed): r for r in runs}
-    assert by[("dense", 0)].train_overrides == ("attention=deepseek_v4_csa",)
-    assert by[("sparse", 1)].train_overrides[1] == f"attention.selection.topk={TOPK}"
+    assert by[("dense", SEEDS[0])].train_overrides == ("attention=deepseek_v4_csa",)
+    assert by[("sparse", SEEDS[1])].train_overrides[1] == f"attention.selection.topk={TOPK}"
     # full attention's phases: mod the stride; every run at the study's modulus (its 273-token prompts)
     modulus = STUDY.params["modulus"]
     sized = (f"task.n_base={N_BASE}", f"task.modulus={modulus}")
-    assert by[("full", 0)].eval_overrides == (*sized, f"task.stride={STRIDE}")
+    assert by[("full", SEEDS[0])].eval_overrides == (*sized, f"task.stride={STRIDE}")
     assert all(r.eval_overrides == sized for r in runs if r.role != "control")
     # quick: QUICK_EVAL's base examples at the task's own 8 shifts
     assert plan(SEEDS[:1], quick=True)[0].eval_overrides == (f"task.stride={STRIDE}",)

@@ -33,7 +33,7 @@ straddling phase) and the criteria of docs/selection.md (``criteria``, committed
 design); one plot, everything under ``outputs/selection/``.
 
     python -m ckv.apps.selection            # make selection (9 runs; time in the Makefile and docs/selection.md)
-    python -m ckv.apps.selection --quick    # seed 0, a few steps per model: checks the pipeline only
+    python -m ckv.apps.selection --quick    # the first seed, a few steps per model: checks the pipeline only
 
 The criteria are reported, not enforced: the run exits 0 when every command succeeded and non-zero when one failed.
 """
@@ -401,7 +401,7 @@ def criteria(rows: list[dict], sel_rows: list[dict]) -> list[Check]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = study_arguments(__doc__, STUDY.out, "seed 0 only, a few steps per model: pipeline check only")
+    args = study_arguments(__doc__, STUDY.out, "the first seed only, a few steps per model: pipeline check only")
     args = args.parse_args(argv)
     out = Path(args.out).resolve()
     runs = plan(SEEDS[:1] if args.quick else SEEDS, args.quick)
