@@ -78,15 +78,25 @@ def split_stream(seq_len: Optional[int] = None, **lookup: Any) -> tuple[LookupSe
     return LookupSequences(cfg.lookup, fmt, cfg.seq_len, seed=0, split=0, rank=0, world_size=1), fmt
 
 
+def records_held(tokens: np.ndarray, fmt: Any) -> int:
+    """How many records a training sequence lays out: its record tokens between bos and the first separator."""
+    sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
+    return int((~np.isin(tokens[1:sep], [fmt.pad_id, *fmt.filler_ids])).sum()) // fmt.record_len
+
+
+def queries_asked(tokens: np.ndarray, fmt: Any, n: int) -> np.ndarray:
+    """The first ``n`` query tokens of a training sequence: its (query, answer) pairs after the last separator."""
+    sep = int(np.flatnonzero(tokens == fmt.sep_id)[-1])
+    return tokens[sep + 1 :: 2][:n]
+
+
 @pytest.mark.parametrize("min_records", [None, 8])
 def test_min_records_draws_each_sequence_s_record_count_from_the_range(min_records) -> None:
     stream, fmt = split_stream(min_records=min_records)
     counts = set()
     for _ in range(300):
         tokens, labels = stream.next()
-        sep = int(np.flatnonzero(tokens == fmt.sep_id)[0])
-        records = ~np.isin(tokens[1:sep], [fmt.pad_id, *fmt.filler_ids])  # after bos: record tokens only
-        counts.add(int(records.sum()) // fmt.record_len)
+        counts.add(records_held(tokens, fmt))
         assert (labels != -100).sum() == stream.cfg.n_queries  # every sequence still asks n_queries
     assert counts == ({16} if min_records is None else set(range(8, 17)))
 
@@ -97,8 +107,7 @@ def test_distinct_queries_ask_each_record_at_most_once(distinct: bool) -> None:
     repeats = 0
     for _ in range(100):
         tokens, labels = stream.next()
-        sep = int(np.flatnonzero(tokens == fmt.sep_id)[-1])
-        asked = tokens[sep + 1 :: 2][:16]  # the query section: (query, answer) pairs after the separator
+        asked = queries_asked(tokens, fmt, 16)
         assert (labels != -100).sum() == 16
         repeats += 16 - len(set(asked.tolist()))
     # with replacement 16 queries of 16 records repeat about 6 of them (16 - 16 * (1 - (15/16)**16))
@@ -112,10 +121,9 @@ def test_distinct_queries_ask_every_record_of_a_sequence_that_holds_fewer_than_n
     counts = set()
     for _ in range(200):
         tokens, labels = stream.next()
-        sep = int(np.flatnonzero(tokens == fmt.sep_id)[-1])
-        n = int(((~np.isin(tokens[1:sep], [fmt.pad_id, *fmt.filler_ids, fmt.sep_id])).sum()) // fmt.record_len)
+        n = records_held(tokens, fmt)
         answered = int((labels != -100).sum())
-        asked = tokens[sep + 1 :: 2][:answered]
+        asked = queries_asked(tokens, fmt, answered)
         assert answered == n and len(set(asked.tolist())) == n, (n, answered)
         counts.add(n)
     assert counts == set(range(8, 17))
