@@ -478,7 +478,7 @@ def test_bad_configs_fail_with_one_line(tmp_path, indexer, attention, needle):
     [
         (dict(), True, (600, 200)),
         (dict(recipe="cotrain"), True, (800, 0)),
-        (dict(recipe="v32"), True, (520, 30)),  # the warm-up a fifteenth of sparse training (450 steps)
+        (dict(recipe="v32"), True, (760, 15)),  # a fractional share (1.5%); the warm-up a fifteenth of sparse (225)
         (dict(recipe="sparse"), True, (0, 0)),
         (dict(dense_steps=50), True, (50, 200)),  # a stage given keeps its steps, the other takes its share
         (dict(recipe="cotrain", warmup_steps=7), True, (800, 7)),

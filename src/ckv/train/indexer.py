@@ -33,8 +33,9 @@ to two dense stages, in this order (``dense_steps``, then ``warmup_steps``; eith
 ``dense_steps`` then ``warmup_steps`` then sparse is the three-stage recipe, the default (``recipe: three_stage``:
 60% / 20% / 20% of ``trainer.max_steps`` unless the steps are given: DeepSeek-V3.2's order, ckv's shares and one
 learning-rate schedule for every stage; docs/selection.md, "Recipe, sourced", names each deviation); ``recipe:
-v32`` is the same order with DeepSeek-V3.2's warm-up:sparse proportion (52% / 3% / 45%: the warm-up a fifteenth of
-sparse training, as V3.2's 1,000 and 15,000 steps);
+v32`` is the same order with DeepSeek-V3.2's warm-up:sparse proportion (76% / 1.5% / 22.5%: the warm-up a fifteenth
+of sparse training, as V3.2's 1,000 and 15,000 steps) and a long dense share, so the sparse stage falls
+mostly in the learning-rate decay, as V3.2 trains sparse at a small fraction of its warm-up's learning rate;
 ``dense_steps`` alone (no warm-up) is co-training (``recipe: cotrain``: 80% dense, then sparse), ckv's
 alternative, which no source describes as DeepSeek's; ``recipe: sparse`` trains sparse from step 0.
 
@@ -86,9 +87,11 @@ RECIPES = {
     # DeepSeek-V3.2's ORDER; ckv's SHARES: dense training stands in for V3.2's trained checkpoint (the indexer
     # co-trains in it), and warm-up = sparse in steps, where V3.2 runs 1,000 warm-up steps before 15,000 sparse ones
     "three_stage": (60, 20),
-    # DeepSeek-V3.2's order AND its warm-up:sparse proportion, 3:45 = 1,000:15,000 steps; ckv's: the dense share,
-    # about as long as sparse training, standing in for V3.2's trained checkpoint
-    "v32": (52, 3),
+    # DeepSeek-V3.2's order AND its warm-up:sparse proportion, 1.5:22.5 = 1,000:15,000 steps; ckv's: the
+    # dense share, standing in for V3.2's trained checkpoint: long, so the sparse stage lies mostly in the lr decay
+    # (V3.2 trains sparse at 1/137 of its warm-up's lr) and the model it starts from has learned the task
+    # (docs/selection.md, "After the second run: the sparse arm's recipe")
+    "v32": (76, 1.5),
     "cotrain": (80, 0),  # ckv's: dense training with the indexer fitted meanwhile, then sparse; no warm-up
     "sparse": (0, 0),  # ckv's: sparse training from step 0
 }
@@ -119,7 +122,7 @@ class IndexerTrainingConfig:
         indexer to train and 0 without one."""
         shares = RECIPES[self.recipe] if has_indexer else (0, 0)
         dense, warmup = (
-            max_steps * share // 100 if steps is None else steps
+            int(max_steps * share) // 100 if steps is None else steps  # shares may be fractional: v32's 1.5
             for steps, share in zip((self.dense_steps, self.warmup_steps), shares)
         )
         return IndexerTrainingConfig(self.weight, self.recipe, dense, warmup)
