@@ -86,7 +86,7 @@ robust-confirm: $(STAMP)  ## confirmation on fresh seeds 100-102: V4's maps with
 robust-ablation: $(STAMP)  ## ablation ladder W8/S4 gate -> deepseek_v4_csa on the split task, 8 steps x 2 seeds (about 50 min on 2 free cores by its last step's per-run time, 336-347 s of training side by side; 135 min measured with a pause and other jobs; trains its first step overlap_w8s4 too, or reuses it from the same --out)
 	$(BIN)/python -m ckv.apps.robust --ablation --out outputs/robust
 
-selection: $(STAMP)  ## does top-k selection create weak phases beyond the geometry? full control, V4 CSA dense and sparse (V3.2's stages, top-2 of 68 entries) served by indexer (fp32/FP8/FP4)/oracle/random/recency and a positive control, 3 seeds, 9 models (116 min 7 s on a fresh clone, 2 cores; no verdict: a precondition failed, the sparse model served dense in one seed; docs/selection.md)
+selection: $(STAMP)  ## does top-k selection create weak phases beyond the geometry? full control, V4 CSA dense and sparse (V3.2's stages, top-2 of 68 entries) served by indexer (fp32/FP8/FP4)/oracle/random/recency and a positive control, 3 seeds, 9 models (120 min 1 s on a fresh clone, 2 cores; undecided for both the trained indexer and the oracle; docs/selection.md)
 	$(BIN)/python -m ckv.apps.selection --out outputs/selection
 
 paper: $(STAMP)  ## the paper's controlled table at CPU scale: 26 models (23 compressed variants incl. 4 baseline seeds, 3 full-attention controls), each evaluated with prefix and in-sequence padding, beside the paper's numbers, with the claims (109 min 42 s on a fresh clone, 2 idle cores; resumes where it stopped)
