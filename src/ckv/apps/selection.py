@@ -14,8 +14,8 @@ rank 32) wherever attention is compressed:
   positive control ``oracle_drop`` (the oracle dropping the straddling record with probability ``DROP``: the
   miss odds ratio must find it);
 - ``sparse``: the same layer with V4's lightning indexer (``deepseek_v4_csa_sparse``), trained by
-  ``trainer.indexer.recipe=v32`` (docs/selection.md, "Recipe, sourced": 76% dense training, 1.5% the indexer's
-  warm-up on the frozen model, 22.5% sparse training, DeepSeek-V3.2's warm-up:sparse of 1:15), served by its trained
+  ``trainer.indexer.recipe=v32`` (its stages: ``ckv.train.indexer.RECIPES``; what is DeepSeek-V3.2's:
+  docs/selection.md, "Recipe, sourced"), served by its trained
   indexer (``model``), by the same five selectors on its own weights (the oracle on the indexer's schedule) and by
   its indexer fake-quantised to FP8 and FP4 (``QUANTISED``: how many selections change against fp32, and at which
   phase);

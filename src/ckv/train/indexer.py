@@ -87,10 +87,8 @@ RECIPES = {
     # DeepSeek-V3.2's ORDER; ckv's SHARES: dense training stands in for V3.2's trained checkpoint (the indexer
     # co-trains in it), and warm-up = sparse in steps, where V3.2 runs 1,000 warm-up steps before 15,000 sparse ones
     "three_stage": (60, 20),
-    # DeepSeek-V3.2's order AND its warm-up:sparse proportion, 1.5:22.5 = 1,000:15,000 steps; ckv's: the
-    # dense share, standing in for V3.2's trained checkpoint: long, so the sparse stage lies mostly in the lr decay
-    # (V3.2 trains sparse at 1/137 of its warm-up's lr) and the model it starts from has learned the task
-    # (docs/selection.md, "After the second run: the sparse arm's recipe")
+    # DeepSeek-V3.2's order AND its warm-up:sparse proportion, 1.5:22.5 = 1,000:15,000 steps; ckv's: the long
+    # dense share (the module docstring; docs/selection.md, "After the second run: the sparse arm's recipe")
     "v32": (76, 1.5),
     "cotrain": (80, 0),  # ckv's: dense training with the indexer fitted meanwhile, then sparse; no warm-up
     "sparse": (0, 0),  # ckv's: sparse training from step 0
