@@ -9,10 +9,11 @@
 
 See docs/evaluation.md. This file only turns the Hydra config into ckv.eval / ckv.analysis calls. Path values
 (``PATH_KEYS``) are taken verbatim, so a sweep job folder such as ``.../attention.stride=4,seed=0`` can be pasted
-unquoted. Every task and model setting is checked before the weights load (the task is built from the model's
-configs and tokenizer); configuration and data errors end the program with one ``ckv: error: ...`` line and exit
-code 2 (3, ``EXIT_NOT_APPLICABLE``, for an analysis that does not apply to the model). A finished evaluation
-prints a one-screen summary (``ckv.eval.summary_lines``) and the headline as one JSON line.
+unquoted. Every task and model setting, and the folder the results go to, is checked before the weights load (the
+task is built from the model's configs and tokenizer); configuration and data errors end the program with one
+``ckv: error: ...`` line and exit code 2 (3, ``EXIT_NOT_APPLICABLE``, for an analysis that does not apply to the
+model). A finished evaluation prints a one-screen summary (``ckv.eval.summary_lines``) and the headline as one JSON
+line.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ckv.eval import (
     summary_lines,
     task_from_dict,
 )
-from ckv.eval.runner import output_dir
+from ckv.eval.runner import check_output
 from ckv.io.layout import CheckpointError
 
 CONF = Path(__file__).resolve().parent / "conf" / "eval"
@@ -103,6 +104,7 @@ def _options(c: dict) -> RunOptions:
         out_dir=c["out_dir"],
         plots=c["plots"],
         stats=c["stats"],
+        mitigation=c["mitigation"],
     )
 
 
@@ -159,19 +161,21 @@ def _run(c: dict) -> None:
     if c.get("summary"):
         _summary(c, spec, source, options)
         return
-    if c.get("analysis"):
-        model = source.load(c["device"])
-        with one_line_errors((AnalysisNotApplicable,), EXIT_NOT_APPLICABLE):
-            envelope = run_analysis(c["analysis"], model, spec, options)
-        print("\n".join(analysis_lines(envelope["analysis"], output_dir(model, spec, options))))
-        return
     if c.get("dry_run"):
         print("\n".join(dry_run(source, spec, options)))
         return
     facts = source.inspect()
+    if c.get("analysis"):
+        out = check_output(facts, spec, options)  # where it writes: before the weights load
+        model = source.load(c["device"])
+        with one_line_errors((AnalysisNotApplicable,), EXIT_NOT_APPLICABLE):
+            envelope = run_analysis(c["analysis"], model, spec, options)
+        print("\n".join(analysis_lines(envelope["analysis"], out)))
+        return
     if facts.info.get("trainer_state"):  # an unfinished run (no model/ folder) or a chosen checkpoint
         print(f"evaluating the checkpoint of step {facts.info['step']}: {facts.info['weights']}")
-    built = build_task(spec, facts, options.limit)  # vocabulary, lengths, context: before the weights
+    built = build_task(spec, facts, options.limit, options.mitigation)  # vocabulary, lengths, context, mitigation
+    check_output(facts, spec, options)  # where it writes: before the weights load
     results, out = evaluate(source.load(c["device"]), spec, options, built)
     print("\n".join(summary_lines(spec, results, out)))
     print("headline: " + json.dumps(results["results"]["headline"], default=str))

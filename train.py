@@ -8,9 +8,7 @@ See docs/training.md. This file only turns the Hydra config into a ``TrainConfig
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,10 +24,12 @@ from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa:
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import MissingMandatoryValue  # noqa: E402
 
-from ckv.apps.cli import remove_if_empty, run_hydra_main  # noqa: E402
+from ckv.apps.cli import run_hydra_main  # noqa: E402
 from ckv.checks import error_message  # noqa: E402
 from ckv.config import ConfigError  # noqa: E402
 from ckv.data import DataError  # noqa: E402
+from ckv.io.access import check_output_dir, remove_empty_folders  # noqa: E402
+from ckv.io.lock import remove_unused_lock  # noqa: E402
 from ckv.train import (  # noqa: E402
     CheckpointError,
     DivergenceError,
@@ -85,17 +85,10 @@ OmegaConf.register_new_resolver("ckv_job_dir", job_dir_name, replace=True)
 
 
 def usable_out_dir(out_dir: str) -> str:
-    """``out_dir``, created when missing, before Hydra makes the run folder in it: a path that can not be a
-    writable folder (under /proc, below a file) is a ConfigError naming it."""
-    try:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        if not os.access(out_dir, os.W_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), out_dir)
-    except OSError as e:
-        raise ConfigError(
-            f"out_dir={out_dir!r} can not hold run folders ({e.strerror}: {e.filename!r}); give a folder you can "
-            "write to: out_dir=..."
-        ) from None
+    """``out_dir``, checked before Hydra makes the run folder in it (``ckv.io.access.check_output_dir``): a path
+    that can not be a folder this user writes to (empty, a file, below a file, not writable, under /proc) is a
+    ConfigError naming it."""
+    check_output_dir(out_dir, f"out_dir={out_dir!r}", "give a folder you can write to: out_dir=...")
     return out_dir
 
 
@@ -135,12 +128,16 @@ def main(cfg: DictConfig) -> None:
     try:
         plain = plain_config(cfg)
         check_kv_heads(info["overrides"], plain["attention"], info["choices"].get("attention"))
+        check_output_dir(  # Hydra made it; a run to resume may be another user's
+            run_dir, f"the run folder {str(run_dir)!r}", "train into a folder you can write to: out_dir=... or name=..."
+        )
         train(TrainConfig.from_dict(plain, run_dir=str(run_dir)), info)
     except TrainingInterrupted as e:
         print(f"ckv: {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
     except USER_ERRORS as e:  # reported in here: Hydra adds a line of its own to an exception that leaves the job
-        remove_if_empty(run_dir, Path(cfg.out_dir))  # a run refused before it wrote anything leaves no folder
+        remove_unused_lock(run_dir)  # a run refused before it wrote anything leaves no folder
+        remove_empty_folders(run_dir, Path(cfg.out_dir))
         sys.exit(error_message(str(e)))
 
 

@@ -1,20 +1,31 @@
 """Small builders shared by test modules of several packages: tiny model configs and the attention option matrix,
-brute-force readings of the geometry, tiny DeepSeek-V4 layers, a dispatch recorder, the eval.py loader and the
-in-process runner of train.py and eval.py."""
+brute-force readings of the geometry, tiny DeepSeek-V4 layers, a dispatch recorder, the eval.py loader, the
+in-process runner of train.py and eval.py, and the keeper of drawn figures."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import functools
+import hashlib
 import importlib.util
+import io
+import json
 import logging
+import os
 import runpy
+import shutil
 import sys
-from collections.abc import Callable
+import tempfile
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
+from matplotlib.figure import Figure
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckv import ModelConfig, Transformer
@@ -175,3 +186,122 @@ def assert_documented(line: str) -> None:
     (so the table can not drift from what ckv prints)."""
     assert line.startswith("ckv: error: ") and "\n" not in line, line
     assert f"`{line}`" in ERRORS_DOC.read_text(), f"not in {ERRORS_DOC.name}: {line}"
+
+
+def kept_figures(monkeypatch: pytest.MonkeyPatch, *modules: ModuleType) -> dict[str, Figure]:
+    """The figures the plot functions of ``modules`` draw (through each module's ``save_figure``), by file name, kept
+    instead of written, so that a test reads their axes, lines and colours."""
+    drawn: dict[str, Figure] = {}
+
+    def keep(fig: Figure, path: Path) -> Path:
+        drawn[Path(path).name] = fig
+        return Path(path)
+
+    for module in modules:
+        monkeypatch.setattr(module, "save_figure", keep)
+    return drawn
+
+
+NOBODY = 65534  # the uid and gid of the user nobody
+CAP_DAC_READ_SEARCH = 2  # the capability to read any file and search any folder (not to write one)
+PR_SET_KEEPCAPS, CAPABILITY_VERSION_3 = 8, 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _become_nobody(read_anything: bool) -> None:
+    """Make this (forked) process the user nobody; with ``read_anything`` it keeps CAP_DAC_READ_SEARCH, so it still
+    reads every file (the interpreter's own modules, imported on demand from root's folders) but writes only where
+    any user may. Raises ``OSError`` where the machine does not allow it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if read_anything and libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_KEEPCAPS) failed")
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    if read_anything:
+        data = (_CapData * 2)()
+        data[0].effective = data[0].permitted = 1 << CAP_DAC_READ_SEARCH
+        if libc.capset(ctypes.byref(_CapHeader(CAPABILITY_VERSION_3, 0)), data) != 0:
+            raise OSError(ctypes.get_errno(), "capset(CAP_DAC_READ_SEARCH) failed")
+
+
+def as_other_user(fn: Callable[[], object], *, read_anything: bool = True) -> tuple[int, str, str]:
+    """Call ``fn`` in a fork of this process (nothing to import again: seconds) that acts as a user who is not root,
+    as a colleague on a shared cluster folder: run as root, the child becomes the user nobody (``_become_nobody``;
+    ``read_anything=False`` takes the right to read other users' files away too), else it stays this user. Returns
+    ``(exit code, stdout, stderr)``: the code a ``SystemExit`` of ``fn`` carries (a message: 1, printed to stderr),
+    0 when it returns, 1 with the traceback on stderr when it raises. Skips the test, saying why, where the machine
+    does not let the child drop its privileges."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read)
+        result: dict = {"code": 0}
+        out, err = io.StringIO(), io.StringIO()
+        try:
+            if os.geteuid() == 0:
+                _become_nobody(read_anything)
+        except OSError as e:
+            result = {"skip": f"this machine does not let a process drop root's privileges here: {e}"}
+        if "skip" not in result:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    fn()
+                except SystemExit as e:
+                    if isinstance(e.code, str):
+                        print(e.code, file=sys.stderr)
+                    result["code"] = 1 if isinstance(e.code, str) else e.code or 0
+                except BaseException:
+                    traceback.print_exc()
+                    result["code"] = 1
+        result.update(out=out.getvalue(), err=err.getvalue())
+        with os.fdopen(write, "w") as f:
+            f.write(json.dumps(result))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        text = f.read()
+    os.waitpid(pid, 0)
+    result = json.loads(text)
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    return result["code"], result["out"], result["err"]
+
+
+def tree_state(folder: Path) -> dict[str, str]:
+    """Every file and folder under ``folder``, by relative path: a file's SHA-256, ``"folder"`` for a folder (what a
+    command that writes nothing leaves exactly as it was)."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "folder"
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+def assert_umask_modes(folder: Path, mask: int) -> None:
+    """Every file under ``folder`` has the read and write bits a plain ``open`` gives under umask ``mask``
+    (``0o666 & ~mask``; an executable bit a script carries is its own), every folder ``0o777 & ~mask``."""
+    wrong = [
+        f"{p.relative_to(folder)}: {oct(p.stat().st_mode & 0o777)}"
+        for p in sorted(folder.rglob("*"))
+        if (p.stat().st_mode & (0o777 if p.is_dir() else 0o666)) != (0o777 if p.is_dir() else 0o666) & ~mask
+    ]
+    assert not wrong, f"not the modes of umask {oct(mask)}: {wrong}"
+
+
+@contextlib.contextmanager
+def world_readable_tmp() -> Iterator[Path]:
+    """A temporary folder that every user may read and search (pytest's ``tmp_path`` lies in a folder of its owner
+    alone), for a test whose other user must reach it without ``read_anything``; removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix="ckv_test_"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

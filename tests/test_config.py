@@ -18,7 +18,7 @@ from ckv.config import saved_attention, upgrade_attention
         (dict(kind=""), "kind"),
         (
             dict(kind="sparse"),
-            r"attention.kind='sparse' has no registered backend; available: \['compressed', 'full'\]",
+            r"attention.kind='sparse' has no registered backend; available: \['compressed', 'full', 'sliding'\]",
         ),
         (dict(impl=None), "impl"),
     ],
@@ -146,3 +146,74 @@ def test_bad_input_is_a_clear_error(ids, match):
     model = Transformer(ModelConfig.from_preset("tiny"))
     with pytest.raises(ValueError, match=match):
         model(ids)
+
+
+# ---- layer schedules (model.layers) ---------------------------------------------------------------------------------
+
+SLIDING = {"kind": "sliding", "sliding_window": 4}
+W4S4 = {"kind": "compressed", "window": 4, "stride": 4, "local_window": 2}
+
+
+def scheduled(layers, n_layers: int = 4, attention=W4S4) -> ModelConfig:
+    return ModelConfig(n_layers=n_layers, attention=attention, layers=layers)
+
+
+def test_a_schedule_gives_each_layer_its_segments_attention():
+    """Segments in order; one without ``attention`` takes the model's."""
+    cfg = scheduled([{"count": 1, "attention": SLIDING}, {"count": 2}, {"count": 1, "attention": {"kind": "full"}}])
+    kinds = [cfg.layer_attention(i).kind for i in range(4)]
+    assert kinds == ["sliding", "compressed", "compressed", "full"]
+    assert cfg.layer_attention(1) == cfg.attention and cfg.layer_attention(0).sliding_window == 4
+    layer = cfg.layer_config(3)
+    assert layer.layers is None and layer.attention.kind == "full" and layer.n_layers == 4
+
+
+def test_without_a_schedule_every_layer_is_the_model_itself():
+    cfg = ModelConfig(n_layers=3, attention=W4S4)
+    assert all(cfg.layer_config(i) is cfg for i in range(3))
+    assert "layers" not in cfg.to_dict()  # a uniform model saves the config.json of before schedules
+    with pytest.raises(IndexError, match="layer 3 is not one of the model's 3 layers"):
+        cfg.layer_attention(3)
+
+
+def test_a_schedule_round_trips_through_its_saved_dict():
+    cfg = scheduled([{"count": 2, "attention": SLIDING}, {"count": 2}])
+    saved = cfg.to_dict()
+    assert [seg["count"] for seg in saved["layers"]] == [2, 2] and saved["layers"][0]["attention"]["kind"] == "sliding"
+    assert ModelConfig.from_dict(saved) == cfg
+    assert ModelConfig.from_dict(saved).to_dict() == saved
+
+
+def test_a_schedule_from_before_the_option_groups_is_upgraded_segment_by_segment():
+    """A saved segment's attention goes through ``saved_attention`` as the model's does (flat ``rope_dims`` ...)."""
+    cfg = scheduled([{"count": 1, "attention": SLIDING}, {"count": 3}])
+    saved = cfg.to_dict()
+    saved["layers"][1]["attention"] = {"kind": "compressed", "window": 4, "stride": 4, "local_window": 2,
+                                       "rope": "partial", "rope_dims": 4}  # fmt: skip
+    assert ModelConfig.from_dict(saved).layer_attention(1).rope.dims == 4
+
+
+@pytest.mark.parametrize(
+    "layers, message",
+    [
+        (
+            [{"count": 1, "attention": SLIDING}, {"count": 2}],
+            r"model.layers counts \[1, 2\] add up to 3 layers, not model.n_layers=4: make the segment counts add up "
+            r"to n_layers \(or set model.layers=null for a uniform stack\)",
+        ),
+        ([{"attention": SLIDING}], r"model.layers\[0\]=.* needs a 'count'"),
+        ([{"count": 4, "atention": SLIDING}], r"model.layers\[0\]"),
+        ([{"count": 0}, {"count": 4}], "model.layers\\[\\].count=0"),
+        ("sliding", "model.layers='sliding' must be null .* or a list of \\{count, attention\\} segments"),
+        ([{"count": 4, "attention": {"kind": "sliding", "window": 4}}], "attention.window is not a field of"),
+        (
+            [{"count": 4, "attention": {**W4S4, "kv_heads": 3}}],
+            "model.n_heads=4 is not divisible by attention.kv_heads=3",
+        ),
+        ([4], r"model.layers\[0\]=4 must be a mapping"),
+    ],
+)
+def test_a_bad_schedule_is_one_line(layers, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        scheduled(layers)
+    assert "\n" not in str(e.value)

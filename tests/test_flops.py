@@ -13,6 +13,7 @@ from ckv.flops import (
     kv_bytes_by_part,
     kv_bytes_per_token,
     mfu,
+    parameter_count,
     peak_flops,
 )
 from tests.helpers import VARIANTS, small_config, variant
@@ -120,3 +121,37 @@ def test_deepseek_v4_dtypes_price_each_part():
     assert parts["entries.rope"][0] == pytest.approx(64 * 2 / 4)
     assert parts["index"][0] == pytest.approx((128 / 2 + 128 / 32) / 4)
     assert {dtype for _, dtype in parts.values()} >= {CACHE_DTYPES[k].name for k in ("fp8", "bf16", "fp4")}
+
+
+def test_a_layer_schedule_is_accounted_layer_by_layer():
+    """Parameters, FLOPs and cache bytes of a schedule (sliding, compressed, full layers) are each segment's share of
+    the uniform model of its attention, and the built model's own counts (parameters held, cache bytes after T)."""
+    import torch
+
+    from ckv.model import Transformer
+
+    segments = [
+        ({"kind": "sliding", "sliding_window": 5}, 1),
+        ({"kind": "compressed", "window": 8, "stride": 4, "local_window": 4}, 2),
+        ({"kind": "full"}, 1),
+    ]
+    cfg = small_config(segments[1][0], n_layers=4, layers=[{"count": n, "attention": a} for a, n in segments])
+    uniform = [(small_config(a, n_layers=4), n / 4) for a, n in segments]  # each segment's share of its uniform model
+    T = 21
+    ours, theirs = flops_per_token(cfg, T), [(flops_per_token(u, T), share) for u, share in uniform]
+    for part in ("attention", "compressor", "indexer"):
+        assert getattr(ours, part) == pytest.approx(sum(getattr(f, part) * s for f, s in theirs))
+    assert ours.attention < flops_per_token(small_config({"kind": "full"}, n_layers=4), T).attention
+    for seq_len in (T, None):
+        assert kv_bytes_per_token(cfg, seq_len) == pytest.approx(
+            sum(kv_bytes_per_token(u, seq_len) * s for u, s in uniform)
+        )
+    parts = kv_bytes_by_part(cfg, T)
+    assert sum(b for b, _ in parts.values()) == pytest.approx(kv_bytes_per_token(cfg, T))
+    assert {"keys_values", "entries", "local"} <= set(parts)
+    model = Transformer(cfg).eval()
+    assert model.num_parameters() == parameter_count(cfg)
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(torch.randint(0, cfg.vocab_size, (1, T)), cache)
+    assert cache.nbytes()["total"] == pytest.approx(kv_bytes_per_token(cfg, T, bytes_per_element=4) * T)

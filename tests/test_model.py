@@ -1,5 +1,8 @@
 """Model-level behaviour of every backend and paper variant: parity, causality, decoding, gradients."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,3 +130,72 @@ def test_attention_sinks_start_at_zero():
     model.reset_parameters()
     assert all(torch.equal(s, torch.zeros_like(s)) for s in sinks)
     assert model.layers[0].self_attn.q_proj.weight.std() > 0
+
+
+# ---- layer schedules ------------------------------------------------------------------------------------------------
+
+OLD_CHECKPOINT = Path(__file__).parent / "io" / "old_checkpoint"
+
+
+def scheduled_model() -> Transformer:
+    """Four layers: sliding-only, two compressed W4/S4 (the model's attention), full."""
+    cfg = small_config(
+        dict(kind="compressed", window=4, stride=4, local_window=2),
+        n_layers=4,
+        layers=[
+            {"count": 1, "attention": {"kind": "sliding", "sliding_window": 3}},
+            {"count": 2},
+            {"count": 1, "attention": {"kind": "full"}},
+        ],
+    )
+    torch.manual_seed(0)
+    return Transformer(cfg).eval()
+
+
+def test_a_scheduled_model_builds_each_layers_backend_and_decodes_as_it_prefills():
+    model = scheduled_model()
+    kinds = [type(block.self_attn).__name__ for block in model.layers]
+    assert kinds == ["SlidingAttention", "CompressedAttention", "CompressedAttention", "FullAttention"]
+    assert all(block.self_attn.config == model.config.layer_config(i) for i, block in enumerate(model.layers))
+    ids = torch.randint(0, model.config.vocab_size, (2, 23))
+    with torch.no_grad():
+        whole = model(ids)
+        cache, parts, s = model.new_cache(2), [], 0
+        for n in (6, 1, 9, 7):
+            parts.append(model(ids[:, s : s + n], cache))
+            s += n
+    assert (torch.cat(parts, dim=1) - whole).abs().max() < 1e-5
+    assert model.generate(ids[:, :5], 4).shape == (2, 9)
+
+
+def test_a_scheduled_model_saves_and_loads_its_schedule(tmp_path):
+    from ckv.io.weights import load_weights, save_weights
+
+    model = scheduled_model()
+    save_weights(model, tmp_path / "w")
+    loaded = load_weights(tmp_path / "w")
+    assert loaded.config == model.config and loaded.config.layers is not None
+    ids = torch.randint(0, model.config.vocab_size, (1, 17))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids), model(ids))
+
+
+def test_a_checkpoint_written_before_schedules_loads_unchanged():
+    """tests/io/old_checkpoint was written by ckv before layer schedules existed (a 2-layer compressed W4/S4 model,
+    its config.json without ``layers``, and its logits on fixed ids): it loads as a uniform stack with the same
+    parameter names and gives the same logits."""
+    from safetensors.torch import load_file
+
+    from ckv.io.weights import load_weights
+
+    saved = json.loads((OLD_CHECKPOINT / "model" / "config.json").read_text())
+    assert "layers" not in saved
+    model = load_weights(OLD_CHECKPOINT / "model").eval()
+    now = model.config.to_dict()
+    assert model.config.layers is None and {k: v for k, v in now.items() if k != "attention"} == {
+        k: v for k, v in saved.items() if k != "attention"
+    }
+    assert all(now["attention"][k] == v for k, v in saved["attention"].items())
+    expected = load_file(str(OLD_CHECKPOINT / "logits.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(expected["input_ids"]), expected["logits"], atol=1e-6, rtol=1e-6)

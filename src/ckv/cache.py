@@ -42,7 +42,9 @@ class CompressedLayerCache:
     last ``L`` tokens (``geometry.local_keep``); pending (B, P, d_model): hidden states of the last ``P`` tokens
     (``geometry.pending_keep``), from which every branch pools the next entry (V4's overlap state: the previous
     window's tokens are among them); ``length``: tokens seen. With one grid per KV head (``attention.grid.per:
-    kv_head``) the tensors stay None and ``grids`` holds one such cache per grid, for its KV heads."""
+    kv_head``) the tensors stay None and ``grids`` holds one such cache per grid, for its KV heads. With
+    dual-offset compression (``attention.dual_offset``) ``moved`` is the moved grid's own cache: its entries and
+    the pending hidden states its next entry needs (no exact keys)."""
 
     kc: Optional[torch.Tensor] = None
     vc: Optional[torch.Tensor] = None
@@ -52,6 +54,7 @@ class CompressedLayerCache:
     pending: Optional[torch.Tensor] = None
     length: int = 0
     grids: list[CompressedLayerCache] = field(default_factory=list)
+    moved: Optional[CompressedLayerCache] = None
 
     def pooling_input(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """The hidden states a forward of x (B, T, d) pools its new entries from, ``pending`` then x (B, P + T, d),
@@ -78,30 +81,51 @@ class CompressedLayerCache:
         those given); returns every entry and the exact tokens held before the forward with its own (kc, vc, ki, k,
         v) for its attention."""
         tied = vc is None
+        k_all = _cat(self.k, k)
+        v_all = k_all if tied else _cat(self.v, v)
+        self.k = k_all[:, k_all.shape[1] - local_keep :]
+        self.v = self.k if tied else v_all[:, v_all.shape[1] - local_keep :]
+        kc, vc, ki = self.add_entries(kc, vc, ki, hidden, k.shape[1], pending_keep=pending_keep)
+        return kc, vc, ki, k_all, v_all
+
+    def add_entries(
+        self,
+        kc: torch.Tensor,
+        vc: Optional[torch.Tensor],
+        ki: Optional[torch.Tensor],
+        hidden: torch.Tensor,
+        tokens: int,
+        *,
+        pending_keep: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """The entry part of ``append`` for a forward of ``tokens`` tokens (a moved grid's cache has no other):
+        appends its entries kc, vc, ki (vc None: tied), keeps the last ``pending_keep`` of ``hidden`` (at most
+        those given) and returns every entry (kc, vc, ki)."""
+        tied = vc is None
         kc = _cat(self.kc, kc)
         vc = kc if tied else _cat(self.vc, vc)
         ki = None if ki is None else _cat(self.ki, ki)
-        k_all = _cat(self.k, k)
-        v_all = k_all if tied else _cat(self.v, v)
-        pending_keep = min(pending_keep, hidden.shape[1])
         self.kc, self.vc, self.ki = kc, (None if tied else vc), ki
-        self.k = k_all[:, k_all.shape[1] - local_keep :]
-        self.v = self.k if tied else v_all[:, v_all.shape[1] - local_keep :]
-        self.pending = hidden[:, hidden.shape[1] - pending_keep :]
-        self.length += k.shape[1]
-        return kc, vc, ki, k_all, v_all
+        self.pending = hidden[:, hidden.shape[1] - min(pending_keep, hidden.shape[1]) :]
+        self.length += tokens
+        return kc, vc, ki
 
     def nbytes(self) -> dict[str, int]:
+        """Bytes held by part: ``entries``, ``index``, ``local``, ``pending`` (a moved grid's entries and pending
+        states under its own parts' names, summed in)."""
         if self.grids:
             parts = [g.nbytes() for g in self.grids]
             return {name: sum(p[name] for p in parts) for name in parts[0]}
         tied = self.v is self.k
-        return {
+        out = {
             "entries": _nbytes(self.kc, None if self.vc is self.kc else self.vc),
             "index": _nbytes(self.ki),
             "local": _nbytes(self.k, None if tied else self.v),
             "pending": _nbytes(self.pending),
         }
+        if self.moved is not None:
+            out = {name: n + self.moved.nbytes()[name] for name, n in out.items()}
+        return out
 
 
 @dataclass

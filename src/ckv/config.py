@@ -239,8 +239,34 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 @dataclass
+class LayerSegment:
+    """``count`` consecutive layers of a layer schedule (``ModelConfig.layers``) and their attention config (a
+    mapping of the fields ``attention=`` takes, validated by its kind's config class; the model's ``attention``
+    when the segment omits it)."""
+
+    count: int
+    attention: AttentionConfig
+
+    def __post_init__(self) -> None:
+        check_int("model.layers[].count", self.count)
+        if isinstance(self.attention, Mapping):
+            self.attention = AttentionConfig.from_dict(self.attention)
+        if not isinstance(self.attention, AttentionConfig):
+            raise ConfigError(
+                f"model.layers[].attention={self.attention!r} must be a mapping of attention fields or omitted "
+                "(the model's attention)"
+            )
+
+
+@dataclass
 class ModelConfig:
-    """A Qwen3-style decoder: pre-norm RMSNorm, per-head Q/K RMSNorm, GQA, SwiGLU, RoPE, no biases."""
+    """A Qwen3-style decoder: pre-norm RMSNorm, per-head Q/K RMSNorm, GQA, SwiGLU, RoPE, no biases.
+
+    ``layers`` is the layer schedule: None (every layer uses ``attention``, the uniform stack) or a list of
+    segments, ``[{count: 2, attention: {kind: sliding, sliding_window: 128}}, {count: 2}]``, layer by layer in
+    order, whose counts add up to ``n_layers``; a segment without ``attention`` takes the model's. Each layer's
+    backend gets ``layer_config(i)``: this config with the layer's attention and no schedule.
+    """
 
     vocab_size: int = 256
     d_model: int = 64
@@ -255,6 +281,7 @@ class ModelConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    layers: Optional[list[LayerSegment]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.attention, Mapping):
@@ -286,6 +313,58 @@ class ModelConfig:
         check_bool(f"{o}.tie_embeddings", self.tie_embeddings)
         for group in self.attention.groups():
             group.check_model(n_layers=self.n_layers, kv_heads=self.kv_heads, head_dim=self.head_dim)
+        if self.layers is not None:
+            self.layers = self._schedule(self.layers)
+            for i in range(self.n_layers):
+                self.layer_config(i)  # each layer's config checks itself (kv_heads, option groups against the model)
+
+    def _schedule(self, layers: Any) -> list[LayerSegment]:
+        """The segments of ``layers`` (mappings ``{count, attention}``, or ``LayerSegment``s), their counts adding
+        up to ``n_layers``; a segment without ``attention`` gets the model's."""
+        if isinstance(layers, (str, Mapping)) or not isinstance(layers, Iterable):
+            raise ConfigError(
+                f"model.layers={layers!r} must be null (every layer uses model.attention) or a list of "
+                "{count, attention} segments"
+            )
+        segments = []
+        for k, seg in enumerate(layers):
+            if isinstance(seg, Mapping):
+                reject_unknown(seg, field_names(LayerSegment), f"model.layers[{k}]")
+                if "count" not in seg:
+                    raise ConfigError(f"model.layers[{k}]={dict(seg)!r} needs a 'count' (how many layers it spans)")
+                attention = seg.get("attention")
+                seg = LayerSegment(seg["count"], self.attention if attention is None else attention)
+            elif not isinstance(seg, LayerSegment):
+                raise ConfigError(f"model.layers[{k}]={seg!r} must be a mapping {{count, attention}}")
+            segments.append(seg)
+        total = sum(seg.count for seg in segments)
+        if total != self.n_layers:
+            counts = [seg.count for seg in segments]
+            raise ConfigError(
+                f"model.layers counts {counts} add up to {total} layers, not model.n_layers={self.n_layers}: make "
+                "the segment counts add up to n_layers (or set model.layers=null for a uniform stack)"
+            )
+        return segments
+
+    def layer_attention(self, layer_idx: int) -> AttentionConfig:
+        """The attention config of layer ``layer_idx``: its segment's, or ``attention`` without a schedule."""
+        if not 0 <= layer_idx < self.n_layers:
+            raise IndexError(f"layer {layer_idx} is not one of the model's {self.n_layers} layers")
+        if self.layers is None:
+            return self.attention
+        for seg in self.layers:
+            if layer_idx < seg.count:
+                return seg.attention
+            layer_idx -= seg.count
+        raise AssertionError("unreachable: the counts add up to n_layers")  # pragma: no cover
+
+    def layer_config(self, layer_idx: int) -> ModelConfig:
+        """The config layer ``layer_idx``'s backend is built from: this config itself without a schedule, else a
+        copy holding the layer's attention as ``attention`` and no schedule (``n_layers`` and the other sizes the
+        model's, so that per-layer options such as grid offsets see the model's depth)."""
+        if self.layers is None:
+            return self
+        return dataclasses.replace(self, attention=self.layer_attention(layer_idx), layers=None)
 
     @property
     def kv_heads(self) -> int:
@@ -295,11 +374,13 @@ class ModelConfig:
 
     def grid_offsets(self, layer_idx: int) -> list[int]:
         """The grid offsets of layer ``layer_idx`` (0..stride-1): one for the whole layer (``[0]`` without
-        ``attention.grid``), or one per KV head (``attention.grid.per: kv_head``)."""
-        grid = self.attention.option("grid")
+        ``attention.grid``), or one per KV head (``attention.grid.per: kv_head``); the layer's own attention under
+        a schedule."""
+        layer = self.layer_config(layer_idx)
+        grid = layer.attention.option("grid")
         if grid is None:
             return [0]
-        return grid.offsets_of(layer_idx, self.n_layers, self.kv_heads, self.attention.stride)
+        return grid.offsets_of(layer_idx, self.n_layers, layer.kv_heads, layer.attention.stride)
 
     def grid_offset(self, layer_idx: int) -> int:
         """The one grid offset of layer ``layer_idx``; ValueError when its KV heads have grids of their own."""
@@ -322,16 +403,30 @@ class ModelConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field as plain values; ``layers`` is written only with a schedule, so that a uniform model's
+        ``config.json`` is the one written before schedules existed."""
+        d = dataclasses.asdict(self)
+        if d["layers"] is None:
+            del d["layers"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
-        """From ``to_dict``'s mapping or a weights folder's saved ``config.json`` (its attention through
-        ``saved_attention``)."""
+        """From ``to_dict``'s mapping or a weights folder's saved ``config.json`` (its attention, and each
+        segment's, through ``saved_attention``); one without ``layers`` (every config written before schedules)
+        is a uniform stack."""
         d = dict(d)
         reject_unknown(d, field_names(cls), "ModelConfig")
         attention = AttentionConfig.from_dict(saved_attention(d.pop("attention", {}) or {})[0])
-        return cls(**d, attention=attention)
+        layers = d.pop("layers", None)
+        if isinstance(layers, list):
+            layers = [
+                {**seg, "attention": saved_attention(seg["attention"])[0]}
+                if isinstance(seg, Mapping) and isinstance(seg.get("attention"), Mapping)
+                else seg
+                for seg in layers
+            ]
+        return cls(**d, attention=attention, layers=layers)
 
 
 @dataclass

@@ -6,9 +6,10 @@ the embedding is a lookup and costs nothing): ``2 * in * out`` per token in the 
 attention as its backend declares it (``AttentionBackend.flops_per_token``: its Q/K/V/O projections, ``4 *
 head_dim`` per query head and visible (query, key) pair, and for compressed attention the compressor and its
 option groups, with top-k selection's indexer on a line of its own). Nothing here knows an attention kind:
-parameters, FLOPs and cache bytes of attention come from the backend the registry holds for ``attention.kind``,
-layer by layer (layers differ by their grid offsets). KV-cache bytes can be priced per part of the cache, each at
-its own dtype (``kv_bytes_by_part``; ``KV_PRECISIONS``, DeepSeek-V4's inference dtypes among them).
+parameters, FLOPs and cache bytes of attention come from the backend the registry holds for each layer's
+attention kind, layer by layer (``ckv.attention.layer_backends``: layers differ by their grid offsets, and under a
+layer schedule, ``model.layers``, by their attention config). KV-cache bytes can be priced per part of the cache,
+each at its own dtype (``kv_bytes_by_part``; ``KV_PRECISIONS``, DeepSeek-V4's inference dtypes among them).
 Training FLOPs are 3x the forward (backward = 2x forward; activation recomputation is not counted, so MFU stays
 comparable across checkpointing modes).
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ckv.attention import check_attention
+from ckv.attention import layer_backends
 from ckv.config import ConfigError, ModelConfig
 from ckv.options.selection import QUANT_BLOCK
 
@@ -42,9 +43,10 @@ def mlp_params(config: ModelConfig) -> int:
 def parameter_count(config: ModelConfig) -> int:
     """Parameters of ``Transformer(config)`` from the shapes alone (tied embeddings counted once)."""
     d = config.d_model
-    block = check_attention(config).num_params(config) + mlp_params(config) + 2 * d  # + the two pre-norm gains
+    attention = sum(backend.num_params(layer) for backend, layer in layer_backends(config))
+    blocks = attention + config.n_layers * (mlp_params(config) + 2 * d)  # + the two pre-norm gains
     embed = config.vocab_size * d
-    return config.n_layers * block + embed * (1 if config.tie_embeddings else 2) + d  # + the final norm
+    return blocks + embed * (1 if config.tie_embeddings else 2) + d  # + the final norm
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,7 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
     """Model FLOPs per token for sequences of ``seq_len`` tokens (see the module docstring for what counts)."""
     if seq_len < 1:
         raise ConfigError(f"seq_len={seq_len} must be >= 1")
-    backend = check_attention(config)
-    layers = [backend.flops_per_token(config, seq_len, layer) for layer in range(config.n_layers)]
+    layers = [backend.flops_per_token(layer, seq_len, i) for i, (backend, layer) in enumerate(layer_backends(config))]
     mlp_and_head = 2.0 * (config.n_layers * mlp_params(config) + config.d_model * config.vocab_size)
     return FlopsPerToken(
         seq_len=seq_len,
@@ -86,9 +87,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> FlopsPerToken:
 def kv_bytes_per_token(config: ModelConfig, seq_len: Optional[int] = None, bytes_per_element: int = 2) -> float:
     """KV-cache bytes per token over all layers: what the decode cache holds after ``seq_len`` tokens divided by
     ``seq_len``, or (``seq_len=None``) the long-sequence figure (the growth per token); ``AttentionBackend``."""
-    backend = check_attention(config)
     return sum(
-        backend.kv_bytes_per_token(config, seq_len, layer, bytes_per_element) for layer in range(config.n_layers)
+        backend.kv_bytes_per_token(layer, seq_len, i, bytes_per_element)
+        for i, (backend, layer) in enumerate(layer_backends(config))
     )
 
 
@@ -154,10 +155,10 @@ def kv_bytes_by_part(
     its dtype under ``precision`` (a ``KV_PRECISIONS`` key): {part: (bytes per token, dtype name)}."""
     if precision not in KV_PRECISIONS:
         raise ConfigError(f"KV-cache precision {precision!r} is unknown; choose one of {sorted(KV_PRECISIONS)}")
-    p, backend = KV_PRECISIONS[precision], check_attention(config)
+    p = KV_PRECISIONS[precision]
     out: dict[str, tuple[float, str]] = {}
-    for layer in range(config.n_layers):
-        for part, n in backend.kv_elements_per_token(config, seq_len, layer).items():
+    for i, (backend, layer) in enumerate(layer_backends(config)):
+        for part, n in backend.kv_elements_per_token(layer, seq_len, i).items():
             dtype = p.dtype(part)
             out[part] = (out.get(part, (0.0, ""))[0] + n * dtype.bytes_per_element, dtype.name)
     return out

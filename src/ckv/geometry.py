@@ -18,6 +18,12 @@ unchanged in ``g``, with "present" meaning ``g >= P`` (real position >= 0) inste
 below that decide presence take that ``origin`` (default 0: no shift). Grid entry ``j`` is the shifted entry
 ``j - 1`` of the formula when ``o > 0`` (grid entry 0 covers ``[o - W, o - 1]``: positions ``0..o-1``).
 
+Dual-offset compression (``attention.dual_offset``, an inference-time mitigation): a layer also attends, in the
+same joint softmax, to the entries of its grid moved by ``offset`` more positions, whose origin is
+``shifted_origin(P, offset, stride)``. The two grids' window ends fall ``offset`` and ``stride - offset`` apart,
+so every record of at most ``window - max(offset, stride - offset) + 1`` tokens lies whole inside a window of one
+of them (docs/mitigation.md), where one grid alone needs ``window - stride + 1``.
+
 Everything here is pure and cheap; the reference, the attention backends (which hand the Triton kernels the
 plain integers derived here), the cache, evaluation and the analyses import it instead of recomputing any of it.
 """
@@ -47,6 +53,13 @@ def grid_origin(grid_offset: int, stride: int) -> int:
     """Grid coordinate ``P`` of real position 0 for a grid shifted by ``grid_offset``: ``(stride - o) % stride``
     (``g = p + P``; 0 without a shift)."""
     return (stride - grid_offset) % stride
+
+
+def shifted_origin(origin: int, offset: int, stride: int) -> int:
+    """Grid coordinate of real position 0 for the grid at ``origin`` moved by ``offset`` more positions
+    (``attention.dual_offset``: a second set of entries whose windows start ``offset`` later):
+    ``(origin - offset) % stride``. Equal to ``origin`` when ``offset`` is a multiple of ``stride``."""
+    return (origin - offset) % stride
 
 
 def entry_start(j: int | torch.Tensor, window: int, stride: int) -> int | torch.Tensor:

@@ -22,6 +22,7 @@ from ckv.checks import ConfigError
 from ckv.eval.summary import results_file
 from ckv.io.layout import CHECKPOINTS_DIR, CONFIG_FILE, STATE_FILE, latest_checkpoint, step_dir_name
 from ckv.io.results import write_json
+from tests.helpers import as_other_user, assert_documented
 
 from .helpers import finished
 
@@ -305,3 +306,86 @@ def test_analyses_run_on_their_roles_and_one_that_does_not_apply_is_skipped_with
         "m/seed=0: gates skipped, it does not apply (ckv: error: analysis=gates needs learned gates)"
     ]
     assert "f/seed=0: knockout FAILED (command failed (1): boom)" in out
+
+
+def _study_line(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """The one ``ckv: error:`` line (exit code 2) of ``python -m ckv.apps.study <argv>``."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # the parser's refusals
+        code = e.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_bad_arguments_and_yaml_are_one_line_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """--workers below 1 (0 was taken as the default, -1 and a study without runs ended in a ValueError), a YAML
+    syntax error (was a 59-line traceback), a path for NAME (was read, and printed as conf/study//<path>), an --out
+    that is a file (was a traceback): one line each, exit code 2, nothing run."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
+    ran = _instant_jobs(monkeypatch)
+    (tmp_path / "tiny.yaml").write_text("out: o\nruns:\n  - {experiment: demo_gate_s4, role: gate}\n")
+    (tmp_path / "broken.yaml").write_text("out: o\nruns: [\n  - {experiment: demo_full\n")
+    (tmp_path / "empty.yaml").write_text("out: o\nruns: []\n")
+    (tmp_path / "results.txt").write_text("mine")
+    workers = (
+        "ckv: error: argument --workers: '{}' is not a number of models trained at once: give a whole number >= 1 "
+        "(see --help)"
+    )
+    cases = {
+        ("tiny", "--workers", "0"): workers.format("0"),
+        ("tiny", "--workers", "-1"): workers.format("-1"),
+        (
+            "broken",
+        ): "ckv: error: conf/study/broken.yaml is not valid YAML (expected the node content, but found '-' at line "
+        "3 column 3); fix the file",
+        (
+            "empty",
+        ): "ckv: error: conf/study/empty.yaml declares no runs: nothing to train; add runs: [{experiment: ..., "
+        "role: ...}] (a study whose module makes its runs has its own command, e.g. python -m ckv.apps.robust)",
+        (
+            str(tmp_path / "tiny"),
+        ): f"ckv: error: study {str(tmp_path / 'tiny')!r} is not a study name: give the name of a "
+        "YAML in conf/study/ without .yaml, not a path (copy your file to conf/study/<name>.yaml); known: ['broken', "
+        "'empty', 'tiny']",
+        ("tiny", "--out", "results.txt"): "ckv: error: --out 'results.txt' is a file, not a folder; give a folder you "
+        "can write to: --out DIR",
+        ("tiny", "--out", "results.txt/o"): "ckv: error: --out 'results.txt/o' is below 'results.txt', a file, not a "
+        "folder; give a folder you can write to: --out DIR",
+    }
+    for argv, line in cases.items():
+        assert _study_line([*argv, "--quick"], capsys) == line, argv
+        if str(tmp_path) not in line:
+            assert_documented(line)
+    assert ran == [] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "broken.yaml",
+        "empty.yaml",
+        "results.txt",
+        "tiny.yaml",
+    ]
+    assert "the name of a YAML in conf/study/ without .yaml, not a path" in " ".join(_help(["--help"], capsys).split())
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit):
+        main(argv)
+    return capsys.readouterr().out
+
+
+def test_an_out_another_user_can_not_write_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
+    ran = _instant_jobs(monkeypatch)
+    (tmp_path / "tiny.yaml").write_text("out: o\nruns:\n  - {experiment: demo_gate_s4, role: gate}\n")
+    locked = tmp_path / "shared"
+    locked.mkdir()
+    locked.chmod(0o555)
+    code, _, err = as_other_user(lambda: sys.exit(main(["tiny", "--quick", "--out", str(locked / "study")])))
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"ckv: error: --out {str(locked / 'study')!r} is not writable by user ")
+    assert lines[0].endswith(f"(Permission denied: {str(locked)!r}); give a folder you can write to: --out DIR")
+    assert ran == [] and list(locked.iterdir()) == []
+    if "by user nobody " in lines[0]:
+        assert_documented(lines[0].replace(str(tmp_path), "/data"))

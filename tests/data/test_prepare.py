@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from ckv.data.config import TextConfig
-from ckv.data.prepare import is_val, main, prepare
+from ckv.data.prepare import is_val, main, prepare, sha256_file
 from ckv.data.text import build_text_source
-from ckv.data.tokenizer import load_tokenizer, text_tokenizer
-from tests.helpers import assert_documented
+from ckv.data.tokenizer import load_tokenizer, text_tokenizer, train_bpe
+from tests.helpers import as_other_user, assert_documented, tree_state
 
 from .conftest import EOD, make_docs
 
@@ -86,7 +86,11 @@ def test_rerun_is_a_noop(corpus: Path, tokenizer: str, tmp_path: Path, capsys: p
     main(args)
     assert "up to date" in capsys.readouterr().out
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
-    main([*args[:-1], "0.2"])  # another setting: prepared again
+    with pytest.raises(SystemExit):  # another setting: refused without --overwrite, the shards kept
+        main([*args[:-1], "0.2"])
+    assert "--overwrite to replace them" in capsys.readouterr().err
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    main([*args[:-1], "0.2", "--overwrite"])  # prepared again
     assert json.loads((out / "manifest.json").read_text())["val_fraction"] == 0.2
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("not shards")
@@ -194,3 +198,128 @@ def test_skipped_rows_are_reported(tokenizer: str, tmp_path: Path, capsys: pytes
         "skipped 2 of 7 rows with no text in --text-field='text' (first: d2 (null), d5 (int)); --strict refuses them"
     ]
     assert m["skipped_rows"] == 2 and m["splits"]["train"]["documents"] == 5
+
+
+GOOD = [json.dumps({"text": t}) for t in make_docs(6)]
+
+
+@pytest.mark.parametrize(
+    "content, line",
+    [
+        (  # was "DatasetGenerationError: An error occurred while generating the dataset"
+            ("\n".join(GOOD) + "\n").encode("utf-16"),
+            "ckv: error: --input: 'corpus.jsonl' is UTF-16 text; ckv reads UTF-8: convert it (iconv -f UTF-16 -t UTF-8 "
+            "corpus.jsonl > corpus.jsonl.utf8)",
+        ),
+        (
+            bytes(range(256)) * 4,
+            "ckv: error: --input: 'corpus.jsonl' is a binary file (it holds NUL bytes), not text; give jsonl/json, txt "
+            "or parquet files",
+        ),
+        (
+            "\n".join([*GOOD[:3], '{"text": "a broken', *GOOD[3:]]).encode() + b"\n",
+            "ckv: error: --input: 'corpus.jsonl' line 4 is not JSON (Unterminated string starting at: column 10); fix "
+            "or remove that line",
+        ),
+        (  # was "'utf-8' codec can't decode byte 0xe9 in position 3", naming neither the file nor the row
+            "\n".join(GOOD[:2]).encode() + b'\n{"text": "caf\xe9"}\n',
+            "ckv: error: --input: 'corpus.jsonl' line 3 is not UTF-8 text (byte 0xe9 at column 14); fix that line's "
+            "encoding or remove it (ckv reads UTF-8)",
+        ),
+    ],
+)
+def test_an_unreadable_corpus_names_the_file_and_line(
+    content: bytes, line: str, tokenizer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """UTF-16, binary, a row that is not JSON, a row that is not UTF-8: one line naming the file, the line and the
+    way out, exit code 2, and no folder left (``--out`` two levels deep)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "corpus.jsonl").write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        main(["--input", "corpus.jsonl", "--tokenizer", tokenizer, "--out", "data/shards"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1] == line and [x for x in err if "error" in x] == [line]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl"]  # no data/, no temporary folders
+    assert_documented(line)
+
+
+def _prepare_line(args: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("ckv: error:")]
+    assert e.value.code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_bad_tokenizer_or_out_is_one_line_before_any_work(
+    tokenizer: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """--tokenizer that is not a tokenizer.json (was called data.text.tokenizer) or missing; --out that is a file,
+    empty (was taken as the current folder), or a folder of other files: one line each, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": t} for t in make_docs(5)])
+    (tmp_path / "tok.json").write_text("hello")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    before = tree_state(tmp_path)
+    args = ["--input", "corpus.jsonl", "--tokenizer"]
+    cases = {
+        ("tok.json", "out"): "ckv: error: --tokenizer: 'tok.json' is not a tokenizer.json (expected value at line 1 "
+        "column 1); give a tokenizer.json written by the tokenizers library (Tokenizer.save)",
+        ("nothing.json", "out"): "ckv: error: --tokenizer: 'nothing.json' is not a file; give the tokenizer.json to "
+        "tokenise with",
+        (
+            tokenizer,
+            "corpus.jsonl",
+        ): "ckv: error: --out 'corpus.jsonl' is a file, not a folder; give a new folder, or a "
+        "prepared one to update: --out DIR",
+        (tokenizer, ""): "ckv: error: --out '' is empty: it names no folder; give a new folder, or a prepared one to "
+        "update: --out DIR",
+        (tokenizer, "notes"): "ckv: error: --out 'notes' holds other files (todo.txt) and is not a prepared folder (no "
+        "manifest.json); give a new folder, or a prepared one to update: --out DIR",
+    }
+    for (tok, out), line in cases.items():
+        assert _prepare_line([*args, tok, "--out", out], capsys) == line
+        assert_documented(line)
+    assert tree_state(tmp_path) == before
+
+
+def test_a_prepared_folder_is_replaced_only_with_overwrite(
+    tokenizer: str, cache_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Shards prepared with one tokenizer are never replaced by another tokenizer's (was: silently, losing the old
+    shards and tokenizer) unless --overwrite says so."""
+    monkeypatch.chdir(tmp_path)
+    other = train_bpe(make_docs(200, seed=1), vocab_size=300, special_tokens=[EOD], cache_dir=cache_dir)
+    write_jsonl(tmp_path / "corpus.jsonl", [{"text": t} for t in make_docs(5)])
+    main(["--input", "corpus.jsonl", "--tokenizer", tokenizer, "--out", "shards"])
+    before = tree_state(tmp_path / "shards")
+    line = _prepare_line(["--input", "corpus.jsonl", "--tokenizer", other, "--out", "shards"], capsys)
+    was, now = (sha256_file(t)[:12] for t in (tokenizer, other))
+    assert line == (
+        f"ckv: error: --out 'shards' holds shards prepared otherwise: tokenizer sha256 {was} (now {now}); give another "
+        "--out, or --overwrite to replace them (runs trained on them will not resume on the new ones)"
+    )
+    assert_documented(line.replace(was, "<old>").replace(now, "<new>"))
+    assert tree_state(tmp_path / "shards") == before
+    main(["--input", "corpus.jsonl", "--tokenizer", other, "--out", "shards", "--overwrite"])
+    assert json.loads((tmp_path / "shards" / "manifest.json").read_text())["tokenizer"]["sha256"][:12] == now
+
+
+def test_an_out_another_user_can_not_write_is_one_line(tokenizer: str, tmp_path: Path) -> None:
+    locked = tmp_path / "shared"
+    locked.mkdir()
+    locked.chmod(0o555)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"text": t} for t in make_docs(5)])
+    code, _, err = as_other_user(
+        lambda: main(["--input", str(corpus), "--tokenizer", tokenizer, "--out", str(locked / "shards")])
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"ckv: error: --out {str(locked / 'shards')!r} is not writable by user ")
+    assert lines[0].endswith(
+        f"(Permission denied: {str(locked)!r}); give a new folder, or a prepared one to update: --out DIR"
+    )
+    assert list(locked.iterdir()) == []
+    if "by user nobody " in lines[0]:
+        assert_documented(lines[0].replace(str(tmp_path), "/data"))

@@ -268,7 +268,7 @@ def test_resume_on_shards_prepared_again_with_another_tokenizer(tokenizer: str, 
     d["trainer"].update(max_steps=4, save_every=2)
     train(TrainConfig.from_dict({**d, "trainer": {**d["trainer"], "stop_at_step": 2}}))
     other = train_bpe(make_docs(200, seed=1), vocab_size=300, special_tokens=[EOD], cache_dir=cache_dir)
-    prepare([str(corpus)], other, out, val_fraction=0.0)
+    prepare([str(corpus)], other, out, val_fraction=0.0, overwrite=True)  # refused without it
     with pytest.raises(CheckpointError) as e:
         train(TrainConfig.from_dict(d))
     line = str(e.value)

@@ -67,7 +67,7 @@ def test_configuration_errors_are_one_line_and_exit_2(tmp_path: Path, monkeypatc
     cases = {
         "nosuch=1": "ckv: error: nosuch is not a setting (Key 'nosuch' is not in struct); check its spelling",
         "+limt=4": "ckv: error: unknown eval field(s) ['limt']; valid fields: ['analysis', 'batch_size', 'device', "
-        "'dry_run', 'limit', 'model', 'out_dir', 'plots', 'progress', 'stats', 'summary', 'summary_out', "
+        "'dry_run', 'limit', 'mitigation', 'model', 'out_dir', 'plots', 'progress', 'stats', 'summary', 'summary_out', "
         "'summary_rerun', 'task']",  # composed in, then refused: never a full evaluation that ignores it
         "task=nosuch": f"ckv: error: In 'config': Could not find 'task/nosuch'; choose one of {tasks}",
         f"model.path={missing}": f"ckv: error: model.path={str(missing)!r} does not exist",

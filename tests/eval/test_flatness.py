@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from ckv.eval.flatness import VERDICTS, gap_upper_bound, gap_verdict, minimum_detectable_gap
+from ckv.eval.flatness import VERDICTS, gap_upper_bound, gap_verdict, minimum_detectable_gap, row_verdict
 from ckv.eval.grouping import summarize_groups
 from ckv.eval.stats import StatsOptions, best_minus_worst, bootstrap_group_accuracy, permutation_test
 
@@ -150,7 +150,6 @@ def test_the_gap_report_says_gap_flat_undecided_or_not_learned() -> None:
         assert gap["margin"] == 0.05 and gap["upper_one_sided_level"] == pytest.approx(0.95)
         assert gap["upper_one_sided"] >= gap["value"] - 1e-12  # the bound is never under the observed gap
         assert gap["real"] == (verdict == "gap") and gap["flat"] == (verdict == "flat")
-    assert gap_verdict(real=True, flat=True) == "flat"  # a real gap under the margin is flat at that margin
     assert set(cases) == set(VERDICTS)
     # every mapping answered alike at every shift (here: all right): no null spread, so no MDE, but flat
     perfect = summarize_groups(np.ones(256, dtype=np.int64), np.arange(256) % 4, 4, np.arange(256) // 8, fast)["gap"]
@@ -158,6 +157,53 @@ def test_the_gap_report_says_gap_flat_undecided_or_not_learned() -> None:
     wide = StatsOptions(n_bootstrap=300, n_permutations=300, equivalence_margin=0.3)
     correct, groups, clusters = phase_data([0.8] * 4, 32, seed=1)
     assert summarize_groups(correct, groups, 4, clusters, wide)["gap"]["verdict"] == "flat"
+
+
+def test_significance_decides_before_flatness() -> None:
+    """The one rule (``gap_verdict``): a significant gap is a gap even where the equivalence test bounds it under
+    the margin; flat needs a gap the evaluation does not detect. On data: a real 3 pp weak phase over 1,024
+    mappings is significant and its one-sided upper bound is under 5 pp, and the report calls it a gap."""
+    expected = {  # (real, flat, learned) -> verdict
+        (True, True, True): "gap",
+        (True, False, True): "gap",
+        (False, True, True): "flat",
+        (False, False, True): "undecided",
+    }
+    for (real, flat, learned), verdict in expected.items():
+        assert gap_verdict(real, flat, learned) == verdict
+        assert gap_verdict(real, flat, learned=False) == "not learned"
+    fast = StatsOptions(n_bootstrap=300, n_permutations=300)
+    correct, groups, clusters = phase_data([0.98, 0.98, 0.98, 0.95], 1024, seed=1)
+    gap = summarize_groups(correct, groups, 4, clusters, fast)["gap"]
+    assert gap["real"] and gap["flat"] and gap["upper_one_sided"] < gap["margin"] and gap["verdict"] == "gap"
+
+
+def report_row(gap: dict, mean_upper: float, prefix: str = "phase") -> dict:
+    """A studies' row (``ckv.apps.study_results.result_row``) of one grouping's gap report: the headline's gap
+    fields, the flatness fields and the mean's upper bound."""
+    keys = {"p_value": "p_value", "gap_lower": "lower", "noise_floor": "noise_floor"}
+    keys |= {"upper_one_sided": "upper_one_sided", "margin": "margin"}
+    return {**{f"{prefix}_{k}": gap[v] for k, v in keys.items()}, "mean_upper": mean_upper}
+
+
+def test_a_rows_verdict_is_the_reports_rule_recomputed() -> None:
+    """``row_verdict`` gives what ``summarize_groups`` gave on the same numbers, for every verdict, and at a margin
+    passed in (50 pp: every undetected gap is bounded under it, a model at 0% still has not learned); a row whose
+    report predates the margin is never flat."""
+    fast = StatsOptions(n_bootstrap=300, n_permutations=300)
+    cases = (  # curve, mappings, verdict at the report's 5 pp, verdict at 50 pp
+        ([0.9, 0.9, 0.9, 0.6], 256, "gap", "gap"),
+        ([0.97] * 4, 1024, "flat", "flat"),
+        ([0.8] * 4, 32, "undecided", "flat"),
+        ([0.0] * 4, 1024, "not learned", "not learned"),
+    )
+    for curve, n_clusters, verdict, wide in cases:
+        correct, groups, clusters = phase_data(curve, n_clusters, seed=1)
+        report = summarize_groups(correct, groups, 4, clusters, fast)
+        r = report_row(report["gap"], report["mean"]["upper"])
+        assert row_verdict(r, "phase") == report["gap"]["verdict"] == verdict
+        assert row_verdict(r, "phase", margin=0.5) == wide
+        assert row_verdict({**r, "phase_margin": None}, "phase") == ("gap" if verdict == "gap" else "undecided")
 
 
 def test_stats_options_check_the_margin_and_power() -> None:

@@ -2,7 +2,8 @@
 indexer and top-k binding, HCA, YaRN) loaded into ckv's compressed attention, every weight copied, equal to
 transformers' single forward in fp32 to 1e-5: in one forward, in chunked prefill and token by token through ckv's
 cache (transformers' own chunked path is not the reference: where index scores tie its top-k depends on the tensor's
-shape, docs/attention.md)."""
+shape, docs/attention.md). A sliding-only layer loads into ckv's sliding attention, and a config's ``layer_types``
+build a ckv layer schedule whose every layer matches transformers' of the same index."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 from ckv.attention.indexer import LightningIndexer, index_scores
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError
-from ckv.io.hf import attention_from_deepseek_v4
+from ckv.io.hf import attention_from_deepseek_v4, deepseek_v4_model_config
 from tests.helpers import CSA, HCA, V4_DIMS, randomise, tiny_v4_config
 
 D_MODEL, TOPK = V4_DIMS[0], 2
@@ -123,11 +124,110 @@ def test_a_weight_without_a_ckv_counterpart_is_named():
         attention_from_deepseek_v4(layer)
 
 
-def test_a_sliding_layer_has_no_compressed_counterpart():
+def test_a_layer_whose_weights_are_not_its_types_is_named():
+    """A CSA layer relabelled sliding-only: its compressor's weights have no counterpart in ckv's sliding layer."""
     layer = v4_layer(CSA)
-    layer.layer_type = "sliding_attention"
-    with pytest.raises(ConfigError, match="'sliding_attention' has no compressor"):
+    layer.layer_type = SLIDING
+    with pytest.raises(ConfigError, match=r"without a ckv counterpart: \['compressor\."):
         attention_from_deepseek_v4(layer)
+
+
+SLIDING = "sliding_attention"
+SCHEDULE = [SLIDING, CSA, CSA, HCA, SLIDING, HCA]  # every type, a run of two, and types that recur
+
+
+def v4_model_config(layer_types: list[str]):  # -> transformers.DeepseekV4Config
+    """A tiny DeepSeek-V4 config of several layers (rates and top-k as ``v4_layer``'s)."""
+    return tiny_v4_config(
+        SLIDING,
+        num_hidden_layers=len(layer_types),
+        layer_types=layer_types,
+        index_topk=TOPK,
+        index_n_heads=8,
+        compress_rates={CSA: 4, HCA: 8},
+        max_position_embeddings=64,
+    )
+
+
+@torch.no_grad()
+def in_chunks_of(module: torch.nn.Module, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """``module`` over x (B, T, d) fed in chunks of ``sizes`` through its own decode cache."""
+    cache, parts, s = module.new_cache(x.shape[0]), [], 0
+    for n in sizes:
+        parts.append(module(x[:, s : s + n], cache))
+        s += n
+    assert s == x.shape[1]
+    return torch.cat(parts, dim=1)
+
+
+def test_a_sliding_only_layer_equals_transformers():
+    """V4's sliding-only layer ("compress ratio 0"): ckv's sliding attention with V4's options (tied K=V, sinks,
+    low-rank query, inverse output RoPE, the main rope) equals transformers' layer in one forward, in chunks and
+    token by token, over more tokens than the window."""
+    torch.manual_seed(0)
+    layer = v4.DeepseekV4Attention(tiny_v4_config(SLIDING, max_position_embeddings=64), 0).eval()
+    randomise(layer)
+    module = attention_from_deepseek_v4(layer).eval()
+    assert module.config.attention.kind == "sliding" and module.config.attention.sliding_window == V4_DIMS[4]
+    T = 23
+    x = torch.randn(2, T, D_MODEL)
+    ref = v4_forward(layer, x)
+    with torch.no_grad():
+        out = module(x)
+    errors = [
+        (o - ref).abs().max().item()
+        for o in (out, in_chunks_of(module, x, [7, 1, 5, 10]), in_chunks_of(module, x, [1] * T))
+    ]
+    assert ref.abs().max() > 1e-2 and max(errors) <= TOL, errors
+    cache = module.new_cache(2)
+    module(x, cache)
+    assert cache.k.shape[1] == V4_DIMS[4] - 1 and cache.v is None  # the window's keys, once (K = V)
+
+
+def test_layer_types_build_a_schedule_whose_every_layer_matches_transformers():
+    """``deepseek_v4_model_config`` of a V4 config with sliding, CSA and HCA layers: one segment per run of equal
+    types, and layer ``i`` of the ckv model built from it, given transformers' layer ``i``'s weights, equals that
+    layer in one forward and token by token."""
+    from ckv.attention import build_attention
+
+    hf_config = v4_model_config(SCHEDULE)
+    config = deepseek_v4_model_config(hf_config)
+    assert [seg.count for seg in config.layers] == [1, 2, 1, 1, 1] and config.n_layers == len(SCHEDULE)
+    assert config.attention == config.layer_attention(1)  # the model's attention: its first compressed layer's
+    kinds = {SLIDING: "sliding", CSA: "compressed", HCA: "compressed"}
+    x = torch.randn(2, 21, D_MODEL)
+    torch.manual_seed(1)
+    for i, layer_type in enumerate(SCHEDULE):
+        layer = v4.DeepseekV4Attention(hf_config, i).eval()
+        randomise(layer)
+        loaded = attention_from_deepseek_v4(layer)
+        attention = config.layer_attention(i)
+        assert attention == loaded.config.attention and attention.kind == kinds[layer_type]
+        own = build_attention(config, i).eval()  # the schedule's layer i, as the model builds it
+        own.load_state_dict(loaded.state_dict())
+        ref = v4_forward(layer, x)
+        with torch.no_grad():
+            errors = [(o - ref).abs().max().item() for o in (own(x), in_chunks_of(own, x, [1] * x.shape[1]))]
+        assert ref.abs().max() > 1e-2 and max(errors) <= TOL, (i, layer_type, errors)
+
+
+@pytest.mark.parametrize(
+    "hf_config, message",
+    [
+        (
+            {"model_type": "deepseek_v41"},
+            r"model_type='deepseek_v41' needs transformers' DeepseekV41Config, which transformers \S+ does not have",
+        ),
+        ({"model_type": "qwen3"}, r"model_type='qwen3' has no ckv mapping: ckv maps model_type 'deepseek_v4' only"),
+    ],
+)
+def test_a_config_of_a_model_type_ckv_cannot_map_is_one_line(hf_config, message):
+    import transformers
+
+    assert not hasattr(transformers, "DeepseekV41Config")  # the lock's transformers (5.25) has no V4.1 class
+    with pytest.raises(ConfigError, match=message) as e:
+        deepseek_v4_model_config(hf_config)
+    assert "\n" not in str(e.value)
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from ckv.model import Transformer
 from ckv.train import TrainConfig, read_metrics
 from ckv.train.config import RESUMABLE_CHANGES, TrainerConfig, trajectory_neutral
 from ckv.train.indexer import IndexerTrainingConfig
-from tests.helpers import assert_documented, run_script
+from tests.helpers import as_other_user, assert_documented, run_script
 
 from .golden_attention import GOLDEN, composed_options
 from .helpers import REPO, USER_DATA, child_env, compose_config, sweep, train_config
@@ -285,21 +286,65 @@ def test_kv_heads_have_one_source(tmp_path, overrides, line, monkeypatch, capsys
     assert_documented(lines[0])
 
 
-@pytest.mark.parametrize("below_a_file", [False, True])
-def test_unusable_out_dir_is_one_line(tmp_path, below_a_file, monkeypatch, capsys):
-    """An out_dir that can not be a folder (under /proc, below a regular file): one line naming it, before Hydra
-    makes the run folder (was a traceback of 27-54 lines)."""
-    (tmp_path / "file").write_text("")
-    out_dir = str(tmp_path / "file" / "runs") if below_a_file else "/proc/ckv_runs"
+@pytest.mark.parametrize(
+    "out_dir, problem",
+    [
+        ("<tmp>/runs.txt", "is a file, not a folder"),
+        ("<tmp>/runs.txt/cpu", "is below '<tmp>/runs.txt', a file, not a folder"),
+        ("/proc/ckv_runs", "can not be written (No such file or directory: '/proc/ckv_runs')"),
+        ("''", "is empty: it names no folder"),  # was "Permission denied"
+    ],
+)
+def test_unusable_out_dir_is_one_line(tmp_path, out_dir, problem, monkeypatch, capsys):
+    """An out_dir that can not be a folder this user writes to (a file, below a file, under /proc, empty): one line
+    naming it, before Hydra makes the run folder (was a traceback of 27-54 lines), and nothing is made."""
+    (tmp_path / "runs.txt").write_text("mine")
+    out_dir = out_dir.replace("<tmp>", str(tmp_path))
     code, _, err = run_script("train.py", ["experiment=cpu_smoke", f"out_dir={out_dir}"], monkeypatch, capsys)
     lines = err.strip().splitlines()
-    reason = "Not a directory" if below_a_file else "No such file or directory"
-    assert code == 1 and lines == [
-        f"ckv: error: out_dir={out_dir!r} can not hold run folders ({reason}: {out_dir!r}); give a folder you can "
-        "write to: out_dir=..."
-    ], err
-    if not below_a_file:
-        assert_documented(lines[0])
+    shown = "" if out_dir == "''" else out_dir
+    problem = problem.replace("<tmp>", str(tmp_path))
+    line = f"ckv: error: out_dir={shown!r} {problem}; give a folder you can write to: out_dir=..."
+    assert code == 1 and lines == [line], err
+    assert [p.name for p in tmp_path.iterdir()] == ["runs.txt"] and (tmp_path / "runs.txt").read_text() == "mine"
+    assert_documented(line.replace(str(tmp_path), "/data"))
+
+
+def test_a_run_refused_after_it_took_its_lock_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    """A fresh run refused inside training (here: the model's context is shorter than the data's sequences) left
+    its run folder holding train.lock: the folder is removed like any refused run's."""
+    args = ["experiment=cpu_smoke", "data=lookup_split", "data.seq_len=66", "model.max_seq_len=32"]
+    code, _, err = run_script("train.py", [*args, f"out_dir={tmp_path}", "wandb.enabled=false"], monkeypatch, capsys)
+    assert code == 1 and err.strip().splitlines()[-1] == (
+        "ckv: error: data.seq_len=66 exceeds the model's max_seq_len=32; raise model.max_seq_len or lower data.seq_len"
+    ), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def _train_py(*args: str) -> None:
+    """``python train.py <args>`` in this process (for ``as_other_user``'s child: its exit is the child's)."""
+    os.chdir(REPO)
+    sys.argv = ["train.py", *args]
+    runpy.run_path(str(REPO / "train.py"), run_name="__main__")
+
+
+def test_out_dir_another_user_can_not_write_is_one_line(tmp_path):
+    """A colleague's out_dir (its owner alone writes to it): one line naming the user and the folder, exit code 1,
+    before any data is prepared; nothing is made in it."""
+    locked = tmp_path / "shared"
+    locked.mkdir()
+    locked.chmod(0o555)
+    cache = tmp_path / "cache"
+    code, _, err = as_other_user(
+        lambda: _train_py("experiment=cpu_smoke", f"out_dir={locked}", f"trainer.data_cache_dir={cache}")
+    )
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith(f"ckv: error: out_dir={str(locked)!r} is not writable by user ")
+    assert lines[0].endswith(f"(Permission denied: {str(locked)!r}); give a folder you can write to: out_dir=...")
+    assert list(locked.iterdir()) == [] and not cache.exists()
+    if "by user nobody " in lines[0]:
+        assert_documented(lines[0].replace(str(tmp_path), "/data"))
 
 
 def test_seq_len_shorter_than_the_window_is_refused():
@@ -425,3 +470,21 @@ def test_cpu_smoke_experiment(cpu_smoke_run):
     assert (run / "model" / "tokenizer.json").is_file()
     assert "eta" in proc.stderr and "tok/s" in proc.stderr
     assert "gcc" not in proc.stdout + proc.stderr  # DeepSpeed's libaio probe stays quiet
+
+
+def test_a_run_folder_another_user_can_not_write_is_one_line(tmp_path):
+    """A colleague's run folder, trained again (resumed) by another user: one line naming the folder, not a
+    traceback from the run lock."""
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o555)
+    code, _, err = as_other_user(lambda: _train_py("experiment=cpu_smoke", f"hydra.run.dir={run}"))
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    assert lines[0].startswith(f"ckv: error: the run folder {str(run)!r} is not writable by user ")
+    assert lines[0].endswith(
+        f"(Permission denied: {str(run)!r}); train into a folder you can write to: out_dir=... or name=..."
+    )
+    assert list(run.iterdir()) == []
+    if "by user nobody " in lines[0]:
+        assert_documented(lines[0].replace(str(tmp_path), "/data"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from ckv.checks import error_message
 from ckv.io.layout import LOCK_FILE
 from ckv.io.weights import load_weights
 from ckv.train import (
@@ -32,6 +34,7 @@ from ckv.train import (
 from ckv.train.checkpoint import verify_checkpoint
 from ckv.train.loop import EXPLODED_LOSS_FACTOR
 from ckv.train.metrics import MetricsLogger
+from tests.helpers import assert_documented, assert_umask_modes, tree_state
 
 from .helpers import REPO, child_env
 
@@ -178,6 +181,9 @@ def _damage(step_dir: Path) -> dict[str, tuple[Path, str]]:
         "zero-filled optimizer file": (next(engine.rglob("*optim_states.pt")), "zeros"),
         "garbage trainer_state.json": (step_dir / "trainer_state.json", "garbage"),
         "missing engine/": (engine, "remove"),
+        "truncated consolidated weights": (step_dir / "weights" / "model.safetensors", "truncate"),
+        "garbage weights config.json": (step_dir / "weights" / "config.json", "garbage"),
+        "garbage weights tokenizer.json": (step_dir / "weights" / "tokenizer.json", "garbage"),
     }
 
 
@@ -211,7 +217,7 @@ def test_damaged_newest_checkpoint_is_named_and_fallback_resumes_exactly(make_co
     _apply(truncated, "truncate")
     with pytest.raises(
         CheckpointError,
-        match=re.escape(f"{truncated} is damaged") + r".*\nresume from the newest "
+        match=re.escape(f"{truncated} is damaged") + r".*; resume from the newest "
         r"intact checkpoint, step_00000002, with trainer.resume=fallback",
     ):
         train(cfg)
@@ -224,3 +230,50 @@ def test_damaged_newest_checkpoint_is_named_and_fallback_resumes_exactly(make_co
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2, 3, 4]
     a, b = load_file(str(straight / "model" / "model.safetensors")), load_file(str(run / "model" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the fallback resume is exact
+
+
+def test_a_finished_runs_files_have_the_umask_modes(make_config):
+    """Every file of a finished run, the weights in model/ and in the checkpoints included (safetensors wrote them
+    0600, hiding them from the colleagues who read the run's other files), has the mode the umask gives."""
+    old = os.umask(0o002)  # group-writable: neither safetensors' 0600 nor a fixed 0644
+    try:
+        run = Path(train(make_config(trainer={"max_steps": 2, "save_every": 1})))
+    finally:
+        os.umask(old)
+    assert (run / "model" / "model.safetensors").is_file()
+    assert_umask_modes(run, 0o002)
+
+
+def test_damaged_checkpoint_weights_of_a_finished_run_are_reported_and_the_refusal_writes_nothing(
+    make_config, tmp_path
+):
+    """A finished run whose newest checkpoint's consolidated weights were damaged was run again as "finished", exit
+    0, the damage left: now the resume check reads them, refuses in one line naming the file and the way out, and
+    writes nothing (file listing and hashes unchanged: config.yaml, run_info.jsonl included); the fallback resume
+    then sets the damaged checkpoint aside and trains its step again."""
+    sections = dict(trainer={"max_steps": 2, "save_every": 1}, deepspeed=ZERO1)
+    run = Path(train(make_config(**sections)))
+    damaged = run / "checkpoints" / "step_00000002" / "weights" / "model.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:1000])
+    before = tree_state(run)
+    with pytest.raises(CheckpointError) as e:
+        train(make_config(**sections))
+    line = error_message(str(e.value))
+    assert line.startswith(f"ckv: error: cannot resume {run}: {damaged} is damaged: SafetensorError: ")
+    assert line.endswith(
+        "; resume from the newest intact checkpoint, step_00000001, with trainer.resume=fallback (it moves the "
+        "damaged ones aside, deleting nothing)"
+    )
+    assert tree_state(run) == before
+    assert_documented(line.replace(str(tmp_path), "/data"))
+    train(make_config(trainer={**sections["trainer"], "resume": "fallback"}, deepspeed=ZERO1))
+    assert (run / "checkpoints" / "damaged_step_00000002" / "weights" / "model.safetensors").is_file()
+    verify_checkpoint(run / "checkpoints" / "step_00000002")
+    (run / "config.yaml").write_text("name: run\ntrainer: {max_steps: 2\n")  # a damaged config: refused, named
+    before = tree_state(run)
+    with pytest.raises(CheckpointError) as e:
+        train(make_config(**sections))
+    line = error_message(str(e.value))
+    assert line.startswith(f"ckv: error: {run / 'config.yaml'} is damaged: not YAML (")
+    assert_documented(line.replace(str(tmp_path), "/data"))
+    assert tree_state(run) == before

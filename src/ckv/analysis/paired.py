@@ -59,3 +59,23 @@ def interval(replicates: np.ndarray, value: float, level: float) -> dict:
     replicates are dropped; undefined values become ``None``)."""
     iv = percentile_interval(np.asarray(replicates).reshape(-1), float(value), level)
     return {"value": _finite(iv.value), "lower": _finite(iv.lower), "upper": _finite(iv.upper)}
+
+
+def paired_group_differences(
+    a: np.ndarray, b: np.ndarray, groups: np.ndarray, n_groups: int, clusters: np.ndarray, options: StatsOptions
+) -> dict[str, dict]:
+    """The differences ``a - b`` of two evaluations of the same prompt design (0/1 correctness (P,) each, in the
+    same prompt order: the same groups and clusters) in mean accuracy, worst group and best-minus-worst gap, each
+    ``{"value", "lower", "upper"}`` with its paired cluster-bootstrap interval (``paired_replicates``)."""
+    reps = paired_replicates([a, b], groups, n_groups, clusters, options)  # (n_bootstrap, 2, n_groups)
+    present = np.bincount(np.asarray(groups, dtype=np.int64), minlength=n_groups) > 0
+
+    def stats(acc: np.ndarray) -> dict[str, np.ndarray]:
+        acc = acc[..., present]
+        return {"mean": acc.mean(-1), "worst": acc.min(-1), "gap": acc.max(-1) - acc.min(-1)}
+
+    point = np.stack(
+        [np.bincount(groups, weights=np.asarray(o, dtype=np.float64), minlength=n_groups) for o in (a, b)]
+    ) / np.maximum(np.bincount(groups, minlength=n_groups), 1)  # (2, n_groups)
+    at, boot = stats(point), stats(reps)
+    return {k: interval(boot[k][:, 0] - boot[k][:, 1], float(at[k][0] - at[k][1]), options.level) for k in at}

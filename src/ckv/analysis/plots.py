@@ -213,6 +213,39 @@ def plot_gate_training(series: list[dict], window: int, path: Path, title: str) 
     return save_figure(fig, path)
 
 
+def plot_emergence(series: Sequence[dict], path: Path, title: str = "emergence over training") -> Path:
+    """The skill and the weak phase over training, one row per run (``series``: ``{"label", "tokens", "mean",
+    "worst", "gap", "concentration"}``, lists over its checkpoints): left, mean accuracy, worst group and
+    best-minus-worst gap (percent) against tokens seen; right, the mean static effective number of gate offsets
+    (1 = one-hot), or "no gates" (full attention)."""
+    fig = Figure(figsize=(10, 2.6 * len(series) + 0.6))
+    axes = np.atleast_2d(fig.subplots(len(series), 2, squeeze=False))
+    colors = dict(zip(("mean", "worst", "gap"), palette(3)))
+    for (left, right), s in zip(axes, series):
+        tokens = np.asarray(s["tokens"], dtype=np.float64) / 1e6
+        for m, style in (("mean", "o-"), ("worst", "s-"), ("gap", "^--")):
+            left.plot(tokens, [PCT * v for v in s[m]], style, ms=3, color=colors[m], label=m)
+        percent_axis(left)
+        left.set_ylabel("%")
+        left.set_title(f"{s['label']}: accuracy (mean, worst group) and gap", fontsize=9)
+        left.grid(alpha=0.3)
+        left.legend(fontsize=7)
+        conc = [c for c in s["concentration"] if c is not None]
+        if conc:
+            right.plot([t for t, c in zip(tokens, s["concentration"]) if c is not None], conc, "o-", ms=3, color="k")
+            right.set_ylim(0.9, None)
+            right.set_ylabel("effective offsets (static)")
+            right.grid(alpha=0.3)
+        else:
+            _empty(right, "no gates")
+        right.set_title(f"{s['label']}: gate concentration", fontsize=9)
+    for ax in axes[-1]:
+        ax.set_xlabel("tokens seen (millions)")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 # ---- gate cycling ----------------------------------------------------------------------------------------------
 def _fmt_interval(fit: Optional[dict]) -> str:
     if not fit or fit["value"] is None:

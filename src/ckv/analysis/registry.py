@@ -76,6 +76,11 @@ def run_analysis(
         raise ConfigError(f"analysis.name={name!r} is not a known analysis; known: {sorted(ANALYSES)}")
     if not isinstance(spec, LookupSpec):
         raise ConfigError(f"analyses run on a lookup task; task.kind is {type(spec).__name__}")
+    if options.mitigation.name != "none":
+        raise ConfigError(
+            f"mitigation={options.mitigation.name} applies to eval.py's tasks, not to analysis={name} (an analysis "
+            "runs the model as it is): drop one of the two"
+        )
     task = build_task(spec, model, options.limit)
     path = analysis_file(output_dir(model, spec, options), name)
     result = ANALYSES[name](AnalysisContext(model, task, options, params, path.parent))

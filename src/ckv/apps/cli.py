@@ -10,7 +10,6 @@ import sys
 import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
@@ -95,13 +94,3 @@ def run_hydra_main(main: Callable[[], None], errors: tuple[type[BaseException], 
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     with one_line_errors((*errors, *HYDRA_ERRORS), exit_code):
         main()
-
-
-def remove_if_empty(folder: Path, stop: Path) -> None:
-    """Remove ``folder`` and then each parent below ``stop`` (kept) while it is empty (the folders Hydra made for a job
-    that failed before writing anything); a folder that holds anything is kept."""
-    stop = stop.resolve()
-    for d in (folder.resolve(), *folder.resolve().parents):
-        if d == stop or not d.is_relative_to(stop) or not d.is_dir() or any(d.iterdir()):
-            return
-        d.rmdir()

@@ -39,6 +39,7 @@ from ckv.apps.study_results import (
     table,
 )
 from ckv.apps.study_run import run_command, run_plan, start
+from ckv.eval.flatness import row_verdict
 from ckv.eval.stats import gap_is_real
 from ckv.io.results import write_json
 
@@ -95,7 +96,7 @@ def check_science(done: list[dict], criteria: dict[str, float]) -> list[Check]:
             Check(
                 f"{label}: flat at stride {r['stride']}: the phase gap's one-sided 95% upper bound is under "
                 f"{100 * r['phase_margin']:.0f} pp (equivalence test)",
-                r["phase_verdict"] == "flat",
+                row_verdict(r, "phase") == "flat",
                 f"gap {100 * r['phase_gap']:.1f} pp, upper bound {100 * r['phase_upper_one_sided']:.1f} pp, "
                 f"p = {r['phase_p_value']:.3f}, noise floor {100 * r['phase_noise_floor']:.1f} pp",
             )
@@ -107,22 +108,24 @@ def grid_findings(done: list[dict], learned_bar: float) -> list[Check]:
     """The grid's line per model (docs/demo.md, "The grid"): whether it learned the task, i.e. its best phase's
     accuracy is at least ``learned_bar`` (``criteria.learned_best_phase`` in conf/study/demo_grid.yaml; not the
     mean, which a model's own weak phase pulls down), and for a model that learned only, what its phase gap
-    (mod S) shows: a phase effect (``gap_is_real``) and whether its weakest phase is the boundary phase S - 1, flat
-    (the equivalence verdict), or neither. A model that did not learn gets no phase conclusion."""
+    (mod S) shows by the one verdict rule (``ckv.eval.flatness.row_verdict``: significance first): a phase effect
+    and whether its weakest phase is the boundary phase S - 1, flat, or neither. A model that did not learn gets no
+    phase conclusion."""
     findings = []
     for d in done:
         r = result_row(d)
         best = max(r["per_phase"])
         gap = f"gap {pp(r['phase_gap'])} pp [{pp(r['phase_gap_lower'])}, {pp(r['phase_gap_upper'])}]"
+        verdict = row_verdict(r, "phase")
         if best < learned_bar:
             detail = f"best phase {pp(best)}%: no phase conclusion"
-        elif gap_is_real(r["phase_p_value"], r["phase_gap_lower"], r["phase_noise_floor"]):
+        elif verdict == "gap":
             boundary = "the boundary phase S - 1" if r["worst_phase"] == r["stride"] - 1 else "not the boundary phase"
             detail = (
                 f"best phase {pp(best)}%; phase effect: {gap} above its {pp(r['phase_noise_floor'])} pp noise "
                 f"floor, weakest phase {r['worst_phase']} ({boundary})"
             )
-        elif r["phase_verdict"] == "flat":
+        elif verdict == "flat":
             detail = f"best phase {pp(best)}%; flat: {gap}, one-sided upper bound {pp(r['phase_upper_one_sided'])} pp"
         else:
             detail = (

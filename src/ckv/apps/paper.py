@@ -10,6 +10,8 @@ mean, worst group and best-minus-worst gap, each with its cluster-bootstrap inte
 from __future__ import annotations
 
 import csv
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -18,13 +20,17 @@ import numpy as np
 from ckv.analysis.plots import plot_mechanisms
 from ckv.apps.study_config import ROOT, Study
 from ckv.apps.study_results import Check, check_lines, pp
+from ckv.eval.flatness import row_verdict
 from ckv.eval.plots import CurvePanel, plot_residue_curves, plot_residue_heatmap
-from ckv.eval.stats import gap_is_real
 from ckv.eval.summary import flatness_fields
 from ckv.io.results import read_json
 
 PADDINGS = ("prefix", "in_sequence")  # the study's evaluations; the CSV spells the second "in-sequence"
 METRICS = ("mean", "worst", "gap")
+GAP_ROLES = ("mean", "no_rope", "kv_heads")  # criterion 4: each keeps a significant gap (FAIL: flat)
+WORST_ROLES = ("overlap", "tail")  # criterion 5: each raises the worst group over the learned baseline seeds
+CLAIM_ROLES = ("control", "baseline", *GAP_ROLES, *WORST_ROLES)  # every role the claims read
+MIN_RANK_PAIRS = 3  # pairs a bootstrap interval of Spearman's rho needs
 
 
 def measured(report: dict) -> dict[str, tuple[Optional[float], Optional[float], Optional[float]]]:
@@ -87,15 +93,21 @@ def side_by_side(rows: dict[str, dict[str, dict]], ids: dict[str, str], paper: d
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks (1..n) of ``x`` along the last axis, ties sharing their mean rank."""
+    """Ranks (1..n) of ``x`` along the last axis, ties sharing their mean rank (vectorised: the bootstrap ranks
+    thousands of resamples at once)."""
+    x = np.asarray(x, dtype=np.float64)
     order = np.argsort(x, axis=-1, kind="stable")
-    ranks = np.empty_like(x, dtype=np.float64)
-    np.put_along_axis(ranks, order, np.arange(1, x.shape[-1] + 1, dtype=np.float64) * np.ones_like(x), axis=-1)
-    for idx in np.ndindex(x.shape[:-1]):
-        row, r = x[idx], ranks[idx]
-        for v in np.unique(row):
-            tie = row == v
-            r[tie] = r[tie].mean()
+    s = np.take_along_axis(x, order, axis=-1)
+    n = x.shape[-1]
+    pos = np.broadcast_to(np.arange(n, dtype=np.float64), s.shape)
+    starts = np.ones(s.shape, dtype=bool)  # the first of each run of equal values (in sorted order)
+    starts[..., 1:] = s[..., 1:] != s[..., :-1]
+    ends = np.ones(s.shape, dtype=bool)  # the last of each run
+    ends[..., :-1] = starts[..., 1:]
+    first = np.maximum.accumulate(np.where(starts, pos, 0.0), axis=-1)
+    last = np.flip(np.minimum.accumulate(np.flip(np.where(ends, pos, n - 1.0), -1), axis=-1), -1)
+    ranks = np.empty_like(s)
+    np.put_along_axis(ranks, order, (first + last) / 2 + 1, axis=-1)
     return ranks
 
 
@@ -107,43 +119,80 @@ def spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return (ra * rb).sum(-1) / np.sqrt((ra**2).sum(-1) * (rb**2).sum(-1))
 
 
+def _finite(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
 def rank_agreement(
     ours: list[float], theirs: list[float], n_bootstrap: int = 2000, seed: int = 0
-) -> tuple[float, Optional[float], Optional[float]]:
-    """Spearman's rho of two paired lists (variants) with a 95% percentile bootstrap interval over variants
-    (resamples with a constant side are dropped); the interval is ``None`` with fewer than 3 pairs."""
+) -> tuple[Optional[float], Optional[float], Optional[float]]:
+    """Spearman's rho of two paired lists, one pair per row of the paper's table, with a 95% percentile bootstrap
+    interval over the pairs: each resample draws as many pairs as there are, with replacement, each pair kept whole;
+    a resample with a constant side has no ranking (rho undefined) and is dropped, not counted. ``rho`` is ``None``
+    with fewer than 2 pairs or a constant side, the interval ``None`` with fewer than ``MIN_RANK_PAIRS`` pairs or
+    when no resample is left."""
     a, b = np.asarray(ours, dtype=np.float64), np.asarray(theirs, dtype=np.float64)
-    rho = float(spearman(a, b))
-    if len(a) < 3:
+    rho = _finite(float(spearman(a, b))) if len(a) >= 2 else None
+    if len(a) < MIN_RANK_PAIRS:
         return rho, None, None
-    idx = np.random.default_rng(seed).integers(0, len(a), size=(n_bootstrap, len(a)))
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(n_bootstrap, len(a)))  # (resample, pair)
     boot = spearman(a[idx], b[idx])
     boot = boot[np.isfinite(boot)]
-    lo, hi = np.percentile(boot, [2.5, 97.5]) if len(boot) else (None, None)
-    return rho, None if lo is None else float(lo), None if hi is None else float(hi)
+    if not len(boot):
+        return rho, None, None
+    lo, hi = np.percentile(boot, [2.5, 97.5])
+    return rho, float(lo), float(hi)
+
+
+@dataclass(frozen=True)
+class RankLine:
+    """One Spearman agreement with the paper (``rank_lines``): of ``metric`` (``gap`` or ``worst``) under
+    ``padding``, ``rho`` with its 95% bootstrap interval (``None`` where not computed) over ``n`` pairs (ckv's
+    evaluation of a run beside the paper's row of that run), ``seeds`` of them the baseline's seeds (one pair per
+    seed: the paper's table lists each seed as a row), and ``why`` there is no interval (``""`` when there is)."""
+
+    metric: str
+    padding: str
+    rho: Optional[float]
+    lower: Optional[float]
+    upper: Optional[float]
+    n: int
+    seeds: int
+    why: str = ""
 
 
 def rank_lines(
     rows: dict[str, dict[str, dict]],
     ids: dict[str, str],
+    roles: dict[str, str],
     paper: dict[tuple[str, str], dict],
-    compressed: list[str],
     learned: set[tuple[str, str]],
-) -> list[tuple[str, tuple[float, Optional[float], Optional[float]], int]]:
-    """Spearman agreement with the paper across the ``compressed`` runs that learned (``(label, padding)`` in
-    ``learned``), per padding, of the gap and of the worst group: ``(what, (rho, lower, upper), n variants)``; a run
-    or paper row missing is left out."""
+) -> list[RankLine]:
+    """Spearman agreement with the paper, per padding, of the gap and of the worst group: one line each, whatever is
+    missing. The pairs are the compressed runs (``ids``' order, every role but ``control``) that finished the
+    padding, learned there (``(label, padding)`` in ``learned``) and have the paper's row; each baseline seed is
+    one pair, beside the paper's row of the same seed. A line without an interval says why: how many compressed
+    runs finished, learned and have the paper's row."""
+    compressed = [lab for lab in ids if roles.get(lab) != "control"]
     out = []
     for pad in PADDINGS:
+        finished = [lab for lab in compressed if pad in rows.get(lab, {})]
+        kept = [lab for lab in finished if (lab, pad) in learned]
+        paired = [lab for lab in kept if (ids[lab], pad) in paper]
+        seeds = sum(roles.get(lab) == "baseline" for lab in paired)
         for metric in ("gap", "worst"):
-            pairs = [
-                (rows[lab][pad][metric][0], paper[(ids[lab], pad)][metric][0])
-                for lab in compressed
-                if pad in rows.get(lab, {}) and (ids[lab], pad) in paper and (lab, pad) in learned
-            ]
-            if len(pairs) >= 2:
-                a, b = zip(*pairs)
-                out.append((f"Spearman of {metric} ({pad})", rank_agreement(list(a), list(b)), len(pairs)))
+            ours = [rows[lab][pad][metric][0] for lab in paired]
+            theirs = [paper[(ids[lab], pad)][metric][0] for lab in paired]
+            rho, lo, hi = rank_agreement(ours, theirs)
+            why = (
+                ""
+                if lo is not None
+                else f"no interval under {MIN_RANK_PAIRS} pairs: {len(finished)} of {len(compressed)} compressed "
+                f"runs finished, {len(kept)} of them learned, {len(paired)} of those have the paper's row"
+                if len(paired) < MIN_RANK_PAIRS
+                else "no interval: a side is constant in every resample"
+            )
+            out.append(RankLine(metric, pad, rho, lo, hi, len(paired), seeds, why))
     return out
 
 
@@ -153,20 +202,37 @@ def run_rows(done: list[dict]) -> dict[str, dict[str, dict]]:
 
 
 def claim_row(report: dict) -> dict:
-    """What the claims read of one evaluation: the headline (mean, mod-24 gap with interval, permutation p, noise
-    floor, worst group, dominant period), the model's stride and the mod-24 gap's flatness fields (``residue_*``)."""
+    """What the claims read of one evaluation: the headline (mean with its interval, mod-24 gap with interval,
+    permutation p, noise floor, worst group, dominant period), the model's stride and the mod-24 gap's flatness
+    fields (``residue_*``: its one-sided upper bound, MDE)."""
     return {**report["headline"], "stride": report["stride"], **flatness_fields(report, "residue")}
 
 
-def _gap(r: dict) -> str:
+def verdict(r: dict, criteria: dict[str, float]) -> str:
+    """The mod-24 gap's verdict of a ``claim_row`` by the one rule of every table (``ckv.eval.flatness.row_verdict``):
+    ``gap`` when significant (permutation p < 0.05 and the interval above the noise floor), else ``flat`` when the
+    one-sided upper bound is under ``criteria.flat_margin``, else ``undecided``."""
+    return row_verdict(r, "residue", criteria["flat_margin"])
+
+
+def gap_text(r: dict) -> str:
     return (
         f"gap {pp(r['residue_gap'])} pp [{pp(r['residue_gap_lower'])}, {pp(r['residue_gap_upper'])}], "
         f"p = {r['residue_p_value']:.4f}, noise floor {pp(r['residue_noise_floor'])} pp"
     )
 
 
-def _real(r: dict) -> bool:
-    return gap_is_real(r["residue_p_value"], r["residue_gap_lower"], r["residue_noise_floor"])
+def verdict_text(r: dict, criteria: dict[str, float]) -> str:
+    """The verdict with its reason, then the numbers it rests on."""
+    v, margin = verdict(r, criteria), pp(criteria["flat_margin"])
+    bound = f"one-sided upper bound {pp(r['residue_upper_one_sided'])} pp"
+    why = {
+        "gap": "significant: p < 0.05 and the interval above the noise floor",
+        "flat": f"not significant, {bound} under {margin} pp",
+        "undecided": f"not significant, {bound} not under {margin} pp",
+        "not learned": f"the mean's upper bound under {margin}%",
+    }[v]
+    return f"{v} ({why}): {gap_text(r)}"
 
 
 def best_group(r: dict) -> float:
@@ -175,138 +241,153 @@ def best_group(r: dict) -> float:
 
 
 def learned_runs(rows: dict[str, dict[str, dict]], bar: float) -> set[tuple[str, str]]:
-    """``(label, padding)`` of every evaluation whose best group reaches ``bar`` (``criteria.learned_best``)."""
+    """``(label, padding)`` of every evaluation whose best group reaches ``bar`` (``criteria.learned_best``; exactly
+    at the bar counts as learned)."""
     return {(lab, pad) for lab, pads in rows.items() for pad, r in pads.items() if best_group(r) >= bar}
 
 
-def _not_learned(r: dict, criteria: dict[str, float]) -> str:
+def not_learned(r: dict, criteria: dict[str, float]) -> str:
     return (
         f"not learned: best group {pp(best_group(r))}% under {pp(criteria['learned_best'])}% (no phase conclusion); "
-        + _gap(r)
+        + gap_text(r)
     )
 
 
-def _outcome(claim: str, verdict: Optional[bool], detail: str) -> Check:
-    """A check: ``verdict`` True (PASS), False (FAIL) or None (undecided)."""
-    return Check(claim, verdict is True, detail, decided=verdict is not None)
+NO_RESULT = "no result (its run or evaluation did not finish)"
+
+
+def outcome(claim: str, passed: Optional[bool], detail: str) -> Check:
+    """A check: ``passed`` True (PASS), False (FAIL) or None (undecided)."""
+    return Check(claim, passed is True, detail, decided=passed is not None)
+
+
+def _worst_claim(
+    lab: str, pad: str, r: Optional[dict], base: dict[str, float], learned: bool, criteria: dict[str, float]
+) -> Check:
+    """Criterion 5 for one evaluation ``r`` of an overlap or tail run: PASS when its worst group's interval lies
+    above every learned baseline seed's worst group (``base``: seed label -> worst group, this padding), FAIL when
+    its upper bound is under their mean, else undecided; undecided too when it or every seed did not learn, or it
+    has no result (``None``)."""
+    claim = f"{lab} {pad}: raises the worst group over the baseline (its interval above every learned baseline seed's)"
+    if r is None:
+        return outcome(claim, None, NO_RESULT)
+    lo, hi = r["worst_residue_lower"], r["worst_residue_upper"]
+    highest, mean = (max(base.values()), float(np.mean(list(base.values())))) if base else (None, None)
+    raised = None if not base or not learned else True if lo > highest else False if hi < mean else None
+    seeds = ", ".join(f"{b} {pp(w)}%" for b, w in base.items()) or "none learned"
+    return outcome(
+        claim,
+        raised,
+        f"worst {pp(r['worst_residue_accuracy'])}% [{pp(lo)}, {pp(hi)}] vs the learned baseline seeds' worst groups "
+        f"({seeds}; highest {pp(highest)}%, mean {pp(mean)}%)" + ("" if learned else f"; {not_learned(r, criteria)}"),
+    )
 
 
 def claims(
     rows: dict[str, dict[str, dict]],
     roles: dict[str, str],
     criteria: dict[str, float],
-    ranks: list[tuple[str, tuple[float, Optional[float], Optional[float]], int]],
+    ranks: list[RankLine],
     paper_gaps: list[float],
     learned: set[tuple[str, str]],
 ) -> list[Check]:
     """The study's claims (docs/paper.md, "Criteria"), each PASS / FAIL / undecided with its interval. ``rows``:
-    label -> padding -> ``claim_row``; ``roles``: label -> role (conf/study/paper.yaml); ``ranks``: ``rank_lines``;
-    ``paper_gaps``: the paper baseline seeds' prefix gaps; ``learned``: ``learned_runs``. Precondition: every
-    full-attention control's mean is at least ``criteria.control_mean`` in both paddings; otherwise every claim is
-    undecided (no verdict). A compressed evaluation whose best group is under ``criteria.learned_best`` did not learn:
-    no phase conclusion is drawn from it (its claims read undecided, it joins no comparison or rank)."""
-    of = {role: [lab for lab in rows if roles.get(lab) == role] for role in set(roles.values())}
-    controls, baseline = of.get("control", []), of.get("baseline", [])
+    label -> padding -> ``claim_row`` of the runs that finished; ``roles``: label -> role of every run of the study,
+    finished or not (conf/study/paper.yaml); ``ranks``: ``rank_lines``; ``paper_gaps``: the paper baseline seeds'
+    prefix gaps; ``learned``: ``learned_runs``.
+
+    Precondition: every full-attention control's mean is at least ``criteria.control_mean`` in both paddings; a
+    control without a result (its run or evaluation failed) does not meet it. Otherwise every claim is undecided (no
+    verdict). A compressed evaluation whose best group is under ``criteria.learned_best`` did not learn: no phase
+    conclusion is drawn from it (its claims read undecided, it joins no comparison or rank). "A significant gap"
+    and "flat" are decided by ``verdict`` (significance first), in every claim."""
+    of = {role: [lab for lab in roles if roles[lab] == role] for role in CLAIM_ROLES}
+    controls, baseline = of["control"], of["baseline"]
     compressed = [lab for lab in rows if roles.get(lab) != "control"]
+
+    def result(lab: str, pad: str) -> Optional[dict]:
+        return rows.get(lab, {}).get(pad)
+
+    def significant(r: dict) -> bool:
+        return verdict(r, criteria) == "gap"
+
     bar = criteria["control_mean"]
-    low = [f"{lab} {pad} {pp(r['mean'])}%" for lab in controls for pad, r in rows[lab].items() if r["mean"] < bar]
-    ok = bool(controls) and not low
+    means = [(lab, pad, result(lab, pad)) for lab in controls for pad in PADDINGS]
+    ok = bool(controls) and all(r is not None and r["mean"] >= bar for _, _, r in means)
     out = [
-        _outcome(
+        outcome(
             f"precondition: every full-attention control's mean >= {pp(bar)}% in both paddings",
             ok,
             "; ".join(
-                f"{lab} {pad} {pp(r['mean'])}% [{pp(r['mean_lower'])}, {pp(r['mean_upper'])}]"
-                for lab in controls
-                for pad, r in rows[lab].items()
+                f"{lab} {pad} "
+                + (NO_RESULT if r is None else f"{pp(r['mean'])}% [{pp(r['mean_lower'])}, {pp(r['mean_upper'])}]")
+                for lab, pad, r in means
             )
-            or "no control finished",
+            or "the study has no control",
         )
     ]
     for pad in PADDINGS:
         unlearned = [lab for lab in compressed if pad in rows[lab] and (lab, pad) not in learned]
-        real = [
-            (lab, rows[lab][pad])
-            for lab in compressed
-            if pad in rows[lab] and (lab, pad) in learned and _real(rows[lab][pad])
-        ]
+        missing = [lab for lab in roles if roles[lab] != "control" and result(lab, pad) is None]
+        real = [(lab, rows[lab][pad]) for lab in compressed if (lab, pad) in learned and significant(rows[lab][pad])]
         wrong = [
             f"{lab} period {r['dominant_period']} (S={r['stride']})"
             for lab, r in real
             if r["dominant_period"] != r["stride"]
         ]
         out.append(
-            _outcome(
+            outcome(
                 f"{pad}: the dominant period equals S for every compressed variant with a significant gap",
                 None if not real else not wrong,
                 f"{len(real)} of {len(compressed)} learned with a significant gap; "
                 + ("; ".join(wrong) if wrong else "all at their S" if real else "none to judge")
-                + (f"; not learned: {', '.join(unlearned)}" if unlearned else ""),
+                + (f"; not learned: {', '.join(unlearned)}" if unlearned else "")
+                + (f"; no result: {', '.join(missing)}" if missing else ""),
             )
         )
+    margin = pp(criteria["flat_margin"])
     for lab in controls:
-        for pad, r in rows[lab].items():
-            verdict = {"flat": True, "gap": False}.get(r["residue_verdict"])
-            out.append(
-                _outcome(
-                    f"{lab} {pad}: flat (mod-24 gap's one-sided 95% upper bound under {pp(r['residue_margin'])} pp)",
-                    verdict,
-                    f"{_gap(r)}, upper bound {pp(r['residue_upper_one_sided'])} pp, smallest gap detected with "
-                    f"{pp(r['residue_mde_power'])}% power: {pp(r['residue_mde'])} pp",
-                )
-            )
-    for lab in [x for role in ("mean", "no_rope", "kv_heads") for x in of.get(role, [])]:
-        for pad, r in rows[lab].items():
-            if (lab, pad) not in learned:
-                out.append(_outcome(f"{lab} {pad}: keeps a significant gap", None, _not_learned(r, criteria)))
+        for pad in PADDINGS:
+            claim = f"{lab} {pad}: flat (mod-24 gap's one-sided 95% upper bound under {margin} pp, no significant gap)"
+            r = result(lab, pad)
+            if r is None:
+                out.append(outcome(claim, None, NO_RESULT))
                 continue
-            verdict = True if _real(r) else False if r["residue_verdict"] == "flat" else None
-            out.append(_outcome(f"{lab} {pad}: keeps a significant gap", verdict, _gap(r)))
-    for lab in [x for role in ("overlap", "tail") for x in of.get(role, [])]:
-        for pad, r in rows[lab].items():
-            base = [rows[b][pad]["worst_residue_accuracy"] for b in baseline if (b, pad) in learned]
-            verdict = (
-                None
-                if not base or (lab, pad) not in learned
-                else True
-                if r["worst_residue_lower"] > max(base)
-                else False
-                if r["worst_residue_upper"] < float(np.mean(base))
-                else None
-            )
             out.append(
-                _outcome(
-                    f"{lab} {pad}: raises the worst group over the baseline (its interval above every baseline seed's)",
-                    verdict,
-                    f"worst {pp(r['worst_residue_accuracy'])}% [{pp(r['worst_residue_lower'])}, "
-                    f"{pp(r['worst_residue_upper'])}] vs the learned baseline seeds "
-                    f"{', '.join(pp(b) for b in base) or '-'}%"
-                    + ("" if (lab, pad) in learned else f"; {_not_learned(r, criteria)}"),
+                outcome(
+                    claim,
+                    {"flat": True, "gap": False}.get(verdict(r, criteria)),
+                    f"{verdict_text(r, criteria)}, smallest gap detected with {pp(r['residue_mde_power'])}% power: "
+                    f"{pp(r['residue_mde'])} pp",
                 )
             )
-    for what, (rho, lo, hi), n in ranks:
-        verdict = None if lo is None or hi is None else True if lo > 0 else False if hi <= 0 else None
-        out.append(
-            _outcome(
-                f"rank agreement with the paper: {what} > 0 (95% bootstrap over variants)",
-                verdict,
-                f"rho {rho:.2f} [{'-' if lo is None else f'{lo:.2f}'}, {'-' if hi is None else f'{hi:.2f}'}] over {n}",
-            )
-        )
-    if not ranks:
-        out.append(_outcome("rank agreement with the paper (Spearman of gap and worst group)", None, "no paper rows"))
+    for lab in [x for role in GAP_ROLES for x in of[role]]:
+        for pad in PADDINGS:
+            claim, r = f"{lab} {pad}: keeps a significant gap", result(lab, pad)
+            if r is None or (lab, pad) not in learned:
+                out.append(outcome(claim, None, NO_RESULT if r is None else not_learned(r, criteria)))
+                continue
+            kept = {"gap": True, "flat": False}.get(verdict(r, criteria))
+            out.append(outcome(claim, kept, verdict_text(r, criteria)))
+    for lab in [x for role in WORST_ROLES for x in of[role]]:
+        for pad in PADDINGS:
+            base = {b: rows[b][pad]["worst_residue_accuracy"] for b in baseline if (b, pad) in learned}
+            out.append(_worst_claim(lab, pad, result(lab, pad), base, (lab, pad) in learned, criteria))
+    out += [rank_check(line) for line in ranks]
     for pad in PADDINGS:
-        seeds = [(lab, rows[lab][pad]) for lab in baseline if pad in rows[lab]]
-        gaps = [r["residue_gap"] for _, r in seeds]
+        seeds = [(lab, result(lab, pad)) for lab in baseline]
+        gaps = [r["residue_gap"] for _, r in seeds if r is not None]
         spread = f"{pp(min(gaps))}-{pp(max(gaps))} pp" if gaps else "-"
         theirs = f"{pp(min(paper_gaps))}-{pp(max(paper_gaps))} pp" if paper_gaps else "n/a"
-        unlearned = [lab for lab, _ in seeds if (lab, pad) not in learned]
+        missing = [lab for lab, r in seeds if r is None]
+        unlearned = [lab for lab, r in seeds if r is not None and (lab, pad) not in learned]
         out.append(
-            _outcome(
+            outcome(
                 f"{pad}: every baseline seed has a significant gap (seed spread beside the paper's)",
-                None if not seeds or unlearned else all(_real(r) for _, r in seeds),
-                f"gap over {len(seeds)} seeds {spread}; the paper's over 4 seeds (prefix) {theirs}"
-                + (f"; not learned: {', '.join(unlearned)}" if unlearned else ""),
+                None if not gaps or missing or unlearned else all(significant(r) for _, r in seeds),
+                f"gap over {len(gaps)} seeds {spread}; the paper's over 4 seeds (prefix) {theirs}"
+                + (f"; not learned: {', '.join(unlearned)}" if unlearned else "")
+                + (f"; no result: {', '.join(missing)}" if missing else ""),
             )
         )
     if not ok:
@@ -314,6 +395,23 @@ def claims(
             Check(c.claim, False, "no verdict (precondition not met): " + c.detail, decided=False) for c in out[1:]
         ]
     return out
+
+
+def rank_check(line: RankLine) -> Check:
+    """The rank claim of one ``RankLine``: PASS when its 95% interval lies above 0, FAIL when its upper bound is at or
+    under 0, else (or without an interval) undecided."""
+    lo, hi = line.lower, line.upper
+    return outcome(
+        f"rank agreement with the paper: Spearman of {line.metric} ({line.padding}) > 0 "
+        "(95% bootstrap over the paired rows)",
+        None if lo is None or hi is None else True if lo > 0 else False if hi <= 0 else None,
+        f"rho {rho_text(line.rho)} [{rho_text(lo)}, {rho_text(hi)}] over {line.n} rows (each baseline seed one "
+        f"row: {line.seeds} here)" + (f"; {line.why}" if line.why else ""),
+    )
+
+
+def rho_text(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def curve_panels(
@@ -382,7 +480,7 @@ def report(study: Study, done: list[dict], out: Path, quick: bool) -> tuple[list
     learned = learned_runs(
         {lab: claim_rows[lab] for lab in compressed if lab in claim_rows}, study.criteria["learned_best"]
     )
-    ranks = rank_lines(rows, ids, paper, compressed, learned)
+    ranks = rank_lines(rows, ids, roles, paper, learned)
     text = [side_by_side(rows, ids, paper)] + ([why] if why else [])
     baseline_ids = [ids[lab] for lab in ids if roles[lab] == "baseline"]
     paper_gaps = [paper[(v, "prefix")]["gap"][0] for v in baseline_ids if (v, "prefix") in paper]

@@ -20,7 +20,8 @@ A study's YAML (``Study``; every key optional but ``out``):
     runs:                   # experiment (conf/experiment/) + role, and optionally name (the run folder's),
       - {experiment: demo_full, role: control, phase_of: demo_gate_s4}  # train/eval overrides, entry (trainer),
                                   # seeds (this run's, instead of the study's), phase_of (another run's name or
-                                  # experiment: this run's phases are read mod that run's model's stride)
+                                  # experiment: this run's phases are read mod that run's model's stride), task
+                                  # (this run's eval.py task instead of the study's)
     criteria: {min_gain: 0.30}   # the numbers the study's checks compare with
     params: {...}           # anything else the study's module reads (e.g. a model table its flags choose from)
     evals:                  # several evaluations per run (default: one, on ``task``): name -> eval overrides;
@@ -31,12 +32,16 @@ A study's YAML (``Study``; every key optional but ``out``):
                                     # returns its checks and the keys it adds to the record (e.g. its figures)
     analyses:               # eval.py analysis=<name> (conf/eval/analysis/) on the first evaluation of every finished
       knockout: {roles: [baseline], eval: [analysis.units=layers]}   # run of these roles (none: every run)
+    checkpoints:            # one of the evaluations repeated on every kept checkpoint of the runs whose label
+      {runs: ["w8s8/*"], eval: prefix}     # matches (model.step=<step>): the numbers over training
 
 The generic command runs any of them: ``python -m ckv.apps.study NAME [--quick] [--out DIR] [--workers N]
-[--scale S] [--runs PATTERN,...] [--dry-run]`` (``main``; ``--runs``: only the runs whose label, e.g.
-``w8s8/seed=42``, matches one of the fnmatch patterns, ``select_runs``): a failed run is reported and the others go
-on; a rerun reuses finished training (train.py resumes a finished folder) and evaluations and analyses written by
-the same command line at the same commit (a clean checkout) after the run's last checkpoint
+[--scale S] [--runs PATTERN,...] [--dry-run]`` (``main``; ``NAME``: a YAML of ``conf/study/`` by its name, never a
+path; ``--runs``: only the runs whose label, e.g. ``w8s8/seed=42``, matches one of the fnmatch patterns,
+``select_runs``). Its arguments, the YAML (syntax, keys, at least one run) and ``--out`` (a folder this user can
+write) are checked before anything runs, each refusal one ``ckv: error:`` line with exit code 2. A failed run is
+reported and the others go on; a rerun reuses finished training (train.py resumes a finished folder) and evaluations
+and analyses written by the same command line at the same commit (a clean checkout) after the run's last checkpoint
 (``study_run.is_current``). An analysis that does not apply to a run (eval.py's ``EXIT_NOT_APPLICABLE``: no gates,
 W != S) is skipped with one line.
 
@@ -53,21 +58,73 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
-from ckv.apps.study_config import Study, default_workers, load_study, select_runs
+from ckv.apps.study_config import Study, default_workers, known_studies, load_study, select_runs
 from ckv.apps.study_results import exit_code, run_records, table, write_study_record
-from ckv.apps.study_run import analysis_command, eval_commands, eval_names, run_analyses, run_plan, start, train_command
+from ckv.apps.study_run import (
+    analysis_command,
+    eval_commands,
+    eval_names,
+    run_analyses,
+    run_checkpoint_evals,
+    run_plan,
+    start,
+    train_command,
+)
 from ckv.checks import ConfigError, error_message
+from ckv.io.access import check_output_dir
+
+EXIT_USER_ERROR = 2
+
+
+def check_out(out: Path) -> Path:
+    """A study's output folder, checked before anything runs (``ckv.io.access.check_output_dir``): ``ConfigError``,
+    one line, for a file, a folder this user can not write, a path that can not be made."""
+    return check_output_dir(out, f"--out {str(out)!r}", "give a folder you can write to: --out DIR")
+
+
+def workers_count(text: str) -> int:
+    """``--workers``: a whole number >= 1 (models trained at once)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of models trained at once: give a whole number >= 1"
+        )
+    return n
+
+
+class StudyArgumentParser(argparse.ArgumentParser):
+    """The study commands' parser: a bad argument is one ``ckv: error:`` line (exit code 2), and a given ``--out``
+    is checked (``check_out``) as it is parsed, before any study work (not for ``--dry-run``, which writes
+    nothing)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, error_message(f"{message} (see --help)") + "\n")
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed = super().parse_args(args, namespace)
+        if getattr(parsed, "out", None) is not None and not getattr(parsed, "dry_run", False):
+            try:
+                check_out(Path(parsed.out))
+            except ConfigError as e:
+                self.exit(EXIT_USER_ERROR, error_message(str(e)) + "\n")
+        return parsed
 
 
 def study_arguments(
     doc: str, out: str, quick_help: str = "a few steps per model: pipeline check only"
 ) -> argparse.ArgumentParser:
-    """The options every study's command shares: ``--out``, ``--workers`` (models trained at once), ``--quick``."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The options every study's command shares: ``--out``, ``--workers`` (models trained at once, >= 1),
+    ``--quick``; errors are one line (``StudyArgumentParser``)."""
+    ap = StudyArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=out, help=f"output folder (default: {out})")
-    ap.add_argument("--workers", type=int, default=default_workers(), help="models trained at once")
+    ap.add_argument(
+        "--workers", type=workers_count, default=default_workers(), help="models trained at once (a number >= 1)"
+    )
     ap.add_argument("--quick", action="store_true", help=quick_help)
     return ap
 
@@ -85,6 +142,10 @@ def dry_run(study: Study, out: Path, quick: bool) -> list[str]:
                 lines.append(
                     f"analyse {run.label} [{a.name}]: {' '.join(analysis_command(study, run, a, out, quick)[1])}"
                 )
+        if study.checkpoints is not None and study.checkpoints.applies_to(run):
+            key = study.checkpoints.eval
+            cmd = eval_commands(run, out, quick, study.task, study.evals)[key][1]
+            lines.append(f"eval  {run.label} [{key}] of every kept checkpoint: {' '.join(cmd)} model.step=<step>")
     return lines
 
 
@@ -108,7 +169,12 @@ def study_report(study: Study) -> Optional[Any]:
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m ckv.apps.study NAME``: run any conf/study/NAME.yaml (module docstring)."""
     ap = study_arguments(__doc__, "the study's out")
-    ap.add_argument("name", help="a study: conf/study/<name>.yaml")
+    ap.add_argument(
+        "name",
+        metavar="NAME",
+        help="a study: the name of a YAML in conf/study/ without .yaml, not a path (one of "
+        f"{', '.join(known_studies())})",
+    )
     ap.add_argument("--scale", default="", help="one of the study's scales (default: its own)")
     ap.add_argument("--dry-run", action="store_true", help="print the jobs (train and eval commands); run nothing")
     ap.add_argument(
@@ -119,14 +185,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     ap.set_defaults(out=None, workers=None)
     args = ap.parse_args(argv)
+    out = Path(args.out).resolve() if args.out is not None else None
     try:
         study = load_study(args.name, args.scale)
         study = select_runs(study, args.runs) if args.runs else study
         report = study_report(study)
+        if not study.runs:
+            raise ConfigError(
+                f"conf/study/{study.name}.yaml declares no runs: nothing to train; add runs: [{{experiment: ..., "
+                "role: ...}] (a study whose module makes its runs has its own command, e.g. python -m ckv.apps.robust)"
+            )
+        if out is None:
+            out = Path(study.out).resolve()
+            if not args.dry_run:
+                check_out(out)
     except ConfigError as e:
         print(error_message(str(e)), file=sys.stderr)
-        return 2
-    out = Path(args.out or study.out).resolve()
+        return EXIT_USER_ERROR
     if study.launcher and not args.dry_run:
         print(
             error_message(
@@ -135,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             ),
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USER_ERROR
     if args.dry_run:
         print("\n".join(dry_run(study, out, args.quick)))
         print(f"{len(study.runs)} runs, {n_jobs(study)} jobs")
@@ -146,6 +221,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     failed = [d for d in done if "error" in d]
     ok = [d for d in done if "error" not in d]
     analyses = run_analyses(study, ok, out, args.quick, workers, env, clock)
+    run_checkpoint_evals(study, ok, out, args.quick, workers, env, clock)
     for key in eval_names(study.task, study.evals):
         print(f"\n{key}:\n" + table([{**d, "results": d["evaluations"][key]} for d in ok]))
     checks, extra = report(study, ok, out, args.quick) if report is not None and ok else ([], {})

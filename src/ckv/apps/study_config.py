@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import yaml
 from omegaconf import OmegaConf
 
 from ckv.attention import check_attention
 from ckv.checks import ConfigError
+from ckv.io.layout import yaml_problem
 from ckv.train.plan import compose_train_config, model_config
 
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
@@ -37,10 +39,12 @@ STUDY_KEYS = {
     "scales",
     "report",
     "analyses",
+    "checkpoints",
 }
 SCALE_KEYS = {"params", "train", "eval", "launcher"}
-RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds", "phase_of"}
+RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds", "phase_of", "task"}
 ANALYSIS_KEYS = {"roles", "eval"}
+CHECKPOINT_KEYS = {"runs", "eval"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class Run:
     eval_overrides: tuple[str, ...] = ()
     name: str = ""  # the run folder's name under <out>/runs (default: the experiment)
     entry: tuple[str, ...] = ("train.py",)  # the trainer command after ``python``; it takes train.py's overrides
+    task: str = ""  # eval.py's task for this run (conf/eval/task/), "" : the study's
 
     @property
     def label(self) -> str:
@@ -71,6 +76,19 @@ class Analysis:
 
     def applies_to(self, run: Run) -> bool:
         return not self.roles or run.role in self.roles
+
+
+@dataclass(frozen=True)
+class CheckpointEvals:
+    """A study's ``checkpoints``: its evaluation ``eval`` (a name of its ``evals``, or its task without ``evals``)
+    repeated on every kept checkpoint of each finished run whose label matches one of ``runs`` (fnmatch patterns):
+    how the measured numbers grow over training."""
+
+    runs: tuple[str, ...]
+    eval: str
+
+    def applies_to(self, run: Run) -> bool:
+        return any(fnmatch.fnmatchcase(run.label, p) for p in self.runs)
 
 
 @dataclass(frozen=True)
@@ -94,6 +112,7 @@ class Study:
     report: str = ""  # ``module:function`` the generic command calls after the runs ("" : none)
     launcher: str = ""  # the chosen scale's Hydra launcher (conf/hydra/launcher/): training is submitted through it
     analyses: tuple[Analysis, ...] = ()  # run after the evaluations (``run_analyses``)
+    checkpoints: Optional[CheckpointEvals] = None  # evaluations of the runs' checkpoints (``run_checkpoint_evals``)
 
     def workers_for(self, n_runs: int) -> int:
         """Models trained at once when ``--workers`` is not given: ``workers`` (``all``: ``n_runs``), else
@@ -114,13 +133,26 @@ def _overrides(value: Any, where: str) -> tuple[str, ...]:
     raise ConfigError(f"{where}: overrides are a list of strings or one space-separated string, not {value!r}")
 
 
+def known_studies() -> list[str]:
+    """The names of the studies in ``conf/study/`` (``STUDY_DIR``): what ``NAME`` of the study command may be."""
+    return sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
+
+
 def _raw_study(name: str) -> Any:
-    """The OmegaConf node of ``conf/study/<name>.yaml`` merged over its ``base`` (recursively)."""
+    """The OmegaConf node of ``conf/study/<name>.yaml`` merged over its ``base`` (recursively); ``ConfigError``, one
+    line, for a name that is a path or names no study and for a file that is not YAML (its line and column)."""
+    if not name or Path(name).name != name or name.startswith(".") or name.endswith((".yaml", ".yml")):
+        raise ConfigError(
+            f"study {name!r} is not a study name: give the name of a YAML in conf/study/ without .yaml, not a path "
+            f"(copy your file to conf/study/<name>.yaml); known: {known_studies()}"
+        )
     path = STUDY_DIR / f"{name}.yaml"
     if not path.is_file():
-        known = sorted(p.stem for p in STUDY_DIR.glob("*.yaml"))
-        raise ConfigError(f"no study {name!r} in {STUDY_DIR}; known: {known}")
-    node = OmegaConf.load(path)
+        raise ConfigError(f"no study {name!r} in {STUDY_DIR}; known: {known_studies()}")
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"conf/study/{name}.yaml is not valid YAML ({yaml_problem(e)}); fix the file") from None
     unknown = sorted(set(node) - STUDY_KEYS)
     if unknown:
         raise ConfigError(f"conf/study/{name}.yaml: unknown keys {unknown}; a study takes {sorted(STUDY_KEYS)}")
@@ -191,6 +223,20 @@ def _analyses(value: Any, where: str) -> tuple[Analysis, ...]:
     return tuple(out)
 
 
+def _checkpoints(value: Any, evals: dict, task: str, where: str) -> Optional[CheckpointEvals]:
+    """A study's ``checkpoints``: ``{runs: [patterns], eval: <name of evals>}``."""
+    if value is None:
+        return None
+    names = list(evals) or [task]
+    ok = isinstance(value, dict) and not set(value) - CHECKPOINT_KEYS and isinstance(value.get("runs"), list)
+    if not ok or not value["runs"] or not all(isinstance(p, str) and p for p in value["runs"]):
+        raise ConfigError(f"{where}: checkpoints takes runs (a list of label patterns) and eval; got {value!r}")
+    name = value.get("eval", names[0])
+    if name not in names:
+        raise ConfigError(f"{where}: checkpoints.eval={name!r} is not one of the study's evaluations {names}")
+    return CheckpointEvals(tuple(value["runs"]), name)
+
+
 def load_study(name: str, scale: str = "") -> Study:
     """``conf/study/<name>.yaml`` as a ``Study`` (``ConfigError``, one line, for a missing study, scale or a bad
     key); ``scale`` (a key of its ``scales``) swaps in that scale's params and adds its overrides to every run."""
@@ -219,6 +265,7 @@ def load_study(name: str, scale: str = "") -> Study:
                 _overrides(r.get("eval"), where),
                 name=r.get("name", ""),
                 entry=_overrides(r.get("entry"), where) or ("train.py",),
+                task=r.get("task", ""),
             )
         )
     runs = []
@@ -249,6 +296,9 @@ def load_study(name: str, scale: str = "") -> Study:
         scales=tuple(raw.get("scales") or ()),
         report=raw.get("report", ""),
         analyses=_analyses(raw.get("analyses"), f"conf/study/{name}.yaml analyses"),
+        checkpoints=_checkpoints(
+            raw.get("checkpoints"), raw.get("evals") or {}, raw.get("task", TASK), f"conf/study/{name}.yaml"
+        ),
     )
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 from ckv.apps.cli import EXIT_NOT_APPLICABLE
 from ckv.apps.study_config import ROOT, TASK, Analysis, Run, Study
 from ckv.eval.summary import results_file
-from ckv.io.layout import STATE_FILE, analysis_file, eval_dir, latest_checkpoint, read_run_config
+from ckv.io.layout import STATE_FILE, analysis_file, eval_dir, latest_checkpoint, list_checkpoints, read_run_config
 from ckv.io.results import read_json
 from ckv.train.run import git_info
 
@@ -42,7 +42,8 @@ QUICK_TRAIN = (
     "trainer.log_every=4",
     "optim.warmup_steps=2",
 )
-QUICK_EVAL = ("task.n_base=64", "stats.n_bootstrap=200", "stats.n_permutations=200")
+# (``limit``: eval.py's cap on base examples, which the lookup's n_base and the needle's prompts per residue both obey)
+QUICK_EVAL = ("limit=64", "stats.n_bootstrap=200", "stats.n_permutations=200")
 
 
 @dataclass
@@ -122,8 +123,9 @@ def eval_commands(
     run: Run, out: Path, quick: bool, task: str = TASK, evals: Optional[dict[str, tuple[str, ...]]] = None
 ) -> dict[str, tuple[str, list[str]]]:
     """``eval.py``'s command lines for ``run``: evaluation name -> (task name, command). No ``evals``: one, named
-    ``task``, on ``task``; else one per entry, named ``<task>_<name>`` (its own results folder), with its
-    overrides."""
+    ``task``, on ``task`` (the run's own ``task`` when it names one); else one per entry, named ``<task>_<name>``
+    (its own results folder), with its overrides."""
+    task = run.task or task  # a run scored on another task than the study's
     specs = {k: (name, (evals or {}).get(k, ())) for k, name in eval_names(task, evals).items()}
     return {
         k: (
@@ -309,6 +311,49 @@ def run_analyses(
             records.append({"label": d["run"].label, "analysis": a.name, "error": str(fut.exception())})
         d.setdefault("analyses", {})[a.name] = records[-1]
     return records
+
+
+def checkpoint_commands(study: Study, run: Run, out: Path, quick: bool) -> list[tuple[int, Path, list[str]]]:
+    """For each kept checkpoint of ``run`` (already trained), ``(step, results file, eval.py command)`` of the study's
+    ``checkpoints.eval`` evaluation of that checkpoint (``model.step=<step>``; results in the checkpoint's own
+    ``eval/<task name>/``)."""
+    assert study.checkpoints is not None
+    name, cmd = eval_commands(run, out, quick, study.task, study.evals)[study.checkpoints.eval]
+    return [
+        (step, results_file(path, name), [*cmd, f"model.step={step}"])
+        for step, path in list_checkpoints(run_dir(out, run))
+    ]
+
+
+def run_checkpoint_evals(
+    study: Study, done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer
+) -> None:
+    """The study's ``checkpoints`` evaluations on the finished runs (``done``) they apply to, ``workers`` at a time
+    (one still current is not rerun: ``run_unless_current``); each run's reports go under its ``done`` record's
+    ``checkpoints``, by step. A failed evaluation is printed and left out (the others go on)."""
+    if study.checkpoints is None:
+        return
+    jobs = [
+        (d, step, path, cmd)
+        for d in done
+        if study.checkpoints.applies_to(d["run"])
+        for step, path, cmd in checkpoint_commands(study, d["run"], out, quick)
+    ]
+
+    def one(d: dict, step: int, path: Path, cmd: list[str]) -> dict:
+        run_unless_current(cmd, log_file(out, d["run"], f"eval_step{step}"), env, d["dir"], path)
+        return read_json(path)["results"]
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(one, *job) for job in jobs]
+    for (d, step, _, _), fut in zip(jobs, futures):
+        if fut.exception() is not None:
+            print(
+                f"[{clock}] {d['run'].label} step {step}: FAILED ({str(fut.exception()).splitlines()[0]})", flush=True
+            )
+            continue
+        d.setdefault("checkpoints", {})[step] = fut.result()
+    print(f"[{clock}] evaluated {len(jobs)} checkpoints", flush=True)
 
 
 def start(study: Study, runs: tuple[Run, ...], out: Path, quick: bool, workers: int) -> tuple[Timer, dict]:

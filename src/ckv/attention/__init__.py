@@ -27,11 +27,27 @@ def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def check_attention(config: ModelConfig) -> type[AttentionBackend]:
-    """The backend class of ``config.attention.kind``, after it has checked ``config``; ConfigError naming the
-    field when the kind is not registered or the backend cannot run the configuration."""
+    """The backend class of ``config.attention.kind``, after it (and, under a layer schedule, every layer's
+    backend) has checked its layer's config; ConfigError naming the field when a kind is not registered or a
+    backend cannot run the configuration."""
+    if config.layers is not None:
+        layer_backends(config)
     backend = _backend(config.attention.kind)
     backend.check(config)
     return backend
+
+
+def layer_backends(config: ModelConfig) -> list[tuple[type[AttentionBackend], ModelConfig]]:
+    """Each layer's backend class and the config it is built from (``ModelConfig.layer_config``), layer by layer,
+    each checked: what the accounting sums over (one pair repeated ``n_layers`` times for a uniform stack)."""
+    out = []
+    for i in range(config.n_layers):
+        layer = config.layer_config(i)
+        if i == 0 or layer is not out[-1][1]:
+            backend = _backend(layer.attention.kind)
+            backend.check(layer)
+        out.append((backend, layer))
+    return out
 
 
 def _backend(kind: str) -> type[AttentionBackend]:
@@ -41,18 +57,21 @@ def _backend(kind: str) -> type[AttentionBackend]:
 
 
 def build_attention(config: ModelConfig, layer_idx: int) -> AttentionBackend:
-    """The attention module of one layer, chosen by ``config.attention.kind`` (the backend checks ``config``)."""
-    return _backend(config.attention.kind)(config, layer_idx)
+    """The attention module of layer ``layer_idx``, chosen by its attention's kind and built from its config
+    (``ModelConfig.layer_config``: ``config`` itself without a layer schedule; the backend checks it)."""
+    layer = config.layer_config(layer_idx)
+    return _backend(layer.attention.kind)(layer, layer_idx)
 
 
 from ckv.attention.compressed import CompressedAttention, compressed_layers  # noqa: E402
 from ckv.attention.compressed_config import CompressedAttentionConfig  # noqa: E402
 from ckv.attention.compressor import Compressor, CompressorGate  # noqa: E402
 from ckv.attention.dispatch import AttendCall, JointAttention, Pooling  # noqa: E402
-from ckv.attention.full import FullAttention  # noqa: E402
+from ckv.attention.full import FullAttention, SlidingAttention, SlidingAttentionConfig  # noqa: E402
 
 register(FullAttention)
 register(CompressedAttention)
+register(SlidingAttention)
 
 __all__ = [
     "REGISTRY",
@@ -65,8 +84,11 @@ __all__ = [
     "FullAttention",
     "JointAttention",
     "Pooling",
+    "SlidingAttention",
+    "SlidingAttentionConfig",
     "build_attention",
     "check_attention",
     "compressed_layers",
+    "layer_backends",
     "register",
 ]

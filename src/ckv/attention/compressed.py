@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ckv.attention.compressed_accounting import CompressedAccounting, layer_grids
+from ckv.attention.compressed_accounting import CompressedAccounting, entry_origins, layer_grids
 from ckv.attention.compressed_config import CompressedAttentionConfig
 from ckv.attention.compressor import Compressor
 from ckv.attention.dispatch import IMPLS, JointAttention, joint_attention, resolve_impl, triton_available
@@ -42,7 +42,10 @@ class CompressedAttention(CompressedAccounting):
     top-k entries from its own compressor branch's keys (or, with ``selection.by: oracle``, the layer's own dense
     joint softmax does: ``oracle_topk``); with ``attention.query`` queries come from V4's low-rank
     latent (``query_latent``), which the indexer reads too. The joint softmax runs in the parameter-free ``attend``
-    submodule (a hook reads its queries, entries, selection and log-sum-exp).
+    submodule (a hook reads its queries, entries, selection and log-sum-exp). With ``attention.dual_offset``
+    (inference only) each grid also pools its windows moved by that offset (``moved_entries``, the grid at
+    ``geometry.shifted_origin``), and each query attends to both sets of entries in one joint softmax: the second
+    set's softmax (no local window, no sink) merged with the first's by their log-sum-exps (``merge_softmax``).
 
     Public surface (the rest, ``k_compressor`` and ``v_compressor`` among it, is private to ``ckv.attention``;
     those attribute names stay as the state-dict names of saved weights): ``compressors()`` (the K/V branches by
@@ -100,6 +103,7 @@ class CompressedAttention(CompressedAccounting):
         self.grids = layer_grids(config, layer_idx)  # [(origin, KV heads)]: one, or one per KV head
         self.grid_offsets = config.grid_offsets(layer_idx)
         self.origin = self.grids[0][0]  # grid coordinate of real position 0 (the first grid's)
+        self.dual_offset = a.dual_offset or 0  # dual-offset compression: the second set's grid is moved by this
         self.attend = JointAttention()
 
     # ---- the public surface (what code outside ckv.attention may use) -------------------------------------------
@@ -180,6 +184,44 @@ class CompressedAttention(CompressedAccounting):
         )
         return kc, vc
 
+    def moved_entries(
+        self,
+        x: torch.Tensor,
+        start: int,
+        origin: int,
+        cache: Optional[CompressedLayerCache] = None,
+        heads: Optional[slice] = None,
+        hidden: Optional[tuple[torch.Tensor, int]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every finished entry of the grid at ``origin`` after a forward of x (B, T, d) at real positions
+        ``start..``: kc, vc (B, E, KV, D) (KV heads ``heads``, default all), pooled by ``entries`` from x alone
+        (``start`` 0) or, with ``cache`` (that grid's own ``CompressedLayerCache``), the earlier entries it holds and
+        the new ones pooled from the hidden states before x and x: ``hidden`` ((B, Th, d), the real position of the
+        first), the layer's own cache's (it keeps what both grids need), else the pending states ``cache`` keeps for
+        itself. Dual-offset compression's second set; through ``ckv.eval.mitigation``, DeepSeek-V4's in
+        transformers."""
+        T = x.shape[1]
+        end = num_entries(start + origin + T, self.stride)
+        heads = slice(None) if heads is None else heads
+        if cache is None:
+            if start:
+                raise ValueError(f"without a cache the hidden states start at position 0, not {start}")
+            kc, vc = self.entries(x, 0, 0, end, origin)  # (B, E, KV, D)
+            return kc[:, :, heads], vc[:, :, heads]
+        h, h_start = cache.pooling_input(x) if hidden is None else hidden  # the states before x, then x
+        first = num_entries(start + origin, self.stride)
+        kc, vc = self.entries(h, h_start, first, end - first, origin)
+        keep = 0 if hidden is not None else self.pending(start + T, origin)
+        tied = self.v_compressor is None
+        kc, vc, _ = cache.add_entries(kc[:, :, heads], None if tied else vc[:, :, heads], None, h, T, pending_keep=keep)
+        return kc, vc
+
+    def pending(self, tokens: int, *origins: int) -> int:
+        """Hidden states a decode cache keeps after ``tokens`` tokens to pool the next entry of each grid at
+        ``origins`` (``geometry.pending_keep`` in each grid's coordinates, the most of them), plus the mixing's
+        history before it."""
+        return max(pending_keep(tokens + P, self.window, self.stride, origin=P) for P in origins) + self.history
+
     def index_keys(self, h: torch.Tensor, h_start: int, first: int, n: int) -> torch.Tensor:
         """The indexer's keys (B, n, head_dim) of entries ``first .. first+n-1``, pooled like ``entries``' keys by
         its own compressor branch from ``h`` detached (the indexer learns only from its own loss)."""
@@ -192,6 +234,11 @@ class CompressedAttention(CompressedAccounting):
         return ix.rotary(keys, rope_positions)[:, :, 0]
 
     def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
+        if self.dual_offset and torch.is_grad_enabled() and self.training:
+            raise RuntimeError(
+                "attention.dual_offset is an inference-time option (its two softmaxes merge through log-sum-exps "
+                "the fast path returns without a gradient): evaluate with model.eval() or torch.no_grad()"
+            )
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)
@@ -268,8 +315,9 @@ class CompressedAttention(CompressedAccounting):
                 None if tied else v,
                 h,
                 local_keep=local_keep(n, self.local_window, self.stride, origin=P),
-                # the next window's hidden states, plus the mixing's history before it (none before position 0)
-                pending_keep=pending_keep(n, self.window, self.stride, origin=P) + self.history,
+                # the next window's hidden states (of every grid this one attends), plus the mixing's history before
+                # it (none before position 0)
+                pending_keep=self.pending(start + T, *entry_origins(self.config, P)),
             )
         selected = None
         joint = dict(stride=self.stride, local_window=self.local_window, q_start=start + P, impl=self.impl_for(x))
@@ -280,13 +328,37 @@ class CompressedAttention(CompressedAccounting):
             with torch.no_grad():
                 _, lse = joint_attention(q, kc, vc, k_all, v_all, **joint)  # (B, T, Hg)
             selected = oracle_selection(q, kc, lse, start + P, self.stride, self.oracle_topk)
-        out, _ = self.attend(q, kc, vc, k_all, v_all, **joint, selected=selected)  # (B, T, Hg, D)
+        out, lse = self.attend(q, kc, vc, k_all, v_all, **joint, selected=selected)  # (B, T, Hg, D), (B, T, Hg)
+        for Px in entry_origins(self.config, P)[1:]:  # dual-offset compression: the moved grid's entries
+            hidden = None if cache is None else (h, h_start)  # pooled from the grid's own pending states
+            kx, vx = self.moved_entries(x, start, Px, None if cache is None else cache.moved, heads, hidden)
+            joint.update(local_window=0, sinks=None, q_start=start + Px, origin=Px)  # the entries only
+            out_x, lse_x = joint_attention(q, kx, vx, k_all, v_all, **joint)
+            out, lse = merge_softmax(out, lse, out_x, lse_x)
         return out
 
     def new_cache(self, batch_size: int) -> CompressedLayerCache:
+        def grid_cache() -> CompressedLayerCache:  # with dual-offset compression, the moved grid's own sub-cache
+            return CompressedLayerCache(moved=CompressedLayerCache() if self.dual_offset else None)
+
         if len(self.grids) == 1:
-            return CompressedLayerCache()
-        return CompressedLayerCache(grids=[CompressedLayerCache() for _ in self.grids])
+            return grid_cache()
+        return CompressedLayerCache(grids=[grid_cache() for _ in self.grids])
+
+
+def merge_softmax(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over the columns of two: outputs (B, T, H, D) and log-sum-exps (B, T, H) of two joint softmaxes
+    of the same queries over disjoint columns give those of one softmax over all of them, each output weighted by
+    its share ``exp(lse_i - lse)`` (a sink counted in one of the two stays counted once). A row that sees nothing
+    in either (both -inf) outputs 0."""
+    lse = torch.logaddexp(lse_a, lse_b)  # (B, T, H)
+    seen = torch.isfinite(lse)
+    w_a = torch.where(seen, torch.exp(lse_a - lse), 0.0)[..., None]  # (B, T, H, 1)
+    w_b = torch.where(seen, torch.exp(lse_b - lse), 0.0)[..., None]
+    out = w_a * out_a.float() + w_b * out_b.float()
+    return out.to(out_a.dtype), lse
 
 
 def compressed_layers(module: nn.Module) -> list[CompressedAttention]:

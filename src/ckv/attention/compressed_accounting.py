@@ -14,7 +14,16 @@ from ckv.attention.blocked import choose_block, working_bytes
 from ckv.attention.dispatch import REFERENCE_MAX_SCORES, resolve_impl, triton_available
 from ckv.attention.indexer import index_working_bytes, kl_working_bytes, query_chunk
 from ckv.config import ConfigError, ModelConfig
-from ckv.geometry import grid_origin, local_keep, local_span, local_start, num_entries, pending_keep, visible_entries
+from ckv.geometry import (
+    grid_origin,
+    local_keep,
+    local_span,
+    local_start,
+    num_entries,
+    pending_keep,
+    shifted_origin,
+    visible_entries,
+)
 from ckv.options import Dims
 
 
@@ -26,6 +35,16 @@ def layer_grids(config: ModelConfig, layer_idx: int) -> list[tuple[int, slice]]:
     if len(origins) == 1:
         return [(origins[0], slice(0, config.kv_heads))]
     return [(P, slice(h, h + 1)) for h, P in enumerate(origins)]
+
+
+def entry_origins(config: ModelConfig, origin: int) -> list[int]:
+    """The origins of the sets of entries a grid at ``origin`` attends to: its own, and with dual-offset
+    compression (``attention.dual_offset``, not a multiple of the stride) the grid moved by that offset
+    (``geometry.shifted_origin``)."""
+    a = config.attention
+    if not a.dual_offset:
+        return [origin]
+    return [origin, shifted_origin(origin, a.dual_offset, a.stride)]
 
 
 class CompressedAccounting(AttentionBackend):
@@ -73,14 +92,19 @@ class CompressedAccounting(AttentionBackend):
     def entry_pairs(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> tuple[int, int]:
         """Over ``seq_len`` tokens of layer ``layer_idx``, summed over its query heads: the (query, key) pairs
         scored (each query's attended entries, ``min(visible, topk)`` with selection, plus its local window's
-        exact keys) and the (query, visible entry) pairs, each grid in its own coordinates."""
+        exact keys) and the (query, visible entry) pairs, each grid in its own coordinates (with dual-offset
+        compression, the moved grid's visible entries too)."""
         a, G = config.attention, config.n_heads // config.kv_heads
         pairs, visible_pairs = 0, 0
         for P, heads in layer_grids(config, layer_idx):  # grid coordinates g = t + P, present from P
-            n_entries, q_heads = num_entries(seq_len + P, a.stride), G * (heads.stop - heads.start)
-            for t in range(P, seq_len + P):
-                local = t - max(local_start(t, a.local_window, a.stride), P) + 1
-                visible = attended = min(visible_entries(t, a.stride), n_entries)
+            q_heads = G * (heads.stop - heads.start)
+            for t in range(seq_len):  # real positions
+                local = t + P - max(local_start(t + P, a.local_window, a.stride), P) + 1
+                visible = sum(
+                    min(visible_entries(t + Pi, a.stride), num_entries(seq_len + Pi, a.stride))
+                    for Pi in entry_origins(config, P)
+                )
+                attended = visible
                 for group in a.groups():
                     attended = group.attended_entries(attended)
                 pairs += q_heads * (attended + max(local, 0))
@@ -108,8 +132,9 @@ class CompressedAccounting(AttentionBackend):
         a, dims = config.attention, cls.dims(config)
         # entries pooled, weighted by the share of KV heads each grid serves (useful work only)
         n_entries = sum(
-            num_entries(seq_len + P, a.stride) * (heads.stop - heads.start) / config.kv_heads
+            num_entries(seq_len + Pi, a.stride) * (heads.stop - heads.start) / config.kv_heads
             for P, heads in layer_grids(config, layer_idx)
+            for Pi in entry_origins(config, P)
         )
         pairs, visible = cls.entry_pairs(config, seq_len, layer_idx)
         visible /= config.n_heads  # the indexer scores per query, not per query head
@@ -151,17 +176,19 @@ class CompressedAccounting(AttentionBackend):
         per_local = dims.kv_heads * dims.head_dim * (1 if a.tied_kv else 2)
         per_index = sum(b.kv_heads * b.head_dim for b in cls.extra_branches(config))
         if seq_len is None:
-            entries, local, pending = 1.0, 0.0, 0.0
+            entries, local, pending = float(len(entry_origins(config, 0))), 0.0, 0.0  # per set of entries
         elif seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be >= 1")
         else:
             history = sum(g.cache_history(dims) for g in a.groups())
             entries = local = pending = 0.0
             for P, heads in layer_grids(config, layer_idx):  # one sub-cache per grid: its heads' share, own pending
-                n, share = seq_len + P, (heads.stop - heads.start) / config.kv_heads
-                entries += share * num_entries(n, a.stride)
-                local += share * local_keep(n, a.local_window, a.stride, origin=P)
-                pending += min(pending_keep(n, a.window, a.stride, origin=P) + history, seq_len) * dims.d_model
+                share, origins = (heads.stop - heads.start) / config.kv_heads, entry_origins(config, P)
+                local += share * local_keep(seq_len + P, a.local_window, a.stride, origin=P)
+                entries += share * sum(num_entries(seq_len + Pi, a.stride) for Pi in origins)  # the moved grid's too
+                # the states the next entry of each grid attended needs (dual-offset compression: both grids')
+                keep = max(pending_keep(seq_len + Pi, a.window, a.stride, origin=Pi) for Pi in origins) + history
+                pending += min(keep, seq_len) * dims.d_model
         return {
             "entries": entries * (per_local - rope),
             "entries.rope": entries * rope,
@@ -207,7 +234,9 @@ class CompressedAccounting(AttentionBackend):
         """The chunk's pooled windows plus the joint softmax's working memory: with the reference four fp32 copies
         of the ``(H, chunk, entries + local window [+ sink])`` scores (scores, their concatenation with the local
         window's, the masked copy, ``exp``) and each query's local keys and values, gathered; with the fast path
-        one query block's (``block_working_bytes``); with the Triton kernels none (they read the band in place)."""
+        one query block's (``block_working_bytes``); with the Triton kernels none (they read the band in place).
+        Dual-offset compression's second pass (the moved grid's entries, no local window) runs after the first and
+        pools and scores no more than it: the peak is the first's."""
         a, b = config.attention, bytes_per_element
         impl = cls._prefill_impl(config, device, chunk, seq_len)
         pooled = cls._pooled_bytes(config, chunk, b)

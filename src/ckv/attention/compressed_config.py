@@ -35,7 +35,10 @@ class CompressedAttentionConfig(AttentionConfig):
     learned attention-sink logit per query head) and ``output_rope='inverse'`` (the output rotated back by the
     query's position; needs tied K/V). ``block``: queries per block of the compressed fast path (``impl=torch``,
     ``ckv.attention.blocked``); null picks it from a memory budget (``blocked.choose_block``). It changes no
-    result beyond summation order.
+    result beyond summation order. ``dual_offset`` (null: off): an inference-time mitigation, no parameters: each
+    layer also pools its windows moved by this many positions (``0 < dual_offset < stride``; 0 adds nothing: the
+    moved windows are the layer's own) with the same compressor, and every query attends to both sets of entries in
+    its one joint softmax (docs/mitigation.md); not with ``selection`` (its indexer ranks one set of entries).
     """
 
     GROUPS: ClassVar[dict[str, type[OptionGroup]]] = {
@@ -59,6 +62,7 @@ class CompressedAttentionConfig(AttentionConfig):
     sink: bool = False
     output_rope: str = "keep"
     block: Optional[int] = None
+    dual_offset: Optional[int] = None
     mixing: Optional[MixingConfig] = None
     grid: Optional[GridConfig] = None
     query: Optional[QueryConfig] = None
@@ -76,6 +80,18 @@ class CompressedAttentionConfig(AttentionConfig):
             raise ConfigError(f"{o}.window={self.window} must be >= attention.stride={self.stride}")
         if self.block is not None:
             check_int(f"{o}.block", self.block)
+        if self.dual_offset is not None:
+            check_int(f"{o}.dual_offset", self.dual_offset, 0)
+            if self.dual_offset >= self.stride:
+                raise ConfigError(
+                    f"{o}.dual_offset={self.dual_offset} must be < attention.stride={self.stride} (a multiple of the "
+                    "stride moves the windows onto themselves)"
+                )
+            if self.selection is not None:
+                raise ConfigError(
+                    f"{o}.dual_offset: dual-offset compression attends every entry of the second set, but "
+                    "attention.selection picks each query's top-k of one set: use one of the two"
+                )
         lw = self.local_window
         if (
             isinstance(lw, str)

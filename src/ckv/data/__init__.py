@@ -16,21 +16,23 @@ vocabulary and to avoid the end-of-document id.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Optional
 
 from tokenizers import Tokenizer
 
 from ckv.config import ConfigError
-from ckv.data.config import DataConfig, LookupConfig, TextConfig
+from ckv.data.config import DataConfig, LookupConfig, RecallConfig, TextConfig
 from ckv.data.corpus import DataError
 from ckv.data.lookup import LookupExample, LookupFormat, RecordCodec, assemble_lookup, make_lookup_example
 from ckv.data.mixture import Mixture
+from ckv.data.recall import RecallSequences, recall_vocab
 from ckv.data.shards import ShardBatches, build_shard_batches
 from ckv.data.stream import IGNORE, SPLITS, BatchStream
 from ckv.data.synthetic import LookupSequences
-from ckv.data.text import build_text_source
-from ckv.data.tokenizer import lookup_special_tokens
+from ckv.data.text import PackedText, TextSource, build_text_source
+from ckv.data.tokenizer import TokenizersTokenizer, lookup_special_tokens
 
 __all__ = [
     "IGNORE",
@@ -40,10 +42,12 @@ __all__ = [
     "LookupConfig",
     "LookupExample",
     "LookupFormat",
+    "RecallConfig",
     "RecordCodec",
     "ShardBatches",
     "TextConfig",
     "assemble_lookup",
+    "budget_note",
     "build_batches",
     "default_cache_dir",
     "lookup_format_for",
@@ -74,7 +78,7 @@ def lookup_format_for(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None) ->
     ids; it must fit the vocabulary and avoid the end-of-document id. Evaluation calls this too, so a trained
     model is always probed with the layout it was trained on.
     """
-    if cfg.kind == "text" or (cfg.kind == "shards" and not cfg.uses_lookup):
+    if not cfg.uses_lookup:  # text, pretrain (its retrieval blocks are text), shards without a lookup entry
         return None
     if cfg.kind == "lookup":
         return cfg.lookup.format(cfg.lookup.offset or 0)
@@ -94,6 +98,34 @@ def lookup_format_for(cfg: DataConfig, tokenizer: Optional[Tokenizer] = None) ->
     eod = tokenizer.token_to_id(cfg.text.eod_token)
     fmt.validate(tokenizer.get_vocab_size(with_added_tokens=True), reserved_ids=[] if eod is None else [eod])
     return fmt
+
+
+def pretrain_source(cfg: DataConfig, text: TextSource, **where: int) -> Mixture:
+    """``data.kind: pretrain``'s stream: corpus text and retrieval blocks (``ckv.data.recall``) at ``data.shares``.
+    The blocks draw their text from the same packed split, so the corpus must be held in memory."""
+    if not isinstance(text, PackedText):
+        raise ConfigError(
+            "data.kind=pretrain draws retrieval blocks from the packed corpus: set data.text.streaming=false"
+        )
+    vocab = recall_vocab(cfg.recall, TokenizersTokenizer(text.tok), text.vocab_size)
+    recall = RecallSequences(cfg.recall, vocab, text.tokens, cfg.seq_len, **where)
+    return Mixture(text, recall, cfg.shares["recall"])
+
+
+def budget_note(cfg: DataConfig, stream: BatchStream, rows: int) -> Optional[str]:
+    """For ``data.kind: pretrain``: how often ``rows`` sequences of one rank read each part (the log's line; a small
+    corpus may be repeated many times), else ``None``."""
+    if cfg.kind != "pretrain":
+        return None
+    mixture = stream.source
+    recall_rows = math.floor(rows * mixture.ratio)
+    text_rows = rows - recall_rows
+    windows = mixture.text.per_rank
+    return (
+        f"data: {text_rows:,} text sequences = {text_rows / windows:.2f} epochs of the corpus' {windows:,} windows "
+        f"of {cfg.seq_len + 1} tokens ({len(mixture.text.tokens):,} tokens in its train split), and {recall_rows:,} "
+        "sequences with a retrieval block (their text drawn at random offsets of the same split)"
+    )
 
 
 def build_batches(
@@ -122,7 +154,8 @@ def build_batches(
         for k, v in json.loads(json.dumps(cfg.to_dict())).items()  # the fields this kind reads
         if k in ("kind", "seq_len")
         or k == cfg.kind
-        or (cfg.kind == "mixture" and k != "shards")
+        or (cfg.kind == "mixture" and k in ("text", "lookup", "mixture_ratio"))
+        or (cfg.kind == "pretrain" and k in ("text", "recall", "shares"))
         or (k == "lookup" and cfg.uses_lookup)
     }
     identity = {"seed": seed, "rank": rank, "world_size": world_size, "split": split, **_flat(used, "data.")}
@@ -155,6 +188,14 @@ def build_batches(
         )
     extra = lookup_special_tokens(cfg.lookup.format(0).layout_size) if reserve else []
     text = build_text_source(cfg.text, cfg.seq_len, extra_special_tokens=extra, cache_dir=cache_dir, **where)
+    if cfg.kind == "pretrain":
+        return BatchStream(
+            pretrain_source(cfg, text, **where),
+            batch_size=batch_size,
+            identity=identity,
+            vocab_size=text.vocab_size,
+            tokenizer_path=text.tokenizer_path,
+        )
     if cfg.kind == "text":
         return BatchStream(
             text,

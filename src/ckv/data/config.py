@@ -13,7 +13,8 @@ import numpy as np
 from ckv.config import ConfigError, check_bool, check_choice, check_float, check_int, field_names, reject_unknown
 from ckv.data.lookup import LookupFormat
 
-KINDS = ("text", "lookup", "mixture", "shards")
+KINDS = ("text", "lookup", "mixture", "shards", "pretrain")
+PRETRAIN_SOURCES = ("text", "recall")  # the parts of data.kind: pretrain, each given a share
 SHARD_SOURCE_FIELDS = ("path", "lookup", "ratio", "max_epochs")
 MANIFEST_FILE = "manifest.json"  # written by ``python -m ckv.data.prepare`` into each prepared folder
 TOKENIZER_FILE = "tokenizer.json"  # the copy of the tokenizer it keeps next to the shards
@@ -254,6 +255,74 @@ class LookupConfig:
 
 
 @dataclass
+class RecallConfig:
+    """The retrieval blocks of ``data.kind: pretrain`` (``ckv.data.recall``: lists and repeated passages in
+    templates the lookup evaluation never uses). ``eval_keys`` / ``eval_values``: the words (each one token after a
+    leading space) the lookup evaluation of these runs asks (its ``task.vocab.source=auto``): never keys or values
+    of a list, nor delimiters or separators; ``eval_pad``: its pad and separator (one token the corpus holds), never
+    a list's delimiter or separator. Ranges are ``[lo, hi]``, drawn uniformly per sequence; a list asks
+    ``min(n_queries, n_records)`` distinct records. ``delimiters`` / ``separators``: one-token texts drawn per list.
+    ``repeat_share``: the fraction of blocks that repeat a passage of ``repeat_len`` tokens after ``repeat_gap``
+    corpus tokens (the rest are lists); ``word_repeat_share`` of those passages are words drawn at random from the
+    lists' words, the others corpus text. ``text_before``: corpus tokens before the block."""
+
+    eval_keys: Optional[list[str]] = None
+    eval_values: Optional[list[str]] = None
+    eval_pad: str = "."
+    n_records: Union[int, tuple[int, int], list[int]] = (4, 20)
+    n_queries: Union[int, tuple[int, int], list[int]] = (1, 10)
+    delimiters: list[str] = field(default_factory=lambda: [",", ";"])
+    separators: list[str] = field(default_factory=lambda: [":", "?"])
+    repeat_share: float = 0.3
+    word_repeat_share: float = 0.0
+    repeat_len: Union[int, tuple[int, int], list[int]] = (8, 32)
+    repeat_gap: Union[int, tuple[int, int], list[int]] = (0, 32)
+    text_before: Union[int, tuple[int, int], list[int]] = (0, 32)
+
+    def __post_init__(self) -> None:
+        o = "data.recall"
+        for name in ("n_records", "n_queries", "repeat_len", "repeat_gap", "text_before"):
+            setattr(self, name, _int_range(f"{o}.{name}", getattr(self, name)))
+        for name in ("n_records", "n_queries", "repeat_len"):
+            if getattr(self, name)[0] < 1:
+                raise ConfigError(f"{o}.{name}={list(getattr(self, name))} must draw at least 1")
+        if not isinstance(self.eval_pad, str) or not self.eval_pad:
+            raise ConfigError(f"{o}.eval_pad={self.eval_pad!r} must be a non-empty string (one token)")
+        for name in ("delimiters", "separators", "eval_keys", "eval_values"):
+            texts = getattr(self, name)
+            if texts is None and name.startswith("eval_"):
+                continue
+            if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+                raise ConfigError(f"{o}.{name}={texts!r} must be a non-empty list of non-empty strings")
+        if self.eval_keys and self.eval_values and set(self.eval_keys) & set(self.eval_values):
+            both = sorted(set(self.eval_keys) & set(self.eval_values))
+            raise ConfigError(f"{o}: {both} are both evaluation keys and values; a lookup needs disjoint sets")
+        check_float(f"{o}.repeat_share", self.repeat_share, 0, 1)
+        check_float(f"{o}.word_repeat_share", self.word_repeat_share, 0, 1)
+
+    def check_eval_words(self) -> None:
+        """The evaluation's words are given (``data.kind: pretrain`` holds them out)."""
+        missing = [n for n in ("eval_keys", "eval_values") if getattr(self, n) is None]
+        if missing:
+            raise ConfigError(
+                f"data.kind=pretrain needs data.recall.{' and '.join(missing)}: the words the lookup evaluation asks, "
+                "which the retrieval blocks hold out (conf/data/pretrain.yaml lists animals and names)"
+            )
+
+    @property
+    def max_block(self) -> int:
+        """Tokens of the longest block these settings can draw."""
+        longest_list = 3 * self.n_records[1] + 1 + 3 * min(self.n_queries[1], self.n_records[1])
+        longest_repeat = 2 * self.repeat_len[1] + self.repeat_gap[1]
+        return max(longest_list if self.repeat_share < 1 else 0, longest_repeat if self.repeat_share > 0 else 0)
+
+    @property
+    def max_len(self) -> int:
+        """Tokens up to the end of the longest block (the text before it included)."""
+        return self.text_before[1] + self.max_block
+
+
+@dataclass
 class ShardsConfig:
     """Token shards written by ``python -m ckv.data.prepare`` (read by ``ckv.data.shards``).
 
@@ -321,8 +390,10 @@ class ShardsConfig:
 @dataclass
 class DataConfig:
     """What the model trains on: ``text``, synthetic ``lookup`` records, a ``mixture`` of both in which a
-    fraction ``mixture_ratio`` of the sequences are lookups, or prepared token ``shards`` (one folder or a mixture
-    by token budget). Every sequence has ``seq_len`` input tokens."""
+    fraction ``mixture_ratio`` of the sequences are lookups, prepared token ``shards`` (one folder or a mixture
+    by token budget), or ``pretrain``: corpus text and retrieval blocks in templates the lookup evaluation never
+    uses (``recall``), a share ``shares[part]`` of the sequences each (the shares sum to 1). Every sequence has
+    ``seq_len`` input tokens."""
 
     kind: str = "text"
     seq_len: int = 256
@@ -330,8 +401,12 @@ class DataConfig:
     lookup: LookupConfig = field(default_factory=LookupConfig)
     mixture_ratio: float = 0.5
     shards: ShardsConfig = field(default_factory=ShardsConfig)
+    recall: RecallConfig = field(default_factory=RecallConfig)
+    shares: dict[str, float] = field(default_factory=lambda: {"text": 0.75, "recall": 0.25})
 
     def __post_init__(self) -> None:
+        if not isinstance(self.recall, RecallConfig):
+            self.recall = _from_dict(RecallConfig, self.recall, "data.recall")
         if not isinstance(self.shards, ShardsConfig):
             self.shards = _from_dict(ShardsConfig, self.shards, "data.shards")
         if not isinstance(self.text, TextConfig):
@@ -350,6 +425,30 @@ class DataConfig:
             )
         # the share of lookup sequences in a mixture (kind 'text' or 'lookup' is a pure stream)
         check_float("data.mixture_ratio", self.mixture_ratio, 0, 1, low_open=True, high_open=True)
+        if self.kind == "pretrain":
+            self.recall.check_eval_words()
+            self._check_shares()
+
+    def _check_shares(self) -> None:
+        """``data.shares``: one share in (0, 1) per part of ``PRETRAIN_SOURCES``, summing to 1."""
+        shares = self.shares
+        if not isinstance(shares, Mapping) or sorted(shares) != sorted(PRETRAIN_SOURCES):
+            got = sorted(shares) if isinstance(shares, Mapping) else shares
+            raise ConfigError(f"data.shares={got!r} must give a share to each of {list(PRETRAIN_SOURCES)}")
+        for part, share in shares.items():
+            check_float(f"data.shares.{part}", share, 0, 1, low_open=True, high_open=True)
+        total = sum(shares.values())
+        if abs(total - 1) > 1e-9:
+            listed = ", ".join(f"{k}={v}" for k, v in shares.items())
+            raise ConfigError(
+                f"data.shares ({listed}) sum to {total:g}; the shares are fractions of the sequences and must sum to 1"
+            )
+        if self.recall.max_len > self.seq_len + 1:
+            raise ConfigError(
+                f"data.seq_len={self.seq_len} is too short for data.recall: its longest block ends at token "
+                f"{self.recall.max_len} (text_before hi {self.recall.text_before[1]} + {self.recall.max_block}); "
+                "raise data.seq_len or lower data.recall.n_records / n_queries / repeat_len / repeat_gap / text_before"
+            )
 
     @property
     def uses_lookup(self) -> bool:

@@ -20,7 +20,11 @@ Pipeline (``datasets`` and ``tokenizers`` do the work; nothing is downloaded):
    into place at the end.
 
 The token files depend only on the inputs, the tokenizer and the settings, never on ``--num-proc``. A rerun whose
-inputs (paths and sizes), tokenizer and settings match the manifest is a no-op.
+inputs (paths and sizes), tokenizer and settings match the manifest is a no-op; a prepared folder made with anything
+else (another tokenizer, other inputs or settings) is replaced only with ``--overwrite`` (runs trained on the old
+shards can not resume on the new ones). ``--out`` is checked before any work (``ckv.io.access.check_output_dir``: a
+folder this user can write, new, empty or a prepared folder); a failed prepare leaves no folder behind. A corpus file
+that does not read names its first bad line (not UTF-8, not JSON) and what to do.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ from ckv.checks import error_message
 from ckv.data.config import MANIFEST_FILE, TOKENIZER_FILE
 from ckv.data.corpus import DataError, builder_for, check_not_empty, expand_paths, load_saved
 from ckv.data.tokenizer import load_tokenizer, text_tokenizer, token_id
+from ckv.io.access import check_output_dir, nearest_existing, remove_empty_folders
 from ckv.io.atomic import replace_dir, write_text_atomic
+from ckv.io.layout import CheckpointError, read_json_file
 
 if TYPE_CHECKING:
     import datasets
@@ -129,6 +135,75 @@ def _check_skipped(skipped: list[str], rows: int, n_train: int, text_field: str,
         print(f"skipped {share} with {what}; --strict refuses them")
 
 
+def file_problem(path: str, builder: str) -> Optional[str]:
+    """Why a text corpus file (jsonl/json, txt) does not read, and what to do: UTF-16, the first line that is not
+    UTF-8, or (jsonl/json) the first line that is not JSON; ``None`` when nothing is found (or for parquet). Called
+    only when a file failed to read: it reads the whole file."""
+    if builder not in ("json", "text"):
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return f"is UTF-16 text; ckv reads UTF-8: convert it (iconv -f UTF-16 -t UTF-8 {path} > {path}.utf8)"
+    if b"\0" in data:
+        return "is a binary file (it holds NUL bytes), not text; give jsonl/json, txt or parquet files"
+    for number, line in enumerate(data.splitlines(), 1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return (
+                f"line {number} is not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1}); fix that "
+                "line's encoding or remove it (ckv reads UTF-8)"
+            )
+    if builder == "json":
+        try:
+            json.loads(data)  # one JSON document (a list of rows); else JSON lines
+            return None
+        except ValueError:
+            pass
+        for number, line in enumerate(data.splitlines(), 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"line {number} is not JSON ({e.msg}: column {e.colno}); fix or remove that line"
+    return None
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    """The innermost exception that ``e`` was raised from (datasets wraps the reader's own in its own)."""
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    return e
+
+
+def _tokenizer(path: str) -> Tokenizer:
+    """The ``--tokenizer`` file, loaded; its errors name ``--tokenizer`` and the way out."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--tokenizer: {path!r} is not a file; give the tokenizer.json to tokenise with")
+    try:
+        return load_tokenizer(path)
+    except DataError as e:
+        raise DataError(
+            f"--tokenizer: {path!r} is not a tokenizer.json ({e.__cause__ or e}); give a tokenizer.json written by "
+            "the tokenizers library (Tokenizer.save)"
+        ) from None
+
+
+def _differences(manifest: dict[str, Any], settings: dict[str, Any], changed: list[str]) -> str:
+    """What differs between a prepared folder's manifest and this call, in words (the tokenizer by its hash)."""
+    words = []
+    for key in changed:
+        if key == "tokenizer":
+            was, now = (manifest.get(key) or {}).get("sha256", "?"), settings[key]["sha256"]
+            words.append(f"tokenizer sha256 {str(was)[:12]} (now {now[:12]})")
+        elif key == "inputs":
+            words.append("other inputs (paths or sizes)")
+        else:
+            words.append(f"{key} {manifest.get(key)!r} (now {settings[key]!r})")
+    return "; ".join(words)
+
+
 def _input_size(path: str) -> int:
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
@@ -144,27 +219,36 @@ def _read(files: list[str], text_field: str, id_field: str, txt_sample_by: str, 
     root = os.path.commonpath([os.path.dirname(path) for path in paths])  # ids name files relative to it
     for path, full in zip(files, paths):
         name = os.path.basename(full)
-        if os.path.isdir(path):
-            ds = load_saved(path, INPUT)
-        else:
-            check_not_empty([path], INPUT)
-            builder = builder_for(path, INPUT)
-            kwargs = {"sample_by": txt_sample_by} if builder == "text" else {}
-            try:
+        builder = "saved" if os.path.isdir(path) else builder_for(path, INPUT)
+        try:
+            if builder == "saved":
+                ds = load_saved(path, INPUT)
+            else:
+                check_not_empty([path], INPUT)
+                kwargs = {"sample_by": txt_sample_by} if builder == "text" else {}
                 ds = datasets.load_dataset(builder, data_files=[path], split="train", cache_dir=cache_dir, **kwargs)
-            except Exception as e:  # datasets raises many types for unreadable files
-                raise DataError(f"--input: could not read {path!r} as {builder}: {type(e).__name__}: {e}") from e
-            if builder == "text":  # the text builder leaves newlines at paragraph/document ends
-                ds = ds.map(lambda row: {"text": row["text"].strip("\n")}, desc=f"strip {name}")
-        if text_field not in ds.column_names:
-            raise DataError(f"--text-field={text_field!r} is not a column of {path!r}; columns: {ds.column_names}")
-        ds = ds.map(
-            _keys,
-            batched=True,
-            with_indices=True,
-            fn_kwargs={"name": os.path.relpath(full, root), "id_field": id_field},
-            desc=f"ids of {name}",
-        )
+                if builder == "text":  # the text builder leaves newlines at paragraph/document ends
+                    ds = ds.map(lambda row: {"text": row["text"].strip("\n")}, desc=f"strip {name}")
+            if text_field not in ds.column_names:
+                raise DataError(f"--text-field={text_field!r} is not a column of {path!r}; columns: {ds.column_names}")
+            ds.data.column(text_field).validate(full=True)  # a row that is not UTF-8 (load_dataset lets it through)
+            ds = ds.map(
+                _keys,
+                batched=True,
+                with_indices=True,
+                fn_kwargs={"name": os.path.relpath(full, root), "id_field": id_field},
+                desc=f"ids of {name}",
+            )
+        except DataError:
+            raise
+        except Exception as e:  # datasets and pyarrow raise many types for unreadable files
+            problem = file_problem(path, builder)
+            cause = _root_cause(e)
+            raise DataError(
+                f"--input: {path!r} {problem}"
+                if problem
+                else f"--input: could not read {path!r} as {builder}: {type(cause).__name__}: {cause}"
+            ) from e
         parts.append(ds.select_columns([text_field, KEY_COLUMN]))
     return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
 
@@ -227,10 +311,13 @@ def prepare(
     eod_token: str = "<|endoftext|>",
     shard_tokens: int = 1 << 30,
     strict: bool = False,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Tokenise ``inputs`` into shards under ``out`` (see the module docstring); returns the manifest. Rows whose
     text is not a non-empty string are skipped and reported in one line (``strict``: refused, ``DataError``); a
-    corpus that leaves no training document is refused."""
+    corpus that leaves no training document is refused. ``out`` is checked first (``ConfigError``: not a folder this
+    user can write, or a folder holding other files); a prepared folder whose manifest differs from these inputs,
+    tokenizer and settings is replaced only with ``overwrite`` (``DataError`` naming what differs otherwise)."""
     import datasets  # pyarrow and pandas load only when a corpus is read (startup of every train.py / eval.py)
     import pyarrow.compute as pc
 
@@ -238,8 +325,15 @@ def prepare(
         raise ValueError(f"--val-fraction={val_fraction} must be in [0, 1)")
     if num_proc < 1 or shard_tokens < 1 or seed < 0:
         raise ValueError(f"--num-proc={num_proc}, --shard-tokens={shard_tokens} must be >= 1 and --seed={seed} >= 0")
+    out_dir = Path(out)
+    check_output_dir(
+        out,
+        f"--out {out!r}",
+        "give a new folder, or a prepared one to update: --out DIR",
+        kind=("prepared folder (no manifest.json)", lambda d: (d / MANIFEST_FILE).is_file()),
+    )
     files = expand_paths(inputs, INPUT)
-    tok = load_tokenizer(tokenizer)
+    tok = _tokenizer(tokenizer)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = token_dtype(vocab)
     settings = {
@@ -259,23 +353,28 @@ def prepare(
         "shard_tokens": shard_tokens,
         "dtype": dtype.name,
     }
-    out_dir = Path(out)
     old = out_dir / MANIFEST_FILE
-    if out_dir.exists() and not old.is_file() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"--out {out_dir} exists and is not a prepared folder (no {MANIFEST_FILE}); give a new one")
     if old.is_file():
-        manifest = json.loads(old.read_text())
-        if {k: manifest.get(k) for k in settings} == settings:
+        manifest = read_json_file(old, "remove the folder, or give another --out")
+        changed = [k for k in settings if manifest.get(k) != settings[k]]
+        if not changed:
             print(f"{out_dir} is up to date (its manifest matches these inputs, tokenizer and settings): nothing to do")
             return manifest
+        if not overwrite:
+            raise DataError(
+                f"--out {out!r} holds shards prepared otherwise: {_differences(manifest, settings, changed)}; give "
+                "another --out, or --overwrite to replace them (runs trained on them will not resume on the new ones)"
+            )
 
     if num_proc > 1:  # one tokenizer thread per process: the tokenizer's own thread pool would oversubscribe
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     t0 = time.monotonic()
     work = out_dir.with_name(out_dir.name + ".work")  # datasets' caches; removed when done
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    existed = nearest_existing(out_dir.parent)  # folders made below it are removed again if this fails
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    done = False
     try:
         ds = _read(files, text_field, id_field, txt_sample_by, str(work / "datasets"))
         ds = ds.map(
@@ -317,9 +416,12 @@ def prepare(
         manifest = {**settings, "splits": splits, "skipped_rows": int((n == 0).sum())}
         write_text_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2))
         replace_dir(tmp, out_dir)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
+        if not done:
+            remove_empty_folders(out_dir.parent, existed)
     dt = time.monotonic() - t0
     total = splits["train"]["tokens"] + splits["val"]["tokens"]
     print(
@@ -345,6 +447,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--eod-token", default="<|endoftext|>")
     p.add_argument("--shard-tokens", type=int, default=1 << 30, help="tokens per shard file")
     p.add_argument("--strict", action="store_true", help="refuse rows without text (null, empty, not a string)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a prepared --out made with another tokenizer, other inputs or settings (refused without it)",
+    )
     a = p.parse_args(argv)
     try:
         prepare(
@@ -360,8 +467,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             eod_token=a.eod_token,
             shard_tokens=a.shard_tokens,
             strict=a.strict,
+            overwrite=a.overwrite,
         )
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         p.exit(2, error_message(str(e)) + "\n")
 
 

@@ -6,6 +6,7 @@ import hashlib
 import os
 import time
 from collections.abc import Iterable
+from typing import Any, Optional, Protocol
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -15,6 +16,58 @@ from ckv.io.atomic import atomic_path
 
 BYTE_ALPHABET = 256  # byte-level BPE starts from every byte
 LOCK_WAIT_S = 1800.0  # how long a rank waits for another process to finish training the same tokenizer
+
+
+class TextTokenizer(Protocol):
+    """What word and token lookups need from a tokenizer (a ckv run's or a transformers one)."""
+
+    bos_id: Optional[int]
+    unk_id: Optional[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class TokenizersTokenizer:
+    """A ``tokenizers.Tokenizer`` (a ckv run's ``tokenizer.json``) behind the ``TextTokenizer`` protocol."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.bos_id: Optional[int] = None
+        unk = getattr(tok.model, "unk_token", None)
+        self.unk_id: Optional[int] = tok.token_to_id(unk) if unk else None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def one_token_problem(tok: TextTokenizer, text: str, ids: list[int]) -> Optional[str]:
+    """Why ``text`` (encoded as ``ids``) is not one known token, or ``None`` when it is."""
+    if len(ids) != 1:
+        return f"{text!r} -> {len(ids)} tokens {ids}"
+    if tok.unk_id is not None and ids[0] == tok.unk_id:
+        return f"{text!r} -> the unknown token"
+    return None
+
+
+def single_token_words(tok: TextTokenizer, vocab_size: int, prefix: str, limit: Optional[int] = None) -> list[int]:
+    """The ids, in id order, whose text is an ASCII word of two or more letters (after one optional leading space)
+    and for which ``prefix + word`` encodes to exactly that token; the first ``limit`` of them when given. The
+    lookup evaluation's ``task.vocab.source=tokenizer`` draws its keys and values from the head of this list."""
+    found: list[int] = []
+    for i in range(vocab_size):
+        text = tok.decode([i])
+        word = text[1:] if text.startswith(" ") else text
+        if len(word) >= 2 and word.isascii() and word.isalpha() and tok.encode(prefix + word) == [i]:
+            if tok.unk_id is None or i != tok.unk_id:
+                found.append(i)
+                if limit is not None and len(found) == limit:
+                    break
+    return found
 
 
 def lookup_special_tokens(n: int) -> list[str]:

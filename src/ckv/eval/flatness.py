@@ -1,16 +1,17 @@
 """Flatness of a best-minus-worst gap: the equivalence test (its one-sided upper bound under a margin), the verdict
-(gap / flat / undecided / not learned), non-inferiority bounds against a reference, and the minimum detectable gap
-(power); pure functions on numpy arrays, on ``ckv.eval.stats``' resampling."""
+(gap / flat / undecided / not learned: ``gap_verdict``, the one rule every report, table and claim applies, and
+``row_verdict``, the same from a report row's numbers), non-inferiority bounds against a reference, and the minimum
+detectable gap (power); pure functions on numpy arrays, on ``ckv.eval.stats``' resampling."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
-from ckv.eval.stats import Z95, PermutationResult, best_minus_worst, check_groups, cluster_index
+from ckv.eval.stats import Z95, PermutationResult, best_minus_worst, check_groups, cluster_index, gap_is_real
 
 Z_ONE_SIDED_95 = 1.6448536269514722  # one-sided 95% standard-normal quantile
 VERDICTS = ("gap", "flat", "undecided", "not learned")
@@ -50,13 +51,32 @@ def is_learned(mean_upper: Optional[float], margin: float) -> bool:
 
 
 def gap_verdict(real: bool, flat: bool, learned: bool = True) -> str:
-    """One of ``VERDICTS``: ``not learned`` when the model's accuracy is itself under the margin (``is_learned``),
-    else ``flat`` when the equivalence test says so (a real gap smaller than the margin is still flat at that
-    margin), else ``gap`` when the gap is real (``gap_is_real``), else ``undecided``: the evaluation can tell
-    neither (too few prompts for the margin, or a gap between the noise and the margin)."""
+    """One of ``VERDICTS``, the one rule that decides a significant gap against a flat one: ``not learned`` when the
+    model's accuracy is itself under the margin (``is_learned``), else ``gap`` when the gap is significant
+    (``gap_is_real``: permutation p under alpha and the interval above the noise floor), even one whose one-sided
+    upper bound is under the margin, else ``flat`` when the equivalence test says so (``is_flat``), else
+    ``undecided``: the evaluation can tell neither (too few prompts for the margin, or a gap between the noise and
+    the margin). Significance comes first: a gap the evaluation detects is a gap, whatever its size; "flat" is
+    claimed only of a gap the evaluation does not detect and bounds under the margin."""
     if not learned:
         return "not learned"
-    return "flat" if flat else "gap" if real else "undecided"
+    return "gap" if real else "flat" if flat else "undecided"
+
+
+def row_verdict(row: Mapping[str, Any], prefix: str, margin: Optional[float] = None, alpha: float = 0.05) -> str:
+    """``gap_verdict`` of one grouping (``prefix``: ``phase`` or ``residue``) from a report row's numbers, as the
+    studies' rows hold them (the lookup headline and ``ckv.eval.summary.flatness_fields``): significance from
+    ``<prefix>_p_value``, ``<prefix>_gap_lower`` and ``<prefix>_noise_floor``; flatness from
+    ``<prefix>_upper_one_sided`` under ``margin`` (default: the evaluation's own, ``<prefix>_margin``); learned from
+    ``mean_upper``. Recomputed, not read from the stored verdict, so that a report over results written under an
+    older rule applies this one. A row without a margin (its report predates the equivalence test) is never flat."""
+    margin = row.get(f"{prefix}_margin") if margin is None else margin
+    real = gap_is_real(row[f"{prefix}_p_value"], row[f"{prefix}_gap_lower"], row[f"{prefix}_noise_floor"], alpha)
+    if margin is None:
+        return gap_verdict(real, flat=False)
+    return gap_verdict(
+        real, is_flat(row.get(f"{prefix}_upper_one_sided"), margin), is_learned(row.get("mean_upper"), margin)
+    )
 
 
 def se_from_interval(lower: float, upper: float, z: float = Z95) -> float:

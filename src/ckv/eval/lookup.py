@@ -31,10 +31,11 @@ from ckv.data.lookup import RecordCodec, assemble_lookup
 from ckv.eval.chunking import ChunkCheck, chunk_check, chunking_lines
 from ckv.eval.design import PADDINGS, base_offsets, choose_targets, make_design, slot_pads
 from ckv.eval.grouping import gap_headline, gap_lines, percent, percent_interval, summarize_groups
+from ckv.eval.mitigation import ensemble_shifts
 from ckv.eval.models import ModelFacts
 from ckv.eval.plots import plot_lookup
 from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
-from ckv.eval.scoring import LogitsFn, prompt_lengths, score_next_token
+from ckv.eval.scoring import LazyPrompts, LogitsFn, prompt_lengths, score_next_token
 from ckv.eval.stats import StatsOptions
 from ckv.eval.vocab import VocabSpec, build_codec, vocab_spec
 from ckv.geometry import phase
@@ -254,6 +255,45 @@ class LookupTask:
         table = {col: np.array([r[col] for r in rows], dtype=np.int64) for col in rows[0]}
         return prompts, table, np.stack(layouts)
 
+    # ---- the shift ensemble's prompts (ckv.eval.mitigation) -------------------------------------------------
+    def shifted_prompt(self, i: int, s: int) -> np.ndarray:
+        """Prompt ``i`` with its target moved by ``s`` positions modulo the stride and its length kept: ``s`` gap
+        tokens (pads and fillers) after the target move to the front, right after the prefix (every record before
+        the target moves with it, as prefix padding moves them); where fewer than ``s`` lie after it, ``S - s`` gap
+        tokens before the target (the earliest first) move to the end of the record block. The query stays put and
+        the prompt keeps its group (the target's phase in the unshifted prompt)."""
+        S, c = self.require_stride("the shift ensemble"), self.codec
+        p, t = np.asarray(self.prompts[i]), int(self.table["target_position"][i])
+        start, end = len(c.prefix), len(p) - self.query_span  # the record block: [start, end)
+        gap = np.isin(p, [c.pad_id, *c.filler_ids])
+        after = np.flatnonzero(gap[t + c.record_len : end]) + t + c.record_len
+        before = np.flatnonzero(gap[start:t]) + start
+        if len(after) >= s:
+            kept = np.delete(p, after[len(after) - s :])
+            return np.concatenate([kept[:start], np.full(s, c.pad_id, dtype=p.dtype), kept[start:]])
+        if len(before) >= S - s:
+            kept = np.delete(p, before[: S - s])
+            tail = np.full(S - s, c.filler_ids[0], dtype=p.dtype)
+            return np.concatenate([kept[: end - (S - s)], tail, kept[end - (S - s) :]])
+        raise RuntimeError(
+            f"prompt {i} has {len(after)} gap tokens after its target and {len(before)} before it: it cannot be "
+            f"shifted by {s} (mod {S}) keeping its length"
+        )
+
+    @property
+    def query_span(self) -> int:
+        """Tokens after the record block: the separator, the demonstrations (query, answer) and the query."""
+        c = self.codec
+        return (
+            len(c.separator)
+            + self.n_demos * (len(c.query_tokens(0)) + len(c.answer_tokens(0)))
+            + len(c.query_tokens(0))
+        )
+
+    def shifted(self, s: int) -> LazyPrompts:
+        """Every prompt moved by ``s`` (``shifted_prompt``), built when scored."""
+        return LazyPrompts(prompt_lengths(self.prompts), lambda i: self.shifted_prompt(i, s))
+
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(
         self,
@@ -263,9 +303,13 @@ class LookupTask:
         device: torch.device | str = "cpu",
         progress: bool = True,
         keep: Sequence[int] = (),
+        shifts: Sequence[int] = (),
+        combine: str = "mean_logprob",
     ) -> LookupOutcome:
         """Score every prompt with ``model`` (``input_ids -> logits``), keeping the logits of the prompts in
-        ``keep`` (indices)."""
+        ``keep`` (indices). ``shifts``: the shift ensemble (``ckv.eval.mitigation``): each prompt also runs moved
+        by each of these (``shifted``), the runs combined by ``combine`` (``scoring.combine_runs``) and the
+        combined distribution scored as one prompt's."""
         scores = score_next_token(
             model,
             self.prompts,
@@ -275,6 +319,8 @@ class LookupTask:
             progress=progress,
             desc=self.spec.name,
             keep=keep,
+            variants=[self.shifted(s) for s in shifts if s],
+            combine=combine,
         )
         correct = (scores.top1 == self.table["answer_id"]).astype(np.int64)
         return LookupOutcome(self.table, scores.top1, correct, scores.probs[:, 0], scores.logits)
@@ -356,8 +402,14 @@ class LookupTask:
 
 
 def codec_for(vocab: VocabSpec, model: ModelFacts) -> RecordCodec:
-    """The record codec of ``vocab`` for ``model`` (its vocabulary size, tokenizer and run layout)."""
-    return build_codec(vocab, vocab_size=model.vocab_size, tokenizer=model.tokenizer, run_format=model.lookup_format)
+    """The record codec of ``vocab`` for ``model`` (its vocabulary size, tokenizer, run layout or held-out words)."""
+    return build_codec(
+        vocab,
+        vocab_size=model.vocab_size,
+        tokenizer=model.tokenizer,
+        run_format=model.lookup_format,
+        run_words=model.eval_words,
+    )
 
 
 def lookup_summary(report: dict) -> list[str]:
@@ -397,16 +449,28 @@ class LookupKind(EvalTask):
             limit=limit,
         )
 
+    def shift_stride(self, built: LookupTask) -> Optional[int]:
+        """The lookup (and the needle) move each target by gap tokens (``LookupTask.shifted_prompt``), over the
+        task's phase stride."""
+        return built.stride
+
     def chunking(self, built: LookupTask, logits: LogitsFn) -> Optional[ChunkCheck]:
         """The chunk check of a transformers model's scoring (``None`` for other models): the lookup scores each
         prompt by one forward, so its record says so."""
         return chunk_check(logits, prompt_lengths(built.prompts), 0)
 
     def run(self, built: LookupTask, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
-        check = self.chunking(built, logits)
+        shifts, combine = ensemble_shifts(options.mitigation, built.stride)
+        check = None if shifts else self.chunking(built, logits)  # an ensemble's score is no single forward's
         keep = check.indices if check is not None else ()
         outcome = built.evaluate(
-            logits, batch_size=options.batch_size, device=device, progress=options.progress, keep=keep
+            logits,
+            batch_size=options.batch_size,
+            device=device,
+            progress=options.progress,
+            keep=keep,
+            shifts=shifts,
+            combine=combine,
         )
         report = built.report(outcome, options.stats)
         if check is not None:

@@ -44,6 +44,7 @@ import torch
 from ckv.attention import check_attention
 from ckv.config import ModelConfig
 from ckv.flops import parameter_count
+from ckv.geometry import num_entries, shifted_origin
 
 GB = 1e9
 MIN_CHUNK = 64  # the smallest prefill chunk ``pick_chunk`` tries
@@ -224,10 +225,17 @@ def _attention_scores(attn: str, H: int, KV: int, D: int, b: int) -> Callable[[i
     return {"eager": eager, "flash_attention_2": flash, "flash_attention_3": flash}.get(attn, kernel)
 
 
-def hf_model_memory(config: Any, dtype: torch.dtype, attn_implementation: str, n_params: int) -> ModelMemory:
+def hf_model_memory(
+    config: Any,
+    dtype: torch.dtype,
+    attn_implementation: str,
+    n_params: int,
+    dual_offsets: Optional[dict[str, int]] = None,
+) -> ModelMemory:
     """The memory description of a transformers causal LM from its config: DeepSeek-V4 (``model_type``
-    ``deepseek_v4``: sliding, CSA and HCA layers, the lightning indexer, eager attention) or a standard decoder
-    (Llama, Qwen, Mistral, ...: full or sliding-window layers)."""
+    ``deepseek_v4``: sliding, CSA and HCA layers, the lightning indexer, eager attention; ``dual_offsets``: the
+    compressed layer types that run dual-offset compression, ``ckv.eval.mitigation``, and their offsets) or a
+    standard decoder (Llama, Qwen, Mistral, ...: full or sliding-window layers)."""
     b = torch.finfo(dtype).bits // 8
     L = int(_get(config, "num_hidden_layers"))
     H = int(_get(config, "num_attention_heads"))
@@ -236,7 +244,7 @@ def hf_model_memory(config: Any, dtype: torch.dtype, attn_implementation: str, n
     D = int(_get(config, "head_dim", default=d // H))
     weights = float(n_params * b)
     if _get(config, "model_type") == "deepseek_v4":
-        return _deepseek_v4_memory(config, b, L, H, D, d, weights)
+        return _deepseek_v4_memory(config, b, L, H, D, d, weights, dual_offsets or {})
     window = _get(config, "sliding_window")
     types = list(_get(config, "layer_types", default=["full_attention"] * L))
     attention = _attention_scores(attn_implementation, H, KV, D, b)
@@ -263,8 +271,12 @@ def hf_model_memory(config: Any, dtype: torch.dtype, attn_implementation: str, n
     return ModelMemory(type(config).__name__, weights, tuple(groups), activation, (note,))
 
 
-def _deepseek_v4_memory(config: Any, b: int, L: int, H: int, D: int, d: int, weights: float) -> ModelMemory:
-    """DeepSeek-V4 (transformers' eager-only implementation; one KV head, keys = values)."""
+def _deepseek_v4_memory(
+    config: Any, b: int, L: int, H: int, D: int, d: int, weights: float, dual_offsets: dict[str, int]
+) -> ModelMemory:
+    """DeepSeek-V4 (transformers' eager-only implementation; one KV head, keys = values); a layer type in
+    ``dual_offsets`` also holds and attends the entries of its grid moved by that offset
+    (``geometry.shifted_origin``)."""
     w = int(config.sliding_window)
     rates = dict(config.compress_rates)
     Hi, Di = int(config.index_n_heads), int(config.index_head_dim)
@@ -274,14 +286,26 @@ def _deepseek_v4_memory(config: Any, b: int, L: int, H: int, D: int, d: int, wei
         rate = rates.get(kind)
         indexed = kind == "compressed_sparse_attention"
 
+        origin = None if kind not in dual_offsets or not rate else shifted_origin(0, dual_offsets[kind], rate)
+
         def entries(T: int, rate: Optional[int] = rate) -> int:
             return T // rate if rate else 0
 
-        def cache(T: int, entries: Callable[[int], int] = entries, indexed: bool = indexed) -> float:
-            return b * (2 * min(T, w) * D + entries(T) * (D + (Di if indexed else 0)))
+        def moved(T: int, rate: Optional[int] = rate, origin: Optional[int] = origin) -> int:
+            return 0 if origin is None else num_entries(T + origin, rate)  # dual-offset compression's second set
 
-        def scores(c: int, T: int, entries: Callable[[int], int] = entries) -> float:
-            keys = min(T, w - 1 + c) + entries(T)  # the sliding window's keys plus every compressed entry
+        def cache(
+            T: int,
+            entries: Callable[[int], int] = entries,
+            moved: Callable[[int], int] = moved,
+            indexed: bool = indexed,
+        ) -> float:
+            return b * (2 * min(T, w) * D + entries(T) * (D + (Di if indexed else 0)) + moved(T) * D)
+
+        def scores(
+            c: int, T: int, entries: Callable[[int], int] = entries, moved: Callable[[int], int] = moved
+        ) -> float:
+            keys = min(T, w - 1 + c) + entries(T) + moved(T)  # the sliding window's keys plus every entry
             # 3 copies of (H, c, keys + sink) in the compute dtype (the masked scores stay referenced while the
             # sink is appended, the max subtracted and the softmax taken), K/V repeated to all H heads, the mask
             return 3 * b * H * c * (keys + 1) + 2 * H * keys * D * b + 2 * c * keys * b

@@ -7,7 +7,6 @@ the run's ``config.yaml`` (the lookup layout it trained on, and a check that the
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -21,21 +20,25 @@ from ckv.config import ConfigError, ModelConfig, ModelSpec, saved_attention
 from ckv.data import lookup_format_for
 from ckv.data.config import DataConfig, LookupConfig
 from ckv.data.lookup import LookupFormat
+from ckv.data.tokenizer import TextTokenizer, TokenizersTokenizer
 from ckv.device import resolve_device
 from ckv.eval.scoring import LogitsFn
-from ckv.eval.vocab import TextTokenizer, TokenizersTokenizer
 from ckv.io.layout import (
     EVAL_DIR,
     MODEL_DIR,
     STATE_FILE,
     TOKENIZER_FILE,
     WEIGHTS_DIR,
+    CheckpointError,
+    damaged,
     is_run_dir,
     latest_checkpoint,
     list_checkpoints,
+    read_json_file,
     read_run_config,
+    read_text,
 )
-from ckv.io.weights import WEIGHTS_CONFIG_FILE, WEIGHTS_FILE, is_weights_dir, load_config, load_weights
+from ckv.io.weights import WEIGHTS_CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_FIX, is_weights_dir, load_config, load_weights
 from ckv.model import Transformer
 
 PathLike = Union[str, Path]
@@ -52,9 +55,11 @@ class ModelFacts:
 
     ``max_len``: the longest prompt it accepts; ``stride``: its compression stride (``None`` for full attention or
     an HF model without ``model.stride``); ``lookup``/``lookup_format``: the lookup settings and id layout its run
-    trained on, if any; ``out_dir``: where results go by default; ``info``: a JSON description; ``kind``: ``ckv``
-    or ``hf``; ``config``: the model's config (``ckv.config.ModelConfig``, or the transformers config object);
-    ``dtype``: the compute dtype it runs in; ``trust_remote_code``: whether its transformers code may run.
+    trained on, if any; ``eval_words``: the keys, values and pad a pretraining run held out for the lookup evaluation
+    (``data.recall.eval_keys`` / ``eval_values`` / ``eval_pad``, its end-of-document token as ``bos``), if any;
+    ``out_dir``: where results go by default; ``info``: a JSON description; ``kind``: ``ckv`` or ``hf``;
+    ``config``: the model's config (``ckv.config.ModelConfig``, or the transformers config object); ``dtype``: the
+    compute dtype it runs in; ``trust_remote_code``: whether its transformers code may run.
     """
 
     name: str
@@ -64,6 +69,7 @@ class ModelFacts:
     tokenizer: Optional[TextTokenizer] = None
     lookup: Optional[LookupConfig] = None
     lookup_format: Optional[LookupFormat] = None
+    eval_words: Optional[dict[str, Any]] = None
     out_dir: Optional[Path] = None
     info: dict = field(default_factory=dict)
     kind: str = "ckv"
@@ -162,6 +168,29 @@ def _run_lookup(
     return (dc.lookup, fmt) if fmt is not None else (None, None)
 
 
+def _run_eval_words(run_cfg: dict[str, Any], tokenizer: Optional[Tokenizer]) -> Optional[dict[str, Any]]:
+    """The words and pad a pretraining run (``data.kind: pretrain``) held out of its retrieval blocks for the lookup
+    evaluation, and the id of its end-of-document token, which opens a prompt as it opens a document in training
+    (``{"keys", "values", "pad", "bos"}``; ``bos`` None without the run's tokenizer), or ``None``."""
+    data = run_cfg.get("data")
+    if not isinstance(data, dict) or data.get("kind") != "pretrain":
+        return None
+    dc = DataConfig.from_dict(data)
+    words = {"keys": list(dc.recall.eval_keys or []), "values": list(dc.recall.eval_values or [])}
+    bos = tokenizer.token_to_id(dc.text.eod_token) if tokenizer is not None else None
+    return {**words, "pad": dc.recall.eval_pad, "bos": bos}
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    """The ``tokenizer.json`` of a weights folder; ``CheckpointError`` naming it and the way out when it is damaged
+    (not JSON, or JSON that is no tokenizer) or not readable by this user."""
+    read_json_file(path, WEIGHTS_FIX)
+    try:
+        return Tokenizer.from_str(read_text(path, WEIGHTS_FIX))
+    except Exception as e:  # tokenizers raises a bare Exception for a malformed file
+        raise damaged(path, f"not a tokenizer ({e})", WEIGHTS_FIX) from None
+
+
 def _default_out_dir(weights: Path, run_dir: Optional[Path]) -> Path:
     if run_dir is not None and weights == run_dir / MODEL_DIR:
         return run_dir / EVAL_DIR
@@ -181,7 +210,7 @@ def inspect_ckv_model(
     run_cfg = read_run_config(run_dir) if run_dir is not None else {}
     check_against_run(config, run_cfg, weights)
     tok_path = weights / TOKENIZER_FILE
-    raw_tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+    raw_tok = read_tokenizer(tok_path) if tok_path.is_file() else None
     lookup, fmt = _run_lookup(run_cfg, raw_tok, weights)
     stride = check_attention(config).phase_stride(config)  # None: no phase (full attention)
     info = {
@@ -197,7 +226,7 @@ def inspect_ckv_model(
     }
     trainer_state = weights.parent / STATE_FILE
     if trainer_state.is_file():
-        info["trainer_state"] = json.loads(trainer_state.read_text())
+        info["trainer_state"] = read_json_file(trainer_state, "evaluate another checkpoint (model.step=...)")
         info["step"] = info["trainer_state"].get("step", step)  # a checkpoint's weights: the step they were saved at
     run_config = config  # the config it runs with: attention.impl as overridden
     if impl:
@@ -212,6 +241,7 @@ def inspect_ckv_model(
         tokenizer=TokenizersTokenizer(raw_tok) if raw_tok else None,
         lookup=lookup,
         lookup_format=fmt,
+        eval_words=_run_eval_words(run_cfg, raw_tok),
         out_dir=_default_out_dir(weights, run_dir),
         info=info,
         kind="ckv",
@@ -229,6 +259,8 @@ def load_ckv_model(
     dev = resolve_device(device, "device")
     try:
         model = load_weights(weights, device=dev, **({"impl": impl} if impl else {}))
+    except CheckpointError:  # a damaged or unreadable file, named with the way out
+        raise
     except (ValueError, RuntimeError, SafetensorError) as e:
         raise CheckpointMismatchError(f"cannot load {weights}: {e}") from e
     model.eval()

@@ -316,6 +316,51 @@ def plot_worst_phase_vs_kv_bytes(
     return save_figure(fig, path)
 
 
+def plot_gain_vs_cost(points: Sequence[dict], path: PathLike) -> Path:
+    """Worst-group gain against cost (``make mitigate``, docs/mitigation.md): one point per model x mitigation x
+    padding (``points``: ``mitigation``, ``padding``, ``flops_ratio``, ``gain`` with ``gain_lower`` and
+    ``gain_upper``, the paired worst-group difference and its 95% interval, fractions, and ``works``); x the prefill
+    FLOPs against the unmitigated model (the dotted line at 2x: the usefulness bar), y the gain in pp with its
+    interval; one colour per mitigation, one marker per padding, filled where the mitigation works."""
+    fig = Figure(figsize=(8.5, 5.5))
+    ax = fig.subplots()
+    names = sorted({p["mitigation"] for p in points})
+    paddings = sorted({p["padding"] for p in points})
+    markers = dict(zip(paddings, "os^vD"))
+    for i, name in enumerate(names):
+        for padding in paddings:
+            pts = [p for p in points if p["mitigation"] == name and p["padding"] == padding]
+            if not pts:
+                continue
+            x = np.array([p["flops_ratio"] for p in pts])
+            y = np.array([PCT * p["gain"] for p in pts])
+            err = np.array([[PCT * (p["gain"] - p["gain_lower"]), PCT * (p["gain_upper"] - p["gain"])] for p in pts])
+            color = colormaps["tab10"](i)
+            ax.errorbar(x, y, yerr=err.T, fmt="none", ecolor=color, alpha=0.35, lw=0.8)
+            works = np.array([bool(p["works"]) for p in pts])
+            for filled in (True, False):
+                sel = works == filled
+                if sel.any():
+                    ax.scatter(
+                        x[sel],
+                        y[sel],
+                        marker=markers[padding],
+                        s=40,
+                        facecolors=color if filled else "none",
+                        edgecolors=color,
+                        label=f"{name}, {padding}" + ("" if filled else " (does not work)"),
+                    )
+    ax.axhline(0, color="0.3", lw=0.8)
+    ax.axvline(2.0, color="0.5", lw=0.8, ls=":")
+    ax.set_xlabel("prefill FLOPs / unmitigated (ckv's accounting; transformers models: torch's count; dotted: 2x)")
+    ax.set_ylabel("worst-group gain, paired (pp, 95% interval)")
+    ax.set_title("worst-group gain against cost: one point per model x mitigation x padding")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 GRID_METRICS = (
     ("phase_gap", "phase gap mod S (pp)", "Reds"),
     ("worst_phase_accuracy", "worst-phase accuracy (%)", "Blues"),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional, get_type_hints
 
 from ckv.config import ConfigError, check_bool, check_int, field_names, reject_unknown
+from ckv.eval.mitigation import MitigationSpec
 from ckv.eval.models import LoadedModel, ModelFacts
 from ckv.eval.scoring import LogitsFn
 from ckv.eval.stats import StatsOptions
@@ -29,7 +30,8 @@ from ckv.eval.stats import StatsOptions
 @dataclass(frozen=True)
 class RunOptions:
     """How to run: ``limit`` caps base examples (lookup, needle) or lengths (probe) for a quick look;
-    ``progress`` shows tqdm bars; ``plots`` writes the task's plot next to results.json."""
+    ``progress`` shows tqdm bars; ``plots`` writes the task's plot next to results.json; ``mitigation``: an
+    inference-time mitigation of weak phases (``ckv.eval.mitigation``; a mapping of its fields is parsed)."""
 
     batch_size: int = 64
     limit: Optional[int] = None
@@ -38,8 +40,10 @@ class RunOptions:
     out_dir: Optional[str] = None
     plots: bool = True
     stats: StatsOptions = field(default_factory=StatsOptions)
+    mitigation: MitigationSpec = field(default_factory=MitigationSpec)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mitigation", MitigationSpec.parse(self.mitigation))
         if isinstance(self.stats, dict):
             reject_unknown(self.stats, field_names(StatsOptions), "stats")
             for name, value in self.stats.items():  # numbers' types here, their ranges in StatsOptions
@@ -105,6 +109,12 @@ class EvalTask(ABC):
     @abstractmethod
     def run(self, built: Any, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
         """Score ``built`` with ``logits`` and report."""
+
+    def shift_stride(self, built: Any) -> Optional[int]:
+        """The stride over which ``mitigation=shift_ensemble`` moves the targets of ``built``'s prompts (the task
+        then scores each prompt's moved copies in its ``run``); ``None`` (the default): the task's groups are not
+        the target's position, so its prompts are not shifted."""
+        return None
 
     def dry_run(self, spec: Any, built: Any, model: ModelFacts, options: RunOptions) -> list[str]:
         """What ``eval.py dry_run=true`` prints for this task (no weights are loaded)."""

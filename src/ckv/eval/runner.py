@@ -16,9 +16,11 @@ from typing import Any, Optional, Union
 from ckv import __version__
 from ckv.config import ConfigError, check_bool, check_choice, check_int
 from ckv.eval.hf_models import DTYPES, inspect_hf_model, load_hf_model
+from ckv.eval.mitigation import MitigationSpec, config_cost, cost_line, mitigation_cost, plan_mitigation
 from ckv.eval.models import LoadedModel, ModelFacts, inspect_ckv_model, load_ckv_model
 from ckv.eval.registry import RunOptions, task_type
 from ckv.eval.summary import find_runs, results_file, summarize
+from ckv.io.access import check_output_dir
 from ckv.io.results import RESULTS_CSV, RESULTS_JSON, write_csv, write_json
 
 log = logging.getLogger(__name__)
@@ -79,10 +81,17 @@ class ModelSource:
         )
 
 
-def build_task(spec: Any, model: ModelFacts, limit: Optional[int] = None) -> Any:
+def build_task(
+    spec: Any, model: ModelFacts, limit: Optional[int] = None, mitigation: Optional[MitigationSpec] = None
+) -> Any:
     """Build the prompts of ``spec`` for ``model`` (its registered task kind's ``build``: vocabulary, context and
-    stride checks happen here, from the model's facts; no weights needed)."""
-    return task_type(spec).build(spec, model, limit)
+    stride checks happen here, from the model's facts; no weights needed), and check ``mitigation`` against them
+    (``plan_mitigation``)."""
+    kind = task_type(spec)
+    built = kind.build(spec, model, limit)
+    if mitigation is not None:
+        plan_mitigation(mitigation, kind, model, built)
+    return built
 
 
 def plot_title(model: ModelFacts) -> str:
@@ -110,6 +119,14 @@ def output_dir(model: ModelFacts, spec: Any, options: RunOptions) -> Path:
     return model.out_dir / spec.name
 
 
+def check_output(model: ModelFacts, spec: Any, options: RunOptions) -> Path:
+    """``output_dir``, checked before any work (``ckv.io.access.check_output_dir``: a folder this user can write,
+    or can make); a ``ConfigError`` line naming it, why not and ``out_dir=`` as the way out otherwise."""
+    out = output_dir(model, spec, options)
+    what = f"out_dir={str(out)!r}" if options.out_dir else f"the results folder {str(out)!r} (the default out_dir)"
+    return check_output_dir(out, what, "give a folder you can write to: out_dir=...")
+
+
 def results_envelope(model: ModelFacts, spec: Any, options: RunOptions, report: dict) -> dict:
     """What every results file holds around a task's ``report``: the model, the task and options, the version."""
     return {
@@ -133,8 +150,14 @@ def evaluate(
     options = options or RunOptions()
     kind = task_type(spec)
     built = kind.build(spec, model, options.limit) if built is None else built
-    out = output_dir(model, spec, options)
-    result = kind.run(built, kind.logits(spec, model, built, options), options, model.device)
+    plan = plan_mitigation(options.mitigation, kind, model, built)  # its checks: before the compute
+    out = check_output(model, spec, options)  # before the compute
+    applied = plan.apply(model)  # dual-offset compression: a ckv model rebuilt, or a DeepSeek-V4 patched in place
+    logits = kind.logits(spec, applied, built, options)
+    result = kind.run(built, logits, plan.options(options), model.device)
+    if plan.note:
+        log.warning("%s", plan.note)
+    result.report["mitigation"] = plan.record(mitigation_cost(plan, model, built, logits))
     results = results_envelope(model, spec, options, result.report)
     write_json(out / RESULTS_JSON, results)
     write_csv(out / RESULTS_CSV, result.rows)
@@ -149,7 +172,15 @@ def dry_run(source: ModelSource, spec: Any, options: Optional[RunOptions] = None
     options = options or RunOptions()
     facts = source.inspect()
     kind = task_type(spec)
-    return kind.dry_run(spec, kind.build(spec, facts, options.limit), facts, options)
+    built = kind.build(spec, facts, options.limit)
+    lines = kind.dry_run(spec, built, facts, options)
+    plan = plan_mitigation(options.mitigation, kind, facts, built)
+    if plan.spec.name == "none":
+        return lines
+    cost = config_cost(plan, facts.config) if facts.kind == "ckv" else None
+    record = plan.record(cost)
+    counted = "" if cost or plan.note else " (a transformers model's FLOPs are counted when it runs)"
+    return [*lines, cost_line(record) + counted]
 
 
 def summary_lines(spec: Any, results: dict, out: Path) -> list[str]:
@@ -158,6 +189,9 @@ def summary_lines(spec: Any, results: dict, out: Path) -> list[str]:
     head = f"{task_type(spec).kind} '{spec.name}' on {results['model']['name']}"
     files = [out / RESULTS_JSON, out / RESULTS_CSV, out / f"{spec.name}.png"]
     lines = [f"  {line}" for line in task_type(spec).summary(results["results"])]
+    mitigation = results["results"].get("mitigation")
+    if mitigation and mitigation["name"] != "none":
+        lines.append(f"  {cost_line(mitigation)}")
     return [head, *lines, "results -> " + ", ".join(str(f) for f in files if f.is_file())]
 
 
@@ -172,15 +206,21 @@ def summarize_runs(
 ) -> tuple[dict, Path]:
     """Summarise every run below ``roots`` (sweep folders or run folders): runs without results for ``spec`` are
     evaluated first, with ``source``'s settings (its ``path`` replaced by each run) and ``options``; results go to
-    ``<run>/eval/<task name>/``. Writes the summary into ``out_dir`` (default ``<first root>/summary/<task>``)."""
+    ``<run>/eval/<task name>/``. Writes the summary into ``out_dir`` (default ``<first root>/summary/<task>``). Each
+    folder it writes is checked (``check_output``) before a model is loaded."""
     options = options or RunOptions()
     paths = [Path(r) for r in roots]
     runs = sorted({run for root in paths for run in find_runs(root)})
 
     def evaluate_run(run: Path) -> None:
         log.info("evaluating %s", run)
-        model = dataclasses.replace(source, path=str(run)).load(options.device)
-        evaluate(model, spec, dataclasses.replace(options, out_dir=str(results_file(run, spec.name).parent)))
+        run_source, run_options = (
+            dataclasses.replace(source, path=str(run)),
+            dataclasses.replace(options, out_dir=str(results_file(run, spec.name).parent)),
+        )
+        check_output(run_source.inspect(), spec, run_options)  # before the weights load
+        evaluate(run_source.load(options.device), spec, run_options)
 
     out = Path(out_dir) if out_dir else paths[0] / "summary" / spec.name
+    check_output_dir(out, f"the summary folder {str(out)!r}", "give a folder you can write to: summary_out=...")
     return summarize(runs, spec.name, out, evaluate_missing=evaluate_run, rerun=rerun), out

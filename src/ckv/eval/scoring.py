@@ -17,9 +17,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ckv.checks import check_choice
 from ckv.model import Transformer
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+COMBINES = ("mean_logprob", "max_confidence")  # how the runs of a prompt are combined (``combine_runs``)
 
 
 def check_chunk(chunk: int) -> None:
@@ -106,15 +108,22 @@ def score_next_token(
     progress: bool = True,
     desc: str = "scoring",
     keep: Sequence[int] = (),
+    variants: Sequence[Sequence[np.ndarray]] = (),
+    combine: str = "mean_logprob",
 ) -> Scores:
     """Score the token after each prompt: its full-vocabulary top-1 and the probabilities of ``candidates``
     (P, C) ids, and keep the logits of the prompts in ``keep`` (indices) as scored. Runs under
     ``torch.inference_mode``, in float32 softmax, with a progress bar over the prompts (``progress``).
-    ``LazyPrompts`` are built batch by batch."""
+    ``LazyPrompts`` are built batch by batch. ``variants``: other versions of each prompt, of its length (the shift
+    ensemble's, ``ckv.eval.mitigation``), run beside it; the runs' distributions are combined by ``combine_runs``
+    and the combined one is scored (no logits are kept)."""
     cand = np.asarray(candidates, dtype=np.int64)
     if cand.ndim != 2 or cand.shape[0] != len(prompts):
         raise ValueError(f"candidates must be (n_prompts={len(prompts)}, C), got {cand.shape}")
+    check_choice("combine", combine, COMBINES)
     lengths = prompt_lengths(prompts)
+    if any(not np.array_equal(prompt_lengths(v), lengths) for v in variants):
+        raise ValueError("every variant of a prompt must have its length")
     top1 = np.zeros(len(prompts), dtype=np.int64)
     probs = np.zeros(cand.shape, dtype=np.float64)
     kept: dict[int, torch.Tensor] = {}
@@ -123,13 +132,28 @@ def score_next_token(
     bar = tqdm(total=len(prompts), desc=desc, disable=not progress, unit="prompt", leave=False)
     with torch.inference_mode(), bar:
         for idx in batches:
-            ids = torch.as_tensor(np.stack([prompts[i] for i in idx]), device=device)  # (B, T)
-            logits = model(ids)
-            if logits.dim() == 3:
-                logits = logits[:, -1]  # (B, V)
-            logp = torch.log_softmax(logits.float(), dim=-1)
+            runs = []
+            for source in (prompts, *variants):
+                ids = torch.as_tensor(np.stack([source[i] for i in idx]), device=device)  # (B, T)
+                logits = model(ids)
+                logits = logits[:, -1] if logits.dim() == 3 else logits  # (B, V)
+                runs.append(torch.log_softmax(logits.float(), dim=-1))
+            logp = runs[0] if not variants else combine_runs(torch.stack(runs), combine)
             top1[idx] = logp.argmax(-1).cpu().numpy()
             probs[idx] = logp.gather(1, torch.as_tensor(cand[idx], device=logp.device)).exp().cpu().numpy()
-            kept.update({int(i): logits[j].float().cpu() for j, i in enumerate(idx) if int(i) in wanted})  # (V,)
+            if not variants:
+                kept.update({int(i): logits[j].float().cpu() for j, i in enumerate(idx) if int(i) in wanted})  # (V,)
             bar.update(len(idx))
     return Scores(top1=top1, probs=probs, logits=kept)
+
+
+def combine_runs(logp: torch.Tensor, rule: str) -> torch.Tensor:
+    """One distribution (B, V) of log-probabilities from ``k`` runs of each prompt, ``logp`` (k, B, V):
+    ``mean_logprob``, the mean of the runs' log-probabilities, renormalised (a log-linear pool: its top-1 is the
+    token the runs rate highest on average in log space); ``max_confidence``, per prompt the run whose top-1
+    probability is the highest (ties: the earlier run)."""
+    check_choice("combine", rule, COMBINES)
+    if rule == "mean_logprob":
+        return torch.log_softmax(logp.mean(0), dim=-1)
+    best = logp.amax(-1).argmax(0)  # (B,): the run whose top-1 is the most probable
+    return logp[best, torch.arange(logp.shape[1], device=logp.device)]

@@ -10,12 +10,14 @@ Settings left at ``auto`` are picked from the model's tokenizer, deterministical
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union
+from typing import Any, Optional, Union
 
 from ckv.config import ConfigError, check_choice, check_int, field_names, reject_unknown
 from ckv.data.lookup import LookupFormat, RecordCodec
+from ckv.data.tokenizer import TextTokenizer, one_token_problem, single_token_words
 from ckv.eval.codec import TokenCodec
 
 log = logging.getLogger(__name__)
@@ -24,33 +26,6 @@ AUTO = "auto"
 TokenSpec = Union[int, str, None]
 # the pad/filler and separator texts ``auto`` tries, in order: the first that is one known token of the tokenizer
 STRUCTURAL_TEXTS = ("\n", ".", ",", ";", ":", "-", "|", "/", "=", "#")
-
-
-class TextTokenizer(Protocol):
-    """What evaluation needs from a tokenizer."""
-
-    bos_id: Optional[int]
-    unk_id: Optional[int]
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
-
-
-class TokenizersTokenizer:
-    """A ``tokenizers.Tokenizer`` (a ckv run's ``tokenizer.json``) behind the ``TextTokenizer`` protocol."""
-
-    def __init__(self, tok: Any) -> None:
-        self.tok = tok
-        self.bos_id: Optional[int] = None
-        unk = getattr(tok.model, "unk_token", None)
-        self.unk_id: Optional[int] = tok.token_to_id(unk) if unk else None
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False).ids)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
 
 
 class HFTokenizer:
@@ -109,8 +84,11 @@ class VocabSpec:
       - ``tokenizer``: ``n_tokens`` keys and as many values drawn from the model's own tokenizer: the tokens, in
         id order (a BPE's most frequent merges first), whose text is (a space and) an ASCII word of at least two
         letters and for which ``word_prefix + word`` encodes to that one token; alternately a key and a value.
-      - ``auto``: ``format`` when the model trained on lookups (or ``format`` is given), else ``tokenizer``
-        (a text-trained or transformers model has no synthetic layout).
+      - ``auto``: ``format`` when the model trained on lookups (or ``format`` is given); ``words`` with the
+        run's ``data.recall.eval_keys`` / ``eval_values`` for a pretraining run (``data.kind: pretrain``: the words
+        its training held out for this evaluation; ``pad`` and ``separator`` left at auto: its
+        ``data.recall.eval_pad``; ``bos`` left at auto: its end-of-document token, as a document opens in
+        training); else ``tokenizer`` (a text-trained or transformers model).
     For ``words``/``ids``/``tokenizer``: ``pad`` (a one-token string or an id) fills padding and the gaps between
     records, ``separator`` (a string, an id or a list of ids; ``None``: none) separates records from queries,
     ``bos`` is an id, a one-token string or ``None``; each may be ``"auto"``: ``pad`` and ``separator`` the first
@@ -200,18 +178,9 @@ def lookup_format(fields: dict) -> LookupFormat:
         raise ConfigError(f"task.vocab.format: {e}") from e
 
 
-def _one_token_problem(tok: TextTokenizer, text: str, ids: list[int]) -> Optional[str]:
-    """Why ``text`` (encoded as ``ids``) is not one known token, or ``None`` when it is."""
-    if len(ids) != 1:
-        return f"{text!r} -> {len(ids)} tokens {ids}"
-    if tok.unk_id is not None and ids[0] == tok.unk_id:
-        return f"{text!r} -> the unknown token"
-    return None
-
-
 def single_token(tok: TextTokenizer, text: str, what: str) -> int:
     ids = tok.encode(text)
-    problem = _one_token_problem(tok, text, ids)
+    problem = one_token_problem(tok, text, ids)
     if problem:
         raise ConfigError(f"{what}: {problem} in the model's tokenizer; it must be one token")
     return ids[0]
@@ -221,7 +190,7 @@ def _word_ids(tok: TextTokenizer, words: list, prefix: str, what: str) -> tuple[
     bad, ids = [], []
     for w in words:
         enc = tok.encode(prefix + str(w))
-        problem = _one_token_problem(tok, prefix + str(w), enc)
+        problem = one_token_problem(tok, prefix + str(w), enc)
         if problem:
             bad.append(problem)
         else:
@@ -269,22 +238,16 @@ def _separator(spec: Union[str, int, list, None], tok: Optional[TextTokenizer], 
 def tokenizer_words(
     tok: TextTokenizer, vocab_size: int, prefix: str, n: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``n`` key and ``n`` value ids drawn from ``tok`` (see ``VocabSpec``, source ``tokenizer``), disjoint: in id
-    order, the tokens whose text is an ASCII word of two or more letters (after one optional leading space) and
-    for which ``prefix + word`` encodes to exactly that token."""
-    found: list[int] = []
-    for i in range(vocab_size):
-        text = tok.decode([i])
-        word = text[1:] if text.startswith(" ") else text
-        if len(word) >= 2 and word.isascii() and word.isalpha() and tok.encode(prefix + word) == [i]:
-            if tok.unk_id is None or i != tok.unk_id:
-                found.append(i)
-                if len(found) == 2 * n:
-                    return tuple(found[0::2]), tuple(found[1::2])
-    raise ConfigError(
-        f"task.vocab.source='tokenizer': the model's tokenizer has only {len(found)} single-token words "
-        f"{prefix!r} + letters, {2 * n} needed; lower task.vocab.n_tokens (and task.n_records)"
-    )
+    """``n`` key and ``n`` value ids drawn from ``tok`` (see ``VocabSpec``, source ``tokenizer``), disjoint: the
+    first ``2 n`` of ``ckv.data.tokenizer.single_token_words`` (in id order), keys at even and values at odd
+    places. ``data.kind: pretrain`` holds the same words out of its retrieval sequences."""
+    found = single_token_words(tok, vocab_size, prefix, limit=2 * n)
+    if len(found) < 2 * n:
+        raise ConfigError(
+            f"task.vocab.source='tokenizer': the model's tokenizer has only {len(found)} single-token words "
+            f"{prefix!r} + letters, {2 * n} needed; lower task.vocab.n_tokens (and task.n_records)"
+        )
+    return tuple(found[0::2]), tuple(found[1::2])
 
 
 def structural_token(tok: Optional[TextTokenizer], exclude: set[int], what: str) -> tuple[int, str]:
@@ -294,7 +257,7 @@ def structural_token(tok: Optional[TextTokenizer], exclude: set[int], what: str)
         raise ConfigError(f"task.vocab.{what}=auto needs the model's tokenizer, but it has none; give an id")
     for text in STRUCTURAL_TEXTS:
         ids = tok.encode(text)
-        if _one_token_problem(tok, text, ids) is None and ids[0] not in exclude:
+        if one_token_problem(tok, text, ids) is None and ids[0] not in exclude:
             return ids[0], text
     raise ConfigError(
         f"task.vocab.{what}=auto: none of {list(STRUCTURAL_TEXTS)} is one token of the model's tokenizer "
@@ -349,11 +312,25 @@ def _repeat(
 
 
 def build_codec(
-    spec: VocabSpec, *, vocab_size: int, tokenizer: Optional[TextTokenizer], run_format: Optional[LookupFormat]
+    spec: VocabSpec,
+    *,
+    vocab_size: int,
+    tokenizer: Optional[TextTokenizer],
+    run_format: Optional[LookupFormat],
+    run_words: Optional[dict[str, Any]] = None,
 ) -> RecordCodec:
     """The codec of ``spec`` for a model with ``vocab_size`` ids and (optionally) a tokenizer. ``auto`` settings
-    are picked from the tokenizer and logged in one line."""
+    are picked from the tokenizer and logged in one line. ``run_words``: the keys, values and pad a pretraining run
+    held out of its training for this evaluation (``data.recall.eval_keys`` / ``eval_values`` / ``eval_pad``) and its
+    end-of-document token, which ``auto`` takes (the pad also as the separator, the end-of-document token as bos)."""
     source = spec.source
+    if source == AUTO and run_format is None and spec.format is None and run_words is not None:
+        pad, sep = (run_words["pad"] if x == AUTO else x for x in (spec.pad, spec.separator))
+        bos = run_words["bos"] if spec.bos == AUTO else spec.bos
+        spec = dataclasses.replace(
+            spec, source="words", keys=run_words["keys"], values=run_words["values"], pad=pad, separator=sep, bos=bos
+        )
+        source = "words"
     if source == AUTO:
         source = "format" if spec.format is not None or run_format is not None else "tokenizer"
     if source == "format":

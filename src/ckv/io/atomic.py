@@ -1,7 +1,10 @@
 """Atomic, durable writes: the one implementation every stage uses.
 
 A reader sees the old content or the new one, never a partial file: data goes to a temp sibling, is flushed and
-fsync'ed, renamed over the target, and the parent folder is fsync'ed so the rename survives a power cut."""
+fsync'ed, renamed over the target, and the parent folder is fsync'ed so the rename survives a power cut. Every file
+gets the mode the user's umask gives a plain ``open`` (``umask_mode``), whatever its writer chose: safetensors, for
+one, creates its files with mode 0600, which would hide a run's weights from the colleagues who read its other
+files."""
 
 from __future__ import annotations
 
@@ -13,6 +16,24 @@ from pathlib import Path
 from typing import Union
 
 PathLike = Union[str, os.PathLike]
+
+
+def umask() -> int:
+    """This process' umask, read without changing it (``/proc/self/status``; elsewhere set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def umask_mode(path: PathLike) -> None:
+    """Give the file ``path`` the mode a plain ``open`` gives a new file: ``0o666 & ~umask``."""
+    os.chmod(path, 0o666 & ~umask())
 
 
 def fsync_dir(path: PathLike) -> None:
@@ -47,12 +68,14 @@ def fsync_tree(path: PathLike) -> None:
 @contextmanager
 def atomic_path(path: PathLike) -> Iterator[Path]:
     """Yield a temp path to write ``path``'s new content to (by any writer: safetensors, csv, torch.save); on a
-    clean exit it is fsync'ed and renamed over ``path``; on an error it is removed and ``path`` is untouched."""
+    clean exit it gets the umask's mode (``umask_mode``), is fsync'ed and renamed over ``path``; on an error it is
+    removed and ``path`` is untouched."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f"{final.name}.{os.getpid()}.tmp")  # per process: ranks may race to write it
     try:
         yield tmp
+        umask_mode(tmp)
         fsync_file(tmp)
         os.replace(tmp, final)
     except BaseException:

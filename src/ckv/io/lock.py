@@ -49,7 +49,7 @@ class RunLock:
 
     def acquire(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # the umask decides, as for every run file
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -85,3 +85,20 @@ class RunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def remove_unused_lock(run_dir: PathLike) -> None:
+    """Remove ``run_dir``'s lock file when the folder holds nothing else and no process holds the lock: a run refused
+    before it wrote anything leaves no folder (its caller then removes the empty folder). It is removed while held,
+    so no other process can take it in between."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        alone = path.is_file() and all(p.name == LOCK_FILE for p in path.parent.iterdir())
+        lock = RunLock(run_dir).acquire() if alone else None
+    except (OSError, RunLockedError):
+        return
+    if lock is not None:
+        try:
+            path.unlink()
+        finally:
+            lock.release()

@@ -12,6 +12,7 @@ from typing import Any, Union
 import numpy as np
 
 from ckv.io.atomic import atomic_path, write_text_atomic
+from ckv.io.layout import read_json_file
 
 RESULTS_JSON = "results.json"
 RESULTS_CSV = "results.csv"
@@ -44,7 +45,8 @@ def write_json(path: PathLike, obj: Any) -> Path:
 
 
 def read_json(path: PathLike) -> Any:
-    return json.loads(Path(path).read_text())
+    """A results file written by ``write_json`` (``CheckpointError`` naming a damaged or unreadable one)."""
+    return read_json_file(path, "run the evaluation again to rewrite it")
 
 
 def write_csv(path: PathLike, rows: list[dict]) -> Path:

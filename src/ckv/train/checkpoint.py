@@ -17,9 +17,11 @@ Leftovers are removed on the next start. The run folder must be on a filesystem 
 ``export_model`` writes ``<run_dir>/model/`` (the final weights) the same way: into a temp folder, then renamed.
 
 Before a resume, ``verify_checkpoint`` reads every file of the checkpoint (the CRCs of the ``torch.save`` zip
-archives, the JSON of ``trainer_state.json``), so damage is reported with the file's path, not as a traceback
-from inside DeepSpeed. ``trainer.resume=fallback`` then resumes from the newest intact checkpoint and moves the
-damaged newer ones aside to ``damaged_step_XXXXXXXX`` (nothing is deleted).
+archives, the JSON of ``trainer_state.json``, the consolidated ``weights/`` in full), so damage is reported with the
+file's path, not as a traceback from inside DeepSpeed, nor passed over by a rerun of a finished run.
+``trainer.resume=fallback`` then resumes from the newest intact checkpoint and moves the damaged newer ones aside to
+``damaged_step_XXXXXXXX`` (nothing is deleted). ``export_model`` reads the final weights back in full before they
+replace ``model/``.
 """
 
 from __future__ import annotations
@@ -48,11 +50,13 @@ from ckv.io.layout import (
     TRASH_PREFIX,
     WEIGHTS_DIR,
     CheckpointError,
+    damaged,
     latest_checkpoint,
     list_checkpoints,
+    read_json_file,
     step_dir_name,
 )
-from ckv.io.weights import NonFiniteWeightsError, check_finite, save_weights
+from ckv.io.weights import NonFiniteWeightsError, check_finite, is_weights_dir, save_weights, verify_weights
 from ckv.train.distributed import DistEnv, barrier
 from ckv.train.engine import ENGINE_TAG, Engine
 
@@ -75,27 +79,27 @@ def _check_archive(path: Path) -> None:
         with zipfile.ZipFile(path) as z:
             bad = z.testzip()
     except Exception as e:  # unpickling a damaged file can raise almost anything; all of it means "damaged"
-        raise CheckpointError(f"{path} is damaged: {type(e).__name__}: {e}") from e
+        raise damaged(path, f"{type(e).__name__}: {e}") from e
     if bad is not None:
-        raise CheckpointError(f"{path} is damaged: its member {bad!r} fails its checksum")
+        raise damaged(path, f"its member {bad!r} fails its checksum")
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
     """The ``trainer_state.json`` of checkpoint folder ``path``, checked to hold the step, tokens and world size."""
     file = path / STATE_FILE
     try:
-        state = json.loads(file.read_text())
-    except (OSError, ValueError) as e:  # ValueError: JSON and UTF-8 decoding
-        raise CheckpointError(f"{file} is damaged: {type(e).__name__}: {e}") from e
+        state = read_json_file(file)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete") from e
     if not isinstance(state, dict) or not all(isinstance(state.get(k), int) for k in ("step", "tokens", "world_size")):
-        raise CheckpointError(f"{file} is damaged: it does not hold integer step, tokens and world_size")
+        raise damaged(file, "it does not hold integer step, tokens and world_size")
     return state
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Read every file a resume needs from checkpoint folder ``path`` (``trainer_state.json``, the engine's and
-    each rank's ``torch.save`` archives) and raise ``CheckpointError`` naming the first damaged or missing one.
-    Returns the trainer state."""
+    """Read every file of checkpoint folder ``path`` (``trainer_state.json``, the engine's and each rank's
+    ``torch.save`` archives, the consolidated ``weights/`` that evaluation and export read) and raise
+    ``CheckpointError`` naming the first damaged or missing one. Returns the trainer state."""
     state = read_trainer_state(path)
     engine_files = sorted((path / ENGINE_TAG).rglob("*.pt")) if (path / ENGINE_TAG).is_dir() else []
     if not engine_files:
@@ -106,6 +110,13 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{f} is missing: the checkpoint is incomplete")
     for f in engine_files + rank_files:
         _check_archive(f)
+    weights = path / WEIGHTS_DIR
+    if not is_weights_dir(weights):
+        raise CheckpointError(f"{weights} is missing or incomplete: the checkpoint is incomplete")
+    try:
+        verify_weights(weights, "")
+    except NonFiniteWeightsError as e:
+        raise damaged(weights, str(e)) from e
     return state
 
 
@@ -140,7 +151,8 @@ def _check_tokenizer(saved: Path, current: Optional[str]) -> None:
 
 
 def export_model(model: Transformer, out: Path, tokenizer_path: Optional[str] = None) -> Path:
-    """Write ``model``'s weights (and the tokenizer) to ``out`` as one complete folder."""
+    """Write ``model``'s weights (and the tokenizer) to ``out`` as one complete folder, read back in full
+    (``verify_weights``) before it replaces the old one."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -148,6 +160,7 @@ def export_model(model: Transformer, out: Path, tokenizer_path: Optional[str] = 
     if tokenizer_path:
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
         fsync_file(tmp / TOKENIZER_FILE)
+    verify_weights(tmp, f"the final weights could not be written to {out}: check the disk and train.py again")
     replace_dir(tmp, out)
     return out
 
@@ -259,7 +272,7 @@ class CheckpointManager:
                     f"resume from the newest intact checkpoint, {chosen.name}, with trainer.resume=fallback (it "
                     "moves the damaged ones aside, deleting nothing)"
                 )
-            raise CheckpointError(f"cannot resume {self.run_dir}: {damage[0]}\n{hint}")
+            raise CheckpointError(f"cannot resume {self.run_dir}: {damage[0]}; {hint}")
         barrier()
         if self.env.is_main:
             for path in damaged:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ckv.config import ConfigError
-from ckv.data import BatchStream, build_batches
+from ckv.data import BatchStream, budget_note, build_batches
 from ckv.device import resolve_device
 from ckv.flops import flops_per_token, mfu, peak_flops
 from ckv.io.layout import MODEL_DIR, latest_checkpoint
@@ -146,7 +146,9 @@ class _Loop:
         self.deficit: Optional[torch.Tensor] = None  # the last step's gate-entropy deficit (None: floor off)
         self.indexer: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # its indexer KL and recall (None: none)
         self.tokens_per_step = t.global_batch_size * cfg.data.seq_len
-        if env.is_main:
+        self.ckpts.clean_leftovers()
+        notes = [*notes, *self._resume()]
+        if env.is_main:  # after the resume checks: a refused resume writes nothing
             write_run_files(
                 cfg,
                 provenance(
@@ -160,8 +162,6 @@ class _Loop:
                     }
                 ),
             )
-        self.ckpts.clean_leftovers()
-        notes = [*notes, *self._resume()]
         self.target = min(t.max_steps, t.stop_at_step or t.max_steps)
         self.log = MetricsLogger(
             self.run_dir,
@@ -179,6 +179,9 @@ class _Loop:
             f"{self.engine.precision}, {self.engine.accumulation_steps} accumulation step(s) | "
             + (f"resumed at step {self.step}" if self.step else "fresh start")
         )
+        budget = budget_note(cfg.data, self.train_stream, t.max_steps * t.global_batch_size // env.world_size)
+        if budget is not None:
+            notes = [*notes, budget]
         if self.peak is None:
             notes = [
                 *notes,

@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 
-from ckv.attention import check_attention
+from ckv.attention import layer_backends
 from ckv.config import ConfigError, ModelConfig
 from ckv.flops import KV_PRECISIONS, PEAK_BF16_FLOPS, flops_per_token, kv_bytes_by_part, parameter_count, peak_flops
 from ckv.train.loss import DEFAULT_CHUNK_TOKENS, logits_bytes
@@ -78,12 +78,15 @@ def model_config(train_cfg: Any, vocab_size: Optional[int] = None) -> ModelConfi
 
 def activation_bytes_per_token(cfg: ModelConfig, compute_bytes: int, checkpointing: bool) -> float:
     """Activation bytes per token of a training micro-batch (see the module docstring); the attention's share
-    comes from its backend (``AttentionBackend.activation_elements_per_token``)."""
-    attention = check_attention(cfg).activation_elements_per_token(cfg)
-    per_layer = 4 * cfg.d_model + attention + 4 * cfg.mlp_dim
+    comes from each layer's backend (``AttentionBackend.activation_elements_per_token``; under a layer schedule the
+    layers' differ, and with checkpointing the largest layer is the one recomputed)."""
+    per_layer = [
+        4 * cfg.d_model + backend.activation_elements_per_token(layer) + 4 * cfg.mlp_dim
+        for backend, layer in layer_backends(cfg)
+    ]
     if checkpointing:
-        return compute_bytes * (cfg.n_layers * cfg.d_model + 2 * per_layer)
-    return compute_bytes * cfg.n_layers * per_layer
+        return compute_bytes * (cfg.n_layers * cfg.d_model + 2 * max(per_layer))
+    return compute_bytes * sum(per_layer)
 
 
 @dataclass(frozen=True)
@@ -152,8 +155,12 @@ def plan(
     }
 
     # one layer's transient working memory per sequence (the attention's score blocks, the indexer's scores, its
-    # loss's logits; fp32, one part at a time), on a GPU as the backend runs there
-    working_parts = check_attention(cfg).working_bytes(cfg, seq_len, torch.device("cuda"))
+    # loss's logits; fp32, one part at a time), on a GPU as the backend runs there; the largest layer's under a
+    # layer schedule (the layers run one after another)
+    layer_parts = [
+        backend.working_bytes(layer, seq_len, torch.device("cuda")) for backend, layer in layer_backends(cfg)
+    ]
+    working_parts = max(layer_parts, key=lambda parts: max(parts.values(), default=0.0))
     working = max(working_parts.values(), default=0.0)
 
     def logits(name: str, m: int) -> float:
@@ -182,7 +189,9 @@ def plan(
     return {
         "model": {
             "preset": train_cfg.model.preset,
-            "attention": cfg.attention.kind,
+            "attention": cfg.attention.kind
+            if cfg.layers is None
+            else " + ".join(f"{seg.count}x {seg.attention.kind}" for seg in cfg.layers),
             "vocab_size": cfg.vocab_size,
             "seq_len": seq_len,
             "parameters": params,

@@ -1,0 +1,201 @@
+"""Retrieval-bearing sequences for pretraining (``data.kind: pretrain``), in templates the lookup evaluation never
+uses, mixed with corpus text.
+
+The lookup evaluation of a pretrained run (``task=lookup``, ``task.vocab.source`` auto) lays out
+``[pad]* k v k v ... k v [pad]* sep (k v){n_demos} k``: its keys and values are the run's ``data.recall.eval_keys``
+/ ``eval_values`` (animals and names in conf/data/pretrain.yaml, as the paper's animal->name lookup), records back to
+back, its pad and separator the run's ``data.recall.eval_pad`` (``"."``: a token the corpus holds, so that the
+model knows it). A model pretrained here must learn retrieval without ever seeing that layout. Every sequence is
+``seq_len + 1`` tokens of corpus text with one retrieval block placed at a random point (after ``text_before`` tokens
+of text), trained with the language-model loss on every token, like text. Two kinds of block:
+
+- ``list``: an associative list: ``n`` records ``k v`` each followed by a delimiter ``d``, then a separator
+  ``s``, then ``q`` distinct records asked again as ``k v d`` (``d``, ``s`` drawn per sequence from
+  ``delimiters`` / ``separators``; keys distinct, values with replacement). Keys and values come from the
+  tokenizer's single-token words (``single_token_words``) other than the evaluation's, alternately;
+- ``repeat``: a passage of ``repeat_len`` tokens, ``repeat_gap`` tokens of other text, then the same passage again:
+  corpus text (induction on natural text), or, for ``word_repeat_share`` of them, words drawn at random from the
+  lists' keys and values (the repeated random tokens on which small models form induction heads).
+
+What the evaluation uses is held out: its words never serve as list keys or values, its pad/separator token is
+never a delimiter or separator (``check_held_out``, one ``ConfigError`` line), and records are never back to back.
+``longest_record_run`` measures how much of an evaluation prompt's record block a token stream contains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckv.config import ConfigError
+from ckv.data.config import RecallConfig
+from ckv.data.stream import rng_for
+from ckv.data.tokenizer import TextTokenizer, one_token_problem, single_token_words
+
+RECALL_SALT = 2  # keeps recall draws apart from text shuffles (0) and lookup draws (1) made with the same seed
+WORD_PREFIX = " "  # a key/value token is " " + an ASCII word, as the evaluation's task.vocab.word_prefix
+
+
+@dataclass(frozen=True)
+class RecallVocab:
+    """The token ids the list blocks draw from, and what the evaluation would use (held out)."""
+
+    keys: np.ndarray  # (K,) key ids
+    values: np.ndarray  # (V,) value ids
+    delimiters: tuple[int, ...]
+    separators: tuple[int, ...]
+    eval_keys: np.ndarray  # the evaluation's key ids (data.recall.eval_keys)
+    eval_values: np.ndarray
+    eval_structural: int  # the evaluation's pad and separator (data.recall.eval_pad)
+
+
+def _one_token_ids(tok: TextTokenizer, texts: list[str], field: str) -> tuple[int, ...]:
+    ids = []
+    for text in texts:
+        enc = tok.encode(text)
+        problem = one_token_problem(tok, text, enc)
+        if problem:
+            raise ConfigError(f"{field}: {problem} in the tokenizer; each must be one token")
+        ids.append(enc[0])
+    return tuple(ids)
+
+
+def recall_vocab(cfg: RecallConfig, tok: TextTokenizer, vocab_size: int) -> RecallVocab:
+    """Resolve ``cfg``'s words and structural texts for ``tok``; ``ConfigError`` (one line) when one is not one
+    token, when there are too few words, or when anything the evaluation uses would appear (``check_held_out``)."""
+    o = "data.recall"
+    eval_keys = _one_token_ids(tok, [WORD_PREFIX + w for w in cfg.eval_keys or []], f"{o}.eval_keys")
+    eval_values = _one_token_ids(tok, [WORD_PREFIX + w for w in cfg.eval_values or []], f"{o}.eval_values")
+    held = set(eval_keys) | set(eval_values)
+    words = [w for w in single_token_words(tok, vocab_size, WORD_PREFIX) if w not in held]
+    if len(words) < 2 * cfg.n_records[1]:
+        raise ConfigError(
+            f"{o}: the tokenizer has {len(words)} single-token words besides the evaluation's; a list needs "
+            f"{2 * cfg.n_records[1]} (n_records hi {cfg.n_records[1]} keys and as many values): raise "
+            "data.text.vocab_size or lower data.recall.n_records"
+        )
+    (pad,) = _one_token_ids(tok, [cfg.eval_pad], f"{o}.eval_pad")
+    rest = np.asarray(words, dtype=np.int64)
+    vocab = RecallVocab(
+        keys=rest[0::2],
+        values=rest[1::2],
+        delimiters=_one_token_ids(tok, cfg.delimiters, f"{o}.delimiters"),
+        separators=_one_token_ids(tok, cfg.separators, f"{o}.separators"),
+        eval_keys=np.asarray(eval_keys, dtype=np.int64),
+        eval_values=np.asarray(eval_values, dtype=np.int64),
+        eval_structural=pad,
+    )
+    check_held_out(cfg, vocab, tok)
+    return vocab
+
+
+def check_held_out(cfg: RecallConfig, vocab: RecallVocab, tok: TextTokenizer) -> None:
+    """``ConfigError`` naming the clash when a list block could use what the evaluation uses: its pad/separator
+    or one of its words as a delimiter or separator (list keys and values never are its words)."""
+    eval_words = set(vocab.eval_keys.tolist()) | set(vocab.eval_values.tolist())
+    for name in ("delimiters", "separators"):
+        for tid, text in zip(getattr(vocab, name), getattr(cfg, name)):
+            if tid == vocab.eval_structural:
+                raise ConfigError(
+                    f"data.recall.{name} holds {text!r}, the lookup evaluation's pad and separator "
+                    f"({tok.decode([vocab.eval_structural])!r}): an evaluation template would be in the training data; "
+                    "choose other texts"
+                )
+            if tid in eval_words:
+                raise ConfigError(
+                    f"data.recall.{name} holds {text!r}, one of the lookup evaluation's key/value words: an "
+                    "evaluation template would be in the training data; choose other texts"
+                )
+
+
+def longest_record_run(tokens: np.ndarray, keys: np.ndarray, values: np.ndarray) -> int:
+    """The most records ``k v`` (``k`` in ``keys``, ``v`` in ``values``) that lie back to back anywhere in
+    ``tokens`` (N,): an evaluation prompt's record block and demonstrations are one such run (records + demos)."""
+    t = np.asarray(tokens)
+    if len(t) < 2:
+        return 0
+    pair = np.isin(t[:-1], keys) & np.isin(t[1:], values)  # (N-1,) a record starts at i
+    best = 0
+    for parity in (0, 1):
+        p = pair[parity::2].astype(np.int8)
+        if not p.any():
+            continue
+        edges = np.diff(np.concatenate(([0], p, [0])))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        best = max(best, int((ends - starts).max()))
+    return best
+
+
+class RecallSequences:
+    """Endless pretraining sequences with one retrieval block each (a ``SequenceSource``). Sequence ``g`` of a split
+    is drawn from its own generator ``(seed, split, RECALL_SALT, g)``; its text comes from ``text_tokens`` (the
+    split's packed corpus, (N,)), at offsets that generator draws. State: one counter. ``DataConfig`` checks that
+    the longest block fits ``seq_len``."""
+
+    def __init__(
+        self,
+        cfg: RecallConfig,
+        vocab: RecallVocab,
+        text_tokens: np.ndarray,
+        seq_len: int,
+        *,
+        seed: int,
+        split: int,
+        rank: int,
+        world_size: int,
+    ) -> None:
+        if len(text_tokens) < 2 * (seq_len + 1):
+            raise ConfigError(
+                f"data.recall: the corpus split has {len(text_tokens)} tokens, fewer than two sequences of "
+                f"{seq_len + 1}; add text or lower data.seq_len"
+            )
+        self.cfg, self.vocab, self.text, self.seq_len = cfg, vocab, text_tokens, seq_len
+        self.seed, self.split, self.rank, self.world_size = seed, split, rank, world_size
+        self.index = 0
+
+    def next(self) -> tuple[np.ndarray, np.ndarray]:
+        self.index += 1
+        return self.sample((self.index - 1) * self.world_size + self.rank)
+
+    def _text(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        start = int(rng.integers(0, len(self.text) - n + 1))
+        return np.asarray(self.text[start : start + n], dtype=np.int64)
+
+    def block(self, rng: np.random.Generator) -> tuple[str, np.ndarray]:
+        """One retrieval block drawn with ``rng``: its kind (``list`` or ``repeat``: the module docstring) and
+        tokens."""
+        c, v = self.cfg, self.vocab
+        if rng.random() < c.repeat_share:
+            n = int(rng.integers(c.repeat_len[0], c.repeat_len[1] + 1))
+            words = rng.random() < c.word_repeat_share
+            passage = rng.choice(np.concatenate([v.keys, v.values]), n) if words else self._text(rng, n)
+            gap = self._text(rng, int(rng.integers(c.repeat_gap[0], c.repeat_gap[1] + 1)))
+            return "repeat", np.concatenate([passage, gap, passage])
+        n = int(rng.integers(c.n_records[0], c.n_records[1] + 1))
+        q = min(int(rng.integers(c.n_queries[0], c.n_queries[1] + 1)), n)
+        keys = rng.choice(v.keys, n, replace=False)
+        values = rng.choice(v.values, n, replace=True)
+        delim = v.delimiters[int(rng.integers(len(v.delimiters)))]
+        sep = v.separators[int(rng.integers(len(v.separators)))]
+        asked = rng.choice(n, q, replace=False)
+        records = np.stack([keys, values, np.full(n, delim)], axis=1).reshape(-1)  # (3n,) k v d
+        queries = np.stack([keys[asked], values[asked], np.full(q, delim)], axis=1).reshape(-1)  # (3q,)
+        return "list", np.concatenate([records, [sep], queries])
+
+    def sample(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence number ``g`` of the split counted over all ranks: text, a block, more text; the LM loss on
+        every token."""
+        rng = rng_for(self.seed, self.split, RECALL_SALT, g)
+        before = int(rng.integers(self.cfg.text_before[0], self.cfg.text_before[1] + 1))
+        _, block = self.block(rng)
+        after = self.seq_len + 1 - before - len(block)
+        tokens = np.concatenate([self._text(rng, before), block, self._text(rng, after)])  # (T+1,)
+        return tokens[:-1], tokens[1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.index = int(state["index"])

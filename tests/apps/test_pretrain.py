@@ -1,0 +1,252 @@
+"""make pretrain's study (conf/study/pretrain.yaml): its runs, evaluations and checkpoint evaluations (the dry run),
+the ``checkpoints`` key of a study, every claim of its report at the boundaries of its rule on constructed rows (the
+criteria read from the study), the paired differences against the task-trained rows, and the emergence figure."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ckv.analysis import plots as analysis_plots
+from ckv.apps import pretrain, study_config
+from ckv.apps.study import main
+from ckv.apps.study_config import Run, load_study
+from ckv.apps.study_run import checkpoint_commands
+from ckv.checks import ConfigError
+from tests.helpers import kept_figures
+
+from .helpers import run_quick
+
+STUDY = load_study("pretrain")
+CRITERIA = STUDY.criteria
+BAR, MARGIN, CAP = CRITERIA["learned_best"], CRITERIA["flat_margin"], CRITERIA["control_saturated"]
+SPREAD = STUDY.params["paper_spread"]
+
+
+def test_the_dry_run_lists_the_runs_their_twins_and_the_checkpoint_evaluations(capsys):
+    assert main(["pretrain", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    labels = {r.label for r in STUDY.runs}
+    # every pretrained run named in the claims' params exists, and so does its task-trained row
+    assert set(STUDY.params["task_trained"]) <= labels and set(STUDY.params["task_trained"].values()) <= labels
+    assert set(pretrain.CLAIM_ROLES) <= {r.role for r in STUDY.runs}
+    roles = {r.label: r.role for r in STUDY.runs}
+    assert all(roles[t] == pretrain.TASK_TRAINED for t in STUDY.params["task_trained"].values())
+    checkpoint = [x for x in lines if "of every kept checkpoint" in x]
+    assert checkpoint and all("model.step=<step>" in x and "task.padding=prefix" in x for x in checkpoint)
+    picked = {x.split()[1] for x in checkpoint}
+    assert picked == {r.label for r in STUDY.runs if STUDY.checkpoints.applies_to(r)}
+    assert {"full_kv1/seed=42", "deepseek_w8s4/seed=42", "w8s8/seed=44"} <= picked
+    assert not any(x.startswith("paper_") for x in picked)
+
+
+@pytest.mark.parametrize(
+    ("checkpoints", "message"),
+    [
+        ("{runs: [], eval: prefix}", "checkpoints takes runs (a list of label patterns) and eval"),
+        ("{runs: ['a/*'], eval: nothing}", "checkpoints.eval='nothing' is not one of the study's evaluations"),
+        ("{runs: ['a/*'], every: 2}", "checkpoints takes runs (a list of label patterns) and eval"),
+    ],
+)
+def test_a_bad_checkpoints_key_is_one_line(tmp_path, monkeypatch, checkpoints: str, message: str) -> None:
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
+    (tmp_path / "s.yaml").write_text(
+        "out: o\nevals: {prefix: [task.padding=prefix]}\nruns: [{experiment: cpu_smoke, role: x}]\n"
+        f"checkpoints: {checkpoints}\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_study("s")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_checkpoint_evaluations_apply_to_the_runs_their_patterns_match() -> None:
+    pick = study_config.CheckpointEvals(("w8s8/*", "full_kv1/seed=42"), "prefix")
+    runs = [Run("e", s, "r", name=n) for n, s in (("w8s8", 43), ("w8s8_kv8", 42), ("full_kv1", 42), ("full_kv1", 7))]
+    assert [pick.applies_to(r) for r in runs] == [True, False, True, False]
+
+
+def row(gap: float = 0.01, p: float = 0.5, floor: float = 0.02, worst: float = 0.6, stride: int = 8, **kw) -> dict:
+    """A constructed ``pretrain.row``: learned (best group worst + gap >= the bar), not significant, flat (one-sided
+    upper bound under the margin) by default; phase groups all at the worst group's accuracy but ``phases``."""
+    phases = kw.pop("phases", [worst + gap] * stride)
+    return {
+        "mean": kw.pop("mean", worst + gap / 2),
+        "mean_lower": 0.0,
+        "mean_upper": 1.0,
+        "residue_gap": gap,
+        "residue_gap_lower": kw.pop("lower", gap - 0.02),
+        "residue_gap_upper": kw.pop("upper", gap + 0.02),
+        "residue_p_value": p,
+        "residue_noise_floor": floor,
+        "residue_upper_one_sided": kw.pop("one_sided", min(gap + 0.01, MARGIN / 2)),
+        "residue_mde": 0.03,
+        "residue_mde_power": 0.8,
+        "dominant_period": kw.pop("period", None),
+        "stride": stride,
+        "worst_residue_accuracy": worst,
+        "worst_residue_lower": worst - 0.02,
+        "worst_residue_upper": worst + 0.02,
+        "phase_accuracy": phases,
+        **kw,
+    }
+
+
+def gap_row(weak: int = 7, gap: float = 0.4, **kw) -> dict:
+    """A significant gap at period 8 whose weakest phase is ``weak``."""
+    phases = [0.7] * 8
+    phases[weak] = 0.3
+    return row(gap=gap, p=0.001, floor=0.03, worst=0.3, period=8, phases=phases, one_sided=gap + 0.02, **kw)
+
+
+def both(r: dict) -> dict:
+    return {"prefix": r, "in_sequence": r}
+
+
+def checks_of(rows: dict, roles: dict, compared: dict | None = None) -> list:
+    learned = pretrain.learned_runs({k: v for k, v in rows.items()}, BAR)
+    return pretrain.claims(STUDY, rows, roles, learned, compared or {}, [])
+
+
+def verdicts(checks, start: str) -> list[str]:
+    return [("PASS" if c.passed else "FAIL" if c.decided else "undecided") for c in checks if c.claim.startswith(start)]
+
+
+ROLES = {"ctrl": "control", "ds": "deepseek", "kv8a": "kv8", "kv8b": "kv8", "b1": "baseline", "b2": "baseline"}
+
+
+def test_each_claim_passes_fails_or_stays_undecided_on_constructed_rows() -> None:
+    rows = {
+        "ctrl": both(row(mean=0.7)),
+        "ds": both(gap_row()),
+        "kv8a": both(gap_row()),
+        "kv8b": both(row()),  # flat: Q2 FAILs
+        "b1": both(gap_row(weak=7, gap=SPREAD["prefix"][0] / 100 + 0.01)),  # inside the spread, weakest at S - 1
+        "b2": both(gap_row(weak=3, gap=SPREAD["prefix"][1] / 100 - 0.01)),  # inside, weakest elsewhere: FAIL
+    }
+    checks = checks_of(rows, ROLES)
+    assert verdicts(checks, "precondition") == ["PASS"]
+    assert "not saturated" in checks[0].detail
+    assert verdicts(checks, "ctrl") == ["PASS", "PASS"]
+    assert verdicts(checks, "Q1") == ["PASS", "PASS"]
+    assert verdicts(checks, "Q2") == ["FAIL", "FAIL"]
+    assert verdicts(checks, "prefix: the baseline's gap") == ["PASS"]
+    assert verdicts(checks, "b1 prefix: the weakest") == ["PASS"] and verdicts(checks, "b2 prefix: the weakest") == [
+        "FAIL"
+    ]
+    assert verdicts(checks, "kv8b prefix: the weakest") == ["undecided"]  # no significant gap
+    assert verdicts(checks, "prefix: the dominant period") == ["PASS"]
+
+
+def test_the_precondition_is_learning_and_a_failed_control_means_no_verdict() -> None:
+    at_bar = row(worst=BAR - 0.01, gap=0.01)  # best group exactly at the bar: learned
+    assert verdicts(checks_of({"ctrl": both(at_bar)}, {"ctrl": "control"}), "precondition") == ["PASS"]
+    below = row(worst=BAR - 0.02, gap=0.01)
+    checks = checks_of({"ctrl": both(below), "ds": both(gap_row())}, {"ctrl": "control", "ds": "deepseek"})
+    assert verdicts(checks, "precondition") == ["FAIL"]
+    assert verdicts(checks, "Q1") == ["undecided", "undecided"] and "no verdict" in checks[-1].detail
+    missing = checks_of({"ds": both(gap_row())}, {"ctrl": "control", "ds": "deepseek"})
+    assert verdicts(missing, "precondition") == ["FAIL"]
+    saturated = checks_of({"ctrl": both(row(mean=CAP + 0.01, worst=0.9))}, {"ctrl": "control"})
+    assert "saturated" in saturated[0].detail and "not saturated" not in saturated[0].detail
+
+
+def test_the_spread_question_at_its_edges() -> None:
+    lo, hi = (x / 100 for x in SPREAD["prefix"])
+    roles = {"ctrl": "control", "b1": "baseline", "b2": "baseline"}
+
+    def q3(*seeds: tuple[float, float, float]) -> str:
+        """Q3's verdict for baseline seeds of (gap, lower, upper)."""
+        rows = {"ctrl": both(row())}
+        for k, (g, lower, upper) in zip(("b1", "b2"), seeds):
+            rows[k] = both(gap_row(gap=g, lower=lower, upper=upper))
+        return verdicts(checks_of(rows, roles), "prefix: the baseline's gap")[0]
+
+    below = (lo - 0.1, lo - 0.15, lo - 0.05)  # its interval entirely under the spread
+    assert q3((lo, lo - 0.02, lo + 0.02), (hi, hi - 0.02, hi + 0.02)) == "PASS"  # both ends are inside
+    assert q3(below, below) == "FAIL"
+    assert q3(below, (lo + 0.1, lo + 0.05, lo + 0.15)) == "undecided"  # one inside, one outside
+    assert q3((lo - 0.01, lo - 0.03, lo + 0.01), below) == "undecided"  # outside, but its interval reaches in
+
+
+def write_outcomes(folder: Path, task_name: str, correct: list[int], residue: list[int]) -> None:
+    d = folder / "eval" / task_name
+    d.mkdir(parents=True)
+    with open(d / "results.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["base", "shift", "residue", "correct"])
+        for i, (c, r) in enumerate(zip(correct, residue)):
+            w.writerow([i // 4, i % 4, r, c])
+
+
+def test_the_paired_difference_is_the_difference_of_the_two_evaluations(tmp_path: Path) -> None:
+    # 20 mappings x 4 shifts, residues 0-3: a is right everywhere but residue 3 (half), b everywhere
+    residue = [i % 4 for i in range(80)]
+    a = [0 if r == 3 and i % 8 < 4 else 1 for i, r in enumerate(residue)]
+    b = [1] * 80
+    write_outcomes(tmp_path / "a", "lookup_prefix", a, residue)
+    write_outcomes(tmp_path / "b", "lookup_prefix", b, residue)
+    oa = pretrain.outcomes({"dir": tmp_path / "a"}, "lookup_prefix")
+    ob = pretrain.outcomes({"dir": tmp_path / "b"}, "lookup_prefix")
+    diff = pretrain.paired(oa, ob, 4)
+    worst_a = np.mean([c for c, r in zip(a, residue) if r == 3])
+    assert diff["worst"]["value"] == pytest.approx(worst_a - 1)
+    assert diff["gap"]["value"] == pytest.approx(1 - worst_a)
+    assert diff["mean"]["value"] == pytest.approx(np.mean(a) - 1)
+    for k in ("mean", "worst", "gap"):
+        assert diff[k]["lower"] <= diff[k]["value"] <= diff[k]["upper"]
+    assert diff["gap"]["lower"] > 0  # every mapping loses at residue 3 in half its prompts: a real paired gap
+    write_outcomes(tmp_path / "c", "lookup_prefix", b, [(r + 1) % 4 for r in residue])  # another design
+    assert pretrain.paired(oa, pretrain.outcomes({"dir": tmp_path / "c"}, "lookup_prefix"), 4) is None
+    assert pretrain.outcomes({"dir": tmp_path / "none"}, "lookup_prefix") is None
+
+
+def test_the_emergence_figure_has_a_row_per_run_and_says_when_there_are_no_gates(monkeypatch, tmp_path) -> None:
+    drawn = kept_figures(monkeypatch, analysis_plots)
+    series = [
+        {
+            "label": "w8s8/seed=42",
+            "tokens": [1e6, 2e6],
+            "mean": [0.1, 0.5],
+            "worst": [0.0, 0.2],
+            "gap": [0.2, 0.5],
+            "concentration": [7.5, 3.0],
+        },
+        {
+            "label": "full_kv1/seed=42",
+            "tokens": [1e6, 2e6],
+            "mean": [0.2, 0.6],
+            "worst": [0.1, 0.5],
+            "gap": [0.1, 0.1],
+            "concentration": [None, None],
+        },
+    ]
+    analysis_plots.plot_emergence(series, tmp_path / "e.png")
+    fig = drawn["e.png"]
+    axes = fig.axes
+    assert len(axes) == 4  # a row per run: accuracy and gap, gate concentration
+    assert [line.get_label() for line in axes[0].lines] == ["mean", "worst", "gap"]
+    assert list(axes[0].lines[0].get_xdata()) == [1.0, 2.0] and list(axes[0].lines[1].get_ydata()) == [0.0, 20.0]
+    assert list(axes[1].lines[0].get_ydata()) == [7.5, 3.0]
+    assert not axes[3].lines and any("no gates" in t.get_text() for t in axes[3].texts)
+
+
+@pytest.mark.slow
+def test_quick_pretrain_pairs_a_pretrained_run_with_its_task_trained_row_and_evaluates_its_checkpoints(tmp_path):
+    """The real study on a control, a baseline seed and its task-trained row (a few steps each): both paddings
+    evaluated, the baseline's gap paired with its task-trained row's (the designs match: the pretrained prompt opens
+    with the end-of-document token where the synthetic layout has its bos), each kept checkpoint of the runs the
+    study's ``checkpoints`` names evaluated, the claims and both figures written."""
+    proc = run_quick("ckv.apps.study", tmp_path, "pretrain", "--runs", "full_kv1/*,w8s8/seed=42,paper_w8s8/seed=42")
+    table = next(line for line in proc.stdout.splitlines() if line.startswith("w8s8/seed=42") and "prefix" in line)
+    assert "paper_w8s8" in table and table.count("n/a") == 0  # the task-trained gap and the paired difference
+    for label in ("full_kv1/seed=42", "w8s8/seed=42"):
+        run = next(r for r in STUDY.runs if r.label == label)
+        for step, results, _ in checkpoint_commands(STUDY, run, tmp_path, True):
+            assert results.is_file(), (label, step)
+    assert (tmp_path / "pretrain_curves.png").is_file() and (tmp_path / "pretrain_emergence.png").is_file()
+    claims = [line for line in proc.stdout.splitlines() if line.startswith("  [")]
+    assert any("precondition: every full-attention control learned" in line for line in claims)
+    assert sum("the weakest phase group is the boundary phase" in line for line in claims) == 2  # w8s8, both paddings

@@ -1,0 +1,197 @@
+"""``data.kind: pretrain``: corpus text mixed with retrieval blocks in templates the lookup evaluation never uses
+(ckv.data.recall). The held-out proof: the evaluation's own prompts, built by ckv.eval for the pretrained model's
+tokenizer, hold a layout that no training sequence holds."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from ckv.config import ConfigError
+from ckv.data import DataConfig, budget_note, build_batches
+from ckv.data.recall import longest_record_run
+from ckv.data.tokenizer import TokenizersTokenizer, single_token_words
+from ckv.eval.lookup import LookupSpec, LookupTask, codec_for
+from ckv.eval.models import ModelFacts
+
+SEQ_LEN = 128
+N_SEQUENCES = 1200  # training sequences scanned for the evaluation's layout (300 with a retrieval block)
+TEXT = {"vocab_size": 1024}  # the shipped corpus on a 1,024-id BPE (the one the cpu_smoke fixture trains too)
+
+
+@pytest.fixture(scope="module")
+def eval_words(cache_dir: str) -> dict[str, list[str]]:
+    """20 keys and 20 values for the evaluation: single-token words of the 1,024-id BPE (conf/data/pretrain.yaml's
+    animals and names are words of its 4,096-id BPE), taken from the middle of the word list."""
+    text = build_batches(
+        DataConfig.from_dict({"kind": "text", "text": TEXT}), batch_size=1, seed=0, cache_dir=cache_dir
+    )
+    tok = TokenizersTokenizer(text.source.tok)
+    words = [tok.decode([i])[1:] for i in single_token_words(tok, text.vocab_size, " ")][40:80]
+    return {"eval_keys": words[0::2], "eval_values": words[1::2]}
+
+
+def pretrain_config(eval_words: dict[str, list[str]], **changes: object) -> DataConfig:
+    """conf/data/pretrain.yaml's settings on the 1,024-id BPE with ``eval_words``."""
+    d: dict = {"kind": "pretrain", "seq_len": SEQ_LEN, "text": TEXT, "recall": dict(eval_words)}
+    for key, value in changes.items():
+        part, _, name = key.partition("__")
+        if name:
+            d[part] = {**d.get(part, {}), name: value}
+        else:
+            d[part] = value
+    return DataConfig.from_dict(d)
+
+
+@pytest.fixture(scope="module")
+def stream(cache_dir: str, eval_words: dict[str, list[str]]):
+    return build_batches(pretrain_config(eval_words), batch_size=8, seed=0, cache_dir=cache_dir)
+
+
+def eval_prompts(stream, eval_words: dict[str, list[str]], padding: str) -> tuple[list[np.ndarray], object]:
+    """The lookup evaluation's prompts for a run of this data (task=lookup at make pretrain's settings: 16 records,
+    8 demonstrations, modulus 24, vocabulary auto), one per residue group of two base examples, and its codec."""
+    facts = ModelFacts(
+        name="pretrain",
+        vocab_size=stream.vocab_size,
+        max_len=SEQ_LEN,
+        tokenizer=TokenizersTokenizer(stream.source.text.tok),
+        eval_words={
+            "keys": eval_words["eval_keys"],
+            "values": eval_words["eval_values"],
+            "pad": ".",
+            "bos": stream.source.text.eod_id,
+        },
+    )
+    spec = LookupSpec(n_records=16, n_demos=8, n_base=2, modulus=24, padding=padding)
+    codec = codec_for(spec.vocab, facts)
+    return LookupTask(spec, codec, max_len=SEQ_LEN).prompts, codec
+
+
+def training_sequences(stream, n: int) -> list[np.ndarray]:
+    source = stream.source
+    state = source.state_dict()
+    out = []
+    for _ in range(n):
+        inputs, labels = source.next()
+        out.append(np.append(inputs, labels[-1:]))  # the sequence's seq_len + 1 tokens
+    source.load_state_dict(state)
+    return out
+
+
+@pytest.mark.parametrize("padding", ["prefix", "in_sequence"])
+def test_no_training_sequence_holds_an_evaluation_layout(stream, eval_words, padding: str) -> None:
+    prompts, codec = eval_prompts(stream, eval_words, padding)
+    keys, values = np.asarray(codec.key_ids), np.asarray(codec.value_ids)
+    vocab = stream.source.lookup.vocab
+    # what the data layer holds out is what the evaluation picks for this tokenizer
+    assert vocab.eval_keys.tolist() == list(codec.key_ids) and vocab.eval_values.tolist() == list(codec.value_ids)
+    assert [vocab.eval_structural] == codec.separator and vocab.eval_structural == codec.pad_id
+    assert codec.prefix == [stream.source.text.eod_id]  # a prompt opens as a document does in training
+    # every evaluation prompt holds its 8 demonstrations and the query back to back: a run of >= 8 records
+    assert min(longest_record_run(p, keys, values) for p in prompts) >= 8
+    seqs = training_sequences(stream, N_SEQUENCES)
+    assert max(longest_record_run(s, keys, values) for s in seqs) < 8
+    # the evaluation's pad/separator never sits inside a retrieval block; list keys and values are not its words
+    assert not set(vocab.delimiters + vocab.separators) & {codec.pad_id, *codec.key_ids, *codec.value_ids}
+    assert not (set(vocab.keys.tolist()) | set(vocab.values.tolist())) & {*codec.key_ids, *codec.value_ids}
+
+
+def test_lists_ask_their_own_records_and_shares_hold(stream) -> None:
+    source = stream.source
+    recall, vocab = source.lookup, source.lookup.vocab
+    delims, seps = set(vocab.delimiters), set(vocab.separators)
+    lists = 0
+    for g in range(200):
+        kind, block = recall.block(np.random.default_rng([7, g]))
+        if kind == "repeat":  # a passage, a gap, the passage again
+            n = next(n for n in range(len(block) // 2, 0, -1) if np.array_equal(block[:n], block[-n:]))
+            assert n >= recall.cfg.repeat_len[0]
+            continue
+        lists += 1
+        cut = next(i for i in range(0, len(block), 3) if block[i] in seps)  # keys are words, never separators
+        records, queries = block[:cut].reshape(-1, 3), block[cut + 1 :].reshape(-1, 3)
+        assert set(records[:, 2]) <= delims and len(set(records[:, 2])) == 1
+        assert len(set(records[:, 0])) == len(records)  # distinct keys
+        assert set(records[:, 0]) <= set(vocab.keys.tolist()) and set(records[:, 1]) <= set(vocab.values.tolist())
+        answer = dict(zip(records[:, 0].tolist(), records[:, 1].tolist()))
+        assert all(answer[k] == v for k, v in queries[:, :2].tolist())
+        assert len(set(queries[:, 0])) == len(queries) <= len(records)
+    assert 100 < lists < 180  # repeat_share 0.3 of 200 blocks
+    # the recall share: exactly floor(n * share) of the first n rows
+    rows = [source.is_lookup(r) for r in range(400)]
+    assert sum(rows) == 100
+
+
+def test_resume_gives_the_same_batches(cache_dir: str, eval_words) -> None:
+    a = build_batches(pretrain_config(eval_words), batch_size=4, seed=3, cache_dir=cache_dir)
+    it = iter(a)
+    next(it)
+    state = a.state_dict()
+    want = next(it)
+    b = build_batches(pretrain_config(eval_words), batch_size=4, seed=3, cache_dir=cache_dir)
+    b.load_state_dict(state)
+    got = next(iter(b))
+    assert all(np.array_equal(want[k], got[k]) for k in ("input_ids", "labels"))
+
+
+def test_budget_note_counts_epochs(stream, eval_words) -> None:
+    windows = stream.source.text.per_rank
+    note = budget_note(pretrain_config(eval_words), stream, 4 * windows)  # 3 windows' worth of text rows at share 0.75
+    assert f"{3 * windows:,} text sequences = 3.00 epochs" in note and f"{windows:,} sequences with a retrieval" in note
+    assert budget_note(DataConfig.from_dict({"kind": "text"}), stream, 10) is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"shares": {"text": 0.7, "recall": 0.2}},
+            "data.shares (text=0.7, recall=0.2) sum to 0.9; the shares are fractions of the sequences and must sum "
+            "to 1",
+        ),
+        ({"shares": {"text": 1.0}}, "data.shares=['text'] must give a share to each of ['text', 'recall']"),
+        (
+            {"seq_len": 64},
+            "data.seq_len=64 is too short for data.recall: its longest block ends at token 128 (text_before hi 32 "
+            "+ 96)",
+        ),
+        ({"recall__n_records": [0, 4]}, "data.recall.n_records=[0, 4] must draw at least 1"),
+        (
+            {"recall__eval_keys": None},
+            "data.kind=pretrain needs data.recall.eval_keys: the words the lookup evaluation asks",
+        ),
+    ],
+)
+def test_bad_mixture_is_one_line(eval_words, changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        pretrain_config(eval_words, **changes)
+
+
+@pytest.mark.parametrize(
+    ("delimiters", "message"),
+    [
+        (["."], "data.recall.delimiters holds '.', the lookup evaluation's pad and separator ('.')"),
+        ([None], "data.recall.delimiters holds ' {key}', one of the lookup evaluation's key/value words"),
+        ([" -->"], "data.recall.delimiters: ' -->' -> "),
+    ],
+)
+def test_evaluation_template_in_the_data_is_refused(cache_dir: str, eval_words, delimiters: list, message: str) -> None:
+    key = eval_words["eval_keys"][0]
+    delimiters = [d if d is not None else " " + key for d in delimiters]
+    cfg = pretrain_config(eval_words, recall__delimiters=delimiters)
+    with pytest.raises(ConfigError) as err:
+        build_batches(cfg, batch_size=2, seed=0, cache_dir=cache_dir)
+    message = message.format(key=key)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_corpus_too_small_for_one_sequence_says_so(tmp_path, cache_dir: str, eval_words) -> None:
+    (tmp_path / "tiny.txt").write_text("In the beginning God created the heavens and the earth.\n")
+    cfg = pretrain_config(eval_words, text={"paths": [str(tmp_path / "tiny.txt")], "vocab_size": 300, "val_every": 2})
+    with pytest.raises(Exception) as err:
+        build_batches(cfg, batch_size=2, seed=0, cache_dir=cache_dir)
+    text = str(err.value)
+    assert "not one full window of 129 tokens" in text and "lower data.seq_len" in text

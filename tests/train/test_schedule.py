@@ -1,0 +1,88 @@
+"""Layer schedules (``model.layers``) through training: composed from conf/model/tiny_schedule.yaml, planned layer by
+layer, trained, resumed exactly and exported with their schedule; a bad schedule is one line before anything is
+written."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckv.attention import layer_backends
+from ckv.io.weights import load_weights
+from ckv.train import read_metrics, train
+from ckv.train.plan import activation_bytes_per_token, model_config, plan
+from tests.helpers import assert_documented, run_script
+
+from .helpers import train_config
+
+SCHEDULE = [{"count": 1, "attention": {"kind": "sliding", "sliding_window": 3}}, {"count": 1}]
+
+
+def test_the_schedule_option_composes_and_builds_each_layer():
+    cfg = train_config(["experiment=cpu_smoke", "model=tiny_schedule"])
+    model = cfg.model.build(cfg.attention, data_vocab_size=cfg.data.text.vocab_size)
+    kinds = [model.layer_attention(i).kind for i in range(model.n_layers)]
+    assert kinds == ["sliding"] + ["compressed"] * (model.n_layers - 1)  # the run's attention=w4s4 fills the rest
+    assert model.layer_attention(0).sliding_window == 16 and model.layer_attention(1) == model.attention
+
+
+def test_the_plan_sums_the_layers():
+    cfg = train_config(["experiment=cpu_smoke", "model=tiny_schedule"])
+    p = plan(cfg, gpus=1, gpu_mem_gib=80, gpu="H100", vocab_size=1024)
+    model = model_config(cfg, 1024)
+    assert p["model"]["attention"] == "1x sliding + 3x compressed"
+    per_layer = [
+        4 * model.d_model + backend.activation_elements_per_token(layer) + 4 * model.mlp_dim
+        for backend, layer in layer_backends(model)
+    ]
+    assert len(set(per_layer)) == 2  # the sliding layer saves less than the compressed ones
+    assert activation_bytes_per_token(model, 2, False) == 2 * sum(per_layer)
+    assert activation_bytes_per_token(model, 2, True) == 2 * (model.n_layers * model.d_model + 2 * max(per_layer))
+
+
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "model.n_layers=3",
+            "ckv: error: model.layers counts [1, 3] add up to 4 layers, not model.n_layers=3: make the segment counts "
+            "add up to n_layers (or set model.layers=null for a uniform stack)",
+        ),
+        ("+model.layers.0.attention.windw=4", "ckv: error: attention.windw is not a field of attention.kind='sliding'"),
+        ("model.layers.0.attention.sliding_window=0", "ckv: error: attention.sliding_window=0 must be"),
+    ],
+)
+def test_a_bad_schedule_is_one_line_and_writes_nothing(tmp_path, override, line, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    args = ["experiment=cpu_smoke", "model=tiny_schedule", override, f"out_dir={tmp_path}"]
+    args += [f"trainer.data_cache_dir={cache}", "wandb.enabled=false"]
+    code, _, err = run_script("train.py", args, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(line), err
+    assert list(tmp_path.iterdir()) == []
+    if override == "model.n_layers=3":  # the row of docs/errors.md ("Layer schedules")
+        assert_documented(lines[0])
+
+
+def test_a_scheduled_run_resumes_exactly_and_exports_its_schedule(make_config):
+    """6 steps straight vs. 3 (``trainer.stop_at_step``) and a resume to 6: the same losses and final weights; the
+    exported model is the schedule's and loads as it."""
+    model = {"preset": "tiny", "n_layers": 2, "layers": SCHEDULE}
+    attention = {"kind": "compressed", "window": 4, "stride": 4, "local_window": 2}
+    straight = make_config("straight", model=model, attention=attention, trainer={"max_steps": 6})
+    train(straight)
+    split = make_config("split", model=model, attention=attention, trainer={"max_steps": 6, "stop_at_step": 3})
+    train(split)
+    train(dataclasses.replace(split, trainer=dataclasses.replace(split.trainer, stop_at_step=None)))
+    a, b = read_metrics(straight.run_dir), read_metrics(split.run_dir)
+    assert [(r["step"], r["loss"]) for r in a if "loss" in r] == [(r["step"], r["loss"]) for r in b if "loss" in r]
+    wa = load_file(str(Path(straight.run_dir) / "model" / "model.safetensors"))
+    wb = load_file(str(Path(split.run_dir) / "model" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    exported = load_weights(Path(split.run_dir) / "model")
+    assert [type(block.self_attn).__name__ for block in exported.layers] == ["SlidingAttention", "CompressedAttention"]
+    assert exported.config.layer_attention(0).sliding_window == 3
