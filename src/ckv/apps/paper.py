@@ -329,22 +329,10 @@ def claims(
     for pad in PADDINGS:
         unlearned = [lab for lab in compressed if pad in rows[lab] and (lab, pad) not in learned]
         missing = [lab for lab in roles if roles[lab] != "control" and result(lab, pad) is None]
-        real = [(lab, rows[lab][pad]) for lab in compressed if (lab, pad) in learned and significant(rows[lab][pad])]
-        wrong = [
-            f"{lab} period {r['dominant_period']} (S={r['stride']})"
-            for lab, r in real
-            if r["dominant_period"] != r["stride"]
-        ]
-        out.append(
-            outcome(
-                f"{pad}: the dominant period equals S for every compressed variant with a significant gap",
-                None if not real else not wrong,
-                f"{len(real)} of {len(compressed)} learned with a significant gap; "
-                + ("; ".join(wrong) if wrong else "all at their S" if real else "none to judge")
-                + (f"; not learned: {', '.join(unlearned)}" if unlearned else "")
-                + (f"; no result: {', '.join(missing)}" if missing else ""),
-            )
+        extra = (f"; not learned: {', '.join(unlearned)}" if unlearned else "") + (
+            f"; no result: {', '.join(missing)}" if missing else ""
         )
+        out.append(period_check(pad, compressed, rows, learned, criteria, "compressed variant", extra))
     margin = pp(criteria["flat_margin"])
     for lab in controls:
         for pad in PADDINGS:
@@ -395,6 +383,29 @@ def claims(
             Check(c.claim, False, "no verdict (precondition not met): " + c.detail, decided=False) for c in out[1:]
         ]
     return out
+
+
+def period_check(
+    pad: str, labels: list[str], rows: dict, learned: set, criteria: dict[str, float], what: str, extra: str = ""
+) -> Check:
+    """The period claim under ``pad``: the dominant period of every learned run of ``labels`` with a significant gap
+    (``verdict``) equals its S; undecided when none has one. ``what`` names the runs in the claim, ``extra`` ends its
+    detail (the runs left out and why)."""
+    real = [
+        (lab, rows[lab][pad]) for lab in labels if (lab, pad) in learned and verdict(rows[lab][pad], criteria) == "gap"
+    ]
+    wrong = [
+        f"{lab} period {r['dominant_period']} (S={r['stride']})"
+        for lab, r in real
+        if r["dominant_period"] != r["stride"]
+    ]
+    return outcome(
+        f"{pad}: the dominant period equals S for every {what} with a significant gap",
+        None if not real else not wrong,
+        f"{len(real)} of {len(labels)} learned with a significant gap; "
+        + ("; ".join(wrong) if wrong else "all at their S" if real else "none to judge")
+        + extra,
+    )
 
 
 def rank_check(line: RankLine) -> Check:

@@ -28,6 +28,7 @@ from ckv.apps.paper import (
     not_learned,
     outcome,
     paper_path,
+    period_check,
     rank_check,
     rank_lines,
     read_paper,
@@ -233,26 +234,9 @@ def claims(
             )
     pretrained = [lab for lab in roles if roles[lab] not in ("control", TASK_TRAINED)]
     for pad in PADDINGS:
-        real = [
-            (lab, claim_rows[lab][pad])
-            for lab in pretrained
-            if (lab, pad) in learned and verdict(claim_rows[lab][pad], criteria) == "gap"
-        ]
-        wrong = [
-            f"{lab} period {r['dominant_period']} (S={r['stride']})"
-            for lab, r in real
-            if r["dominant_period"] != r["stride"]
-        ]
         unlearned = [lab for lab in pretrained if (lab, pad) not in learned]
-        out.append(
-            outcome(
-                f"{pad}: the dominant period equals S for every learned pretrained variant with a significant gap",
-                None if not real else not wrong,
-                f"{len(real)} of {len(pretrained)} learned with a significant gap; "
-                + ("; ".join(wrong) if wrong else "all at their S" if real else "none to judge")
-                + (f"; not learned or no result: {', '.join(unlearned)}" if unlearned else ""),
-            )
-        )
+        extra = f"; not learned or no result: {', '.join(unlearned)}" if unlearned else ""
+        out.append(period_check(pad, pretrained, claim_rows, learned, criteria, "learned pretrained variant", extra))
     for lab in [x for role in BOUNDARY_ROLES for x in of.get(role, [])]:
         for pad in PADDINGS:
             out.append(_boundary(lab, pad, claim_rows.get(lab, {}).get(pad), (lab, pad) in learned, criteria))
