@@ -145,16 +145,15 @@ def test_the_tuning_rule_and_the_verdicts_count_learned_models_only():
 @pytest.mark.parametrize(
     "pattern",
     [
-        pytest.param("w8s8/seed=42", marks=pytest.mark.smoke, id="baseline"),
+        pytest.param("w8s8/seed=42", marks=pytest.mark.slow, id="baseline"),
         pytest.param("w8s8/seed=42,v4_hf_needle/*", marks=pytest.mark.slow, id="baseline_and_v4_needle"),
     ],
 )
 def test_quick_mitigate_on_a_baseline_seed_and_the_deepseek_v4_needle(tmp_path, pattern):
     """``python -m ckv.apps.study mitigate --quick --runs <pattern>``: the real study, 12 steps per model: every
     evaluation of the runs (unmitigated and mitigated, both paddings) is written, the table has one row per run,
-    padding and mitigation with its cost, every verdict is printed, the figure is written. CI's smoke run takes the
-    ckv baseline seed; transformers' DeepSeek-V4 on the needle (trained by its own trainer) joins it in the slow
-    set."""
+    padding and mitigation with its cost, every verdict is printed, the figure is written (the slow set: CI's smoke
+    run is make paper's, on the same runner; the mitigations themselves run in the fast set, tests/eval)."""
     out = tmp_path / "mitigate"
     proc = run_quick("ckv.apps.study", out, "mitigate", "--runs", pattern, "--workers", "2")
     study = select_runs(STUDY, pattern)
