@@ -59,7 +59,7 @@ format: $(STAMP)  ## ruff: fix what is fixable and format the tree
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 PYTEST_XDIST := -n $(TEST_WORKERS) --dist worksteal
 
-test: lint  ## the CI set: ruff, then the fast tests plus one end-to-end smoke run, on every core (pytest 2 min 19 s for 1,675 tests on a fresh clone of 7e4302e, 2 otherwise idle cores, 2026-12-05: `time make test` after `make install`, 2 min 22 s in all)
+test: lint  ## the CI set: ruff, then the fast tests plus one end-to-end smoke run, on every core (pytest 4 min 12 s for 1,896 tests on a fresh clone of 786c181, 2 otherwise idle cores, 2026-12-06: `time make test` after `make install`, 4 min 16 s in all; e17e175's 1,683 tests took 4 min 38 s the same day: the machine is slower than on 2026-12-05)
 	$(BIN)/python -m pytest -m "not slow" -q $(PYTEST_XDIST)
 
 test-slow: $(STAMP)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union
 
@@ -365,6 +365,42 @@ class ModelConfig:
         if self.layers is None:
             return self
         return dataclasses.replace(self, attention=self.layer_attention(layer_idx), layers=None)
+
+    def describe_attention(self) -> dict[str, Any]:
+        """What results and plots say about the model's attention: ``attention.describe()`` for a uniform stack;
+        under a layer schedule ``kind`` is the schedule in short (``1x sliding + 3x compressed``), ``window``,
+        ``stride`` and ``pooling`` the values its layers share (None where they differ or no layer has one) and
+        ``layers`` each segment's ``count`` and ``describe()``."""
+        if self.layers is None:
+            return self.attention.describe()
+        segments = [{"count": seg.count, **seg.attention.describe()} for seg in self.layers]
+        shared = {}
+        for key in ("window", "stride", "pooling"):
+            values = {seg[key] for seg in segments} - {None}
+            shared[key] = values.pop() if len(values) == 1 else None
+        return {"kind": self.layer_kinds, **shared, "layers": segments}
+
+    @property
+    def layer_kinds(self) -> str:
+        """The layers' attention kinds in short, segment by segment: ``1x sliding + 3x compressed`` (a uniform
+        stack: ``4x compressed``)."""
+        segments = [LayerSegment(self.n_layers, self.attention)] if self.layers is None else self.layers
+        return " + ".join(f"{seg.count}x {seg.attention.kind}" for seg in segments)
+
+    def with_impl(self, impl: str) -> ModelConfig:
+        """This config run by ``impl`` (e.g. ``reference``, the oracle) in every layer whose kind runs it (its
+        backend's ``impls``); under a layer schedule a layer whose kind does not (a sliding layer under
+        ``reference``) keeps its own, unless no layer's kind runs it (then the backend's one-line error names it)."""
+        kinds = {self.layer_attention(i).kind for i in range(self.n_layers)}
+        runs = {k for k in kinds if impl in getattr(REGISTRY.get(k), "impls", ())}
+        return self.map_attention(lambda a: dataclasses.replace(a, impl=impl) if a.kind in runs or not runs else a)
+
+    def map_attention(self, change: Callable[[AttentionConfig], AttentionConfig]) -> ModelConfig:
+        """This config with ``change`` applied to every attention config it holds: the model's and, under a layer
+        schedule, each segment's (e.g. an ``impl`` override, or dual-offset compression on every compressed
+        layer); the result is validated again."""
+        layers = None if self.layers is None else [LayerSegment(s.count, change(s.attention)) for s in self.layers]
+        return dataclasses.replace(self, attention=change(self.attention), layers=layers)
 
     @property
     def kv_heads(self) -> int:

@@ -12,6 +12,7 @@ import pytest
 from ckv.config import ConfigError
 from ckv.data import DataConfig, budget_note, build_batches
 from ckv.data.recall import longest_record_run
+from ckv.data.stream import IGNORE
 from ckv.data.tokenizer import TokenizersTokenizer, single_token_words
 from ckv.eval.lookup import LookupSpec, LookupTask, codec_for
 from ckv.eval.models import ModelFacts
@@ -105,7 +106,7 @@ def test_lists_ask_their_own_records_and_shares_hold(stream) -> None:
     delims, seps = set(vocab.delimiters), set(vocab.separators)
     lists = 0
     for g in range(200):
-        kind, block = recall.block(np.random.default_rng([7, g]))
+        kind, block, _ = recall.block(np.random.default_rng([7, g]))
         if kind == "repeat":  # a passage, a gap, the passage again
             n = next(n for n in range(len(block) // 2, 0, -1) if np.array_equal(block[:n], block[-n:]))
             assert n >= recall.cfg.repeat_len[0]
@@ -125,6 +126,83 @@ def test_lists_ask_their_own_records_and_shares_hold(stream) -> None:
     assert sum(rows) == 100
 
 
+def test_word_fill_makes_a_random_word_repeat_sequence_all_words(cache_dir: str, eval_words) -> None:
+    """``word_fill``: a sequence whose passage is random words holds nothing else (no corpus text around it, none in
+    its gap); without it the same draws keep their text; corpus passages keep their text either way."""
+    changes = {"recall__repeat_share": 1.0, "recall__word_repeat_share": 0.5, "recall__repeat_gap": [4, 16]}
+    filled = build_batches(
+        pretrain_config(eval_words, **changes, recall__word_fill=True), batch_size=1, seed=0, cache_dir=cache_dir
+    ).source.lookup
+    plain = build_batches(pretrain_config(eval_words, **changes), batch_size=1, seed=0, cache_dir=cache_dir)
+    plain = plain.source.lookup
+    words = set(filled.words.tolist())
+    kinds = []
+    for g in range(60):
+        kind, block, _ = filled.block(np.random.default_rng([5, g]))
+        plain_kind, plain_block, _ = plain.block(np.random.default_rng([5, g]))
+        kinds.append(kind)
+        if kind == "word_repeat":
+            n = filled.cfg.repeat_len[0]  # the same passage (its first n tokens), a gap of random words instead of text
+            assert plain_kind == "repeat" and set(block.tolist()) <= words and len(block) == len(plain_block)
+            assert np.array_equal(block[:n], plain_block[:n]) and np.array_equal(block[-n:], plain_block[-n:])
+        else:
+            assert kind == plain_kind == "repeat" and np.array_equal(block, plain_block)
+    assert 15 < kinds.count("word_repeat") < 45  # word_repeat_share 0.5 of 60
+    # whole sequences: all words (the passage twice among them) or corpus text around a corpus passage
+    all_words = 0
+    for g in range(60):
+        inputs, labels = filled.sample(g)
+        sequence = np.append(inputs, labels[-1:])
+        if set(sequence.tolist()) <= words:
+            all_words += 1
+            assert any(
+                np.array_equal(sequence[i : i + n], sequence[j : j + n])
+                for n in [filled.cfg.repeat_len[0]]
+                for i in range(len(sequence) - n)
+                for j in range(i + n, len(sequence) - n + 1)
+            )
+    assert 15 < all_words < 45
+
+
+def test_loss_on_answers_scores_the_asked_values_and_the_repeated_passage(cache_dir: str, eval_words) -> None:
+    """``loss: answers``: a list sequence's scored labels are its asked records' values, one per query, each the
+    value its key was given; a repeat's are the second passage after its first token; every other label ignored.
+    ``loss: all`` (the default) scores every label of the same sequence."""
+    answers = build_batches(
+        pretrain_config(eval_words, recall__loss="answers", recall__repeat_share=0.5),
+        batch_size=1,
+        seed=0,
+        cache_dir=cache_dir,
+    ).source.lookup
+    every = build_batches(
+        pretrain_config(eval_words, recall__repeat_share=0.5), batch_size=1, seed=0, cache_dir=cache_dir
+    ).source.lookup
+    values = set(answers.vocab.values.tolist())
+    kinds = set()
+    for g in range(40):
+        inputs, labels = answers.sample(g)
+        all_inputs, all_labels = every.sample(g)
+        assert np.array_equal(inputs, all_inputs) and (all_labels != IGNORE).all()
+        scored = np.flatnonzero(labels != IGNORE)
+        assert np.array_equal(labels[scored], all_labels[scored]) and len(scored) >= 1
+        if set(labels[scored].tolist()) <= values and all(inputs[i] in answers.vocab.keys for i in scored):
+            kinds.add("list")  # each scored label is the value after an asked key, which the records gave it
+            given = {}
+            for i in range(len(inputs) - 2):
+                if inputs[i] in answers.vocab.keys and inputs[i + 2] in answers.vocab.delimiters:
+                    given.setdefault(int(inputs[i]), int(inputs[i + 1]))
+            assert all(given[int(inputs[i])] == labels[i] for i in scored)
+            assert len(set(inputs[scored].tolist())) == len(scored)  # distinct queries
+        else:
+            kinds.add("repeat")  # one contiguous run: the second passage t[a : a + n] after its first token
+            assert np.array_equal(scored, np.arange(scored[0], scored[-1] + 1))
+            t = np.append(inputs, labels[-1:]) if labels[-1] != IGNORE else np.append(inputs, all_labels[-1:])
+            a, n = int(scored[0]), len(scored) + 1
+            passage = t[a : a + n]
+            assert any(np.array_equal(t[j : j + n], passage) for j in range(a - n + 1))  # it occurred before
+    assert kinds == {"list", "repeat"}
+
+
 def test_resume_gives_the_same_batches(cache_dir: str, eval_words) -> None:
     a = build_batches(pretrain_config(eval_words), batch_size=4, seed=3, cache_dir=cache_dir)
     it = iter(a)
@@ -141,7 +219,25 @@ def test_budget_note_counts_epochs(stream, eval_words) -> None:
     windows = stream.source.text.per_rank
     note = budget_note(pretrain_config(eval_words), stream, 4 * windows)  # 3 windows' worth of text rows at share 0.75
     assert f"{3 * windows:,} text sequences = 3.00 epochs" in note and f"{windows:,} sequences with a retrieval" in note
+    words = len(stream.source.lookup.words)
+    assert (
+        f"(their text drawn at random offsets of the same split; keys, values and random passages from {words:,} "
+        in note
+    )
     assert budget_note(DataConfig.from_dict({"kind": "text"}), stream, 10) is None
+    # word_fill: the share of sequences with no corpus text is said; the words the blocks draw from are counted
+    pool = f"keys, values and random passages from {words:,} words"
+    half = pretrain_config(eval_words, recall__word_fill=True, recall__repeat_share=1.0, recall__word_repeat_share=0.5)
+    assert "(50% of them random words throughout: data.recall.word_fill; the others' text drawn" in budget_note(
+        half, stream, 8
+    )
+    every = pretrain_config(eval_words, recall__word_fill=True, recall__repeat_share=1.0, recall__word_repeat_share=1.0)
+    assert budget_note(every, stream, 8).endswith(f"(random words throughout: data.recall.word_fill; {pool})")
+    scored = pretrain_config(eval_words, recall__loss="answers")
+    assert budget_note(scored, stream, 8).endswith(
+        "(their text drawn at random offsets of the same split; the loss on their blocks' answers only: "
+        f"data.recall.loss; {pool})"
+    )
 
 
 @pytest.mark.parametrize(
@@ -159,6 +255,8 @@ def test_budget_note_counts_epochs(stream, eval_words) -> None:
             "+ 96)",
         ),
         ({"recall__n_records": [0, 4]}, "data.recall.n_records=[0, 4] must draw at least 1"),
+        ({"recall__word_pool": 1}, "data.recall.word_pool=1 must be an integer >= 2"),
+        ({"recall__loss": "values"}, "data.recall.loss='values' is not allowed; choose one of ['all', 'answers']"),
         (
             {"recall__eval_keys": None},
             "data.kind=pretrain needs data.recall.eval_keys: the words the lookup evaluation asks",
@@ -186,6 +284,19 @@ def test_evaluation_template_in_the_data_is_refused(cache_dir: str, eval_words, 
         build_batches(cfg, batch_size=2, seed=0, cache_dir=cache_dir)
     message = message.format(key=key)
     assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_word_pool_too_small_for_a_list_is_one_line(cache_dir: str, eval_words) -> None:
+    cfg = pretrain_config(eval_words, recall__word_pool=30)
+    with pytest.raises(ConfigError) as err:
+        build_batches(cfg, batch_size=2, seed=0, cache_dir=cache_dir)
+    assert str(err.value) == (
+        "data.recall: data.recall.word_pool=30 leaves 30 single-token words besides the evaluation's; a list needs 40 "
+        "(n_records hi 20 keys and as many values): raise data.recall.word_pool or lower data.recall.n_records"
+    )
+    small = build_batches(pretrain_config(eval_words, recall__word_pool=40), batch_size=2, seed=0, cache_dir=cache_dir)
+    vocab = small.source.lookup.vocab
+    assert len(vocab.keys) == len(vocab.values) == 20 and len(small.source.lookup.words) == 40
 
 
 def test_a_corpus_too_small_for_one_sequence_says_so(tmp_path, cache_dir: str, eval_words) -> None:

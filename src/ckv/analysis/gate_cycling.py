@@ -12,7 +12,10 @@ pooled over the shifts.
 
 Models with shared gate maps (DeepSeek style) have only an offset-specific bias: shifting the bias alone is the
 analogue and is what happens there (the result says so). Mean pooling, full attention, W != S and shared maps
-without a bias raise ``AnalysisNotApplicable``.
+without a bias raise ``AnalysisNotApplicable``. Under a layer schedule each gated layer is read with its own
+attention (the sliding and full layers have no gates); every cycled layer needs W == S and the stride the phases
+are taken mod (``task.stride``: by default the model's, the least common multiple of its layers' strides), so a
+schedule whose gated layers differ in stride cycles one stride at a time (``analysis.layers``, ``task.stride``).
 """
 
 from __future__ import annotations
@@ -40,36 +43,44 @@ log = logging.getLogger(__name__)
 
 def cycling_parameters(
     module: nn.Module, model_name: str = "this model", layers: Optional[Sequence[int]] = None
-) -> tuple[list[nn.Parameter], str]:
-    """The offset-first gate parameters gate cycling rolls (in ``layers``, default all) and a description of
-    what is shifted. Raises ``AnalysisNotApplicable`` when the model has nothing to cycle."""
+) -> tuple[list[nn.Parameter], str, dict[int, int]]:
+    """The offset-first gate parameters gate cycling rolls (in ``layers``, default every gated layer), a
+    description of what is shifted and the stride of each layer they belong to; each layer is read with its own
+    attention (``ModelConfig.layer_attention``: under a layer schedule its window, stride and gate maps). Raises
+    ``AnalysisNotApplicable`` when the model has nothing to cycle."""
     branches = gated_branches(module, "gate_cycling", model_name, layers)
-    a = module.config.attention
-    if a.window != a.stride:
-        raise AnalysisNotApplicable(
-            f"analysis=gate_cycling needs W == S (then a token's offset in its window is its phase); {model_name} "
-            f"has attention.window={a.window}, attention.stride={a.stride}"
-        )
-    if a.offset_maps == "specific":
-        gates = [b.compressor.gate for b in branches]
-        params = [p for g in gates for p in (g.weight, g.bias) if p is not None]
-        return params, "gate maps" + (" and biases" if a.gate.bias else "") + " (offset-specific)"
-    if not a.gate.bias:
-        raise AnalysisNotApplicable(
-            f"analysis=gate_cycling: {model_name} shares its gate map across offsets (attention.offset_maps=shared) "
-            "and has no gate bias (attention.gate.bias=false): no gate parameter is offset-specific"
-        )
-    return (
-        [b.compressor.gate.bias for b in branches],
-        "gate biases only (shared gate maps: the offset bias is the only offset-specific gate parameter)",
-    )
+    config = module.config
+    params, shifted, strides = [], [], {}
+    for b in branches:
+        a = config.layer_attention(b.layer)
+        who = model_name if config.layers is None else f"{model_name}'s layer {b.layer}"
+        if a.window != a.stride:
+            raise AnalysisNotApplicable(
+                f"analysis=gate_cycling needs W == S (then a token's offset in its window is its phase); {who} "
+                f"has attention.window={a.window}, attention.stride={a.stride}"
+            )
+        strides[b.layer] = a.stride
+        if a.offset_maps == "specific":
+            params += [p for p in (b.compressor.gate.weight, b.compressor.gate.bias) if p is not None]
+            what = "gate maps" + (" and biases" if a.gate.bias else "") + " (offset-specific)"
+        elif a.gate.bias:
+            params.append(b.compressor.gate.bias)
+            what = "gate biases only (shared gate maps: the offset bias is the only offset-specific gate parameter)"
+        else:
+            raise AnalysisNotApplicable(
+                f"analysis=gate_cycling: {who} shares its gate map across offsets (attention.offset_maps=shared) "
+                "and has no gate bias (attention.gate.bias=false): no gate parameter is offset-specific"
+            )
+        if what not in shifted:
+            shifted.append(what)
+    return params, "; ".join(shifted), strides
 
 
 @contextmanager
 def cycled_gates(module: nn.Module, delta: int, layers: Optional[Sequence[int]] = None) -> Iterator[str]:
     """Inside the block the gate parameters are rolled by ``delta`` along the offset axis (``Z'_i = Z_{(i-d)
     mod W}``); they are restored on exit, also after an error. Yields what is shifted."""
-    params, what = cycling_parameters(module, layers=layers)
+    params, what, _ = cycling_parameters(module, layers=layers)
     saved = [p.detach().clone() for p in params]
     try:
         with torch.no_grad():
@@ -197,12 +208,20 @@ def _intervals(stats: dict[str, np.ndarray], boot: dict[str, np.ndarray], level:
 def run_gate_cycling(ctx: AnalysisContext, settings: CyclingSettings) -> dict:
     """Shift the gates by every delta, re-score the prompts and compare with the prediction."""
     module = ctx.model.module
-    _, shifted = cycling_parameters(module, ctx.model.name, settings.layers)
+    _, shifted, strides = cycling_parameters(module, ctx.model.name, settings.layers)
     S = ctx.task.stride
-    if S != ctx.model.stride:  # the model's stride as its backend declares it (ModelFacts.stride: phase_stride)
+    # the model's stride as its attention declares it (ModelFacts.stride), or that of every cycled layer of a schedule
+    if S != ctx.model.stride and set(strides.values()) != {S}:
         raise ConfigError(
             f"analysis=gate_cycling: task.stride={S} differs from the model's stride "
             f"{ctx.model.stride}; phases must be positions mod the model's stride"
+        )
+    other = {layer: s for layer, s in strides.items() if s != S}  # a layer schedule's layers of another stride
+    if other:
+        raise ConfigError(
+            f"analysis=gate_cycling: layers {sorted(other)} have stride {sorted(set(other.values()))}, not "
+            f"task.stride={S}; the prediction needs offset = phase: cycle the layers of one stride "
+            "(analysis.layers) with task.stride set to it"
         )
     deltas = list(settings.deltas) if settings.deltas is not None else list(range(S))
     clean = ctx.evaluate()

@@ -10,6 +10,8 @@ number of offsets ``exp(H(p))`` (``H`` = entropy in nats; 1 for a one-hot gate, 
 - phase profile (the paper's ``g(r)``, S entries): the mass on the offsets whose tokens have phase ``r``,
   divided by that phase's uniform share (1 = uniform; folded when W > S), the value gate rolled by -1.
 
+Under a layer schedule every gated layer is read with its own attention (``ModelConfig.layer_attention``): its
+window and its stride (its phase profile has that stride's entries); the figures' columns span the largest window.
 Vector gates (one weight per channel) are summarised per channel and averaged over channels. Windows with
 absent positions (the first entries when W > S) are left out. Given a run folder, the statistics are repeated
 for every saved checkpoint: how the gates specialise during training.
@@ -18,7 +20,7 @@ for every saved checkpoint: how the gates specialise during training.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -146,13 +148,14 @@ def gate_statistics(model: LoadedModel, task: LookupTask, options: RunOptions) -
     rows = [
         {"layer": layer, "branch": name, **s}
         for (layer, name), acc in accs.items()
-        for s in acc.summary(config.attention.stride, config.grid_offsets(layer), PHASE_ROLL[name])
+        for s in acc.summary(config.layer_attention(layer).stride, config.grid_offsets(layer), PHASE_ROLL[name])
     ]
     return rows, outcome
 
 
-def peak_shifts(rows: list[dict], window: int) -> list[dict]:
-    """Per layer and KV head with both branches: ``(V peak - K peak) mod W`` (the paper: about +1)."""
+def peak_shifts(rows: list[dict], window: Union[int, Mapping[int, int]]) -> list[dict]:
+    """Per layer and KV head with both branches: ``(V peak - K peak) mod W`` (the paper: about +1); ``window``: W,
+    or each layer's (a layer schedule's layers may differ)."""
     peaks = {(r["layer"], r["kv_head"], r["branch"]): r["peak_offset"] for r in rows}
     return [
         {
@@ -160,7 +163,7 @@ def peak_shifts(rows: list[dict], window: int) -> list[dict]:
             "kv_head": h,
             "k_peak": k,
             "v_peak": peaks[(layer, h, "V")],
-            "shift": (peaks[(layer, h, "V")] - k) % window,
+            "shift": (peaks[(layer, h, "V")] - k) % (window if isinstance(window, int) else window[layer]),
         }
         for (layer, h, b), k in peaks.items()
         if b == "K" and (layer, h, "V") in peaks
@@ -199,7 +202,8 @@ def checkpoint_series(ctx: AnalysisContext, settings: GateSettings) -> list[dict
         raise ConfigError(
             f"analysis.checkpoints: steps {missing} are not checkpoints of {run_dir}; it has {sorted(found)}"
         )
-    impl = ctx.model.module.config.attention.impl
+    first = gated_branches(ctx.model.module, "gates", ctx.model.name)[0].layer
+    impl = ctx.model.module.config.layer_attention(first).impl  # the gated layers' impl, as the model ran
     series = []
     for step in steps:
         log.info("gates of checkpoint step %d", step)
@@ -215,14 +219,16 @@ def gates(ctx: AnalysisContext) -> dict:
     offset profiles and of the concentration over training."""
     settings = settings_from_params(GateSettings, ctx.params, "gates")
     rows, outcome = gate_statistics(ctx.model, ctx.task, ctx.options)
-    window = ctx.model.module.config.attention.window
+    config = ctx.model.module.config
+    windows = {r["layer"]: config.layer_attention(r["layer"]).window for r in rows}  # each layer's own
+    window = max(windows.values())  # the gated layers' window (a layer schedule's: the largest)
     result = {
         "window": window,
         "stride": ctx.task.stride,
         "channels": "vector gates: channel means",
         "accuracy": _accuracy(outcome, ctx.task.stride),
         "gates": rows,
-        "peak_shifts": peak_shifts(rows, window),
+        "peak_shifts": peak_shifts(rows, windows),
         "checkpoints": checkpoint_series(ctx, settings),
     }
     if ctx.options.plots:

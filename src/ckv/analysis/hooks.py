@@ -153,29 +153,39 @@ def gated_branches(
     module: nn.Module, analysis: str, model_name: str = "this model", layers: Optional[Sequence[int]] = None
 ) -> list[Branch]:
     """Every learned-gate compressor branch of a ckv compressed model (K, then V unless K/V are tied), in
-    ``layers`` (default all). Raises ``AnalysisNotApplicable`` naming why the model has no learned gates."""
+    ``layers`` (default: every layer with learned gates; under a layer schedule each layer's own attention,
+    ``ModelConfig.layer_attention``, decides). Raises ``AnalysisNotApplicable`` naming why the model has no learned
+    gates, and ``ConfigError`` for ``layers`` that do not exist or have none."""
     if not isinstance(module, Transformer):
         raise AnalysisNotApplicable(
             f"analysis={analysis} needs a ckv model; {model_name} is a "
             f"{type(module).__name__} (gate parameters are unknown)"
         )
-    a = module.config.attention
-    compressed = compressed_layers(module)  # every layer (attention.kind is the model's), in order
+    config = module.config
+    n = len(module.layers)
+    found = {id(m) for m in compressed_layers(module)}
+    compressed = {i: b.self_attn for i, b in enumerate(module.layers) if id(b.self_attn) in found}
     if not compressed:
+        what = f"attention.kind={config.attention.kind}" if config.layers is None else f"layers {config.layer_kinds}"
         raise AnalysisNotApplicable(
-            f"analysis={analysis} needs a compressed model, but {model_name} has no compressor "
-            f"(attention.kind={a.kind}): there are no gates"
+            f"analysis={analysis} needs a compressed model, but {model_name} has no compressor ({what}): there are "
+            "no gates"
         )
-    if a.gate is None:
+    gated = [i for i in compressed if config.layer_attention(i).gate is not None]
+    if not gated:
         raise AnalysisNotApplicable(
             f"analysis={analysis} needs learned gates, but {model_name} pools by uniform averaging "
             f"(attention.gate=null): every present offset weighs 1/W and there are no gate parameters"
         )
-    n = len(module.layers)
-    chosen = range(n) if layers is None else layers
+    chosen = gated if layers is None else list(layers)
     bad = [i for i in chosen if not 0 <= i < n]
     if bad:
         raise ConfigError(f"layers {bad} do not exist: the model has layers 0..{n - 1}")
+    ungated = [i for i in chosen if i not in gated]
+    if ungated:
+        raise ConfigError(
+            f"layers {ungated} have no learned gates (layers {config.layer_kinds}): choose among layers {gated}"
+        )
     out = []
     for i in chosen:
         out.extend(Branch(i, name, c) for name, c in compressed[i].compressors().items())

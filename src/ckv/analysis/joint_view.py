@@ -43,10 +43,20 @@ def correlation(a: list[Optional[float]], b: list[float]) -> Optional[float]:
     return float((x * y).sum() / denom) if denom > 1e-12 else None
 
 
+def at_stride(profile: list[float], stride: int) -> Optional[list[float]]:
+    """A layer's phase profile (its own stride's entries) at the knock-out's ``stride``: itself, or repeated when
+    ``stride`` is a multiple of the layer's (a layer schedule's phase stride is the least common multiple of its
+    layers' strides: a position's phase mod a layer's stride is its phase mod ``stride``, mod the layer's); None
+    when ``stride`` is not a multiple of it."""
+    if stride % len(profile):
+        return None
+    return list(profile) * (stride // len(profile))
+
+
 def joint_rows(knockout: dict, gates: list[dict]) -> list[dict]:
     """One row per (layer, KV head): knock-out effect per phase (``knockout``, of the phase's accuracy, with
     interval) and the paper's fold of it (``knockout_folded``, with interval), worst phase, K and V offset profiles
-    and peaks, their phase profiles (the paper's ``g(r)``, V rolled by -1; folded when W > S) and the
+    and peaks, their phase profiles (the paper's ``g(r)``, V rolled by -1; folded when W > S; ``at_stride``) and the
     correlations of the loss profile (minus the folded effect) with each phase profile."""
     by = {(g["layer"], g["kv_head"], g["branch"]): g for g in gates}
     rows = []
@@ -69,11 +79,12 @@ def joint_rows(knockout: dict, gates: list[dict]) -> list[dict]:
         for branch in ("K", "V"):
             g = by.get((u["layer"], u["kv_head"], branch))
             key = branch.lower()
+            profile = None if g is None else at_stride(g["phase_profile"], len(folded))
             row[f"{key}_profile"] = None if g is None else g["profile"]
-            row[f"{key}_phase_profile"] = None if g is None else g["phase_profile"]
+            row[f"{key}_phase_profile"] = profile
             row[f"{key}_peak"] = None if g is None else g["peak_offset"]
             row[f"{key}_static"] = None if g is None else g["static"]
-            row[f"loss_vs_{key}"] = None if g is None else correlation(loss, g["phase_profile"])
+            row[f"loss_vs_{key}"] = None if profile is None else correlation(loss, profile)
         rows.append(row)
     return rows
 
@@ -84,7 +95,8 @@ def joint(ctx: AnalysisContext) -> dict:
     settings = settings_from_params(JointSettings, ctx.params, "joint")
     gates, _ = gate_statistics(ctx.model, ctx.task, ctx.options)  # first: fails fast on models without gates
     knockout = run_knockout(ctx, KnockoutSettings(settings.calibration, settings.calibration_seed, ("heads",)))
-    window = ctx.model.module.config.attention.window
+    config = ctx.model.module.config
+    window = max(config.layer_attention(g["layer"]).window for g in gates)  # a layer schedule's: the largest
     result = {
         "stride": ctx.task.stride,
         "window": window,

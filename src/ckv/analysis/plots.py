@@ -125,15 +125,24 @@ def plot_knockout(result: dict, out_dir: Path, title: str) -> list[Path]:
 
 
 # ---- gates -----------------------------------------------------------------------------------------------------
-def _profile_cells(profiles: list[list[float]]) -> tuple[np.ndarray, list[list[str]]]:
-    """log2 of the mass relative to uniform (R, W) and the ratios as cell texts."""
-    ratio = np.asarray(profiles, dtype=np.float64)
-    return np.log2(np.maximum(ratio, 1e-6)), [[f"{v:.2f}" for v in row] for row in ratio]
+def _profile_ratios(profiles: list[Optional[list[float]]]) -> np.ndarray:
+    """(R, longest) the profiles as rows, NaN after a shorter one's end and for a missing one (a layer schedule's
+    windows may differ, and its layers without gates have none)."""
+    ratio = np.full((len(profiles), max((len(p) for p in profiles if p), default=1)), np.nan)
+    for row, p in zip(ratio, profiles):
+        row[: len(p or [])] = p or []
+    return ratio
 
 
-def _profile_range(profiles: list[list[float]]) -> float:
+def _profile_cells(profiles: list[Optional[list[float]]]) -> tuple[np.ndarray, list[list[str]]]:
+    """log2 of the mass relative to uniform (R, W) and the ratios as cell texts (empty past a row's end)."""
+    ratio = _profile_ratios(profiles)
+    return np.log2(np.maximum(ratio, 1e-6)), [["" if np.isnan(v) else f"{v:.2f}" for v in row] for row in ratio]
+
+
+def _profile_range(profiles: list[Optional[list[float]]]) -> float:
     """One colour range for all profile panels of a figure: the largest |log2 ratio|, in [1, 6]."""
-    return float(np.clip(np.abs(np.log2(np.maximum(np.asarray(profiles, dtype=np.float64), 1e-6))).max(), 1.0, 6.0))
+    return float(np.clip(np.nanmax(np.abs(np.log2(np.maximum(_profile_ratios(profiles), 1e-6)))), 1.0, 6.0))
 
 
 PROFILE_LABEL = "log2(gate mass / uniform)"

@@ -78,9 +78,10 @@ from ckv.analysis.selection_stats import (
 )
 from ckv.attention import CompressedAttention, compressed_layers
 from ckv.checks import check_choice, check_float, check_int
-from ckv.config import ConfigError
+from ckv.config import ConfigError, ModelConfig
 from ckv.eval.scoring import length_batches
 from ckv.eval.stats import group_accuracy, wilson_interval
+from ckv.options import SelectionConfig
 
 
 def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttention]:
@@ -92,6 +93,14 @@ def selected_layers(module: nn.Module, model_name: str) -> list[CompressedAttent
             "compressed attention layer (attention.kind=compressed)"
         )
     return layers
+
+
+def model_selection(config: ModelConfig) -> Optional[SelectionConfig]:
+    """The top-k selection (``attention.selection``) of the model, each layer's read from its own attention
+    (``ModelConfig.layer_attention``): the first layer's that selects (a layer schedule's compressed layers may
+    differ, e.g. DeepSeek-V4's CSA layers select and its HCA layers do not), None when none does."""
+    selections = [config.layer_attention(i).selection for i in range(config.n_layers)]
+    return next((s for s in selections if s is not None), None)
 
 
 @dataclass(frozen=True)
@@ -135,10 +144,11 @@ def resolve_topk(settings: SelectionSettings, module: nn.Module, model_name: str
     """The ``k`` the selectors keep (and the geometric expectation's): ``analysis.topk``, else the model's
     ``attention.selection.topk``, else None. Raises ``AnalysisNotApplicable`` when a listed selector needs one and
     neither is set, or when ``indexer`` is listed for a model without a lightning indexer in every compressed layer."""
-    selection = module.config.attention.selection
+    layers = selected_layers(module, model_name)
+    selection = model_selection(module.config)
     needs = [s for s in settings.selectors if s in NEEDS_TOPK]
     indexers = [s for s in needs if s.startswith("indexer")]
-    if indexers and not all(layer.indexer is not None for layer in selected_layers(module, model_name)):
+    if indexers and not all(layer.indexer is not None for layer in layers):
         raise AnalysisNotApplicable(
             f"analysis.selectors lists {indexers}, but {model_name} has no lightning indexer "
             "(attention.selection with by=indexer): drop it from the list"
@@ -334,13 +344,13 @@ def selection(ctx: AnalysisContext) -> dict:
     layers = selected_layers(ctx.model.module, ctx.model.name)
     k = resolve_topk(settings, ctx.model.module, ctx.model.name)
     stride = ctx.task.require_stride("analysis=selection")
-    a = ctx.model.module.config.attention
+    selection = model_selection(ctx.model.module.config)  # each layer's own attention.selection
     quantised = [n for n in settings.selectors if n in QUANTISED]
     fp32 = next((n for n in ("indexer", "model") if n in settings.selectors), None)  # the fp32 selection to compare
-    if quantised and (fp32 is None or a.selection.quant != "none"):  # quantised selectors need an indexer: a.selection
+    if quantised and (fp32 is None or selection.quant != "none"):  # quantised selectors need an indexer: a selection
         raise AnalysisNotApplicable(
             f"analysis.selectors {quantised} are compared with the selection of an indexer in fp32: list 'indexer' "
-            f"(or 'model') too, on a model with attention.selection.quant=none (this one: {a.selection.quant!r})"
+            f"(or 'model') too, on a model with attention.selection.quant=none (this one: {selection.quant!r})"
         )
     results: dict[str, SelectionOutcome] = {}
     straddling: list[int] = []
@@ -357,7 +367,7 @@ def selection(ctx: AnalysisContext) -> dict:
         "stride": stride,
         "record_len": ctx.task.codec.record_len,
         "topk": k,
-        "model_selection": None if a.selection is None else {"by": a.selection.by, "topk": a.selection.topk},
+        "model_selection": None if selection is None else {"by": selection.by, "topk": selection.topk},
         "seed": settings.seed,
         "drop": settings.drop if CONTROL in settings.selectors else None,
         "straddling_phases": straddling,

@@ -32,7 +32,7 @@ from ckv.analysis.paired import interval, paired_replicates
 from ckv.apps.paper import measured
 from ckv.apps.study_config import ROOT, Study, load_study
 from ckv.apps.study_results import Check, check_lines, pp
-from ckv.attention import check_attention
+from ckv.attention import model_phase_stride
 from ckv.data import lookup_format_for
 from ckv.eval import ModelFacts, RunOptions, task_from_dict, task_type
 from ckv.eval.mitigation import config_cost, plan_mitigation
@@ -267,7 +267,7 @@ def costs(study: Study) -> list[dict]:
             name=run.label,
             vocab_size=config.vocab_size,
             max_len=config.max_seq_len,
-            stride=check_attention(config).phase_stride(config),
+            stride=model_phase_stride(config),
             lookup=train.data.lookup,
             lookup_format=fmt,
             config=config,

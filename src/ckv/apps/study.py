@@ -47,9 +47,10 @@ W != S) is skipped with one line.
 
 A model without a stride (full attention) has no phase of its own: ``phase_of`` names the run it is compared with,
 and its evaluation groups positions mod that run's stride (``task.stride=S`` added after its own eval overrides),
-as that run's attention backend declares it (``phase_stride``) for the config ``train.py`` composes; a study never
-restates a model's stride. Values are OmegaConf: ``${params.n_base}`` interpolates. The "control learned" bar
-every study's control is judged against is not one study's number: ``CONTROL_LEARNED`` (``ckv.apps.study_results``).
+as that run's attention declares it (``ckv.attention.model_phase_stride``) for the config ``train.py`` composes; a
+study never restates a model's stride. Values are OmegaConf: ``${params.n_base}`` interpolates. The "control
+learned" bar every study's control is judged against is not one study's number: ``CONTROL_LEARNED``
+(``ckv.apps.study_results``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 import yaml
 from omegaconf import OmegaConf
 
-from ckv.attention import check_attention
+from ckv.attention import model_phase_stride
 from ckv.checks import ConfigError
 from ckv.io.layout import yaml_problem
 from ckv.train.plan import compose_train_config, model_config
@@ -186,8 +186,9 @@ def _seeds(seeds: Any, where: str) -> tuple[int, ...]:
 
 def compared_stride(compared: str, runs: list[Run], where: str) -> int:
     """The stride of the model of the run named ``compared`` (its ``name``, else its ``experiment``) among ``runs``, as
-    its attention backend declares it (``phase_stride``) for the config ``train.py`` composes from the run's
-    experiment and train overrides (``ConfigError``, one line, for no such run or a model without a stride)."""
+    its attention declares it (``ckv.attention.model_phase_stride``: each layer's backend's ``phase_stride``) for
+    the config ``train.py`` composes from the run's experiment and train overrides (``ConfigError``, one line, for
+    no such run or a model without a stride)."""
     found = [r for r in runs if (r.name or r.experiment) == compared]
     if not found:
         known = [r.name or r.experiment for r in runs]
@@ -200,7 +201,7 @@ def compared_stride(compared: str, runs: list[Run], where: str) -> int:
         except Exception as e:  # Hydra's and the config's errors alike: one line naming the run
             detail = " ".join(str(e).split())
             raise ConfigError(f"{where}: phase_of={compared!r}: its config does not compose: {detail}") from e
-        _STRIDES[key] = check_attention(config).phase_stride(config)
+        _STRIDES[key] = model_phase_stride(config)
     if _STRIDES[key] is None:
         raise ConfigError(f"{where}: phase_of={compared!r}: that run's model has no stride (full attention?)")
     return _STRIDES[key]

@@ -13,6 +13,9 @@ Code outside ``ckv.attention`` imports from here; of the compressed backend it u
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 from ckv.attention.base import AttentionBackend
 from ckv.config import REGISTRY, ConfigError, ModelConfig
 
@@ -48,6 +51,17 @@ def layer_backends(config: ModelConfig) -> list[tuple[type[AttentionBackend], Mo
             backend.check(layer)
         out.append((backend, layer))
     return out
+
+
+def model_phase_stride(config: ModelConfig) -> Optional[int]:
+    """The period of the phase effects a model's attention can cause (None: positions have no phase), after
+    ``check_attention``: each layer's backend declares its own (``phase_stride``: a compressed layer's stride, None
+    for full and sliding attention); a uniform stack's is its attention's, and under a layer schedule whose
+    compressed layers have several strides it is their least common multiple, the shortest period in which every
+    layer's phase repeats (strides 2 and 4: 4; 4 and 6: 12)."""
+    check_attention(config)
+    strides = {backend.phase_stride(layer) for backend, layer in layer_backends(config)} - {None}
+    return math.lcm(*strides) if strides else None
 
 
 def _backend(kind: str) -> type[AttentionBackend]:
@@ -90,5 +104,6 @@ __all__ = [
     "check_attention",
     "compressed_layers",
     "layer_backends",
+    "model_phase_stride",
     "register",
 ]

@@ -121,10 +121,22 @@ def budget_note(cfg: DataConfig, stream: BatchStream, rows: int) -> Optional[str
     recall_rows = math.floor(rows * mixture.ratio)
     text_rows = rows - recall_rows
     windows = mixture.text.per_rank
+    r = cfg.recall
+    words_only = r.repeat_share * r.word_repeat_share if r.word_fill else 0.0  # the share of all-word sequences
+    drawn = "text drawn at random offsets of the same split"
+    if words_only == 1:
+        where = "random words throughout: data.recall.word_fill"
+    elif words_only:
+        where = f"{words_only:.0%} of them random words throughout: data.recall.word_fill; the others' {drawn}"
+    else:
+        where = f"their {drawn}"
+    if r.loss == "answers":
+        where += "; the loss on their blocks' answers only: data.recall.loss"
+    where += f"; keys, values and random passages from {len(mixture.lookup.words):,} words"
     return (
         f"data: {text_rows:,} text sequences = {text_rows / windows:.2f} epochs of the corpus' {windows:,} windows "
         f"of {cfg.seq_len + 1} tokens ({len(mixture.text.tokens):,} tokens in its train split), and {recall_rows:,} "
-        "sequences with a retrieval block (their text drawn at random offsets of the same split)"
+        f"sequences with a retrieval block ({where})"
     )
 
 

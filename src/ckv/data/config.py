@@ -264,7 +264,15 @@ class RecallConfig:
     ``min(n_queries, n_records)`` distinct records. ``delimiters`` / ``separators``: one-token texts drawn per list.
     ``repeat_share``: the fraction of blocks that repeat a passage of ``repeat_len`` tokens after ``repeat_gap``
     corpus tokens (the rest are lists); ``word_repeat_share`` of those passages are words drawn at random from the
-    lists' words, the others corpus text. ``text_before``: corpus tokens before the block."""
+    lists' words, the others corpus text. ``text_before``: corpus tokens before the block. ``word_fill``: a sequence
+    whose block repeats random words is random words throughout (its text before, gap and rest drawn from the same
+    words, no corpus text): small models form induction heads on such sequences within a few hundred steps, and do
+    not when corpus text surrounds the repeat (docs/pretrain.md, the recipe's probes). ``loss``: ``all`` (the
+    language-model loss on every token of a sequence with a block, as on text) or ``answers`` (on the block's
+    answers only: the asked records' values, the repeated passage after its first token; text sequences keep the
+    loss on every token). ``word_pool``: the lists' keys and values and the random passages draw from the first
+    ``word_pool`` single-token words of the tokenizer (ids in order, the evaluation's words left out; null: all):
+    fewer distinct words shorten the plateau before retrieval forms."""
 
     eval_keys: Optional[list[str]] = None
     eval_values: Optional[list[str]] = None
@@ -278,9 +286,16 @@ class RecallConfig:
     repeat_len: Union[int, tuple[int, int], list[int]] = (8, 32)
     repeat_gap: Union[int, tuple[int, int], list[int]] = (0, 32)
     text_before: Union[int, tuple[int, int], list[int]] = (0, 32)
+    word_fill: bool = False
+    loss: str = "all"
+    word_pool: Optional[int] = None
 
     def __post_init__(self) -> None:
         o = "data.recall"
+        check_bool(f"{o}.word_fill", self.word_fill)
+        check_choice(f"{o}.loss", self.loss, ("all", "answers"))
+        if self.word_pool is not None:
+            check_int(f"{o}.word_pool", self.word_pool, 2)
         for name in ("n_records", "n_queries", "repeat_len", "repeat_gap", "text_before"):
             setattr(self, name, _int_range(f"{o}.{name}", getattr(self, name)))
         for name in ("n_records", "n_queries", "repeat_len"):

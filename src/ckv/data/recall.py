@@ -15,7 +15,8 @@ of text), trained with the language-model loss on every token, like text. Two ki
   tokenizer's single-token words (``single_token_words``) other than the evaluation's, alternately;
 - ``repeat``: a passage of ``repeat_len`` tokens, ``repeat_gap`` tokens of other text, then the same passage again:
   corpus text (induction on natural text), or, for ``word_repeat_share`` of them, words drawn at random from the
-  lists' keys and values (the repeated random tokens on which small models form induction heads).
+  lists' keys and values (the repeated random tokens on which small models form induction heads); with
+  ``word_fill`` such a sequence is random words throughout (``word_repeat``: no corpus text around the passage).
 
 What the evaluation uses is held out: its words never serve as list keys or values, its pad/separator token is
 never a delimiter or separator (``check_held_out``, one ``ConfigError`` line), and records are never back to back.
@@ -31,7 +32,7 @@ import numpy as np
 
 from ckv.config import ConfigError
 from ckv.data.config import RecallConfig
-from ckv.data.stream import rng_for
+from ckv.data.stream import IGNORE, rng_for
 from ckv.data.tokenizer import TextTokenizer, one_token_problem, single_token_words
 
 RECALL_SALT = 2  # keeps recall draws apart from text shuffles (0) and lookup draws (1) made with the same seed
@@ -69,12 +70,14 @@ def recall_vocab(cfg: RecallConfig, tok: TextTokenizer, vocab_size: int) -> Reca
     eval_keys = _one_token_ids(tok, [WORD_PREFIX + w for w in cfg.eval_keys or []], f"{o}.eval_keys")
     eval_values = _one_token_ids(tok, [WORD_PREFIX + w for w in cfg.eval_values or []], f"{o}.eval_values")
     held = set(eval_keys) | set(eval_values)
-    words = [w for w in single_token_words(tok, vocab_size, WORD_PREFIX) if w not in held]
+    words = [w for w in single_token_words(tok, vocab_size, WORD_PREFIX) if w not in held][: cfg.word_pool]
     if len(words) < 2 * cfg.n_records[1]:
+        pool = f"data.recall.word_pool={cfg.word_pool} leaves" if cfg.word_pool else "the tokenizer has"
+        fix = "raise data.recall.word_pool" if cfg.word_pool else "raise data.text.vocab_size"
         raise ConfigError(
-            f"{o}: the tokenizer has {len(words)} single-token words besides the evaluation's; a list needs "
-            f"{2 * cfg.n_records[1]} (n_records hi {cfg.n_records[1]} keys and as many values): raise "
-            "data.text.vocab_size or lower data.recall.n_records"
+            f"{o}: {pool} {len(words)} single-token words besides the evaluation's; a list needs "
+            f"{2 * cfg.n_records[1]} (n_records hi {cfg.n_records[1]} keys and as many values): {fix} or lower "
+            "data.recall.n_records"
         )
     (pad,) = _one_token_ids(tok, [cfg.eval_pad], f"{o}.eval_pad")
     rest = np.asarray(words, dtype=np.int64)
@@ -152,6 +155,7 @@ class RecallSequences:
                 f"{seq_len + 1}; add text or lower data.seq_len"
             )
         self.cfg, self.vocab, self.text, self.seq_len = cfg, vocab, text_tokens, seq_len
+        self.words = np.concatenate([vocab.keys, vocab.values])  # (K + V,) what random-word passages draw from
         self.seed, self.split, self.rank, self.world_size = seed, split, rank, world_size
         self.index = 0
 
@@ -163,16 +167,26 @@ class RecallSequences:
         start = int(rng.integers(0, len(self.text) - n + 1))
         return np.asarray(self.text[start : start + n], dtype=np.int64)
 
-    def block(self, rng: np.random.Generator) -> tuple[str, np.ndarray]:
-        """One retrieval block drawn with ``rng``: its kind (``list`` or ``repeat``: the module docstring) and
-        tokens."""
+    def _fill(self, rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
+        """``n`` tokens around or inside a block: random words for a ``word_repeat`` block, else corpus text."""
+        return rng.choice(self.words, n) if kind == "word_repeat" else self._text(rng, n)
+
+    def block(self, rng: np.random.Generator) -> tuple[str, np.ndarray, np.ndarray]:
+        """One retrieval block drawn with ``rng``: its kind (``list``, ``repeat``, or ``word_repeat`` when
+        ``word_fill`` makes a random-word passage's sequence all words: the module docstring), tokens (L,) and
+        which of them are answers (L,) bool: the asked records' values of a list, the second passage after its
+        first token (what retrieval predicts; ``loss: answers`` trains on these only)."""
         c, v = self.cfg, self.vocab
         if rng.random() < c.repeat_share:
             n = int(rng.integers(c.repeat_len[0], c.repeat_len[1] + 1))
             words = rng.random() < c.word_repeat_share
-            passage = rng.choice(np.concatenate([v.keys, v.values]), n) if words else self._text(rng, n)
-            gap = self._text(rng, int(rng.integers(c.repeat_gap[0], c.repeat_gap[1] + 1)))
-            return "repeat", np.concatenate([passage, gap, passage])
+            kind = "word_repeat" if words and c.word_fill else "repeat"
+            passage = rng.choice(self.words, n) if words else self._text(rng, n)
+            gap = self._fill(rng, int(rng.integers(c.repeat_gap[0], c.repeat_gap[1] + 1)), kind)
+            tokens = np.concatenate([passage, gap, passage])
+            answers = np.zeros(len(tokens), dtype=bool)
+            answers[len(tokens) - n + 1 :] = True
+            return kind, tokens, answers
         n = int(rng.integers(c.n_records[0], c.n_records[1] + 1))
         q = min(int(rng.integers(c.n_queries[0], c.n_queries[1] + 1)), n)
         keys = rng.choice(v.keys, n, replace=False)
@@ -182,17 +196,26 @@ class RecallSequences:
         asked = rng.choice(n, q, replace=False)
         records = np.stack([keys, values, np.full(n, delim)], axis=1).reshape(-1)  # (3n,) k v d
         queries = np.stack([keys[asked], values[asked], np.full(q, delim)], axis=1).reshape(-1)  # (3q,)
-        return "list", np.concatenate([records, [sep], queries])
+        tokens = np.concatenate([records, [sep], queries])
+        answers = np.zeros(len(tokens), dtype=bool)
+        answers[3 * n + 2 :: 3] = True  # each asked record's value
+        return "list", tokens, answers
 
     def sample(self, g: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sequence number ``g`` of the split counted over all ranks: text, a block, more text; the LM loss on
-        every token."""
+        """Sequence number ``g`` of the split counted over all ranks: text, a block, more text (random words
+        instead of text around a ``word_repeat`` block); the LM loss on every token, or on the block's answers
+        only (``loss: answers``; the others' labels ``IGNORE``)."""
         rng = rng_for(self.seed, self.split, RECALL_SALT, g)
         before = int(rng.integers(self.cfg.text_before[0], self.cfg.text_before[1] + 1))
-        _, block = self.block(rng)
+        kind, block, answers = self.block(rng)
         after = self.seq_len + 1 - before - len(block)
-        tokens = np.concatenate([self._text(rng, before), block, self._text(rng, after)])  # (T+1,)
-        return tokens[:-1], tokens[1:]
+        tokens = np.concatenate([self._fill(rng, before, kind), block, self._fill(rng, after, kind)])  # (T+1,)
+        labels = tokens[1:].copy()  # (T,) label i is token i + 1
+        if self.cfg.loss == "answers":
+            scored = np.zeros(len(tokens), dtype=bool)
+            scored[before : before + len(block)] = answers
+            labels[~scored[1:]] = IGNORE
+        return tokens[:-1], labels
 
     def state_dict(self) -> dict[str, Any]:
         return {"index": self.index}

@@ -5,10 +5,10 @@ The peak of scoring a batch of ``B`` prompts of ``T`` tokens, ``c`` tokens per f
     peak = weights + KV cache after T tokens + the largest layer's transient tensors for c queries over T keys
            + the chunk's activations
 
-- **KV cache** per layer and sequence: for ckv models what the attention backend declares
+- **KV cache** per layer and sequence: for ckv models what each layer's attention backend declares
   (``kv_bytes_per_token``: full attention ``2 x KV heads x head_dim`` per token; compressed attention its
-  finished entries, the exact keys of the local window and the pending hidden states); a sliding window only
-  its window;
+  finished entries, the exact keys of the local window and the pending hidden states; a sliding window only
+  its window), summed layer by layer, so each layer of a layer schedule counts its own;
   DeepSeek-V4's CSA/HCA layers their window, their compressed entries (``T / rate``) and, for CSA, the
   indexer's entries.
 - **Transient** (one layer at a time; freed before the next): attention implementations that materialise
@@ -33,6 +33,7 @@ mark within a stated factor; docs/evaluation.md lists the figures for DeepSeek-V
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import Any, Optional
 
 import torch
 
-from ckv.attention import check_attention
+from ckv.attention import AttentionBackend, layer_backends
 from ckv.config import ModelConfig
 from ckv.flops import parameter_count
 from ckv.geometry import num_entries, shifted_origin
@@ -177,15 +178,36 @@ def device_budget(device: torch.device) -> Optional[float]:
 # ---- ckv models ------------------------------------------------------------------------------------------------
 def ckv_model_memory(config: ModelConfig, device: torch.device) -> ModelMemory:
     """The memory description of a ckv ``Transformer`` (fp32 weights and activations, as ``load_ckv_model`` runs
-    it) on ``device``, from its attention backend's own accounting: the decode cache after ``T`` tokens
-    (``kv_bytes_per_token``, averaged over layers, which differ only by their grid offsets), one layer's
-    prefill transients (``prefill_bytes``: the reference's score copies, or the fast path's query block) and its
-    lightning indexer's (``index_bytes``)."""
-    b, backend, n = FP32, check_attention(config), config.n_layers
-    H, KV, D, d = config.n_heads, config.kv_heads, config.head_dim, config.d_model
+    it) on ``device``, from each layer's attention backend's own accounting (``ckv.attention.layer_backends``):
+    one layer group per run of consecutive layers with the same attention (one group for a uniform stack, one per
+    segment of a layer schedule), with the decode cache after ``T`` tokens (``kv_bytes_per_token``, averaged over
+    the group's layers, which differ only by their grid offsets), one layer's prefill transients
+    (``prefill_bytes``: the reference's score copies, or the fast path's query block) and its lightning indexer's
+    (``index_bytes``); the activations of the widest layer."""
+    b, H, D, d = FP32, config.n_heads, config.head_dim, config.d_model
+    layers = layer_backends(config)  # each layer's backend, after it checked the layer's config
+    runs = [  # consecutive layers that share one attention config (a segment of a schedule)
+        [(i, backend, layer) for i, (backend, layer) in run]
+        for _, run in itertools.groupby(enumerate(layers), key=lambda item: id(item[1][1].attention))
+    ]
+    groups, notes = [], []
+    for run in runs:
+        groups.append(_ckv_layer_group(run, device))
+        _, backend, layer = run[0]
+        note = backend.prefill_note(layer, device)
+        if note not in notes:
+            notes.append(note)
+    KV = max(layer.kv_heads for _, layer in layers)
+    activation = b * (4 * d + 2 * (H + 2 * KV) * D + 3 * config.mlp_dim)
+    return ModelMemory("ckv", FP32 * parameter_count(config), tuple(groups), activation, tuple(notes))
+
+
+def _ckv_layer_group(run: list[tuple[int, type[AttentionBackend], ModelConfig]], device: torch.device) -> LayerGroup:
+    """The ``LayerGroup`` of consecutive layers ``run`` (index, backend, layer config) sharing one attention."""
+    b, n, (_, backend, config) = FP32, len(run), run[0]
 
     def cache(T: int) -> float:
-        return sum(backend.kv_bytes_per_token(config, T, layer, b) for layer in range(n)) * T / n
+        return sum(backend.kv_bytes_per_token(layer, T, i, b) for i, _, layer in run) * T / n
 
     def scores(c: int, T: int) -> float:
         return backend.prefill_bytes(config, c, T, device, b)
@@ -193,10 +215,7 @@ def ckv_model_memory(config: ModelConfig, device: torch.device) -> ModelMemory:
     def indexer(c: int, T: int) -> float:
         return backend.index_bytes(config, c, T)
 
-    group = LayerGroup(config.attention.kind, n, cache, scores, indexer)
-    note = backend.prefill_note(config, device)
-    activation = b * (4 * d + 2 * (H + 2 * KV) * D + 3 * config.mlp_dim)
-    return ModelMemory("ckv", FP32 * parameter_count(config), (group,), activation, (note,))
+    return LayerGroup(config.attention.kind, n, cache, scores, indexer)
 
 
 # ---- transformers models ---------------------------------------------------------------------------------------

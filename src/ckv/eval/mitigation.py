@@ -13,8 +13,10 @@ option group (``conf/eval/mitigation/<name>.yaml``), applied where every task pa
   transformers, any task whose groups are the target's position (lookup, needle: ``EvalTask.shift_stride``).
 - ``dual_offset``: each compressed layer also pools its windows moved by ``offset`` (null: half its stride) with
   the same trained compressor, and every query attends to both sets of entries in one joint softmax; one forward
-  pass, more compressed KV memory. ckv models: ``attention.dual_offset`` (``ckv.attention``); transformers'
-  DeepSeek-V4: its compressors patched through ckv's copy of each layer (``ckv.eval.hf_models.dual_offset_v4``).
+  pass, more compressed KV memory. ckv models: ``attention.dual_offset`` (``ckv.attention``) of every compressed
+  layer (under a layer schedule each takes half its own stride; a given offset must be under the smallest);
+  transformers' DeepSeek-V4: its compressors patched through ckv's copy of each layer
+  (``ckv.eval.hf_models.dual_offset_v4``).
 
 A mitigation asked of a model without compressed attention (full attention; a transformers model without
 ``model.stride`` that is not DeepSeek-V4) runs the model unmitigated and says so in one note. Every setting is
@@ -35,7 +37,8 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from ckv.config import ConfigError, ModelConfig, check_choice, check_int, reject_unknown
+from ckv.attention import CompressedAttentionConfig
+from ckv.config import AttentionConfig, ConfigError, ModelConfig, check_choice, check_int, reject_unknown
 from ckv.eval.hf_models import DeepseekV4Dual, dual_offset_v4, hf_memory, is_deepseek_v4
 from ckv.eval.models import CkvLastLogits, LoadedModel, ModelFacts
 from ckv.eval.scoring import COMBINES, LogitsFn, prompt_lengths
@@ -149,7 +152,9 @@ class MitigationPlan:
         if self.spec.name == "shift_ensemble":
             return {"shifts": list(self.shifts), "combine": self.spec.combine}
         if self.spec.name == "dual_offset" and self.config is not None:
-            return {"offset": self.config.attention.dual_offset}
+            offsets = {i: a.dual_offset for i, a in _compressed_attention(self.config)}
+            one = set(offsets.values())
+            return {"offset": one.pop() if len(one) == 1 else {f"layer {i}": o for i, o in offsets.items()}}
         if self.spec.name == "dual_offset":
             return {"offset": self.offsets}
         return {}
@@ -211,15 +216,27 @@ def _plan_dual(plan: MitigationPlan, model: ModelFacts, v4: bool) -> MitigationP
             f"transformers' DeepSeek-V4 have it, {model.name} ({model.info.get('architecture', model.kind)}) does "
             "not; use mitigation=shift_ensemble"
         )
-    a = model.config.attention
-    offset = a.stride // 2 if offset is None else offset
-    if offset < 1:
-        raise ConfigError(f"mitigation=dual_offset: the model's stride {a.stride} leaves no offset between windows")
-    if offset >= a.stride:
-        raise ConfigError(f"mitigation.offset={offset} must be < the model's stride {a.stride}")
-    d = model.config.to_dict()
-    plan.config = ModelConfig.from_dict({**d, "attention": {**d["attention"], "dual_offset": offset}})
+    strides = sorted({a.stride for _, a in _compressed_attention(model.config)})
+    which = f"the model's stride {strides[0]}" if len(strides) == 1 else f"its smallest layer stride {strides[0]}"
+    if (strides[0] // 2 if offset is None else offset) < 1:
+        raise ConfigError(f"mitigation=dual_offset: {which} leaves no offset between windows")
+    if offset is not None and offset >= strides[0]:
+        raise ConfigError(f"mitigation.offset={offset} must be < {which}")
+
+    def dual(a: AttentionConfig) -> AttentionConfig:
+        if not isinstance(a, CompressedAttentionConfig):
+            return a
+        return dataclasses.replace(a, dual_offset=a.stride // 2 if offset is None else offset)
+
+    plan.config = model.config.map_attention(dual)
     return plan
+
+
+def _compressed_attention(config: ModelConfig) -> list[tuple[int, CompressedAttentionConfig]]:
+    """The compressed layers of ``config`` (index, the layer's attention: ``ModelConfig.layer_attention``), in
+    order; every layer of a uniform compressed stack, those of a layer schedule's compressed segments."""
+    layers = [(i, config.layer_attention(i)) for i in range(config.n_layers)]
+    return [(i, a) for i, a in layers if isinstance(a, CompressedAttentionConfig)]
 
 
 def _v4_offsets(config: Any, offset: Optional[int], tokens: int) -> dict[str, int]:

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer
 
-from ckv.attention import check_attention
+from ckv.attention import model_phase_stride
 from ckv.config import ConfigError, ModelConfig, ModelSpec, saved_attention
 from ckv.data import lookup_format_for
 from ckv.data.config import DataConfig, LookupConfig
@@ -135,14 +135,12 @@ def find_weights(path: PathLike, step: Union[int, str, None] = None) -> tuple[Pa
 
 def check_against_run(config: ModelConfig, run_cfg: dict[str, Any], where: Path) -> None:
     """Raise ``CheckpointMismatchError`` when the weights' config differs from what the run's config.yaml builds
-    (``attention.impl`` may differ: it changes no parameter)."""
+    (``attention.impl``, every layer's under a schedule, may differ: it changes no parameter)."""
     if "model" not in run_cfg or "attention" not in run_cfg:
         return
     attention = saved_attention(run_cfg["attention"])[0]
-    expected = ModelSpec.from_dict(run_cfg["model"]).build(attention, config.vocab_size).to_dict()
-    actual = config.to_dict()
-    expected["attention"].pop("impl", None)
-    actual["attention"].pop("impl", None)
+    expected = _without_impl(ModelSpec.from_dict(run_cfg["model"]).build(attention, config.vocab_size))
+    actual = _without_impl(config)
     diff = [
         f"{k}: run {expected[k]!r} vs checkpoint {actual.get(k)!r}" for k in expected if expected[k] != actual.get(k)
     ]
@@ -150,6 +148,14 @@ def check_against_run(config: ModelConfig, run_cfg: dict[str, Any], where: Path)
         raise CheckpointMismatchError(
             f"the checkpoint {where} does not match its run's config.yaml: " + "; ".join(diff)
         )
+
+
+def _without_impl(config: ModelConfig) -> dict[str, Any]:
+    """``config.to_dict()`` without the ``impl`` of its attention and of each layer segment's."""
+    d = config.to_dict()
+    for attention in [d["attention"], *(seg["attention"] for seg in d.get("layers", []))]:
+        attention.pop("impl", None)
+    return d
 
 
 def _run_lookup(
@@ -212,7 +218,7 @@ def inspect_ckv_model(
     tok_path = weights / TOKENIZER_FILE
     raw_tok = read_tokenizer(tok_path) if tok_path.is_file() else None
     lookup, fmt = _run_lookup(run_cfg, raw_tok, weights)
-    stride = check_attention(config).phase_stride(config)  # None: no phase (full attention)
+    stride = model_phase_stride(config)  # None: no phase (full attention)
     info = {
         "kind": "ckv",
         "path": str(Path(path).resolve()),
@@ -222,17 +228,13 @@ def inspect_ckv_model(
         "run_name": run_cfg.get("name"),
         "seed": run_cfg.get("seed"),
         "config": config.to_dict(),
-        "attention": config.attention.describe(),
+        "attention": config.describe_attention(),
     }
     trainer_state = weights.parent / STATE_FILE
     if trainer_state.is_file():
         info["trainer_state"] = read_json_file(trainer_state, "evaluate another checkpoint (model.step=...)")
         info["step"] = info["trainer_state"].get("step", step)  # a checkpoint's weights: the step they were saved at
-    run_config = config  # the config it runs with: attention.impl as overridden
-    if impl:
-        run_config = ModelConfig.from_dict(
-            {**config.to_dict(), "attention": {**config.to_dict()["attention"], "impl": impl}}
-        )
+    run_config = config.with_impl(impl) if impl else config  # the config it runs with: attention.impl as overridden
     facts = ModelFacts(
         name=run_cfg.get("name") or (run_dir.name if run_dir else weights.name),
         vocab_size=config.vocab_size,
@@ -258,7 +260,7 @@ def load_ckv_model(
     facts, weights = inspect_ckv_model(path, step, impl)
     dev = resolve_device(device, "device")
     try:
-        model = load_weights(weights, device=dev, **({"impl": impl} if impl else {}))
+        model = load_weights(weights, device=dev, impl=impl)
     except CheckpointError:  # a damaged or unreadable file, named with the way out
         raise
     except (ValueError, RuntimeError, SafetensorError) as e:

@@ -102,9 +102,12 @@ def plot_title(model: ModelFacts) -> str:
         return model.name
     folder = Path(info["run_dir"]).name
     att = info.get("attention") or {}
-    what = (
-        f"W{att['window']}/S{att['stride']} {att['pooling']}" if att.get("stride") else f"{att.get('kind')} attention"
-    )
+    if att.get("layers"):  # a layer schedule (ModelConfig.describe_attention): its segments
+        what = f"layers {att['kind']}"
+    elif att.get("stride"):
+        what = f"W{att['window']}/S{att['stride']} {att['pooling']}"
+    else:
+        what = f"{att.get('kind')} attention"
     seed = "" if f"seed={info.get('seed')}" in folder else f", seed {info.get('seed')}"
     step = "" if info.get("step") is None else f", step {info['step']}"
     return f"{model.name}/{folder} ({what}{seed}{step})"

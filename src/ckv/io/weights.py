@@ -11,7 +11,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from safetensors import SafetensorError
@@ -118,15 +118,15 @@ def verify_weights(directory: PathLike, fix: str = WEIGHTS_FIX) -> None:
         read_json_file(d / TOKENIZER_FILE, fix)
 
 
-def load_weights(directory: PathLike, device: Union[str, torch.device] = "cpu", **attention_overrides) -> Transformer:
+def load_weights(
+    directory: PathLike, device: Union[str, torch.device] = "cpu", impl: Optional[str] = None
+) -> Transformer:
     """Build the model from ``config.json`` and load ``model.safetensors`` (``read_state``: damaged files and
-    non-finite tensors are refused). ``attention_overrides`` may change fields that do not change parameters
-    (e.g. ``impl``)."""
+    non-finite tensors are refused). ``impl`` overrides ``attention.impl`` of every layer whose kind runs it
+    (``ModelConfig.with_impl``; it changes no parameter)."""
     config = load_config(directory)
-    if attention_overrides:
-        config = ModelConfig.from_dict(
-            {**config.to_dict(), "attention": {**config.to_dict()["attention"], **attention_overrides}}
-        )
+    if impl:
+        config = config.with_impl(impl)
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise FileNotFoundError(f"no {WEIGHTS_FILE} in {directory}")

@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ckv.attention import check_attention
+from ckv.attention import SlidingAttentionConfig, check_attention
 from ckv.config import (
     REGISTRY,
     AttentionConfig,
     ConfigError,
+    ModelConfig,
     ModelSpec,
     check_bool,
     check_choice,
@@ -63,6 +64,21 @@ RESUMABLE_CHANGES = (
 def trajectory_neutral(key: str) -> bool:
     """Whether dotted config ``key`` is in ``RESUMABLE_CHANGES`` (itself, or under one of its prefixes)."""
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUMABLE_CHANGES)
+
+
+def named_attention(model: ModelConfig) -> list[tuple[str, AttentionConfig]]:
+    """Each attention config the model's layers use, once, with the config path a message names it by: ``attention``
+    (the run's attention group: a uniform stack's, and a layer schedule's segments that take it) or
+    ``model.layers[k].attention`` (segment ``k``'s own), in layer order."""
+    if model.layers is None:
+        return [("attention", model.attention)]
+    out: list[tuple[str, AttentionConfig]] = []
+    for k, seg in enumerate(model.layers):
+        if all(a is not seg.attention for _, a in out):
+            out.append(
+                ("attention" if seg.attention is model.attention else f"model.layers[{k}].attention", seg.attention)
+            )
+    return out
 
 
 def _check(cond: bool, message: str) -> None:
@@ -249,25 +265,29 @@ class TrainConfig:
         # bound on a fixed model.vocab_size is checked once the data is prepared
         model = self.model.build(self.attention, data_vocab_size=1)
         check_attention(model)
-        window = model.attention.describe()["window"]
-        _check(
-            window is None or self.data.seq_len >= window,
-            f"data.seq_len={self.data.seq_len} is shorter than attention.window={window}: no window of a sequence "
-            f"completes, so compression never takes part; use data.seq_len >= {window} or a smaller attention.window",
-        )
+        attentions = named_attention(model)
+        for name, a in attentions:
+            self._check_window(name, a)
         if self.trainer.gate_entropy.enabled:
+            floor = self.trainer.gate_entropy.floor
+            gated = [(name, a) for name, a in attentions if a.option("gate") is not None]
             a = model.attention
             _check(
-                a.option("gate") is not None,
-                f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} keeps a learned gate spread: the model "
-                f"needs one (attention.kind={a.kind!r} with attention.gate set; got gate={a.option('gate')})",
+                bool(gated),
+                f"trainer.gate_entropy.floor={floor} keeps a learned gate spread: the model needs one "
+                + (
+                    f"(attention.kind={a.kind!r} with attention.gate set; got gate={a.option('gate')})"
+                    if model.layers is None
+                    else f"(a layer with attention.gate set; its layers are {model.layer_kinds}, none gated)"
+                ),
             )
-            _check(
-                a.window >= 2,
-                f"trainer.gate_entropy.floor={self.trainer.gate_entropy.floor} needs attention.window >= 2 (a "
-                "1-token window's gate has nothing to spread over)",
-            )
-        selection = model.attention.option("selection")
+            for name, a in gated:
+                _check(
+                    a.window >= 2,
+                    f"trainer.gate_entropy.floor={floor} needs {name}.window >= 2 (a 1-token window's gate has "
+                    "nothing to spread over)",
+                )
+        selection = next((a.option("selection") for _, a in attentions if a.option("selection") is not None), None)
         self.trainer.indexer = self.trainer.indexer.resolved(
             self.trainer.max_steps, has_indexer=selection is not None and not selection.oracle
         )
@@ -304,6 +324,24 @@ class TrainConfig:
             f"trainer.loss_chunk_tokens={self.trainer.loss_chunk_tokens} needs the whole LM head weight on every "
             "rank, which ZeRO stage 3 partitions: use trainer.loss_chunk_tokens=0 or ZeRO stage 0-2",
         )
+
+    def _check_window(self, name: str, attention: AttentionConfig) -> None:
+        """The training sequence holds the window of the attention ``name`` (``named_attention``): a compressor's
+        window completes in it, and a sliding window drops a token of it."""
+        T, window = self.data.seq_len, attention.describe()["window"]
+        _check(
+            window is None or T >= window,
+            f"data.seq_len={T} is shorter than {name}.window={window}: no window of a sequence completes, so "
+            f"compression never takes part; use data.seq_len >= {window} or a smaller {name}.window",
+        )
+        if isinstance(attention, SlidingAttentionConfig):
+            w = attention.sliding_window
+            _check(
+                T > w,
+                f"data.seq_len={T} is not longer than {name}.sliding_window={w}: every query sees the whole "
+                f"sequence, so the layer trains as full attention; use data.seq_len > {w} or a smaller "
+                f"{name}.sliding_window",
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], run_dir: Optional[str] = None) -> TrainConfig:

@@ -174,8 +174,9 @@ class _Loop:
             t.progress,
         )
         self.log.message(
-            f"{self.run_dir} | {model_cfg.n_layers} layers, d={model_cfg.d_model}, {cfg.attention.get('kind')} "
-            f"attention, vocab {model_cfg.vocab_size} | {env.world_size} rank(s) on {env.device.type}, "
+            f"{self.run_dir} | {model_cfg.n_layers} layers, d={model_cfg.d_model}, "
+            f"{model_cfg.describe_attention()['kind']} attention, vocab {model_cfg.vocab_size} | "
+            f"{env.world_size} rank(s) on {env.device.type}, "
             f"{self.engine.precision}, {self.engine.accumulation_steps} accumulation step(s) | "
             + (f"resumed at step {self.step}" if self.step else "fresh start")
         )

@@ -189,9 +189,7 @@ def plan(
     return {
         "model": {
             "preset": train_cfg.model.preset,
-            "attention": cfg.attention.kind
-            if cfg.layers is None
-            else " + ".join(f"{seg.count}x {seg.attention.kind}" for seg in cfg.layers),
+            "attention": cfg.describe_attention()["kind"],
             "vocab_size": cfg.vocab_size,
             "seq_len": seq_len,
             "parameters": params,
