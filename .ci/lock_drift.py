@@ -13,6 +13,7 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;#]+)")
@@ -34,8 +35,11 @@ def read_lock(path: Path) -> dict[str, str]:
 
 
 def installed() -> dict[str, str]:
-    """``{name: version}`` of the distributions this interpreter sees (ckv itself left out)."""
-    found = {canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    """``{name: version}`` of the distributions installed in this interpreter's environment (its site-packages;
+    ckv itself left out). Not ``sys.path`` as a whole: importing setuptools puts its vendored copies
+    (``setuptools/_vendor``, e.g. an older packaging) on it, which are no installed distributions."""
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    found = {canonical(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     found.pop("ckv", None)
     return found
 

@@ -108,6 +108,17 @@ def test_this_environment_is_the_lock() -> None:
     assert not differ, f"installed versions differ from {LOCK.name} (lock, installed): {differ}; run make install"
 
 
+def test_vendored_copies_on_sys_path_are_not_installed_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing setuptools appends ``setuptools/_vendor`` (an older packaging, platformdirs, ...) to ``sys.path``; the
+    drift check reads the environment's site-packages, so a test that imports setuptools first cannot fail the one
+    above."""
+    before = DRIFT.installed()
+    vendor = Path(importlib.util.find_spec("setuptools").origin).parent / "_vendor"
+    assert vendor.is_dir() and any(vendor.glob("packaging-*.dist-info"))
+    monkeypatch.setattr(sys, "path", [*sys.path, str(vendor)])  # where setuptools puts it: after site-packages
+    assert DRIFT.installed() == before
+
+
 def test_readme_names_the_locked_versions() -> None:
     """README's one line of tested versions is the lock's, so it cannot go stale after `make lock`."""
     readme = (REPO / "README.md").read_text()

@@ -203,6 +203,51 @@ def test_loss_on_answers_scores_the_asked_values_and_the_repeated_passage(cache_
     assert kinds == {"list", "repeat"}
 
 
+def test_a_warm_up_draws_its_sequences_from_the_first_words_only(cache_dir: str, eval_words, stream) -> None:
+    """``warmup_words`` / ``warmup_sequences``: retrieval sequence ``g`` (counted over all ranks) draws from the
+    pool's first ``warmup_words`` words while ``g < warmup_sequences``, then from the whole pool; the draws are the
+    ones without a warm-up after it (a curriculum over the sequence number: resume and ranks are unchanged)."""
+    changes = {"recall__repeat_share": 1.0, "recall__word_repeat_share": 1.0, "recall__word_fill": True}  # all words
+    cfg = pretrain_config(eval_words, **changes, recall__warmup_words=40, recall__warmup_sequences=30)
+    warm = build_batches(cfg, batch_size=1, seed=0, cache_dir=cache_dir).source.lookup
+    cold = build_batches(pretrain_config(eval_words, **changes), batch_size=1, seed=0, cache_dir=cache_dir)
+    cold = cold.source.lookup
+    first = set(warm.warm_pool.words.tolist())
+    assert len(first) == 40 and first < set(warm.pool.words.tolist())
+    for g in range(60):
+        inputs, labels = warm.sample(g)
+        words = set(np.append(inputs, labels[-1:]).tolist())
+        assert words <= set(warm.pool.words.tolist())
+        if g < 30:
+            assert words <= first  # every key, value and random word of the warm-up from its 40 words
+        else:
+            assert all(np.array_equal(a, b) for a, b in zip((inputs, labels), cold.sample(g)))
+    assert all(not set(warm.sample(g)[0].tolist()) <= first for g in range(30, 60))
+    note = budget_note(cfg, stream, 8)
+    assert note.endswith(", the first 30 from the first 40 only (data.recall.warmup_words))")
+    for changes, message in [
+        (
+            {"recall__warmup_words": 40},
+            "data.recall.warmup_words=40 and data.recall.warmup_sequences=0 go together: set both (a warm-up of that "
+            "many sequences on that many words) or neither",
+        ),
+        (
+            {"recall__warmup_words": 1, "recall__warmup_sequences": 5},
+            "data.recall.warmup_words=1 must be an integer >= 2",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match="^" + re.escape(message) + "$"):
+            pretrain_config(eval_words, **changes)
+    with pytest.raises(ConfigError) as err:
+        build_batches(
+            pretrain_config(eval_words, recall__warmup_words=30, recall__warmup_sequences=5),
+            batch_size=1,
+            seed=0,
+            cache_dir=cache_dir,
+        )
+    assert str(err.value).startswith("data.recall.warmup_words=30 must lie in [40, ")
+
+
 def test_resume_gives_the_same_batches(cache_dir: str, eval_words) -> None:
     a = build_batches(pretrain_config(eval_words), batch_size=4, seed=3, cache_dir=cache_dir)
     it = iter(a)

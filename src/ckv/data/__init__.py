@@ -132,7 +132,9 @@ def budget_note(cfg: DataConfig, stream: BatchStream, rows: int) -> Optional[str
         where = f"their {drawn}"
     if r.loss == "answers":
         where += "; the loss on their blocks' answers only: data.recall.loss"
-    where += f"; keys, values and random passages from {len(mixture.lookup.words):,} words"
+    where += f"; keys, values and random passages from {len(mixture.lookup.pool.words):,} words"
+    if r.warmup_words is not None:
+        where += f", the first {r.warmup_sequences:,} from the first {r.warmup_words:,} only (data.recall.warmup_words)"
     return (
         f"data: {text_rows:,} text sequences = {text_rows / windows:.2f} epochs of the corpus' {windows:,} windows "
         f"of {cfg.seq_len + 1} tokens ({len(mixture.text.tokens):,} tokens in its train split), and {recall_rows:,} "

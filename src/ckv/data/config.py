@@ -272,7 +272,10 @@ class RecallConfig:
     answers only: the asked records' values, the repeated passage after its first token; text sequences keep the
     loss on every token). ``word_pool``: the lists' keys and values and the random passages draw from the first
     ``word_pool`` single-token words of the tokenizer (ids in order, the evaluation's words left out; null: all):
-    fewer distinct words shorten the plateau before retrieval forms."""
+    fewer distinct words shorten the plateau before retrieval forms. ``warmup_words`` / ``warmup_sequences``: the
+    first ``warmup_sequences`` retrieval sequences (counted over all ranks) draw from the first ``warmup_words`` of
+    the pool only, the rest from the whole pool (a curriculum: a small pool breaks the plateau, the whole pool asks
+    for a retrieval not tied to its words); null / 0: none."""
 
     eval_keys: Optional[list[str]] = None
     eval_values: Optional[list[str]] = None
@@ -289,6 +292,8 @@ class RecallConfig:
     word_fill: bool = False
     loss: str = "all"
     word_pool: Optional[int] = None
+    warmup_words: Optional[int] = None
+    warmup_sequences: int = 0
 
     def __post_init__(self) -> None:
         o = "data.recall"
@@ -296,6 +301,14 @@ class RecallConfig:
         check_choice(f"{o}.loss", self.loss, ("all", "answers"))
         if self.word_pool is not None:
             check_int(f"{o}.word_pool", self.word_pool, 2)
+        check_int(f"{o}.warmup_sequences", self.warmup_sequences, 0)
+        if (self.warmup_words is None) != (self.warmup_sequences == 0):
+            raise ConfigError(
+                f"{o}.warmup_words={self.warmup_words} and {o}.warmup_sequences={self.warmup_sequences} go together: "
+                "set both (a warm-up of that many sequences on that many words) or neither"
+            )
+        if self.warmup_words is not None:
+            check_int(f"{o}.warmup_words", self.warmup_words, 2)
         for name in ("n_records", "n_queries", "repeat_len", "repeat_gap", "text_before"):
             setattr(self, name, _int_range(f"{o}.{name}", getattr(self, name)))
         for name in ("n_records", "n_queries", "repeat_len"):

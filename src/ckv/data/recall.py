@@ -26,7 +26,7 @@ never a delimiter or separator (``check_held_out``, one ``ConfigError`` line), a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -131,6 +131,19 @@ def longest_record_run(tokens: np.ndarray, keys: np.ndarray, values: np.ndarray)
     return best
 
 
+@dataclass(frozen=True)
+class WordPool:
+    """The words a block draws from: list keys (K,), list values (V,) and both, for random passages (K + V,)."""
+
+    keys: np.ndarray
+    values: np.ndarray
+    words: np.ndarray
+
+    @classmethod
+    def of(cls, keys: np.ndarray, values: np.ndarray) -> WordPool:
+        return cls(keys, values, np.concatenate([keys, values]))
+
+
 class RecallSequences:
     """Endless pretraining sequences with one retrieval block each (a ``SequenceSource``). Sequence ``g`` of a split
     is drawn from its own generator ``(seed, split, RECALL_SALT, g)``; its text comes from ``text_tokens`` (the
@@ -155,7 +168,18 @@ class RecallSequences:
                 f"{seq_len + 1}; add text or lower data.seq_len"
             )
         self.cfg, self.vocab, self.text, self.seq_len = cfg, vocab, text_tokens, seq_len
-        self.words = np.concatenate([vocab.keys, vocab.values])  # (K + V,) what random-word passages draw from
+        self.pool = WordPool.of(vocab.keys, vocab.values)
+        self.warm_pool = None  # the first warmup_sequences sequences' words (the first warmup_words of the pool)
+        if cfg.warmup_words is not None:
+            w = cfg.warmup_words
+            if not 2 * cfg.n_records[1] <= w <= len(self.pool.words):
+                raise ConfigError(
+                    f"data.recall.warmup_words={w} must lie in [{2 * cfg.n_records[1]}, {len(self.pool.words)}]: a "
+                    f"list needs n_records hi {cfg.n_records[1]} keys and as many values, and the warm-up draws from "
+                    f"the pool's {len(self.pool.words)} words"
+                )
+            self.warm_pool = WordPool.of(vocab.keys[: (w + 1) // 2], vocab.values[: w // 2])
+        self.words = self.pool.words  # (K + V,) what random-word passages draw from after the warm-up
         self.seed, self.split, self.rank, self.world_size = seed, split, rank, world_size
         self.index = 0
 
@@ -167,30 +191,36 @@ class RecallSequences:
         start = int(rng.integers(0, len(self.text) - n + 1))
         return np.asarray(self.text[start : start + n], dtype=np.int64)
 
-    def _fill(self, rng: np.random.Generator, n: int, kind: str) -> np.ndarray:
+    def _fill(self, rng: np.random.Generator, n: int, kind: str, pool: WordPool) -> np.ndarray:
         """``n`` tokens around or inside a block: random words for a ``word_repeat`` block, else corpus text."""
-        return rng.choice(self.words, n) if kind == "word_repeat" else self._text(rng, n)
+        return rng.choice(pool.words, n) if kind == "word_repeat" else self._text(rng, n)
 
-    def block(self, rng: np.random.Generator) -> tuple[str, np.ndarray, np.ndarray]:
-        """One retrieval block drawn with ``rng``: its kind (``list``, ``repeat``, or ``word_repeat`` when
-        ``word_fill`` makes a random-word passage's sequence all words: the module docstring), tokens (L,) and
-        which of them are answers (L,) bool: the asked records' values of a list, the second passage after its
-        first token (what retrieval predicts; ``loss: answers`` trains on these only)."""
+    def pool_of(self, g: int) -> WordPool:
+        """The words sequence ``g`` draws from: the warm-up's for the first ``warmup_sequences``, else the pool."""
+        return self.warm_pool if self.warm_pool is not None and g < self.cfg.warmup_sequences else self.pool
+
+    def block(self, rng: np.random.Generator, pool: Optional[WordPool] = None) -> tuple[str, np.ndarray, np.ndarray]:
+        """One retrieval block drawn with ``rng`` from ``pool`` (default: the run's pool): its kind (``list``,
+        ``repeat``, or ``word_repeat`` when ``word_fill`` makes a random-word passage's sequence all words: the
+        module docstring), tokens (L,) and which of them are answers (L,) bool: the asked records' values of a
+        list, the second passage after its first token (what retrieval predicts; ``loss: answers`` trains on these
+        only)."""
         c, v = self.cfg, self.vocab
+        pool = self.pool if pool is None else pool
         if rng.random() < c.repeat_share:
             n = int(rng.integers(c.repeat_len[0], c.repeat_len[1] + 1))
             words = rng.random() < c.word_repeat_share
             kind = "word_repeat" if words and c.word_fill else "repeat"
-            passage = rng.choice(self.words, n) if words else self._text(rng, n)
-            gap = self._fill(rng, int(rng.integers(c.repeat_gap[0], c.repeat_gap[1] + 1)), kind)
+            passage = rng.choice(pool.words, n) if words else self._text(rng, n)
+            gap = self._fill(rng, int(rng.integers(c.repeat_gap[0], c.repeat_gap[1] + 1)), kind, pool)
             tokens = np.concatenate([passage, gap, passage])
             answers = np.zeros(len(tokens), dtype=bool)
             answers[len(tokens) - n + 1 :] = True
             return kind, tokens, answers
         n = int(rng.integers(c.n_records[0], c.n_records[1] + 1))
         q = min(int(rng.integers(c.n_queries[0], c.n_queries[1] + 1)), n)
-        keys = rng.choice(v.keys, n, replace=False)
-        values = rng.choice(v.values, n, replace=True)
+        keys = rng.choice(pool.keys, n, replace=False)
+        values = rng.choice(pool.values, n, replace=True)
         delim = v.delimiters[int(rng.integers(len(v.delimiters)))]
         sep = v.separators[int(rng.integers(len(v.separators)))]
         asked = rng.choice(n, q, replace=False)
@@ -207,9 +237,11 @@ class RecallSequences:
         only (``loss: answers``; the others' labels ``IGNORE``)."""
         rng = rng_for(self.seed, self.split, RECALL_SALT, g)
         before = int(rng.integers(self.cfg.text_before[0], self.cfg.text_before[1] + 1))
-        kind, block, answers = self.block(rng)
+        pool = self.pool_of(g)
+        kind, block, answers = self.block(rng, pool)
         after = self.seq_len + 1 - before - len(block)
-        tokens = np.concatenate([self._fill(rng, before, kind), block, self._fill(rng, after, kind)])  # (T+1,)
+        fill = [self._fill(rng, before, kind, pool), block, self._fill(rng, after, kind, pool)]
+        tokens = np.concatenate(fill)  # (T+1,)
         labels = tokens[1:].copy()  # (T,) label i is token i + 1
         if self.cfg.loss == "answers":
             scored = np.zeros(len(tokens), dtype=bool)
