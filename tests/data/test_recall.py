@@ -203,6 +203,33 @@ def test_loss_on_answers_scores_the_asked_values_and_the_repeated_passage(cache_
     assert kinds == {"list", "repeat"}
 
 
+def test_word_delimiters_follow_each_record_with_a_random_word(cache_dir: str, eval_words) -> None:
+    """``word_delimiter_share``: that share of lists put a random pool word after each record (queries too) in place
+    of the list's delimiter; the records, queries and answers are the same draws' otherwise."""
+    changes = {"recall__repeat_share": 0.0, "recall__word_delimiter_share": 0.5}
+    source = build_batches(pretrain_config(eval_words, **changes), batch_size=1, seed=0, cache_dir=cache_dir)
+    recall = source.source.lookup
+    delims, words = set(recall.vocab.delimiters), set(recall.pool.words.tolist())
+    seps = set(recall.vocab.separators)
+    worded = 0
+    for g in range(60):
+        kind, block, answers = recall.block(np.random.default_rng([3, g]))
+        cut = next(i for i in range(0, len(block), 3) if block[i] in seps)
+        records, queries = block[:cut].reshape(-1, 3), block[cut + 1 :].reshape(-1, 3)
+        after = set(records[:, 2].tolist()) | set(queries[:, 2].tolist())
+        if after <= delims:
+            assert len(after) == 1  # one delimiter per list
+        else:
+            worded += 1
+            assert after <= words and len(after) > 1  # a word drawn per record
+        given = dict(zip(records[:, 0].tolist(), records[:, 1].tolist()))
+        assert all(given[k] == v for k, v in queries[:, :2].tolist())
+        assert np.array_equal(block[answers], queries[:, 1])
+    assert 15 < worded < 45
+    with pytest.raises(ConfigError, match=re.escape("data.recall.word_delimiter_share=2")):
+        pretrain_config(eval_words, recall__word_delimiter_share=2)
+
+
 def test_a_warm_up_draws_its_sequences_from_the_first_words_only(cache_dir: str, eval_words, stream) -> None:
     """``warmup_words`` / ``warmup_sequences``: retrieval sequence ``g`` (counted over all ranks) draws from the
     pool's first ``warmup_words`` words while ``g < warmup_sequences``, then from the whole pool; the draws are the

@@ -275,7 +275,9 @@ class RecallConfig:
     fewer distinct words shorten the plateau before retrieval forms. ``warmup_words`` / ``warmup_sequences``: the
     first ``warmup_sequences`` retrieval sequences (counted over all ranks) draw from the first ``warmup_words`` of
     the pool only, the rest from the whole pool (a curriculum: a small pool breaks the plateau, the whole pool asks
-    for a retrieval not tied to its words); null / 0: none."""
+    for a retrieval not tied to its words); null / 0: none. ``word_delimiter_share``: the share of lists whose
+    records are each followed by a random word of the pool instead of the list's delimiter (a key then follows a
+    word, as in text, not only a delimiter)."""
 
     eval_keys: Optional[list[str]] = None
     eval_values: Optional[list[str]] = None
@@ -294,6 +296,7 @@ class RecallConfig:
     word_pool: Optional[int] = None
     warmup_words: Optional[int] = None
     warmup_sequences: int = 0
+    word_delimiter_share: float = 0.0
 
     def __post_init__(self) -> None:
         o = "data.recall"
@@ -327,6 +330,7 @@ class RecallConfig:
             raise ConfigError(f"{o}: {both} are both evaluation keys and values; a lookup needs disjoint sets")
         check_float(f"{o}.repeat_share", self.repeat_share, 0, 1)
         check_float(f"{o}.word_repeat_share", self.word_repeat_share, 0, 1)
+        check_float(f"{o}.word_delimiter_share", self.word_delimiter_share, 0, 1)
 
     def check_eval_words(self) -> None:
         """The evaluation's words are given (``data.kind: pretrain`` holds them out)."""

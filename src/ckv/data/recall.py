@@ -224,8 +224,13 @@ class RecallSequences:
         delim = v.delimiters[int(rng.integers(len(v.delimiters)))]
         sep = v.separators[int(rng.integers(len(v.separators)))]
         asked = rng.choice(n, q, replace=False)
-        records = np.stack([keys, values, np.full(n, delim)], axis=1).reshape(-1)  # (3n,) k v d
-        queries = np.stack([keys[asked], values[asked], np.full(q, delim)], axis=1).reshape(-1)  # (3q,)
+        # the token after each record: the list's delimiter, or (word_delimiter_share of lists) a random word each
+        if c.word_delimiter_share and rng.random() < c.word_delimiter_share:
+            after, after_q = rng.choice(pool.words, n), rng.choice(pool.words, q)
+        else:
+            after, after_q = np.full(n, delim), np.full(q, delim)
+        records = np.stack([keys, values, after], axis=1).reshape(-1)  # (3n,) k v d
+        queries = np.stack([keys[asked], values[asked], after_q], axis=1).reshape(-1)  # (3q,)
         tokens = np.concatenate([records, [sep], queries])
         answers = np.zeros(len(tokens), dtype=bool)
         answers[3 * n + 2 :: 3] = True  # each asked record's value
