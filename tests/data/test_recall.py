@@ -135,7 +135,7 @@ def test_word_fill_makes_a_random_word_repeat_sequence_all_words(cache_dir: str,
     ).source.lookup
     plain = build_batches(pretrain_config(eval_words, **changes), batch_size=1, seed=0, cache_dir=cache_dir)
     plain = plain.source.lookup
-    words = set(filled.words.tolist())
+    words = set(filled.pool.words.tolist())
     kinds = []
     for g in range(60):
         kind, block, _ = filled.block(np.random.default_rng([5, g]))
@@ -291,7 +291,7 @@ def test_budget_note_counts_epochs(stream, eval_words) -> None:
     windows = stream.source.text.per_rank
     note = budget_note(pretrain_config(eval_words), stream, 4 * windows)  # 3 windows' worth of text rows at share 0.75
     assert f"{3 * windows:,} text sequences = 3.00 epochs" in note and f"{windows:,} sequences with a retrieval" in note
-    words = len(stream.source.lookup.words)
+    words = len(stream.source.lookup.pool.words)
     assert (
         f"(their text drawn at random offsets of the same split; keys, values and random passages from {words:,} "
         in note
@@ -368,7 +368,7 @@ def test_a_word_pool_too_small_for_a_list_is_one_line(cache_dir: str, eval_words
     )
     small = build_batches(pretrain_config(eval_words, recall__word_pool=40), batch_size=2, seed=0, cache_dir=cache_dir)
     vocab = small.source.lookup.vocab
-    assert len(vocab.keys) == len(vocab.values) == 20 and len(small.source.lookup.words) == 40
+    assert len(vocab.keys) == len(vocab.values) == 20 and len(small.source.lookup.pool.words) == 40
 
 
 def test_a_corpus_too_small_for_one_sequence_says_so(tmp_path, cache_dir: str, eval_words) -> None:

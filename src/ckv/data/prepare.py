@@ -30,6 +30,7 @@ that does not read names its first bad line (not UTF-8, not JSON) and what to do
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -156,11 +157,9 @@ def file_problem(path: str, builder: str) -> Optional[str]:
                 "line's encoding or remove it (ckv reads UTF-8)"
             )
     if builder == "json":
-        try:
+        with contextlib.suppress(ValueError):
             json.loads(data)  # one JSON document (a list of rows); else JSON lines
             return None
-        except ValueError:
-            pass
         for number, line in enumerate(data.splitlines(), 1):
             try:
                 if line.strip():

@@ -179,7 +179,6 @@ class RecallSequences:
                     f"the pool's {len(self.pool.words)} words"
                 )
             self.warm_pool = WordPool.of(vocab.keys[: (w + 1) // 2], vocab.values[: w // 2])
-        self.words = self.pool.words  # (K + V,) what random-word passages draw from after the warm-up
         self.seed, self.split, self.rank, self.world_size = seed, split, rank, world_size
         self.index = 0
 

@@ -8,6 +8,7 @@ files."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Iterator
@@ -20,12 +21,10 @@ PathLike = Union[str, os.PathLike]
 
 def umask() -> int:
     """This process' umask, read without changing it (``/proc/self/status``; elsewhere set and restored at once)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
                 return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

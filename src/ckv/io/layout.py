@@ -62,8 +62,7 @@ def check_readable(path: PathLike) -> None:
     """``CheckpointError`` naming ``path`` when it exists but this user may not read it (``FileNotFoundError`` when
     it does not exist; safetensors reports both as "No such file or directory")."""
     try:
-        with open(path, "rb"):
-            pass
+        open(path, "rb").close()  # opening is the check
     except PermissionError:
         raise CheckpointError(
             f"{os.fspath(path)} exists but user {user_name()} may not read it (Permission denied); ask its owner "
