@@ -4,7 +4,7 @@ modules in tests/attention/test_properties.py.)"""
 
 import pytest
 
-from ckv.attention import check_attention
+from ckv.attention import check_attention, layer_backends
 from ckv.config import ConfigError, ModelConfig
 from ckv.flops import (
     CACHE_DTYPES,
@@ -155,3 +155,21 @@ def test_a_layer_schedule_is_accounted_layer_by_layer():
     with torch.no_grad():
         model(torch.randint(0, cfg.vocab_size, (1, T)), cache)
     assert cache.nbytes()["total"] == pytest.approx(kv_bytes_per_token(cfg, T, bytes_per_element=4) * T)
+
+
+def test_a_shared_kv_cache_is_counted_once():
+    """Cross-layer KV sharing: the source's entries are counted in its layer only (the ``entries`` parts equal the
+    source's alone, however many layers read them); each consumer adds its window's keys and values."""
+    sliding = {"kind": "sliding", "sliding_window": 5}
+    source = {"kind": "compressed", "window": 8, "stride": 4, "local_window": 4}
+    T = 21
+    for consumers in (1, 3):
+        layers = [{"count": 1, "kv": "source", "attention": source}, {"count": consumers, "kv": "shared"}]
+        cfg = small_config(sliding, n_layers=1 + consumers, layers=layers)
+        parts = kv_bytes_by_part(cfg, T)
+        assert sum(b for b, _ in parts.values()) == pytest.approx(kv_bytes_per_token(cfg, T))
+        alone = small_config(source, n_layers=1 + consumers)  # one layer of it: the source's own cache
+        backend, layer = layer_backends(alone)[0]
+        assert parts["entries"][0] == pytest.approx(backend.kv_elements_per_token(layer, T)["entries"] * 2)
+        window = kv_bytes_per_token(small_config(sliding, n_layers=1 + consumers), T) / (1 + consumers)
+        assert kv_bytes_per_token(cfg, T) == pytest.approx(backend.kv_bytes_per_token(layer, T) + consumers * window)

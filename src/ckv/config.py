@@ -238,17 +238,27 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# A layer's part in cross-layer KV sharing (``LayerSegment.kv``): its own KV only, a source that publishes its KV
+# to the layers after it, or a consumer that reads the nearest source's beside its own sliding window.
+KV_ROLES = ("own", "source", "shared")
+
+
 @dataclass
 class LayerSegment:
     """``count`` consecutive layers of a layer schedule (``ModelConfig.layers``) and their attention config (a
     mapping of the fields ``attention=`` takes, validated by its kind's config class; the model's ``attention``
-    when the segment omits it)."""
+    when the segment omits it). ``kv`` is the layers' part in cross-layer KV sharing (``KV_ROLES``): ``own`` (the
+    default: no sharing), ``source`` (each layer publishes its KV: every token's keys and values, or its
+    compressed entries) or ``shared`` (each layer reads the KV of the nearest ``source`` layer before it, beside
+    its own sliding window)."""
 
     count: int
     attention: AttentionConfig
+    kv: str = "own"
 
     def __post_init__(self) -> None:
         check_int("model.layers[].count", self.count)
+        check_choice("model.layers[].kv", self.kv, KV_ROLES)
         if isinstance(self.attention, Mapping):
             self.attention = AttentionConfig.from_dict(self.attention)
         if not isinstance(self.attention, AttentionConfig):
@@ -258,6 +268,19 @@ class LayerSegment:
             )
 
 
+@dataclass(frozen=True)
+class KVSource:
+    """The KV a consumer layer (``kv: shared``) reads, as ``ModelConfig.layer_config`` states it on that layer's
+    config (``ModelConfig.kv_source``): the source's layer index ``layer``, ``stride``, the positions per published
+    entry (its ratio: 1 for every token's key and value, a compressed source's stride), and ``origins``, the grid
+    coordinate of real position 0 of each set of entries it publishes (its own grid first; with dual-offset
+    compression its moved grid's after)."""
+
+    layer: int
+    stride: int
+    origins: tuple[int, ...] = (0,)
+
+
 @dataclass
 class ModelConfig:
     """A Qwen3-style decoder: pre-norm RMSNorm, per-head Q/K RMSNorm, GQA, SwiGLU, RoPE, no biases.
@@ -265,7 +288,9 @@ class ModelConfig:
     ``layers`` is the layer schedule: None (every layer uses ``attention``, the uniform stack) or a list of
     segments, ``[{count: 2, attention: {kind: sliding, sliding_window: 128}}, {count: 2}]``, layer by layer in
     order, whose counts add up to ``n_layers``; a segment without ``attention`` takes the model's. Each layer's
-    backend gets ``layer_config(i)``: this config with the layer's attention and no schedule.
+    backend gets ``layer_config(i)``: this config with the layer's attention and no schedule. A segment's ``kv``
+    shares KV across layers (``LayerSegment``; docs/attention.md, "Cross-layer KV sharing"): ``kv_source`` is set
+    only on the config ``layer_config`` gives a consumer layer (``KVSource``), never by hand.
     """
 
     vocab_size: int = 256
@@ -282,8 +307,14 @@ class ModelConfig:
     init_std: float = 0.02
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     layers: Optional[list[LayerSegment]] = None
+    kv_source: Optional[KVSource] = None
 
     def __post_init__(self) -> None:
+        if self.kv_source is not None and (self.layers is not None or not isinstance(self.kv_source, KVSource)):
+            raise ConfigError(
+                f"model.kv_source={self.kv_source!r} is set by ModelConfig.layer_config on a consumer layer's config "
+                "only: share KV with a layer schedule's kv (model.layers[k].kv: source / shared)"
+            )
         if isinstance(self.attention, Mapping):
             self.attention = AttentionConfig.from_dict(self.attention)
         o = "model"
@@ -315,6 +346,7 @@ class ModelConfig:
             group.check_model(n_layers=self.n_layers, kv_heads=self.kv_heads, head_dim=self.head_dim)
         if self.layers is not None:
             self.layers = self._schedule(self.layers)
+            self._check_sharing()  # before the consumers' configs, which read their sources'
             for i in range(self.n_layers):
                 self.layer_config(i)  # each layer's config checks itself (kv_heads, option groups against the model)
 
@@ -333,7 +365,9 @@ class ModelConfig:
                 if "count" not in seg:
                     raise ConfigError(f"model.layers[{k}]={dict(seg)!r} needs a 'count' (how many layers it spans)")
                 attention = seg.get("attention")
-                seg = LayerSegment(seg["count"], self.attention if attention is None else attention)
+                kv = seg.get("kv", "own")
+                check_choice(f"model.layers[{k}].kv", kv, KV_ROLES)
+                seg = LayerSegment(seg["count"], self.attention if attention is None else attention, kv)
             elif not isinstance(seg, LayerSegment):
                 raise ConfigError(f"model.layers[{k}]={seg!r} must be a mapping {{count, attention}}")
             segments.append(seg)
@@ -346,25 +380,97 @@ class ModelConfig:
             )
         return segments
 
-    def layer_attention(self, layer_idx: int) -> AttentionConfig:
-        """The attention config of layer ``layer_idx``: its segment's, or ``attention`` without a schedule."""
+    def _segment(self, layer_idx: int) -> LayerSegment:
+        """The segment of the schedule that holds layer ``layer_idx`` (a schedule is set)."""
         if not 0 <= layer_idx < self.n_layers:
             raise IndexError(f"layer {layer_idx} is not one of the model's {self.n_layers} layers")
-        if self.layers is None:
-            return self.attention
         for seg in self.layers:
             if layer_idx < seg.count:
-                return seg.attention
+                return seg
             layer_idx -= seg.count
         raise AssertionError("unreachable: the counts add up to n_layers")  # pragma: no cover
+
+    def layer_attention(self, layer_idx: int) -> AttentionConfig:
+        """The attention config of layer ``layer_idx``: its segment's, or ``attention`` without a schedule."""
+        if self.layers is None:
+            if not 0 <= layer_idx < self.n_layers:
+                raise IndexError(f"layer {layer_idx} is not one of the model's {self.n_layers} layers")
+            return self.attention
+        return self._segment(layer_idx).attention
+
+    def layer_kv(self, layer_idx: int) -> str:
+        """Layer ``layer_idx``'s part in cross-layer KV sharing (``KV_ROLES``): its segment's ``kv``; ``own``
+        without a schedule."""
+        return "own" if self.layers is None else self._segment(layer_idx).kv
+
+    def source_layer(self, layer_idx: int) -> Optional[int]:
+        """The layer whose KV layer ``layer_idx`` reads: the nearest ``kv: source`` layer before a ``kv: shared``
+        one (None for any other layer, and for a consumer with no source before it)."""
+        if self.layer_kv(layer_idx) != "shared":
+            return None
+        return next((j for j in range(layer_idx - 1, -1, -1) if self.layer_kv(j) == "source"), None)
 
     def layer_config(self, layer_idx: int) -> ModelConfig:
         """The config layer ``layer_idx``'s backend is built from: this config itself without a schedule, else a
         copy holding the layer's attention as ``attention`` and no schedule (``n_layers`` and the other sizes the
-        model's, so that per-layer options such as grid offsets see the model's depth)."""
+        model's, so that per-layer options such as grid offsets see the model's depth); a consumer layer's
+        (``kv: shared``) also states the KV it reads (``kv_source``: its source's layer, stride and grid origins,
+        as the source's backend publishes them, ``shared_kv``)."""
         if self.layers is None:
             return self
-        return dataclasses.replace(self, attention=self.layer_attention(layer_idx), layers=None)
+        layer = dataclasses.replace(self, attention=self.layer_attention(layer_idx), layers=None)
+        j = self.source_layer(layer_idx)
+        if j is None:
+            return layer
+        source = self.layer_config(j)
+        stride, origins = REGISTRY[source.attention.kind].shared_kv(source, j)
+        return dataclasses.replace(layer, kv_source=KVSource(j, stride, origins))
+
+    def _check_sharing(self) -> None:
+        """Cross-layer KV sharing, segment by segment: a source's kind publishes its KV (its backend's
+        ``shared_kv``), a consumer's kind reads shared KV (``reads_shared_kv``), has a source before it and agrees
+        with it on KV heads and RoPE (the head size is the model's, ``head_dim``: no layer can differ in it)."""
+        first = 0
+        for k, seg in enumerate(self.layers):
+            where, kind = f"model.layers[{k}].kv={seg.kv!r}", seg.attention.kind
+            if seg.kv == "source":
+                layer = self.layer_config(first)
+                try:
+                    REGISTRY[kind].shared_kv(layer, first)
+                except ConfigError as e:
+                    raise ConfigError(f"{where}: {e}") from None
+            if seg.kv == "shared":
+                readers = sorted(name for name, backend in REGISTRY.items() if backend.reads_shared_kv)
+                if not REGISTRY[kind].reads_shared_kv:
+                    raise ConfigError(
+                        f"{where}: a consumer attends its source's KV beside its own sliding window, so its "
+                        f"attention.kind must be one that does ({readers}), not {kind!r}"
+                    )
+                j = self.source_layer(first)
+                if j is None:
+                    raise ConfigError(
+                        f"{where}: layer {first} reads the KV of the nearest layer before it with kv='source', and "
+                        "no layer before it has one: put a kv: source segment before it (or set kv: own)"
+                    )
+                self._check_group(where, first, j)
+            first += seg.count
+
+    def _check_group(self, where: str, consumer: int, source: int) -> None:
+        """A consumer layer and its source agree on what their keys share: KV heads and RoPE."""
+        a, b = self.layer_config(consumer), self.layer_config(source)
+        differ = [f"attention.kv_heads ({a.kv_heads} vs the source's {b.kv_heads})"] if a.kv_heads != b.kv_heads else []
+        ra, rb = a.attention.rope, b.attention.rope
+        differ += [
+            f"attention.rope.{name} ({getattr(ra, name)!r} vs the source's {getattr(rb, name)!r})"
+            for name in field_names(type(ra))
+            if getattr(ra, name) != getattr(rb, name)
+        ]
+        if differ:
+            raise ConfigError(
+                f"{where}: layer {consumer} reads the KV of layer {source} but disagrees with it on "
+                f"{', '.join(differ)}: a sharing group's layers must agree on KV heads and RoPE (the head size is "
+                "the model's, model.head_dim)"
+            )
 
     def describe_attention(self) -> dict[str, Any]:
         """What results and plots say about the model's attention: ``attention.describe()`` for a uniform stack;
@@ -373,7 +479,10 @@ class ModelConfig:
         ``layers`` each segment's ``count`` and ``describe()``."""
         if self.layers is None:
             return self.attention.describe()
-        segments = [{"count": seg.count, **seg.attention.describe()} for seg in self.layers]
+        segments = [
+            {"count": seg.count, **seg.attention.describe(), **({} if seg.kv == "own" else {"kv": seg.kv})}
+            for seg in self.layers
+        ]
         shared = {}
         for key in ("window", "stride", "pooling"):
             values = {seg[key] for seg in segments} - {None}
@@ -383,9 +492,12 @@ class ModelConfig:
     @property
     def layer_kinds(self) -> str:
         """The layers' attention kinds in short, segment by segment: ``1x sliding + 3x compressed`` (a uniform
-        stack: ``4x compressed``)."""
+        stack: ``4x compressed``; a segment that shares KV says how: ``1x compressed kv=source + 2x sliding
+        kv=shared``)."""
         segments = [LayerSegment(self.n_layers, self.attention)] if self.layers is None else self.layers
-        return " + ".join(f"{seg.count}x {seg.attention.kind}" for seg in segments)
+        return " + ".join(
+            f"{seg.count}x {seg.attention.kind}" + ("" if seg.kv == "own" else f" kv={seg.kv}") for seg in segments
+        )
 
     def with_impl(self, impl: str) -> ModelConfig:
         """This config run by ``impl`` (e.g. ``reference``, the oracle) in every layer whose kind runs it (its
@@ -399,7 +511,9 @@ class ModelConfig:
         """This config with ``change`` applied to every attention config it holds: the model's and, under a layer
         schedule, each segment's (e.g. an ``impl`` override, or dual-offset compression on every compressed
         layer); the result is validated again."""
-        layers = None if self.layers is None else [LayerSegment(s.count, change(s.attention)) for s in self.layers]
+        layers = None
+        if self.layers is not None:
+            layers = [LayerSegment(s.count, change(s.attention), s.kv) for s in self.layers]
         return dataclasses.replace(self, attention=change(self.attention), layers=layers)
 
     @property
@@ -440,10 +554,15 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain values; ``layers`` is written only with a schedule, so that a uniform model's
-        ``config.json`` is the one written before schedules existed."""
+        ``config.json`` is the one written before schedules existed, and a segment's ``kv`` only when it shares KV
+        (``kv_source`` only on a consumer layer's config)."""
         d = dataclasses.asdict(self)
-        if d["layers"] is None:
-            del d["layers"]
+        for name in ("layers", "kv_source"):
+            if d[name] is None:
+                del d[name]
+        for seg in d.get("layers") or []:
+            if seg["kv"] == "own":
+                del seg["kv"]
         return d
 
     @classmethod
@@ -488,7 +607,8 @@ class ModelSpec:
             raise ConfigError(f"model.preset={self.preset!r} is not a preset; choose one of {sorted(PRESETS)}")
         if "attention" in self.overrides:
             raise ConfigError("set attention fields in the attention group, not under model")
-        reject_unknown(self.overrides, set(field_names(ModelConfig)) - {"attention", "vocab_size"}, "model")
+        settable = set(field_names(ModelConfig)) - {"attention", "vocab_size", "kv_source"}
+        reject_unknown(self.overrides, settable, "model")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ModelSpec:

@@ -1,7 +1,9 @@
 """A Qwen3-style decoder with a pluggable attention backend.
 
 embed -> n_layers x [RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU -> +residual] -> RMSNorm -> head
-Module names follow transformers' Qwen3 so that weights convert by renaming (see ckv.io.hf).
+Module names follow transformers' Qwen3 so that weights convert by renaming (see ckv.io.hf). Under cross-layer KV
+sharing (``model.layers``' ``kv``) a forward threads one dict through the blocks: each source layer puts its
+entries there, the consumers after it read them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ckv.attention import build_attention
+from ckv.attention import EntrySet, build_attention
 from ckv.attention.base import residual_std
 from ckv.cache import KVCache
 from ckv.config import ModelConfig
@@ -40,7 +42,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block. A block whose layer shares KV (``kv: source`` or ``shared``) hands its attention
+    the forward's ``shared`` dict (a source publishes into it, a consumer reads its source's entries from it)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -48,9 +51,11 @@ class Block(nn.Module):
         self.self_attn = build_attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
+        self.shares_kv = config.layer_kv(layer_idx) != "own"
 
-    def forward(self, x: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache)
+    def forward(self, x: torch.Tensor, cache=None, shared: Optional[dict[int, list[EntrySet]]] = None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + (self.self_attn(h, cache, shared=shared) if self.shares_kv else self.self_attn(h, cache))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -126,8 +131,9 @@ class Transformer(nn.Module):
         """Final-norm hidden states (B, T, d)."""
         self._check_input(input_ids, cache.length if cache is not None else 0)
         x = self.embed_tokens(input_ids)  # (B, T, d)
+        shared: dict[int, list[EntrySet]] = {}  # the entry sets each source layer published, by layer index
         for i, block in enumerate(self.layers):
-            x = block(x, None if cache is None else cache.layers[i])
+            x = block(x, None if cache is None else cache.layers[i], shared=shared)
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, cache: Optional[KVCache] = None, head: bool = True) -> torch.Tensor:

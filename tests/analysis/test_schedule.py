@@ -116,3 +116,25 @@ def test_the_joint_view_repeats_a_layers_phase_profile_to_the_model_stride(tmp_p
     assert rows[(1, 0)]["k_phase_profile"] == pytest.approx([0, 0, 4, 0], abs=1e-4)
     assert rows[(2, 0)]["k_phase_profile"] == pytest.approx([0, 2, 0, 2], abs=1e-4)  # S = 2 repeated to 4
     assert png_ok(tmp_path / "joint" / "joint.png")  # the sliding layer's gate cells empty
+
+
+def test_a_kv_sharing_models_gates_are_its_sources_and_every_layer_is_analysed(tmp_path: Path) -> None:
+    """Cross-layer KV sharing: a consumer (``kv: shared``) owns no compressor, so the gate analyses read the
+    source's gates only; knock-outs and the joint view cover every layer, the consumer among them."""
+    layers = [
+        SCHEDULE[0],
+        {"count": 1, "kv": "source"},
+        {"count": 1, "kv": "shared", "attention": SCHEDULE[0]["attention"]},
+    ]
+    model = scheduled(tmp_path, layers)
+    assert [(b.layer, b.name) for b in gated_branches(model.module, "gates")] == [(1, "K"), (1, "V")]
+    one_hot_gates(model, {(1, "K"): 2, (1, "V"): 3})
+    env = run_analysis({"name": "gates", "checkpoints": "none"}, model, SPEC, options(tmp_path / "g", limit=2))
+    result = env["analysis"]["results"]
+    assert result["stride"] == 4 and {r["layer"] for r in result["gates"]} == {1}
+    env = run_analysis({"name": "knockout", "calibration": 2}, model, SPEC, options(tmp_path / "k", limit=4))
+    assert [u["label"] for u in env["analysis"]["results"]["units"]][:3] == ["L0", "L0 kv0", "L0 kv1"]
+    assert len(env["analysis"]["results"]["units"]) == 9  # each of the 3 layers, and each of its 2 KV heads
+    env = run_analysis({"name": "joint", "calibration": 2}, model, SPEC, options(tmp_path / "j", limit=2))
+    rows = {(r["layer"], r["kv_head"]): r for r in env["analysis"]["results"]["rows"]}
+    assert rows[(2, 0)]["k_phase_profile"] is None and rows[(1, 0)]["k_phase_profile"] is not None

@@ -1,5 +1,6 @@
 """Evaluation of a layer-scheduled model (``model.layers``): its phase stride, what its facts say, an ``impl``
-override, the needle's memory plan and dual-offset compression, each following every layer's own attention."""
+override, the needle's memory plan and dual-offset compression, each following every layer's own attention (and,
+under cross-layer KV sharing, a consumer its source's)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ckv.eval.mitigation import MitigationSpec, config_cost, plan_mitigation
 from ckv.eval.models import inspect_ckv_model
 from ckv.eval.registry import task_type
 from ckv.eval.runner import plot_title
+from ckv.flops import flops_per_token
 
 from .helpers import make_run
 
@@ -39,6 +41,8 @@ def scheduled(attention: dict = W4S4, layers: list = SCHEDULE) -> ModelConfig:
         (W4S4, SCHEDULE, 4),  # strides 4 and 2: 4
         (W4S4, [{"count": 1}, {"count": 1, "attention": dict(W4S4, window=6, stride=6)}], 12),  # 4 and 6: 12
         (SLIDING, [{"count": 1}, {"count": 1, "attention": {"kind": "full"}}], None),  # no compressed layer
+        (SLIDING, [{"count": 1, "kv": "source", "attention": W2S2}, {"count": 1, "kv": "shared"}], 2),  # its source's
+        (SLIDING, [{"count": 1, "kv": "source", "attention": {"kind": "full"}}, {"count": 1, "kv": "shared"}], None),
     ],
 )
 def test_the_phase_stride_is_the_least_common_multiple_of_the_layers_strides(attention, layers, stride) -> None:
@@ -111,3 +115,28 @@ def test_dual_offset_compression_moves_each_compressed_layer_by_half_its_stride(
         assert cache.nbytes()["total"] / 2 == pytest.approx(cost[key])  # fp32 cache, bf16 accounting
     with pytest.raises(ConfigError, match="mitigation.offset=2 must be < its smallest layer stride 2"):
         plan_mitigation(MitigationSpec(name="dual_offset", offset=2), kind, model, built)
+
+
+def test_dual_offset_compression_of_a_kv_source_reaches_its_consumers(tmp_path: Path) -> None:
+    """The source pools its moved grid too and publishes both sets; its consumers attend both (their accounting
+    counts the moved entries, their cache stays their window): the plan's costs are the real cache's, and the
+    mitigated model decodes as it runs in one forward."""
+    layers = [{"count": 1, "kv": "source"}, {"count": 2, "kv": "shared", "attention": SLIDING}]
+    run = make_run(tmp_path, attention=W4S4, preset_overrides={"n_layers": 3, "layers": layers})
+    model = load_ckv_model(run, device="cpu")
+    spec = LookupSpec(modulus=4, n_base=4)
+    kind = task_type(spec)
+    built = kind.build(spec, model, None)
+    plan = plan_mitigation(MitigationSpec(name="dual_offset"), kind, model, built)
+    assert [plan.config.layer_kv(i) for i in range(3)] == ["source", "shared", "shared"]
+    assert plan.config.layer_attention(0).dual_offset == 2 and plan.config.layer_config(1).kv_source.origins == (0, 2)
+    cost = config_cost(plan, model.config)
+    theirs = flops_per_token(plan.config, cost["tokens"])  # the consumers' moved entries among the pairs
+    assert theirs.attention > flops_per_token(model.config, cost["tokens"]).attention
+    module = Transformer(plan.config).eval()
+    cache, ids = module.new_cache(1), torch.randint(0, plan.config.vocab_size, (1, cost["tokens"]))
+    with torch.no_grad():
+        full = module(ids)
+        parts = [module(ids[:, :5], cache)] + [module(ids[:, t : t + 1], cache) for t in range(5, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.nbytes()["total"] / 2 == pytest.approx(cost["kv_bytes"])  # fp32 cache, bf16 accounting

@@ -38,6 +38,25 @@ def test_same_loss_and_gradients(name, mode):
     assert list(wrapped.state_dict()) == list(plain.state_dict())
 
 
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_kv_sharing_gives_the_same_loss_and_gradients(mode):
+    """A consumer reads its source's entries across the checkpointed blocks: its gradient still reaches the source
+    (through the source's recompute), as without checkpointing."""
+    sliding = {"kind": "sliding", "sliding_window": 5}
+    layers = [{"count": 1, "kv": "source"}, {"count": 2, "kv": "shared", "attention": sliding}]
+    cfg = small_config(variant("w8s8"), n_layers=3, layers=layers)
+    plain = Transformer(cfg)
+    wrapped = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(wrapped, mode) == cfg.n_layers
+    ids = torch.randint(0, cfg.vocab_size, (2, 40))
+    labels = torch.randint(0, cfg.vocab_size, (2, 40))
+    loss, grads = _loss_and_grads(plain, ids, labels)
+    loss_c, grads_c = _loss_and_grads(wrapped, ids, labels)
+    assert (loss - loss_c).abs().item() < 1e-6
+    for n in grads:
+        assert (grads[n] - grads_c[n]).abs().max().item() < 1e-6, n
+
+
 def test_recomputes_in_backward_only_when_training():
     cfg = small_config(variant("w8s8"))
     model = Transformer(cfg)

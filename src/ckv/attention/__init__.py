@@ -8,7 +8,8 @@ before any data is prepared) finds the backend and lets it refuse a configuratio
 Code outside ``ckv.attention`` imports from here; of the compressed backend it uses only its public surface
 (``CompressedAttention``'s docstring, docs/attention.md): ``compressed_layers``, a layer's ``compressors()``,
 ``indexer`` and ``attend`` (a hook decodes its call with ``AttendCall``), a ``Compressor``'s ``payload``, ``gate``
-(``CompressorGate``) and ``pooling`` (``Pooling``).
+(``CompressorGate``) and ``pooling`` (``Pooling``). ``EntrySet`` is what a source layer of cross-layer KV sharing
+publishes into the dict the model's forward threads through its blocks.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def build_attention(config: ModelConfig, layer_idx: int) -> AttentionBackend:
 from ckv.attention.compressed import CompressedAttention, compressed_layers  # noqa: E402
 from ckv.attention.compressed_config import CompressedAttentionConfig  # noqa: E402
 from ckv.attention.compressor import Compressor, CompressorGate  # noqa: E402
-from ckv.attention.dispatch import AttendCall, JointAttention, Pooling  # noqa: E402
+from ckv.attention.dispatch import AttendCall, EntrySet, JointAttention, Pooling  # noqa: E402
 from ckv.attention.full import FullAttention, SlidingAttention, SlidingAttentionConfig  # noqa: E402
 
 register(FullAttention)
@@ -95,6 +96,7 @@ __all__ = [
     "CompressedAttentionConfig",
     "Compressor",
     "CompressorGate",
+    "EntrySet",
     "FullAttention",
     "JointAttention",
     "Pooling",

@@ -45,6 +45,12 @@ class AttentionBackend(nn.Module):
     ``phase_stride`` (the period of a phase effect it may cause; None for none); a built module initialises its
     own parameters in ``init_weights``.
 
+    Cross-layer KV sharing (``model.layers``' ``kv``; docs/attention.md): a kind that can be a source declares
+    ``shared_kv`` (the stride and grid origins of what it publishes) and, called with ``shared`` (a dict of the
+    model's forward), puts its entry sets (``EntrySet``) there under its layer index; a kind that can be a
+    consumer sets ``reads_shared_kv`` and, built from a config with ``kv_source``, reads its source's sets from
+    ``shared``.
+
     Public surface (what code outside ``ckv.attention`` may read, ``tests/attention/test_surface.py``): the methods,
     properties and class variables above, and the instance attributes annotated here: the head layout
     (``n_heads``, ``kv_heads``, ``head_dim``), ``o_proj`` (whose input is the concatenated head outputs, query heads
@@ -59,6 +65,7 @@ class AttentionBackend(nn.Module):
     kind: ClassVar[str]
     impls: ClassVar[tuple[str, ...]] = ("auto", "torch")
     config_class: ClassVar[type[AttentionConfig]] = AttentionConfig
+    reads_shared_kv: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -187,6 +194,13 @@ class AttentionBackend(nn.Module):
     def phase_stride(cls, config: ModelConfig) -> Optional[int]:
         """The period of the phase effects this attention can cause (None: positions have no phase)."""
         return None
+
+    @classmethod
+    def shared_kv(cls, config: ModelConfig, layer_idx: int) -> tuple[int, tuple[int, ...]]:
+        """As the source of a KV-sharing group (``kv: source``), what layer ``layer_idx`` publishes: the positions
+        per entry (1: every token's key and value) and the grid origin of each set of entries (its own first);
+        ConfigError saying why when this kind cannot be a source (the default)."""
+        raise ConfigError(f"attention.kind={cls.kind!r} does not publish its KV to other layers")
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:

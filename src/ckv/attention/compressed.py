@@ -22,7 +22,15 @@ from torch import nn
 from ckv.attention.compressed_accounting import CompressedAccounting, entry_origins, layer_grids
 from ckv.attention.compressed_config import CompressedAttentionConfig
 from ckv.attention.compressor import Compressor
-from ckv.attention.dispatch import IMPLS, JointAttention, joint_attention, resolve_impl, triton_available
+from ckv.attention.dispatch import (
+    IMPLS,
+    EntrySet,
+    JointAttention,
+    attend_entries,
+    joint_attention,
+    resolve_impl,
+    triton_available,
+)
 from ckv.attention.indexer import LightningIndexer, oracle_selection
 from ckv.cache import CompressedLayerCache
 from ckv.config import ConfigError, ModelConfig
@@ -45,7 +53,9 @@ class CompressedAttention(CompressedAccounting):
     submodule (a hook reads its queries, entries, selection and log-sum-exp). With ``attention.dual_offset``
     (inference only) each grid also pools its windows moved by that offset (``moved_entries``, the grid at
     ``geometry.shifted_origin``), and each query attends to both sets of entries in one joint softmax: the second
-    set's softmax (no local window, no sink) merged with the first's by their log-sum-exps (``merge_softmax``).
+    set's softmax (no local window, no sink) merged with the first's by their log-sum-exps
+    (``dispatch.attend_entries``). As the source of a KV-sharing group (``kv: source``, one grid) it puts its sets of
+    entries into the ``shared`` dict its forward is given, for the layers that read its KV.
 
     Public surface (the rest, ``k_compressor`` and ``v_compressor`` among it, is private to ``ckv.attention``;
     those attribute names stay as the state-dict names of saved weights): ``compressors()`` (the K/V branches by
@@ -233,7 +243,15 @@ class CompressedAttention(CompressedAccounting):
             keys = ix.norm(keys)
         return ix.rotary(keys, rope_positions)[:, :, 0]
 
-    def forward(self, x: torch.Tensor, cache: Optional[CompressedLayerCache] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: Optional[CompressedLayerCache] = None,
+        shared: Optional[dict[int, list[EntrySet]]] = None,
+    ) -> torch.Tensor:
+        """x (B, T, d) at real positions ``cache.length..`` (0.. without a cache) -> (B, T, d); with ``shared`` (a
+        source layer's, ``kv: source``) its sets of entries, every finished one so far, go into it under its layer
+        index."""
         if self.dual_offset and torch.is_grad_enabled() and self.training:
             raise RuntimeError(
                 "attention.dual_offset is an inference-time option (its two softmaxes merge through log-sum-exps "
@@ -245,7 +263,9 @@ class CompressedAttention(CompressedAccounting):
         latent = self.query_latent(x)  # (B, T, d) or V4's low-rank latent
         q, k, v = self.project(x, positions, latent)  # (B, T, H|KV, D)
         if len(self.grids) == 1:
-            out = self._attend_grid(x, latent, positions, q, k, v, self.sinks, self.origin, None, cache)
+            out, sets = self._attend_grid(x, latent, positions, q, k, v, self.sinks, self.origin, None, cache)
+            if shared is not None:
+                shared[self.layer_idx] = sets
         else:  # one grid per KV head: its query heads, its entries, its own sub-cache
             G = self.n_heads // self.kv_heads
             caches = [None] * len(self.grids) if cache is None else cache.grids
@@ -262,7 +282,7 @@ class CompressedAttention(CompressedAccounting):
                         P,
                         heads,
                         sub,
-                    )
+                    )[0]
                     for (P, heads), sub in zip(self.grids, caches)
                 ],
                 dim=2,
@@ -285,10 +305,11 @@ class CompressedAttention(CompressedAccounting):
         P: int,
         heads: Optional[slice],
         cache: Optional[CompressedLayerCache],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[EntrySet]]:
         """Joint attention of queries q (B, T, Hg, D) over one grid (origin ``P``; grid coordinates g = p + P,
         P = 0 without a shift) serving KV heads ``heads`` (None: all), whose exact keys k, v (B, T, KVg, D) and
-        decode state ``cache`` are its own. Returns (B, T, Hg, D)."""
+        decode state ``cache`` are its own. Returns (B, T, Hg, D) and the sets of entries it attended (every
+        finished one: its grid's, then dual-offset compression's moved grid's)."""
         T = x.shape[1]
         start = cache.length if cache is not None else 0
         tied = self.v_compressor is None
@@ -319,23 +340,25 @@ class CompressedAttention(CompressedAccounting):
                 # it (none before position 0)
                 pending_keep=self.pending(start + T, *entry_origins(self.config, P)),
             )
+        sets = [EntrySet(kc, vc, self.stride, P)]  # (B, E, KVg, D) each
+        for Px in entry_origins(self.config, P)[1:]:  # dual-offset compression: the moved grid's entries
+            hidden = None if cache is None else (h, h_start)  # pooled from the grid's own pending states
+            kx, vx = self.moved_entries(x, start, Px, None if cache is None else cache.moved, heads, hidden)
+            sets.append(EntrySet(kx, vx, self.stride, Px))
         selected = None
-        joint = dict(stride=self.stride, local_window=self.local_window, q_start=start + P, impl=self.impl_for(x))
-        joint.update(sinks=sinks, origin=P, block=self.config.attention.block)
+        joint = dict(local_window=self.local_window, impl=self.impl_for(x), block=self.config.attention.block)
         if self.indexer is not None:  # detached inputs: the LM loss does not reach the indexer
             _, selected = self.indexer(x.detach(), latent.detach(), ki, positions, start + P, self.stride)
         elif self.oracle_topk is not None:  # the dense pass's log-sum-exp ranks the entries (no gradient)
             with torch.no_grad():
-                _, lse = joint_attention(q, kc, vc, k_all, v_all, **joint)  # (B, T, Hg)
+                _, lse = joint_attention(
+                    q, kc, vc, k_all, v_all, stride=self.stride, q_start=start + P, sinks=sinks, origin=P, **joint
+                )  # (B, T, Hg)
             selected = oracle_selection(q, kc, lse, start + P, self.stride, self.oracle_topk)
-        out, lse = self.attend(q, kc, vc, k_all, v_all, **joint, selected=selected)  # (B, T, Hg, D), (B, T, Hg)
-        for Px in entry_origins(self.config, P)[1:]:  # dual-offset compression: the moved grid's entries
-            hidden = None if cache is None else (h, h_start)  # pooled from the grid's own pending states
-            kx, vx = self.moved_entries(x, start, Px, None if cache is None else cache.moved, heads, hidden)
-            joint.update(local_window=0, sinks=None, q_start=start + Px, origin=Px)  # the entries only
-            out_x, lse_x = joint_attention(q, kx, vx, k_all, v_all, **joint)
-            out, lse = merge_softmax(out, lse, out_x, lse_x)
-        return out
+        out = attend_entries(
+            q, sets, k_all, v_all, start=start, sinks=sinks, selected=selected, attend=self.attend, **joint
+        )  # (B, T, Hg, D)
+        return out, sets
 
     def new_cache(self, batch_size: int) -> CompressedLayerCache:
         def grid_cache() -> CompressedLayerCache:  # with dual-offset compression, the moved grid's own sub-cache
@@ -344,21 +367,6 @@ class CompressedAttention(CompressedAccounting):
         if len(self.grids) == 1:
             return grid_cache()
         return CompressedLayerCache(grids=[grid_cache() for _ in self.grids])
-
-
-def merge_softmax(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One softmax over the columns of two: outputs (B, T, H, D) and log-sum-exps (B, T, H) of two joint softmaxes
-    of the same queries over disjoint columns give those of one softmax over all of them, each output weighted by
-    its share ``exp(lse_i - lse)`` (a sink counted in one of the two stays counted once). A row that sees nothing
-    in either (both -inf) outputs 0."""
-    lse = torch.logaddexp(lse_a, lse_b)  # (B, T, H)
-    seen = torch.isfinite(lse)
-    w_a = torch.where(seen, torch.exp(lse_a - lse), 0.0)[..., None]  # (B, T, H, 1)
-    w_b = torch.where(seen, torch.exp(lse_b - lse), 0.0)[..., None]
-    out = w_a * out_a.float() + w_b * out_b.float()
-    return out.to(out_a.dtype), lse
 
 
 def compressed_layers(module: nn.Module) -> list[CompressedAttention]:

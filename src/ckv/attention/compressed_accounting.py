@@ -1,6 +1,8 @@
 """The compressed backend's accounting, from the config alone (``AttentionBackend``'s interface, docs/attention.md
 "Accounting"): parameters, FLOPs per token, the decode cache's parts, prefill and training working memory, and
 activations. ``CompressedAttention`` (``attention/compressed.py``) subclasses ``CompressedAccounting``.
+``joint_working_bytes`` (the joint softmax's working memory) also prices a layer that reads another layer's entries
+(cross-layer KV sharing).
 """
 
 from __future__ import annotations
@@ -45,6 +47,37 @@ def entry_origins(config: ModelConfig, origin: int) -> list[int]:
     if not a.dual_offset:
         return [origin]
     return [origin, shifted_origin(origin, a.dual_offset, a.stride)]
+
+
+def joint_working_bytes(
+    impl: str,
+    device: torch.device,
+    chunk: int,
+    entries: int,
+    local: int,
+    config: ModelConfig,
+    *,
+    topk: Optional[int] = None,
+    sink: bool = False,
+    bytes_per_element: int = 4,
+) -> float:
+    """Working memory of one joint softmax of ``chunk`` queries over ``entries`` entries and a band of ``local``
+    exact keys, with ``config``'s heads and head size, by the implementation ``impl`` runs as on ``device``
+    (``resolve_impl``: ``auto`` picks by the call's size off CUDA): with the reference four fp32 copies of the
+    ``(H, chunk, entries + local [+ sink])`` scores (scores, their concatenation with the local window's, the
+    masked copy, ``exp``) and each query's local keys and values, gathered; with the fast path one query block's
+    (``blocked.choose_block``, ``blocked.working_bytes``: the backward's pass, the larger); with the Triton kernels
+    none (they read the band in place)."""
+    if impl != "triton":  # resolve_impl refuses triton off CUDA outside the interpreter: the estimate does not run it
+        impl = resolve_impl(impl, device, chunk * (entries + local))
+    H, KV, D = config.n_heads, config.kv_heads, config.head_dim
+    if impl == "triton":
+        return 0.0
+    if impl == "torch":
+        sizes = (entries, local, H, D, topk, 1, KV)
+        return float(working_bytes(choose_block(chunk, *sizes), *sizes))
+    gathered = 2 * chunk * local * KV * D  # each query's local keys and values
+    return bytes_per_element * (4 * H * chunk * (entries + local + (1 if sink else 0)) + gathered)
 
 
 class CompressedAccounting(AttentionBackend):
@@ -207,47 +240,20 @@ class CompressedAccounting(AttentionBackend):
         return total * bytes_per_element / (config.attention.stride if seq_len is None else seq_len)
 
     @classmethod
-    def _prefill_impl(cls, config: ModelConfig, device: torch.device, chunk: int, seq_len: int) -> str:
-        """The implementation a chunk of ``chunk`` queries over ``seq_len`` tokens runs on ``device``
-        (``resolve_impl``: ``auto`` picks by the call's size off CUDA)."""
-        a = config.attention
-        if a.impl == "triton":
-            return "triton"
-        scores = chunk * (num_entries(seq_len, a.stride) + local_span(a.local_window, a.stride))
-        return resolve_impl(a.impl, device, scores)
-
-    @classmethod
-    def block_working_bytes(cls, config: ModelConfig, chunk: int, seq_len: int, batch: int = 1) -> tuple[int, int]:
-        """The fast path's query block for ``chunk`` queries over ``seq_len`` tokens (``blocked.choose_block``) and
-        its working memory (``blocked.working_bytes``: the backward's pass, the larger), in bytes."""
-        a = config.attention
-        E, L = num_entries(seq_len, a.stride), local_span(a.local_window, a.stride)
-        topk = a.selection.topk if a.selection is not None else None
-        sizes = (E, L, config.n_heads, config.head_dim, topk, batch, config.kv_heads)
-        block = choose_block(chunk, *sizes)
-        return block, working_bytes(block, *sizes)
-
-    @classmethod
     def prefill_bytes(
         cls, config: ModelConfig, chunk: int, seq_len: int, device: torch.device, bytes_per_element: int = 4
     ) -> float:
-        """The chunk's pooled windows plus the joint softmax's working memory: with the reference four fp32 copies
-        of the ``(H, chunk, entries + local window [+ sink])`` scores (scores, their concatenation with the local
-        window's, the masked copy, ``exp``) and each query's local keys and values, gathered; with the fast path
-        one query block's (``block_working_bytes``); with the Triton kernels none (they read the band in place).
-        Dual-offset compression's second pass (the moved grid's entries, no local window) runs after the first and
-        pools and scores no more than it: the peak is the first's."""
-        a, b = config.attention, bytes_per_element
-        impl = cls._prefill_impl(config, device, chunk, seq_len)
-        pooled = cls._pooled_bytes(config, chunk, b)
-        if impl == "torch":
-            return pooled + cls.block_working_bytes(config, chunk, seq_len)[1]
-        if impl == "triton":
-            return pooled
-        L = local_span(a.local_window, a.stride)
-        keys = num_entries(seq_len, a.stride) + L + (1 if a.sink else 0)
-        local = 2 * chunk * L * config.kv_heads * config.head_dim  # each query's local keys and values, gathered
-        return pooled + b * (4 * config.n_heads * chunk * keys + local)
+        """The chunk's pooled windows plus the joint softmax's working memory (``joint_working_bytes`` over the
+        entries of ``seq_len`` tokens and the local window). Dual-offset compression's second pass (the moved
+        grid's entries, no local window) runs after the first and pools and scores no more than it: the peak is
+        the first's."""
+        a = config.attention
+        topk = a.selection.topk if a.selection is not None else None
+        E, L = num_entries(seq_len, a.stride), local_span(a.local_window, a.stride)
+        joint = joint_working_bytes(
+            a.impl, device, chunk, E, L, config, topk=topk, sink=a.sink, bytes_per_element=bytes_per_element
+        )
+        return cls._pooled_bytes(config, chunk, bytes_per_element) + joint
 
     @classmethod
     def _pooled_bytes(cls, config: ModelConfig, chunk: int, bytes_per_element: int = 4) -> float:
@@ -324,3 +330,15 @@ class CompressedAccounting(AttentionBackend):
     @classmethod
     def phase_stride(cls, config: ModelConfig) -> Optional[int]:
         return config.attention.stride
+
+    @classmethod
+    def shared_kv(cls, config: ModelConfig, layer_idx: int) -> tuple[int, tuple[int, ...]]:
+        """A source publishes its entries, ``stride`` positions each, of its grid (``layer_grids``) and, with
+        dual-offset compression, of the moved grid (``entry_origins``); not with one grid per KV head."""
+        grids = layer_grids(config, layer_idx)
+        if len(grids) > 1:
+            raise ConfigError(
+                "attention.grid.per='kv_head' gives each KV head its own grid of entries, which other layers cannot "
+                "read as one set: give the source one grid (attention.grid.per: layer)"
+            )
+        return config.attention.stride, tuple(entry_origins(config, grids[0][0]))

@@ -3,7 +3,9 @@
 PyTorch oracle (``reference``, ``attention/reference.py``), the fast, memory-bounded block path (``torch``,
 ``attention/blocked.py``) or the Triton kernels (``triton``); ``auto`` decides per call (``resolve_impl``). Each op
 also comes as a submodule without parameters or state (``Pooling``, ``JointAttention``), so that a forward hook can
-read its inputs and outputs.
+read its inputs and outputs. ``attend_entries`` runs the joint softmax over several sets of entries (a compressed
+layer's own and dual-offset compression's moved grid's, or the sets a source layer shares with other layers,
+``EntrySet``), merged by their log-sum-exps (``merge_softmax``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -138,6 +141,68 @@ def joint_attention(
     if impl == "torch":
         return joint_attention_blocked(q, kc, vc, k, v, **joint, selected=selected, block=block)
     return joint_attention_reference(q, kc, vc, k, v, **joint, selected=selected)
+
+
+@dataclass(frozen=True)
+class EntrySet:
+    """One set of entries a joint softmax attends: keys ``kc`` and values ``vc`` (B, E, KV, D) of entries
+    ``0..E-1`` at ``stride`` positions each, entry ``j`` visible to a query at grid position ``g`` iff
+    ``(j+1)*stride - 1 <= g``, in grid coordinates ``g = p + origin`` (``ckv.geometry``). A compressed layer's
+    pooled entries (stride: its own), or a full layer's keys and values (stride 1: token ``j`` is entry ``j``); what
+    a source layer shares with the layers that read its KV (``model.layers``' ``kv``)."""
+
+    kc: torch.Tensor
+    vc: torch.Tensor
+    stride: int
+    origin: int = 0
+
+
+def merge_softmax(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over the columns of two: outputs (B, T, H, D) and log-sum-exps (B, T, H) of two joint softmaxes
+    of the same queries over disjoint columns give those of one softmax over all of them, each output weighted by
+    its share ``exp(lse_i - lse)`` (a sink counted in one of the two stays counted once). A row that sees nothing
+    in either (both -inf) outputs 0."""
+    lse = torch.logaddexp(lse_a, lse_b)  # (B, T, H)
+    seen = torch.isfinite(lse)
+    w_a = torch.where(seen, torch.exp(lse_a - lse), 0.0)[..., None]  # (B, T, H, 1)
+    w_b = torch.where(seen, torch.exp(lse_b - lse), 0.0)[..., None]
+    out = w_a * out_a.float() + w_b * out_b.float()
+    return out.to(out_a.dtype), lse
+
+
+def attend_entries(
+    q: torch.Tensor,
+    sets: Sequence[EntrySet],
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    start: int,
+    local_window: LocalWindow,
+    impl: str = "auto",
+    sinks: Optional[torch.Tensor] = None,
+    selected: Optional[torch.Tensor] = None,
+    block: Optional[int] = None,
+    attend: Callable[..., tuple[torch.Tensor, torch.Tensor]] = joint_attention,
+) -> torch.Tensor:
+    """Queries q (B, T, H, D) at real positions ``start..`` in one softmax over entry sets and their exact local
+    window k, v (B, Tk, KV, D) (the ``Tk`` real positions ending at the last query's): the first set's visible
+    entries (its ``selected`` top-k, when given) with the local window and the ``sinks``, through ``attend``
+    (``joint_attention``, or a compressed layer's hookable ``JointAttention``), then each further set's visible
+    entries alone (dual-offset compression's moved grid), merged by log-sum-exps (``merge_softmax``). Each set
+    runs in its own grid coordinates. Returns (B, T, H, D)."""
+    first, *more = sets
+    joint = dict(stride=first.stride, local_window=local_window, impl=impl, block=block)
+    origin = first.origin
+    out, lse = attend(
+        q, first.kc, first.vc, k, v, **joint, q_start=start + origin, sinks=sinks, origin=origin, selected=selected
+    )
+    for s in more:  # the entries only: no local window, no sink
+        joint.update(stride=s.stride, local_window=0)
+        out_x, lse_x = joint_attention(q, s.kc, s.vc, k, v, **joint, q_start=start + s.origin, origin=s.origin)
+        out, lse = merge_softmax(out, lse, out_x, lse_x)
+    return out
 
 
 class Pooling(nn.Module):

@@ -5,6 +5,10 @@
 ``kind: sliding`` (``SlidingAttention``) is the same attention restricted to the last ``sliding_window`` tokens
 (DeepSeek-V4's sliding-only layers, its "ratio 0"): SDPA with a banded causal mask, and a decode cache that keeps
 the last ``sliding_window - 1`` keys and values.
+
+Cross-layer KV sharing (``model.layers``' ``kv``; docs/attention.md): a full layer can be a source (ratio 1: it
+publishes every token's keys and values); a sliding layer can be a consumer, which attends its source's entries
+beside its own window in one joint softmax (``dispatch.attend_entries``, compressed attention's).
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ckv.attention.base import AttentionBackend, LayerFlops
+from ckv.attention.compressed_accounting import joint_working_bytes
+from ckv.attention.dispatch import EntrySet, attend_entries
 from ckv.cache import FullLayerCache
 from ckv.config import AttentionConfig, ConfigError, ModelConfig, check_bool, check_choice, check_int
+from ckv.geometry import num_entries, visible_entries
 from ckv.options import Dims, OptionGroup, QueryConfig, RopeConfig
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -75,7 +82,8 @@ def causal_attention(
 
 
 class FullAttention(AttentionBackend):
-    """Full causal attention: every query sees every earlier token exactly."""
+    """Full causal attention: every query sees every earlier token exactly. As the source of a KV-sharing group
+    (``kv: source``) it publishes its keys and values, every token's so far, as entries of stride 1."""
 
     kind = "full"
     impls = ("auto", "torch", "flash")
@@ -143,12 +151,26 @@ class FullAttention(AttentionBackend):
         flash = cls.resolve_impl(config.attention.impl, device, torch.float32) == "flash"
         return "ckv full attention, " + ("flash-attn" if flash else "SDPA: keys/values expanded to every head + mask")
 
-    def forward(self, x: torch.Tensor, cache: Optional[FullLayerCache] = None) -> torch.Tensor:
+    @classmethod
+    def shared_kv(cls, config: ModelConfig, layer_idx: int) -> tuple[int, tuple[int, ...]]:
+        """Every token's key and value: entries of stride 1 (ratio 1), token ``j`` visible from position ``j``."""
+        return 1, (0,)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: Optional[FullLayerCache] = None,
+        shared: Optional[dict[int, list[EntrySet]]] = None,
+    ) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d); with ``shared`` (a source's, ``kv: source``) its keys and values so far go
+        into it under its layer index."""
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0
         q, k, v = self.project(x, torch.arange(start, start + T, device=x.device))
         if cache is not None:
-            k, v = cache.append(k, v)
+            k, v = cache.append(k, v)  # (B, start + T, KV, D): every token's
+        if shared is not None:
+            shared[self.layer_idx] = [EntrySet(k, v, stride=1)]
         out = causal_attention(q, k, v, q_start=start, impl=self.impl_for(q))  # (B, T, H, D)
         return self.o_proj(out.reshape(B, T, -1))
 
@@ -211,11 +233,19 @@ class SlidingLayerCache(FullLayerCache):
 
 class SlidingAttention(FullAttention):
     """Causal attention over the last ``attention.sliding_window`` tokens: SDPA with a banded mask (with
-    ``attention.sink``, each head's sink logit too: ``causal_attention``)."""
+    ``attention.sink``, each head's sink logit too: ``causal_attention``).
+
+    As a consumer of a KV-sharing group (``kv: shared``: its config's ``kv_source``) it also attends its source's
+    entries (``EntrySet``s, read from the ``shared`` dict of the model's forward), with its own queries, in one
+    joint softmax with its window's exact keys and its sinks (``dispatch.attend_entries``, by ``attention.impl`` as
+    compressed attention runs it): its window is the joint softmax's local window (``local_window =
+    sliding_window``). It owns what a sliding layer owns (its query path, its window's K/V projections, the output
+    map, norms, sinks), no compressor; its decode cache holds its window only."""
 
     kind = "sliding"
     impls = ("auto", "torch")
     config_class = SlidingAttentionConfig
+    reads_shared_kv = True
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -223,6 +253,7 @@ class SlidingAttention(FullAttention):
         self.window = a.sliding_window
         self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if a.sink else None  # one logit per query head
         self.inverse_output_rope = a.output_rope == "inverse"
+        self.source = None if config.kv_source is None else config.kv_source.layer  # the layer whose KV it reads
 
     @classmethod
     def resolve_impl(cls, impl: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -256,14 +287,37 @@ class SlidingAttention(FullAttention):
 
     @classmethod
     def flops_per_token(cls, config: ModelConfig, seq_len: int, layer_idx: int = 0) -> LayerFlops:
-        """Projections (the low-rank query path's maps in place of the query map) and the pairs in the band."""
+        """Projections (the low-rank query path's maps in place of the query map) and the pairs in the band; a
+        consumer's, also each query's visible entries of its source's sets (``shared_pairs``)."""
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be >= 1")
         a, W = config.attention, config.attention.sliding_window
         full = min(seq_len, W)  # positions 0..W-1 see t + 1 keys, later ones W
-        pairs = full * (full + 1) // 2 + (seq_len - full) * W
+        pairs = full * (full + 1) // 2 + (seq_len - full) * W + cls.shared_pairs(config, seq_len)
         projections = cls.projection_flops(config) + sum(g.flops_per_token(cls.dims(config)) for g in a.groups())
         return LayerFlops(projections=projections, attention=4.0 * config.head_dim * config.n_heads * pairs / seq_len)
+
+    @staticmethod
+    def shared_pairs(config: ModelConfig, seq_len: int) -> int:
+        """The (query, entry) pairs a consumer's query head scores over ``seq_len`` tokens: each query's visible
+        entries of each set its source publishes (``kv_source``: stride and grid origins); 0 for any other layer."""
+        source = config.kv_source
+        if source is None:
+            return 0
+        return sum(visible_entries(t + P, source.stride) for t in range(seq_len) for P in source.origins)
+
+    @classmethod
+    def phase_stride(cls, config: ModelConfig) -> Optional[int]:
+        """None, or a consumer's source's stride (the period of the entries it attends) when above 1."""
+        source = config.kv_source
+        return source.stride if source is not None and source.stride > 1 else None
+
+    @classmethod
+    def shared_kv(cls, config: ModelConfig, layer_idx: int) -> tuple[int, tuple[int, ...]]:
+        raise ConfigError(
+            f"attention.kind={cls.kind!r} keeps only its last sliding_window tokens, so it has no KV to publish to "
+            "other layers: make the source a full layer (ratio 1) or a compressed one (ratio = its stride)"
+        )
 
     @classmethod
     def kv_elements_per_token(
@@ -283,16 +337,41 @@ class SlidingAttention(FullAttention):
         cls, config: ModelConfig, chunk: int, seq_len: int, device: torch.device, bytes_per_element: int = 4
     ) -> float:
         """SDPA's keys and values repeated to every query head (unless each has its own) and its mask, over the keys
-        the chunk reads (the window before it and the chunk; with sinks, the zero key and a float bias per head)."""
-        a = config.attention
+        the chunk reads (the window before it and the chunk; with sinks, the zero key and a float bias per head); a
+        consumer's, the joint softmax's over its source's first set of entries and its window
+        (``compressed_accounting.joint_working_bytes``: a further set's pass runs after it and scores no more)."""
+        a, source = config.attention, config.kv_source
+        if source is not None:
+            entries = num_entries(seq_len + source.origins[0], source.stride)
+            return joint_working_bytes(
+                a.impl,
+                device,
+                chunk,
+                entries,
+                a.sliding_window,
+                config,
+                sink=a.sink,
+                bytes_per_element=bytes_per_element,
+            )
         keys = min(seq_len, chunk + a.sliding_window - 1) + (1 if a.sink else 0)
         H, KV, D, b = config.n_heads, config.kv_heads, config.head_dim, bytes_per_element
         expanded = 2 * H * keys * D * b * (H != KV or a.sink)  # repeated to every head, or copied with the zero key
         return expanded + chunk * keys * (1 + b * (H if a.sink else 1))  # the bool band and its float copy(s)
 
     @classmethod
+    def working_bytes(cls, config: ModelConfig, seq_len: int, device: torch.device) -> dict[str, float]:
+        """A consumer's joint softmax over the whole sequence (``prefill_bytes``); none for SDPA's banded path."""
+        if config.kv_source is None:
+            return {}
+        return {"attention": cls.prefill_bytes(config, seq_len, seq_len, device)}
+
+    @classmethod
     def prefill_note(cls, config: ModelConfig, device: torch.device) -> str:
-        return f"ckv sliding-window attention ({config.attention.sliding_window} tokens), SDPA + banded mask"
+        note = f"ckv sliding-window attention ({config.attention.sliding_window} tokens)"
+        source = config.kv_source
+        if source is None:
+            return note + ", SDPA + banded mask"
+        return note + f" beside layer {source.layer}'s shared KV (stride {source.stride}), one joint softmax"
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -301,14 +380,29 @@ class SlidingAttention(FullAttention):
         if self.sinks is not None:
             self.sinks.zero_()
 
-    def forward(self, x: torch.Tensor, cache: Optional[SlidingLayerCache] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: Optional[SlidingLayerCache] = None,
+        shared: Optional[dict[int, list[EntrySet]]] = None,
+    ) -> torch.Tensor:
+        """x (B, T, d) -> (B, T, d); a consumer reads its source's entry sets from ``shared``."""
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)
         q, k, v = self.project(x, positions)  # (B, T, H, D), (B, T, KV, D) x 2
         if cache is not None:
             k, v = cache.append(k, v)  # (B, kept + T, KV, D)
-        out = causal_attention(q, k, v, start, self.impl_for(q), self.window, self.sinks)  # (B, T, H, D)
+        if self.source is None:
+            out = causal_attention(q, k, v, start, self.impl_for(q), self.window, self.sinks)  # (B, T, H, D)
+        else:  # the source's entries (B, E, KV, D) beside the window, one softmax
+            if shared is None or self.source not in shared:
+                raise ValueError(
+                    f"layer {self.layer_idx} reads the KV of layer {self.source} (kv: shared): run it in its model, "
+                    "whose forward passes the KV its source published (shared)"
+                )
+            sets = shared[self.source]
+            out = attend_entries(q, sets, k, v, start=start, local_window=self.window, impl=self.impl, sinks=self.sinks)
         if self.inverse_output_rope:  # tied values carry RoPE: rotate back by the query's position
             out = self.rotary(out, positions, inverse=True)
         return self.o_proj(out.reshape(B, T, -1))

@@ -33,10 +33,12 @@ _MARK = "_ckv_checkpointed"
 
 def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     @functools.wraps(forward)
-    def run(x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+    def run(x: torch.Tensor, cache: Any = None, **kwargs: Any) -> torch.Tensor:
+        # kwargs: the forward's ``shared`` dict of a KV-sharing layer (or its block), passed on; a source's entries
+        # keep their autograd graph, so a consumer's gradient reaches them through the source's recompute
         if cache is not None or not torch.is_grad_enabled():
-            return forward(x, cache)
-        return checkpoint(forward, x, None, use_reentrant=False)
+            return forward(x, cache, **kwargs)
+        return checkpoint(forward, x, None, use_reentrant=False, **kwargs)
 
     return run
 
