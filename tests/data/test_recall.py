@@ -11,7 +11,7 @@ import pytest
 
 from ckv.config import ConfigError
 from ckv.data import DataConfig, budget_note, build_batches
-from ckv.data.recall import longest_record_run
+from ckv.data.recall import MAX_RECORD_RUN, longest_record_run
 from ckv.data.stream import IGNORE
 from ckv.data.tokenizer import TokenizersTokenizer, single_token_words
 from ckv.eval.lookup import LookupSpec, LookupTask, codec_for
@@ -82,8 +82,18 @@ def training_sequences(stream, n: int) -> list[np.ndarray]:
     return out
 
 
+LOOSE = {"recall__bare_share": 0.7, "recall__pool_eval_words": True}  # the evaluation's words in lists, bare records
+
+
+@pytest.fixture(scope="module")
+def loose_stream(cache_dir: str, eval_words: dict[str, list[str]]):
+    return build_batches(pretrain_config(eval_words, **LOOSE), batch_size=8, seed=0, cache_dir=cache_dir)
+
+
 @pytest.mark.parametrize("padding", ["prefix", "in_sequence"])
-def test_no_training_sequence_holds_an_evaluation_layout(stream, eval_words, padding: str) -> None:
+def test_no_training_sequence_holds_an_evaluation_layout(stream, loose_stream, eval_words, padding: str) -> None:
+    """Default settings, and lists with bare records and the evaluation's words as any other word: no training
+    sequence holds 8 records back to back, every evaluation prompt does."""
     prompts, codec = eval_prompts(stream, eval_words, padding)
     keys, values = np.asarray(codec.key_ids), np.asarray(codec.value_ids)
     vocab = stream.source.lookup.vocab
@@ -98,6 +108,51 @@ def test_no_training_sequence_holds_an_evaluation_layout(stream, eval_words, pad
     # the evaluation's pad/separator never sits inside a retrieval block; list keys and values are not its words
     assert not set(vocab.delimiters + vocab.separators) & {codec.pad_id, *codec.key_ids, *codec.value_ids}
     assert not (set(vocab.keys.tolist()) | set(vocab.values.tolist())) & {*codec.key_ids, *codec.value_ids}
+    # bare records and pooled words: runs of up to MAX_RECORD_RUN records inside a block (test below), the
+    # evaluation's words among the pool's, and still no run of 8 of them
+    loose = loose_stream.source.lookup
+    seqs = training_sequences(loose_stream, N_SEQUENCES)
+    assert max(longest_record_run(s, keys, values) for s in seqs) < 8
+    pooled = set(loose.vocab.keys.tolist()) | set(loose.vocab.values.tolist())
+    assert {*codec.key_ids, *codec.value_ids} <= pooled
+    assert not set(loose.vocab.delimiters + loose.vocab.separators) & {codec.pad_id, *codec.key_ids, *codec.value_ids}
+
+
+def test_bare_records_keep_their_lists_and_answers(loose_stream) -> None:
+    """``bare_share``: records (asked ones too) lose their delimiter, each on its own, never more than
+    ``MAX_RECORD_RUN`` back to back; the list still asks its own records and its answers are their values."""
+    recall = loose_stream.source.lookup
+    keys, values = set(recall.vocab.keys.tolist()), set(recall.vocab.values.tolist())
+    seps, bare, total = set(recall.vocab.separators), 0, 0
+    for g in range(100):
+        kind, block, answers = recall.block(np.random.default_rng([5, g]))
+        if kind != "list":
+            continue
+        cut = next(i for i, t in enumerate(block) if t in seps)
+        parsed = []
+        for part in (block[:cut], block[cut + 1 :]):
+            i, rows = 0, []
+            while i < len(part):  # k v [d]: a key, its value, then a delimiter unless the next key follows
+                assert part[i] in keys and part[i + 1] in values
+                has_delim = i + 2 < len(part) and part[i + 2] not in keys
+                rows.append((int(part[i]), int(part[i + 1]), has_delim))
+                i += 3 if has_delim else 2
+            parsed.append(rows)
+        records, queries = parsed
+        given = {k: v for k, v, _ in records}
+        assert len(given) == len(records) and all(given[k] == v for k, v, _ in queries)
+        assert np.array_equal(block[answers], [v for _, v, _ in queries])
+        for rows in parsed:
+            run = 0
+            assert rows[-1][2]  # a part's last record keeps its delimiter: a run never reaches into the text
+            for *_, has_delim in rows:
+                run = 0 if has_delim else run + 1
+                assert run <= MAX_RECORD_RUN - 1
+            bare += sum(not d for *_, d in rows)
+            total += len(rows) - 1
+    assert 0.45 < bare / total < 0.7  # 0.7 drawn, fewer after the cap on runs
+    with pytest.raises(ConfigError, match=re.escape("data.recall.bare_share=-0.1")):
+        pretrain_config({"eval_keys": ["a"], "eval_values": ["b"]}, recall__bare_share=-0.1)
 
 
 def test_lists_ask_their_own_records_and_shares_hold(stream) -> None:

@@ -133,8 +133,14 @@ def budget_note(cfg: DataConfig, stream: BatchStream, rows: int) -> Optional[str
     if r.loss == "answers":
         where += "; the loss on their blocks' answers only: data.recall.loss"
     where += f"; keys, values and random passages from {len(mixture.lookup.pool.words):,} words"
+    if r.pool_eval_words:
+        where += " (the evaluation's among them: data.recall.pool_eval_words)"
     if r.warmup_words is not None:
         where += f", the first {r.warmup_sequences:,} from the first {r.warmup_words:,} only (data.recall.warmup_words)"
+    if r.word_delimiter_share:
+        where += f"; {r.word_delimiter_share:.0%} of the lists with a random word after each record"
+    if r.bare_share:
+        where += f"; {r.bare_share:.0%} of the records bare (data.recall.bare_share)"
     return (
         f"data: {text_rows:,} text sequences = {text_rows / windows:.2f} epochs of the corpus' {windows:,} windows "
         f"of {cfg.seq_len + 1} tokens ({len(mixture.text.tokens):,} tokens in its train split), and {recall_rows:,} "

@@ -277,7 +277,12 @@ class RecallConfig:
     the pool only, the rest from the whole pool (a curriculum: a small pool breaks the plateau, the whole pool asks
     for a retrieval not tied to its words); null / 0: none. ``word_delimiter_share``: the share of lists whose
     records are each followed by a random word of the pool instead of the list's delimiter (a key then follows a
-    word, as in text, not only a delimiter)."""
+    word, as in text, not only a delimiter). ``bare_share``: the share of records (asked ones too), each drawn on
+    its own, followed by nothing, the next record's key right after the value, never more than ``MAX_RECORD_RUN``
+    (7) records back to back: the evaluation's prompts hold runs of at least 8 (its 8 demonstrations and the query).
+    ``pool_eval_words``: the evaluation's words join the pool as any other word (the words are not its template: a
+    model whose lists never hold them has never predicted one by retrieval, docs/pretrain.md probe 21); false holds
+    them out."""
 
     eval_keys: Optional[list[str]] = None
     eval_values: Optional[list[str]] = None
@@ -297,10 +302,13 @@ class RecallConfig:
     warmup_words: Optional[int] = None
     warmup_sequences: int = 0
     word_delimiter_share: float = 0.0
+    bare_share: float = 0.0
+    pool_eval_words: bool = False
 
     def __post_init__(self) -> None:
         o = "data.recall"
         check_bool(f"{o}.word_fill", self.word_fill)
+        check_bool(f"{o}.pool_eval_words", self.pool_eval_words)
         check_choice(f"{o}.loss", self.loss, ("all", "answers"))
         if self.word_pool is not None:
             check_int(f"{o}.word_pool", self.word_pool, 2)
@@ -331,6 +339,7 @@ class RecallConfig:
         check_float(f"{o}.repeat_share", self.repeat_share, 0, 1)
         check_float(f"{o}.word_repeat_share", self.word_repeat_share, 0, 1)
         check_float(f"{o}.word_delimiter_share", self.word_delimiter_share, 0, 1)
+        check_float(f"{o}.bare_share", self.bare_share, 0, 1)
 
     def check_eval_words(self) -> None:
         """The evaluation's words are given (``data.kind: pretrain`` holds them out)."""

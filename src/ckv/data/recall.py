@@ -9,17 +9,20 @@ model knows it). A model pretrained here must learn retrieval without ever seein
 ``seq_len + 1`` tokens of corpus text with one retrieval block placed at a random point (after ``text_before`` tokens
 of text), trained with the language-model loss on every token, like text. Two kinds of block:
 
-- ``list``: an associative list: ``n`` records ``k v`` each followed by a delimiter ``d``, then a separator
-  ``s``, then ``q`` distinct records asked again as ``k v d`` (``d``, ``s`` drawn per sequence from
-  ``delimiters`` / ``separators``; keys distinct, values with replacement). Keys and values come from the
-  tokenizer's single-token words (``single_token_words``) other than the evaluation's, alternately;
+- ``list``: an associative list: ``n`` records ``k v`` each followed by a delimiter ``d`` (a random word for
+  ``word_delimiter_share`` of the lists; nothing for ``bare_share`` of the records), then a separator ``s``, then
+  ``q`` distinct records asked again as ``k v d`` (``d``, ``s`` drawn per sequence from ``delimiters`` /
+  ``separators``; keys distinct, values with replacement). Keys and values come from the tokenizer's single-token
+  words (``single_token_words``) other than the evaluation's (all of them with ``pool_eval_words``), alternately;
 - ``repeat``: a passage of ``repeat_len`` tokens, ``repeat_gap`` tokens of other text, then the same passage again:
   corpus text (induction on natural text), or, for ``word_repeat_share`` of them, words drawn at random from the
   lists' keys and values (the repeated random tokens on which small models form induction heads); with
   ``word_fill`` such a sequence is random words throughout (``word_repeat``: no corpus text around the passage).
 
-What the evaluation uses is held out: its words never serve as list keys or values, its pad/separator token is
-never a delimiter or separator (``check_held_out``, one ``ConfigError`` line), and records are never back to back.
+What the evaluation uses is held out: its pad/separator token is never a delimiter or separator (``check_held_out``,
+one ``ConfigError`` line), never more than ``MAX_RECORD_RUN`` records stand back to back (its prompts hold at least
+8: ``bare_share`` lets up to 7 do so; none without it), and its words serve as list keys or values only with
+``pool_eval_words`` (as any other word; never as a delimiter or separator).
 ``longest_record_run`` measures how much of an evaluation prompt's record block a token stream contains.
 """
 
@@ -36,6 +39,7 @@ from ckv.data.stream import IGNORE, rng_for
 from ckv.data.tokenizer import TextTokenizer, one_token_problem, single_token_words
 
 RECALL_SALT = 2  # keeps recall draws apart from text shuffles (0) and lookup draws (1) made with the same seed
+MAX_RECORD_RUN = 7  # records a list may hold back to back: the evaluation's prompts hold runs of at least 8
 WORD_PREFIX = " "  # a key/value token is " " + an ASCII word, as the evaluation's task.vocab.word_prefix
 
 
@@ -69,7 +73,7 @@ def recall_vocab(cfg: RecallConfig, tok: TextTokenizer, vocab_size: int) -> Reca
     o = "data.recall"
     eval_keys = _one_token_ids(tok, [WORD_PREFIX + w for w in cfg.eval_keys or []], f"{o}.eval_keys")
     eval_values = _one_token_ids(tok, [WORD_PREFIX + w for w in cfg.eval_values or []], f"{o}.eval_values")
-    held = set(eval_keys) | set(eval_values)
+    held = set() if cfg.pool_eval_words else set(eval_keys) | set(eval_values)
     words = [w for w in single_token_words(tok, vocab_size, WORD_PREFIX) if w not in held][: cfg.word_pool]
     if len(words) < 2 * cfg.n_records[1]:
         pool = f"data.recall.word_pool={cfg.word_pool} leaves" if cfg.word_pool else "the tokenizer has"
@@ -96,7 +100,8 @@ def recall_vocab(cfg: RecallConfig, tok: TextTokenizer, vocab_size: int) -> Reca
 
 def check_held_out(cfg: RecallConfig, vocab: RecallVocab, tok: TextTokenizer) -> None:
     """``ConfigError`` naming the clash when a list block could use what the evaluation uses: its pad/separator
-    or one of its words as a delimiter or separator (list keys and values never are its words)."""
+    or one of its words as a delimiter or separator (its words are list keys or values only with
+    ``pool_eval_words``)."""
     eval_words = set(vocab.eval_keys.tolist()) | set(vocab.eval_values.tolist())
     for name in ("delimiters", "separators"):
         for tid, text in zip(getattr(vocab, name), getattr(cfg, name)):
@@ -228,12 +233,31 @@ class RecallSequences:
             after, after_q = rng.choice(pool.words, n), rng.choice(pool.words, q)
         else:
             after, after_q = np.full(n, delim), np.full(q, delim)
-        records = np.stack([keys, values, after], axis=1).reshape(-1)  # (3n,) k v d
-        queries = np.stack([keys[asked], values[asked], after_q], axis=1).reshape(-1)  # (3q,)
+        records, _ = self._records(rng, keys, values, after)  # k v d ... (bare records: k v)
+        queries, asked_values = self._records(rng, keys[asked], values[asked], after_q)
         tokens = np.concatenate([records, [sep], queries])
-        answers = np.zeros(len(tokens), dtype=bool)
-        answers[3 * n + 2 :: 3] = True  # each asked record's value
+        answers = np.concatenate([np.zeros(len(records) + 1, dtype=bool), asked_values])  # each asked record's value
         return "list", tokens, answers
+
+    def _records(
+        self, rng: np.random.Generator, keys: np.ndarray, values: np.ndarray, after: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Records ``k v a`` (L,) and which tokens are their values (L,) bool; ``bare_share`` of them (each drawn
+        on its own) lose their ``a``, at most ``MAX_RECORD_RUN - 1`` bare records in a row and never the last (so no
+        more than ``MAX_RECORD_RUN`` records back to back, none running into the text after the block)."""
+        n = len(keys)
+        keep = np.ones(n, dtype=bool)  # (n,) the record keeps its trailing token
+        if self.cfg.bare_share:
+            bare, run = rng.random(n) < self.cfg.bare_share, 0
+            for i in range(n):
+                run = run + 1 if bare[i] and run < MAX_RECORD_RUN - 1 else 0
+                keep[i] = run == 0
+            keep[-1] = True
+        grid = np.stack([keys, values, after], axis=1)  # (n, 3)
+        used = np.stack([np.ones(n, dtype=bool), np.ones(n, dtype=bool), keep], axis=1)  # (n, 3)
+        is_value = np.zeros((n, 3), dtype=bool)
+        is_value[:, 1] = True
+        return grid[used], is_value[used]
 
     def sample(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         """Sequence number ``g`` of the split counted over all ranks: text, a block, more text (random words
