@@ -155,6 +155,26 @@ def test_bare_records_keep_their_lists_and_answers(loose_stream) -> None:
         pretrain_config({"eval_keys": ["a"], "eval_values": ["b"]}, recall__bare_share=-0.1)
 
 
+def test_bare_records_start_at_bare_from(cache_dir: str, eval_words, stream) -> None:
+    """``bare_from``: retrieval sequence ``g`` (counted over all ranks) has bare records only from ``bare_from`` on;
+    before it, the draws of a run without them; the log line says where they start."""
+    changes = {"recall__repeat_share": 0.0, "recall__bare_share": 0.7}
+    cfg = pretrain_config(eval_words, **changes, recall__bare_from=20)
+    late = build_batches(cfg, batch_size=1, seed=0, cache_dir=cache_dir).source.lookup
+    never = build_batches(
+        pretrain_config(eval_words, recall__repeat_share=0.0), batch_size=1, seed=0, cache_dir=cache_dir
+    )
+    never = never.source.lookup
+    runs = [longest_record_run(np.append(*late.sample(g)), late.vocab.keys, late.vocab.values) for g in range(40)]
+    for g in range(20):
+        assert all(np.array_equal(a, b) for a, b in zip(late.sample(g), never.sample(g)))
+    assert max(runs[20:]) > 1 and max(runs) <= MAX_RECORD_RUN
+    note = budget_note(cfg, stream, 8)
+    assert note.endswith("; 70% of the records bare (data.recall.bare_share) from retrieval sequence 20 on)")
+    with pytest.raises(ConfigError, match=re.escape("data.recall.bare_from=-1")):
+        pretrain_config(eval_words, recall__bare_from=-1)
+
+
 def test_lists_ask_their_own_records_and_shares_hold(stream) -> None:
     source = stream.source
     recall, vocab = source.lookup, source.lookup.vocab

@@ -131,7 +131,7 @@ def test_working_memory_counts_the_attention_block_the_index_scores_and_the_kl_l
     backend, w = check_attention(cfg), p["working_memory"]
     E, s = T // cfg.attention.stride, cfg.attention.selection
     whole_index, whole_kl = index_working_bytes(1, T, s.heads, E), kl_working_bytes(1, T, cfg.n_heads, s.heads, E)
-    assert 0 < w["parts"]["index scores"] <= 1.5 * WORKING_BYTES < whole_index  # a chunk sized for 2 copies holds 3
+    assert 0 < w["parts"]["index scores"] <= WORKING_BYTES < whole_index  # a chunk sized for 2 copies holds 1
     assert 0 < w["parts"]["KL logits"] <= WORKING_BYTES < whole_kl
     a = cfg.attention  # autograd keeps the pooled windows (tied K/V: one branch): not working memory
     pooled = 4 * (T // a.stride + 1) * a.window * cfg.d_model

@@ -14,7 +14,7 @@ import torch
 from ckv.attention.base import AttentionBackend, LayerFlops
 from ckv.attention.blocked import choose_block, working_bytes
 from ckv.attention.dispatch import REFERENCE_MAX_SCORES, resolve_impl, triton_available
-from ckv.attention.indexer import index_working_bytes, kl_working_bytes, query_chunk
+from ckv.attention.indexer import index_peak_bytes, index_working_bytes, kl_working_bytes, query_chunk
 from ckv.config import ConfigError, ModelConfig
 from ckv.geometry import (
     grid_origin,
@@ -264,16 +264,18 @@ class CompressedAccounting(AttentionBackend):
     @classmethod
     def index_bytes(cls, config: ModelConfig, chunk: int, seq_len: int) -> float:
         """The lightning indexer's working memory for ``chunk`` queries over ``seq_len`` tokens (0 without one): one
-        of its own query chunks (``indexer.query_chunk`` from ``WORKING_BYTES``), ``indexer.index_working_bytes``
-        plus one more fp32 ``(chunk, heads, entries)`` copy: ``index_scores`` holds three at its peak (the dots,
-        the scaled ReLU and its product with the head weights), which the CPU measurement shows
-        (``tests/eval/test_memory.py``, ``ckv_compressed_indexer``: 1.39x the estimate without it)."""
+        of its own query chunks (the chunk ``indexer.query_chunk`` sizes by ``indexer.index_working_bytes`` from
+        ``WORKING_BYTES``) at what it holds there, ``indexer.index_peak_bytes``: one fp32 ``(chunk, heads,
+        entries)`` copy of the dots (``index_scores`` ReLUs and weighs them in place; with under three heads
+        ``top_k``'s fix of tied rows, 12 bytes per score, is the larger) and the fp32 ``(chunk, entries)`` scores.
+        The CPU measurement (``tests/eval/test_memory.py``, ``ckv_compressed_indexer``, where the indexer sets the
+        peak) is 1.00-1.02x the estimate; counting ``index_working_bytes``' two copies plus a third, 0.36x."""
         s = config.attention.selection
         if s is None or s.oracle:
             return 0.0
         E = num_entries(seq_len, config.attention.stride)
         c = min(chunk, query_chunk(index_working_bytes(1, 1, s.heads, E), chunk))
-        return float(index_working_bytes(1, c, s.heads, E) + 4 * c * s.heads * E)
+        return float(index_peak_bytes(1, c, s.heads, E))
 
     @classmethod
     def kl_bytes(cls, config: ModelConfig, tokens: int, seq_len: int) -> float:

@@ -65,6 +65,17 @@ def index_working_bytes(batch: int, chunk: int, heads: int, entries: int) -> int
     return batch * chunk * entries * (8 * heads + 16) + chunk * entries
 
 
+def index_peak_bytes(batch: int, chunk: int, heads: int, entries: int) -> int:
+    """Bytes one query chunk of the indexer's selection (``LightningIndexer.forward``, without gradients) holds at
+    its peak, what the memory estimate counts (``CompressedAccounting.index_bytes``; ``index_working_bytes`` is the
+    looser bound its chunk is sized by): the fp32 scores ``(batch, chunk, entries)`` and the larger of
+    ``index_scores``'s moment (one fp32 ``(batch, chunk, heads, entries)`` copy of the dots, which it ReLUs and
+    weighs in place and keeps referenced while it sums the heads and masks the scores) and ``top_k``'s fix of the
+    rows tied at the k-th score (after the dots are freed: a copy with its masks and int32 count, 12 bytes per
+    score), plus the bool visibility and its negation ``(chunk, entries)``."""
+    return batch * chunk * entries * (4 + max(4 * heads, 12)) + 2 * chunk * entries
+
+
 def kl_working_bytes(batch: int, chunk: int, heads: int, index_heads: int, entries: int, gathered: int = 0) -> int:
     """Bytes one query chunk of the indexer's KL holds at once, in its forward or its recomputation in backward:
     two fp32 ``(batch, chunk, heads, entries)`` copies of the main attention's logits (the target), five of the

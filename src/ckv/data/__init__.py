@@ -141,6 +141,8 @@ def budget_note(cfg: DataConfig, stream: BatchStream, rows: int) -> Optional[str
         where += f"; {r.word_delimiter_share:.0%} of the lists with a random word after each record"
     if r.bare_share:
         where += f"; {r.bare_share:.0%} of the records bare (data.recall.bare_share)"
+        if r.bare_from:
+            where += f" from retrieval sequence {r.bare_from:,} on"
     return (
         f"data: {text_rows:,} text sequences = {text_rows / windows:.2f} epochs of the corpus' {windows:,} windows "
         f"of {cfg.seq_len + 1} tokens ({len(mixture.text.tokens):,} tokens in its train split), and {recall_rows:,} "

@@ -279,7 +279,9 @@ class RecallConfig:
     records are each followed by a random word of the pool instead of the list's delimiter (a key then follows a
     word, as in text, not only a delimiter). ``bare_share``: the share of records (asked ones too), each drawn on
     its own, followed by nothing, the next record's key right after the value, never more than ``MAX_RECORD_RUN``
-    (7) records back to back: the evaluation's prompts hold runs of at least 8 (its 8 demonstrations and the query).
+    (7) records back to back: the evaluation's prompts hold runs of at least 8 (its 8 demonstrations and the query);
+    ``bare_from``: retrieval sequences before this number (counted over all ranks, as ``warmup_sequences``) have none
+    (a curriculum in layout: e.g. the warm-up's lists keep their delimiters).
     ``pool_eval_words``: the evaluation's words join the pool as any other word (the words are not its template: a
     model whose lists never hold them has never predicted one by retrieval, docs/pretrain.md probe 21); false holds
     them out."""
@@ -303,6 +305,7 @@ class RecallConfig:
     warmup_sequences: int = 0
     word_delimiter_share: float = 0.0
     bare_share: float = 0.0
+    bare_from: int = 0
     pool_eval_words: bool = False
 
     def __post_init__(self) -> None:
@@ -313,6 +316,7 @@ class RecallConfig:
         if self.word_pool is not None:
             check_int(f"{o}.word_pool", self.word_pool, 2)
         check_int(f"{o}.warmup_sequences", self.warmup_sequences, 0)
+        check_int(f"{o}.bare_from", self.bare_from, 0)
         if (self.warmup_words is None) != (self.warmup_sequences == 0):
             raise ConfigError(
                 f"{o}.warmup_words={self.warmup_words} and {o}.warmup_sequences={self.warmup_sequences} go together: "

@@ -203,14 +203,17 @@ class RecallSequences:
         """The words sequence ``g`` draws from: the warm-up's for the first ``warmup_sequences``, else the pool."""
         return self.warm_pool if self.warm_pool is not None and g < self.cfg.warmup_sequences else self.pool
 
-    def block(self, rng: np.random.Generator, pool: Optional[WordPool] = None) -> tuple[str, np.ndarray, np.ndarray]:
+    def block(
+        self, rng: np.random.Generator, pool: Optional[WordPool] = None, bare_share: Optional[float] = None
+    ) -> tuple[str, np.ndarray, np.ndarray]:
         """One retrieval block drawn with ``rng`` from ``pool`` (default: the run's pool): its kind (``list``,
         ``repeat``, or ``word_repeat`` when ``word_fill`` makes a random-word passage's sequence all words: the
         module docstring), tokens (L,) and which of them are answers (L,) bool: the asked records' values of a
         list, the second passage after its first token (what retrieval predicts; ``loss: answers`` trains on these
-        only)."""
+        only). ``bare_share``: the share of bare records (default: the run's ``bare_share``)."""
         c, v = self.cfg, self.vocab
         pool = self.pool if pool is None else pool
+        bare = c.bare_share if bare_share is None else bare_share
         if rng.random() < c.repeat_share:
             n = int(rng.integers(c.repeat_len[0], c.repeat_len[1] + 1))
             words = rng.random() < c.word_repeat_share
@@ -233,22 +236,23 @@ class RecallSequences:
             after, after_q = rng.choice(pool.words, n), rng.choice(pool.words, q)
         else:
             after, after_q = np.full(n, delim), np.full(q, delim)
-        records, _ = self._records(rng, keys, values, after)  # k v d ... (bare records: k v)
-        queries, asked_values = self._records(rng, keys[asked], values[asked], after_q)
+        records, _ = self._records(rng, keys, values, after, bare)  # k v d ... (bare records: k v)
+        queries, asked_values = self._records(rng, keys[asked], values[asked], after_q, bare)
         tokens = np.concatenate([records, [sep], queries])
         answers = np.concatenate([np.zeros(len(records) + 1, dtype=bool), asked_values])  # each asked record's value
         return "list", tokens, answers
 
+    @staticmethod
     def _records(
-        self, rng: np.random.Generator, keys: np.ndarray, values: np.ndarray, after: np.ndarray
+        rng: np.random.Generator, keys: np.ndarray, values: np.ndarray, after: np.ndarray, bare_share: float
     ) -> tuple[np.ndarray, np.ndarray]:
         """Records ``k v a`` (L,) and which tokens are their values (L,) bool; ``bare_share`` of them (each drawn
         on its own) lose their ``a``, at most ``MAX_RECORD_RUN - 1`` bare records in a row and never the last (so no
         more than ``MAX_RECORD_RUN`` records back to back, none running into the text after the block)."""
         n = len(keys)
         keep = np.ones(n, dtype=bool)  # (n,) the record keeps its trailing token
-        if self.cfg.bare_share:
-            bare, run = rng.random(n) < self.cfg.bare_share, 0
+        if bare_share:
+            bare, run = rng.random(n) < bare_share, 0
             for i in range(n):
                 run = run + 1 if bare[i] and run < MAX_RECORD_RUN - 1 else 0
                 keep[i] = run == 0
@@ -266,7 +270,7 @@ class RecallSequences:
         rng = rng_for(self.seed, self.split, RECALL_SALT, g)
         before = int(rng.integers(self.cfg.text_before[0], self.cfg.text_before[1] + 1))
         pool = self.pool_of(g)
-        kind, block, answers = self.block(rng, pool)
+        kind, block, answers = self.block(rng, pool, 0.0 if g < self.cfg.bare_from else None)
         after = self.seq_len + 1 - before - len(block)
         fill = [self._fill(rng, before, kind, pool), block, self._fill(rng, after, kind, pool)]
         tokens = np.concatenate(fill)  # (T+1,)
