@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE ?= offline
 
-.PHONY: install lock test-latest lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation selection paper mitigate pretrain smoke clean
+.PHONY: install lock test-latest lint format test test-all test-slow demo demo-grid demo-v4 robust robust-confirm robust-ablation selection paper mitigate pretrain csa2 smoke clean
 
 # The installer the lock was made and last installed with (make lock refreshes both).
 PIP_PIN := pip==26.3
@@ -97,6 +97,9 @@ mitigate: $(STAMP)  ## inference-time fixes of weak phases (shift ensembling, du
 
 pretrain: $(STAMP)  ## weak spots after pretraining, not task training: 12 models pretrained on the Bible with retrieval blocks in templates the evaluation never uses, scored on the held-out animal->name lookup beside make paper's task-trained rows, with emergence over 8 checkpoints and the criteria committed in conf/study/pretrain.yaml (not yet run at full size: its recipe is still being probed, docs/pretrain.md)
 	$(BIN)/python -m ckv.apps.study pretrain --out outputs/pretrain
+
+csa2: $(STAMP)  ## which of DeepSeek-V4.1's choices shrinks the weak spots: its ratio-2 compressor, shared compressed KV, a full-resolution decoder: 7 variants of 4 layers (full attention, V4's W8/S4, V4.1's compressor at ratio 2 and 4, ratio 2 shared, the V4.1-style schedule with a ratio-1 and a ratio-2 decoder), 3 seeds each, make paper's regime and evaluation, paired differences and costs, criteria committed in conf/study/csa2.yaml (not yet run at full size; estimated 1.8-2.7 h on 2 idle cores from timed steps, docs/csa2.md)
+	$(BIN)/python -m ckv.apps.study csa2 --out outputs/csa2
 
 smoke: $(STAMP)  ## every attention variant: forward, backward, decode == prefill (seconds)
 	$(BIN)/python -m ckv.apps.smoke

@@ -90,3 +90,27 @@ def test_worst_phase_vs_kv_bytes_draws_a_panel_per_task_and_a_series_per_model(f
     assert all(ax.get_xscale() == "log" for ax in axes)
     labels = [[t.get_text() for t in ax.get_legend().get_texts()] for ax in axes]
     assert labels == [["w4s4 (baseline)", "conv (fix)"], ["full (control)"]]
+
+
+def test_the_phase_grid_has_a_row_per_evaluation_a_column_per_model_and_a_line_per_report(figures, tmp_path):
+    """make csa2's figure: one panel per (evaluation, model), each report a line over its stride's phases; a model
+    without a report under an evaluation is a panel that says so."""
+    two, four = _report(2), _report(4)
+    columns = [
+        ("v41_r2", {"prefix": [("seed 42", two), ("seed 43", two)], "in_sequence": [("seed 42", two)]}),
+        ("deepseek_w8s4", {"prefix": [("seed 42", four)]}),
+    ]
+    plots.plot_phase_grid(columns, tmp_path / "phases.png")
+    axes = figures[-1].axes
+    assert [ax.get_title() for ax in axes] == [
+        "v41_r2: prefix",
+        "deepseek_w8s4: prefix",
+        "v41_r2: in_sequence",
+        "deepseek_w8s4: in_sequence",
+    ]
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["seed 42", "seed 43"]
+    assert list(axes[0].get_xticks()) == [0, 1] and list(axes[1].get_xticks()) == [0, 1, 2, 3]
+    assert any(t.get_text() == "no results" for t in axes[3].texts) and not axes[3].lines
+    assert all(ax.get_ylim() == (0.0, 100.0) for ax in axes)
+    with pytest.raises(ValueError, match="no model has a lookup report"):
+        plots.plot_phase_grid([("x", {})], tmp_path / "none.png")

@@ -236,6 +236,38 @@ def plot_phase_overlay(items: Sequence[tuple[str, dict]], path: PathLike) -> Pat
     return save_figure(fig, path)
 
 
+def plot_phase_grid(columns: Sequence[tuple[str, Mapping[str, Sequence[tuple[str, dict]]]]], path: PathLike) -> Path:
+    """Accuracy per phase, one panel per (evaluation, model): ``columns`` holds one ``(title, {evaluation name:
+    [(line label, lookup report), ...]})`` per model (e.g. a variant, its seeds as lines, by padding); one row per
+    evaluation name in the order they first appear. Each report is a line over the phases of its stride with its
+    95% intervals and its mean dashed in its colour; a panel without reports says so (make csa2's figure)."""
+    names = _evaluation_names([reports for _, reports in columns])
+    if not names:
+        raise ValueError("nothing to plot: no model has a lookup report")
+    fig = Figure(figsize=(3.0 * len(columns) + 0.6, 2.6 * len(names) + 0.6))
+    axes = fig.subplots(len(names), len(columns), sharey=True, squeeze=False)
+    for j, (title, reports) in enumerate(columns):
+        for i, name in enumerate(names):
+            ax, lines = axes[i, j], [(lab, rep) for lab, rep in reports.get(name, ()) if rep["phase"]]
+            for (label, rep), color in zip(lines, palette(len(lines))):
+                _group_curve(ax, rep["phase"], stride=None, label=label, color=color)
+            if lines:
+                stride = max(rep["stride"] for _, rep in lines)
+                ax.set_xticks(range(stride))
+                ax.set_xlim(-0.4, stride - 0.6)
+                ax.legend(fontsize=6, loc="best")
+            else:
+                ax.text(0.5, 0.5, "no results", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+                percent_axis(ax)
+            ax.set_title(f"{title}: {name}", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.set_ylabel("top-1 accuracy (%)" if j == 0 else "", fontsize=8)
+            ax.set_xlabel("phase (target position mod S)" if i == len(names) - 1 else "", fontsize=8)
+    fig.suptitle("accuracy per phase (bars: 95% intervals; dashed: each line's mean)", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 def plot_probe(report: dict, path: PathLike, title: str) -> Path:
     """Each candidate's (whole-sequence) probability vs filler length; filled markers where that candidate's first
     token is the full-vocabulary top-1; the title counts flips of the top-1."""
