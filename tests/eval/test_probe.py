@@ -66,6 +66,27 @@ def test_shipped_fp8_reconstruction_has_exact_filler_lengths() -> None:
     assert '"""' in before and not any(s in docstring for s in ("8", "32", "FP", "e4m3"))
 
 
+def test_shipped_bible_probe_has_exact_filler_lengths_under_a_bible_bpe(cache_dir: str) -> None:
+    """conf/eval/task/probe_bible.yaml (make pretrain's corpus-native probe) on a BPE trained on the shipped Bible:
+    every filler length of its range exact, the two names before the filler, the question after it."""
+    from ckv.data import DataConfig, build_batches
+    from ckv.data.tokenizer import TokenizersTokenizer
+
+    text = build_batches(
+        DataConfig.from_dict({"kind": "text", "text": {"vocab_size": 1024}}), batch_size=1, seed=0, cache_dir=cache_dir
+    )
+    tok = TokenizersTokenizer(text.source.tok)
+    cfg = yaml.safe_load((ROOT / "conf" / "eval" / "task" / "probe_bible.yaml").read_text())
+    cfg.pop("kind")
+    spec = ProbeSpec(**cfg)
+    task = ProbeTask(spec, text_prompt(spec, tok), max_len=128, tokenizer=tok)
+    assert list(task.filler_tokens) == list(range(8, 32)) and np.all(np.diff([len(p) for p in task.prompts]) == 1)
+    assert len({c[0] for c in task.prompt.candidates}) == 2  # the top-1 names at most one of them
+    before, after = tok.decode(task.prompt.before), tok.decode(task.prompt.after)
+    assert "Bethel" in before and "Luz" in before and after.endswith("the place that Jacob called was")
+    assert max(len(p) for p in task.prompts) <= 128  # make pretrain's sequence length
+
+
 def test_no_flip_is_counted_while_the_top1_is_neither_candidate() -> None:
     task = ProbeTask(SPEC, text_prompt(SPEC, TOK), max_len=256, tokenizer=TOK)
     rep = task.evaluate(_fixed_top1, progress=False)
