@@ -11,7 +11,7 @@ from ckv.apps import csa2
 from ckv.apps.study import main
 from ckv.apps.study_config import load_study
 
-from .helpers import run_quick
+from .helpers import claim_row, run_quick
 
 STUDY = load_study("csa2")
 CRITERIA = STUDY.criteria
@@ -90,27 +90,8 @@ def test_the_changes_rule_at_its_boundaries() -> None:
 
 
 def row(gap: float = 0.01, p: float = 0.5, floor: float = 0.02, worst: float = 0.9, stride: int = 2, **kw) -> dict:
-    """A constructed ``claim_row``: learned, not significant, flat (one-sided upper bound under the margin) by
-    default."""
-    return {
-        "mean": kw.pop("mean", worst + gap / 2),
-        "mean_lower": 0.0,
-        "mean_upper": 1.0,
-        "residue_gap": gap,
-        "residue_gap_lower": kw.pop("lower", max(gap - 0.02, 0.0)),
-        "residue_gap_upper": kw.pop("upper", gap + 0.02),
-        "residue_p_value": p,
-        "residue_noise_floor": floor,
-        "residue_upper_one_sided": kw.pop("one_sided", min(gap + 0.01, MARGIN / 2)),
-        "residue_mde": 0.03,
-        "residue_mde_power": 0.8,
-        "dominant_period": kw.pop("period", None),
-        "stride": stride,
-        "worst_residue_accuracy": worst,
-        "worst_residue_lower": worst - 0.02,
-        "worst_residue_upper": worst + 0.02,
-        **kw,
-    }
+    """A constructed claim row of this study (``helpers.claim_row`` at its flat margin)."""
+    return claim_row(MARGIN, gap, p, floor, worst, stride, **kw)
 
 
 def gap_row(gap: float = 0.3, stride: int = 2, period: int | None = None, **kw) -> dict:

@@ -656,7 +656,7 @@ def test_the_figures_show_what_the_paper_page_promises(figures, tmp_path):
     assert sum(t.startswith("gate cycling; pooled") for t in titles) == 2
     assert sum(t.startswith("knock-out of each layer") for t in titles) == 2
 
-    panels = paper.curve_panels(done, ids, roles, paper_rows)
+    panels = paper.curve_panels(done, ids, roles, ids, paper_rows)
     assert [p.stride for p in panels] == [None, 8, 8, 8, None]  # no stride lines for full attention
     assert panels[1].reference == {"prefix": 0.7} and panels[-1].reports == {}
 

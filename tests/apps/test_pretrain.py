@@ -18,7 +18,7 @@ from ckv.apps.study_run import checkpoint_commands
 from ckv.checks import ConfigError
 from tests.helpers import kept_figures
 
-from .helpers import run_quick
+from .helpers import claim_row, run_quick
 
 STUDY = load_study("pretrain")
 CRITERIA = STUDY.criteria
@@ -69,29 +69,8 @@ def test_checkpoint_evaluations_apply_to_the_runs_their_patterns_match() -> None
 
 
 def row(gap: float = 0.01, p: float = 0.5, floor: float = 0.02, worst: float = 0.6, stride: int = 8, **kw) -> dict:
-    """A constructed ``pretrain.row``: learned (best group worst + gap >= the bar), not significant, flat (one-sided
-    upper bound under the margin) by default; phase groups all at the worst group's accuracy but ``phases``."""
-    phases = kw.pop("phases", [worst + gap] * stride)
-    return {
-        "mean": kw.pop("mean", worst + gap / 2),
-        "mean_lower": 0.0,
-        "mean_upper": 1.0,
-        "residue_gap": gap,
-        "residue_gap_lower": kw.pop("lower", gap - 0.02),
-        "residue_gap_upper": kw.pop("upper", gap + 0.02),
-        "residue_p_value": p,
-        "residue_noise_floor": floor,
-        "residue_upper_one_sided": kw.pop("one_sided", min(gap + 0.01, MARGIN / 2)),
-        "residue_mde": 0.03,
-        "residue_mde_power": 0.8,
-        "dominant_period": kw.pop("period", None),
-        "stride": stride,
-        "worst_residue_accuracy": worst,
-        "worst_residue_lower": worst - 0.02,
-        "worst_residue_upper": worst + 0.02,
-        "phase_accuracy": phases,
-        **kw,
-    }
+    """A constructed claim row of this study (``helpers.claim_row`` at its flat margin)."""
+    return claim_row(MARGIN, gap, p, floor, worst, stride, **kw)
 
 
 def gap_row(weak: int = 7, gap: float = 0.4, **kw) -> dict:

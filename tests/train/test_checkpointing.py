@@ -20,10 +20,25 @@ def _loss_and_grads(model, ids, labels):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("name", ["full", "w8s8", "w8s8_tail", "deepseek_w8s4"])
+SHARED = {  # a source and two sliding consumers: a consumer reads its source's entries across checkpointed blocks
+    "n_layers": 3,
+    "layers": [
+        {"count": 1, "kv": "source"},
+        {"count": 2, "kv": "shared", "attention": {"kind": "sliding", "sliding_window": 5}},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [("full", {}), ("w8s8", {}), ("w8s8_tail", {}), ("deepseek_w8s4", {}), ("w8s8", SHARED)],
+    ids=["full", "w8s8", "w8s8_tail", "deepseek_w8s4", "kv_sharing"],
+)
 @pytest.mark.parametrize("mode", ["full", "selective"])
-def test_same_loss_and_gradients(name, mode):
-    cfg = small_config(variant(name))
+def test_same_loss_and_gradients(name, overrides, mode):
+    """Checkpointed blocks give the plain model's loss and gradients; with KV sharing the consumers' gradient still
+    reaches their source (through the source's recompute)."""
+    cfg = small_config(variant(name), **overrides)
     plain = Transformer(cfg)
     wrapped = copy.deepcopy(plain)
     assert apply_activation_checkpointing(wrapped, mode) == cfg.n_layers
@@ -36,25 +51,6 @@ def test_same_loss_and_gradients(name, mode):
     for n in grads:
         assert (grads[n] - grads_c[n]).abs().max().item() < 1e-6, n
     assert list(wrapped.state_dict()) == list(plain.state_dict())
-
-
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_kv_sharing_gives_the_same_loss_and_gradients(mode):
-    """A consumer reads its source's entries across the checkpointed blocks: its gradient still reaches the source
-    (through the source's recompute), as without checkpointing."""
-    sliding = {"kind": "sliding", "sliding_window": 5}
-    layers = [{"count": 1, "kv": "source"}, {"count": 2, "kv": "shared", "attention": sliding}]
-    cfg = small_config(variant("w8s8"), n_layers=3, layers=layers)
-    plain = Transformer(cfg)
-    wrapped = copy.deepcopy(plain)
-    assert apply_activation_checkpointing(wrapped, mode) == cfg.n_layers
-    ids = torch.randint(0, cfg.vocab_size, (2, 40))
-    labels = torch.randint(0, cfg.vocab_size, (2, 40))
-    loss, grads = _loss_and_grads(plain, ids, labels)
-    loss_c, grads_c = _loss_and_grads(wrapped, ids, labels)
-    assert (loss - loss_c).abs().item() < 1e-6
-    for n in grads:
-        assert (grads[n] - grads_c[n]).abs().max().item() < 1e-6, n
 
 
 def test_recomputes_in_backward_only_when_training():

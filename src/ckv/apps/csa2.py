@@ -22,7 +22,10 @@ from ckv.apps.paper import (
     NO_RESULT,
     PADDINGS,
     claim_row,
+    control_flat_checks,
+    curve_panels,
     learned_runs,
+    mean_precondition,
     measured,
     outcome,
     period_check,
@@ -35,7 +38,7 @@ from ckv.apps.study_results import Check, Column, check_lines, pp, write_table
 from ckv.apps.study_run import eval_names
 from ckv.attention import model_phase_stride
 from ckv.data import lookup_format_for
-from ckv.eval.plots import CurvePanel, plot_phase_grid, plot_residue_curves
+from ckv.eval.plots import plot_phase_grid, plot_residue_curves
 from ckv.flops import flops_per_token, kv_bytes_per_token
 from ckv.train.plan import compose_train_config, model_config
 
@@ -249,38 +252,12 @@ def claims(
     controls = [lab for lab in roles if roles[lab] == "control"]
     compressed = [lab for lab in roles if roles[lab] != "control"]
     learned = learned_runs({lab: rows[lab] for lab in compressed if lab in rows}, criteria["learned_best"])
-    bar = criteria["control_mean"]
-    means = [(lab, pad, rows.get(lab, {}).get(pad)) for lab in controls for pad in PADDINGS]
-    ok = bool(controls) and all(r is not None and r["mean"] >= bar for _, _, r in means)
-    out = [
-        outcome(
-            f"precondition: every full-attention control's mean >= {pp(bar)}% in both paddings",
-            ok,
-            "; ".join(
-                f"{lab} {pad} "
-                + (NO_RESULT if r is None else f"{pp(r['mean'])}% [{pp(r['mean_lower'])}, {pp(r['mean_upper'])}]")
-                for lab, pad, r in means
-            )
-            or "the study has no control",
-        )
-    ]
-    margin = pp(criteria["flat_margin"])
-    for lab in controls:
-        for pad in PADDINGS:
-            r = rows.get(lab, {}).get(pad)
-            detail = (
-                NO_RESULT
-                if r is None
-                else f"{verdict_text(r, criteria)}, smallest gap detected with {pp(r['residue_mde_power'])}% power: "
-                f"{pp(r['residue_mde'])} pp"
-            )
-            out.append(
-                outcome(
-                    f"{lab} {pad}: flat (mod-24 gap's one-sided 95% upper bound under {margin} pp, no significant gap)",
-                    None if r is None else {"flat": True, "gap": False}.get(verdict(r, criteria)),
-                    detail,
-                )
-            )
+
+    def result(lab: str, pad: str) -> Optional[dict]:
+        return rows.get(lab, {}).get(pad)
+
+    out = [mean_precondition(controls, result, criteria["control_mean"])]
+    out += control_flat_checks(controls, result, criteria)
     for pad in PADDINGS:
         unlearned = [lab for lab in compressed if pad in rows.get(lab, {}) and (lab, pad) not in learned]
         missing = [lab for lab in compressed if rows.get(lab, {}).get(pad) is None]
@@ -291,7 +268,7 @@ def claims(
     for key, spec in study.params["questions"].items():
         for pad in PADDINGS:
             out += question_checks(key, spec, pad, study, rows, learned, diffs, cost)
-    if not ok:
+    if not out[0].passed:
         out = out[:1] + [
             Check(c.claim, False, "no verdict (precondition not met): " + c.detail, decided=False) for c in out[1:]
         ]
@@ -408,15 +385,8 @@ def figures(study: Study, done: list[dict], out: Path) -> dict[str, str]:
     per-phase accuracy of ``params.figure``'s variants (one column each, its seeds as lines), prefix and
     in-sequence padding."""
     roles = {r.label: r.role for r in study.runs}
+    panels = curve_panels(done, roles, roles)
     reports = {d["run"].label: d["evaluations"] for d in done}
-    panels = [
-        CurvePanel(
-            lab,
-            reports.get(lab, {}),
-            None if roles[lab] == "control" else next((r["stride"] for r in reports.get(lab, {}).values()), None),
-        )
-        for lab in roles
-    ]
     seeds = seeds_of(study)
 
     def lines(name: str, pad: str) -> list[tuple[str, dict]]:

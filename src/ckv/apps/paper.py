@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -31,6 +32,7 @@ GAP_ROLES = ("mean", "no_rope", "kv_heads")  # criterion 4: each keeps a signifi
 WORST_ROLES = ("overlap", "tail")  # criterion 5: each raises the worst group over the learned baseline seeds
 CLAIM_ROLES = ("control", "baseline", *GAP_ROLES, *WORST_ROLES)  # every role the claims read
 MIN_RANK_PAIRS = 3  # pairs a bootstrap interval of Spearman's rho needs
+ResultOf = Callable[[str, str], Optional[dict]]  # (label, padding) -> its claim row, or None without a result
 
 
 def measured(report: dict) -> dict[str, tuple[Optional[float], Optional[float], Optional[float]]]:
@@ -283,6 +285,47 @@ def _worst_claim(
     )
 
 
+def mean_precondition(controls: list[str], result: ResultOf, bar: float) -> Check:
+    """make paper's precondition: every full-attention control's mean is at least ``bar`` in both paddings (a
+    control without a result does not meet it; a study without a control never does). ``result(label, padding)``:
+    its ``claim_row`` or None."""
+    means = [(lab, pad, result(lab, pad)) for lab in controls for pad in PADDINGS]
+    ok = bool(controls) and all(r is not None and r["mean"] >= bar for _, _, r in means)
+    return outcome(
+        f"precondition: every full-attention control's mean >= {pp(bar)}% in both paddings",
+        ok,
+        "; ".join(
+            f"{lab} {pad} "
+            + (NO_RESULT if r is None else f"{pp(r['mean'])}% [{pp(r['mean_lower'])}, {pp(r['mean_upper'])}]")
+            for lab, pad, r in means
+        )
+        or "the study has no control",
+    )
+
+
+def control_flat_checks(controls: list[str], result: ResultOf, criteria: dict) -> list[Check]:
+    """Every control flat in each padding (``verdict``: flat PASS, a significant gap FAIL, else undecided), with its
+    80%-power MDE; undecided without a result."""
+    margin = pp(criteria["flat_margin"])
+    out = []
+    for lab in controls:
+        for pad in PADDINGS:
+            claim = f"{lab} {pad}: flat (mod-24 gap's one-sided 95% upper bound under {margin} pp, no significant gap)"
+            r = result(lab, pad)
+            if r is None:
+                out.append(outcome(claim, None, NO_RESULT))
+                continue
+            out.append(
+                outcome(
+                    claim,
+                    {"flat": True, "gap": False}.get(verdict(r, criteria)),
+                    f"{verdict_text(r, criteria)}, smallest gap detected with {pp(r['residue_mde_power'])}% power: "
+                    f"{pp(r['residue_mde'])} pp",
+                )
+            )
+    return out
+
+
 def claims(
     rows: dict[str, dict[str, dict]],
     roles: dict[str, str],
@@ -311,21 +354,7 @@ def claims(
     def significant(r: dict) -> bool:
         return verdict(r, criteria) == "gap"
 
-    bar = criteria["control_mean"]
-    means = [(lab, pad, result(lab, pad)) for lab in controls for pad in PADDINGS]
-    ok = bool(controls) and all(r is not None and r["mean"] >= bar for _, _, r in means)
-    out = [
-        outcome(
-            f"precondition: every full-attention control's mean >= {pp(bar)}% in both paddings",
-            ok,
-            "; ".join(
-                f"{lab} {pad} "
-                + (NO_RESULT if r is None else f"{pp(r['mean'])}% [{pp(r['mean_lower'])}, {pp(r['mean_upper'])}]")
-                for lab, pad, r in means
-            )
-            or "the study has no control",
-        )
-    ]
+    out = [mean_precondition(controls, result, criteria["control_mean"])]
     for pad in PADDINGS:
         unlearned = [lab for lab in compressed if pad in rows[lab] and (lab, pad) not in learned]
         missing = [lab for lab in roles if roles[lab] != "control" and result(lab, pad) is None]
@@ -333,22 +362,7 @@ def claims(
             f"; no result: {', '.join(missing)}" if missing else ""
         )
         out.append(period_check(pad, compressed, rows, learned, criteria, "compressed variant", extra))
-    margin = pp(criteria["flat_margin"])
-    for lab in controls:
-        for pad in PADDINGS:
-            claim = f"{lab} {pad}: flat (mod-24 gap's one-sided 95% upper bound under {margin} pp, no significant gap)"
-            r = result(lab, pad)
-            if r is None:
-                out.append(outcome(claim, None, NO_RESULT))
-                continue
-            out.append(
-                outcome(
-                    claim,
-                    {"flat": True, "gap": False}.get(verdict(r, criteria)),
-                    f"{verdict_text(r, criteria)}, smallest gap detected with {pp(r['residue_mde_power'])}% power: "
-                    f"{pp(r['residue_mde'])} pp",
-                )
-            )
+    out += control_flat_checks(controls, result, criteria)
     for lab in [x for role in GAP_ROLES for x in of[role]]:
         for pad in PADDINGS:
             claim, r = f"{lab} {pad}: keeps a significant gap", result(lab, pad)
@@ -378,7 +392,7 @@ def claims(
                 + (f"; no result: {', '.join(missing)}" if missing else ""),
             )
         )
-    if not ok:
+    if not out[0].passed:
         out = out[:1] + [
             Check(c.claim, False, "no verdict (precondition not met): " + c.detail, decided=False) for c in out[1:]
         ]
@@ -426,16 +440,22 @@ def rho_text(x: Optional[float]) -> str:
 
 
 def curve_panels(
-    done: list[dict], ids: dict[str, str], roles: dict[str, str], paper: dict[tuple[str, str], dict]
+    done: list[dict],
+    labels: Iterable[str],
+    roles: dict[str, str],
+    ids: Optional[dict[str, str]] = None,
+    paper: Optional[dict[tuple[str, str], dict]] = None,
 ) -> list[CurvePanel]:
-    """One panel per run in the paper's order (``ids``): its reports by padding, its stride (none for the
-    full-attention controls, whose reports are read mod ``control_stride``) and the paper's mean per padding."""
+    """One panel per run of ``labels``, in their order: its reports by padding, its stride (none for the
+    full-attention controls, whose reports are read mod ``control_stride``) and, where ``ids`` names its row of
+    ``paper``, the paper's mean per padding."""
     reports = {d["run"].label: d["evaluations"] for d in done}
     panels = []
-    for label, vid in ids.items():
+    for label in labels:
         evals = reports.get(label, {})
         stride = None if roles[label] == "control" else next((r["stride"] for r in evals.values()), None)
-        reference = {pad: paper[(vid, pad)]["mean"][0] for pad in PADDINGS if (vid, pad) in paper}
+        vid = (ids or {}).get(label)
+        reference = {pad: paper[(vid, pad)]["mean"][0] for pad in PADDINGS if paper and (vid, pad) in paper}
         panels.append(CurvePanel(label, evals, stride, reference))
     return panels
 
@@ -469,7 +489,7 @@ def figures(
     cycling). Returns their paths by name and the report's lines (the figures, then each analysis' files)."""
     reports = {d["run"].label: d["evaluations"] for d in done}
     paths = {
-        "curves": plot_residue_curves(curve_panels(done, ids, roles, paper), out / "paper_curves.png"),
+        "curves": plot_residue_curves(curve_panels(done, ids, roles, ids, paper), out / "paper_curves.png"),
         "heatmap": plot_residue_heatmap([(lab, reports.get(lab, {})) for lab in ids], out / "paper_heatmap.png"),
     }
     items, lines = analysis_results(done)

@@ -24,6 +24,8 @@ from ckv.apps.paper import (
     PADDINGS,
     best_group,
     claim_row,
+    control_flat_checks,
+    curve_panels,
     learned_runs,
     not_learned,
     outcome,
@@ -39,7 +41,7 @@ from ckv.apps.paper import (
 from ckv.apps.study_config import Study
 from ckv.apps.study_results import Check, check_lines, pp
 from ckv.apps.study_run import eval_names
-from ckv.eval.plots import CurvePanel, plot_residue_curves
+from ckv.eval.plots import plot_residue_curves
 from ckv.eval.stats import StatsOptions
 from ckv.io.layout import eval_dir, read_run_config
 from ckv.io.results import RESULTS_CSV, read_json
@@ -218,20 +220,7 @@ def claims(
             or "the study has no control",
         )
     ]
-    margin = pp(criteria["flat_margin"])
-    for lab in controls:
-        for pad in PADDINGS:
-            claim = f"{lab} {pad}: flat (mod-24 gap's one-sided 95% upper bound under {margin} pp, no significant gap)"
-            r = claim_rows.get(lab, {}).get(pad)
-            detail = (
-                NO_RESULT
-                if r is None
-                else f"{verdict_text(r, criteria)}, smallest gap detected with {pp(r['residue_mde_power'])}% power: "
-                f"{pp(r['residue_mde'])} pp"
-            )
-            out.append(
-                outcome(claim, None if r is None else {"flat": True, "gap": False}.get(verdict(r, criteria)), detail)
-            )
+    out += control_flat_checks(controls, lambda lab, pad: claim_rows.get(lab, {}).get(pad), criteria)
     pretrained = [lab for lab in roles if roles[lab] not in ("control", TASK_TRAINED)]
     for pad in PADDINGS:
         unlearned = [lab for lab in pretrained if (lab, pad) not in learned]
@@ -326,16 +315,7 @@ def report(study: Study, done: list[dict], out: Path, quick: bool) -> tuple[list
     text = [table(rows, pretrained, compared, paper, ids)] + ([why] if why else [])
     checks = claims(study, claim_rows, roles, learned, compared, ranks)
     text += check_lines(checks, ("PASS", "FAIL", "undecided"))
-    reports = {d["run"].label: d["evaluations"] for d in done}
-    panels = [
-        CurvePanel(
-            lab,
-            reports.get(lab, {}),
-            None if roles[lab] == "control" else next((r["stride"] for r in reports.get(lab, {}).values()), None),
-            {pad: paper[(ids[lab], pad)]["mean"][0] for pad in PADDINGS if (ids.get(lab, ""), pad) in paper},
-        )
-        for lab in pretrained
-    ]
+    panels = curve_panels(done, pretrained, roles, ids, paper)
     paths = {"curves": str(plot_residue_curves(panels, out / "pretrain_curves.png"))}
     series = emergence(done)
     if series:
