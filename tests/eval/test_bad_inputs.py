@@ -73,15 +73,24 @@ def matches(value: Any, hint: Any) -> bool:
 
 
 @pytest.fixture(scope="module")
-def models() -> dict[str, ModelFacts]:
+def models(cache_dir: str) -> dict[str, ModelFacts]:
     """Stand-ins (no weights): a word-level tokenizer, a character tokenizer that merges runs of "=" (for text
-    probes), and a ckv run's lookup layout."""
+    probes), a BPE of the shipped Bible (for text probes that ask words) and a ckv run's lookup layout."""
+    from ckv.data import build_batches
+    from ckv.data.tokenizer import TokenizersTokenizer
+
+    bible = build_batches(
+        DataConfig.from_dict({"kind": "text", "text": {"vocab_size": 1024}}), batch_size=1, seed=0, cache_dir=cache_dir
+    )
     words = HFTokenizer(word_tokenizer())
     data = DataConfig(kind="lookup", seq_len=96, lookup=dict(SPLIT_LOOKUP))
     common = dict(max_len=4096, stride=4)
     return {
         "words": ModelFacts(name="words", vocab_size=len(words.tok), tokenizer=words, kind="hf", **common),
         "chars": ModelFacts(name="chars", vocab_size=400, tokenizer=TOK, kind="hf", **common),
+        "bible": ModelFacts(
+            name="bible", vocab_size=bible.vocab_size, tokenizer=TokenizersTokenizer(bible.source.tok), **common
+        ),
         "layout": ModelFacts(
             name="layout",
             vocab_size=data.lookup.format(0).vocab_size,
@@ -93,8 +102,10 @@ def models() -> dict[str, ModelFacts]:
 
 
 def _model(cfg: dict, models: dict) -> ModelFacts:
+    """The stand-in a shipped config builds on: a text probe on characters, or on the Bible's BPE when its
+    candidates are words (a leading space, which every candidate would share as its first character)."""
     if cfg.get("source") == "text":
-        return models["chars"]
+        return models["bible" if any(c.startswith(" ") for c in cfg.get("candidates", [])) else "chars"]
     return models["layout" if cfg.get("vocab", {}).get("source") == "format" else "words"]
 
 
