@@ -59,14 +59,13 @@ def ladder_lists(
         "bare": (list_keys, list_values),
         "bare, eval words": (v.eval_keys, v.eval_values),
     }
-    for name, (keys, values) in words.items():
+    out: dict[str, list[TransferList]] = {}
+    for li, name in enumerate(LAYOUTS):
+        keys, values = words[name]
         if len(keys) < n_records or len(values) < n_records:
             raise ValueError(
                 f"layout {name!r}: {len(keys)} keys and {len(values)} values, fewer than {n_records} records"
             )
-    out: dict[str, list[TransferList]] = {}
-    for li, name in enumerate(LAYOUTS):
-        keys, values = words[name]
         after = [] if name.startswith("bare") else [v.delimiters[0]]
         rng = np.random.default_rng([seed, li])
         out[name] = []

@@ -257,8 +257,9 @@ class RecallSequences:
                 run = run + 1 if bare[i] and run < MAX_RECORD_RUN - 1 else 0
                 keep[i] = run == 0
             keep[-1] = True
-        grid = np.stack([keys, values, after], axis=1)  # (n, 3)
-        used = np.stack([np.ones(n, dtype=bool), np.ones(n, dtype=bool), keep], axis=1)  # (n, 3)
+        grid = np.stack([keys, values, after], axis=1)  # (n, 3) k v a
+        used = np.ones((n, 3), dtype=bool)
+        used[:, 2] = keep  # a bare record drops its trailing token
         is_value = np.zeros((n, 3), dtype=bool)
         is_value[:, 1] = True
         return grid[used], is_value[used]
