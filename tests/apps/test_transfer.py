@@ -77,6 +77,18 @@ def test_the_lists_hold_each_layout_and_their_answers():
     assert all(np.array_equal(a.tokens, b.tokens) for n in lists for a, b in zip(lists[n], again[n]))
 
 
+def test_shared_roles_never_give_a_list_its_own_key_as_a_value():
+    """``data.recall.word_roles=shared``: the pool's keys are its values; a ladder list's values are never its keys."""
+    like = recall_like()
+    words = np.concatenate([like.pool.keys, like.pool.values])
+    shared = SimpleNamespace(vocab=like.vocab, pool=WordPool.of(words, words, shared=True))
+    for name in ("list words", "bare"):
+        for item in transfer.ladder_lists(shared, 40, RECORDS, QUERIES, seed=1)[name]:
+            width = 2 if name == "bare" else 3
+            records = item.tokens[: RECORDS * width].reshape(RECORDS, width)
+            assert not set(records[:, 0].tolist()) & set(records[:, 1].tolist())
+
+
 def test_scores_follow_what_each_retriever_can_answer():
     lists = transfer.ladder_lists(recall_like(), 4, RECORDS, QUERIES)
     exact = {r["layout"]: r for r in transfer.score_lists(retriever(False), lists)}
@@ -89,6 +101,24 @@ def test_scores_follow_what_each_retriever_can_answer():
             assert r["accuracy"] == 1.0
     lines = transfer.format_rows(list(bound.values()))
     assert len(lines) == 1 + len(transfer.LAYOUTS) and lines[5].split()[0] == "bare"
+
+
+def test_results_split_by_the_answers_role_in_the_lists(tmp_path):
+    """``--results``: an evaluation's prompts split by whether the answer was a list value (``recall_like``'s values
+    and the evaluation's values are the pool's values; its keys never are)."""
+    like = recall_like()
+    answers = [11, 11, 50, 40, 42, 13]  # values 11, 50, 13; keys 40, 42
+    correct = [1, 0, 1, 0, 0, 1]
+    path = tmp_path / "results.csv"
+    path.write_text("residue,answer_id,correct\n" + "".join(f"0,{a},{c}\n" for a, c in zip(answers, correct)))
+    parts = transfer.by_value_role(like, str(path))
+    assert parts == [
+        {"part": "a list value in training", "prompts": 4, "answers": 3, "accuracy": 0.75},
+        {"part": "never a list value", "prompts": 2, "answers": 2, "accuracy": 0.0},
+    ]
+    path.write_text("residue,correct\n0,1\n")
+    with pytest.raises(ValueError, match="not a lookup evaluation's results.csv"):
+        transfer.by_value_role(like, str(path))
 
 
 def test_too_few_words_for_a_layout_is_refused():

@@ -155,6 +155,47 @@ def test_bare_records_keep_their_lists_and_answers(loose_stream) -> None:
         pretrain_config({"eval_keys": ["a"], "eval_values": ["b"]}, recall__bare_share=-0.1)
 
 
+def test_shared_word_roles_let_every_word_be_a_key_and_a_value(cache_dir: str, eval_words, stream) -> None:
+    """``word_roles: shared``: every pool word is drawn as a key and as a value (under ``split`` each is only one of
+    the two, so half of the evaluation's values were never a list's value); a list's values are never its own keys;
+    the lists still ask their own records, and no sequence holds an evaluation layout (8 records back to back)."""
+    changes = {"recall__repeat_share": 0.0, "recall__pool_eval_words": True, "recall__bare_share": 0.5}
+    shared = build_batches(
+        pretrain_config(eval_words, **changes, recall__word_roles="shared"), batch_size=1, seed=0, cache_dir=cache_dir
+    ).source.lookup
+    split = build_batches(pretrain_config(eval_words, **changes), batch_size=1, seed=0, cache_dir=cache_dir)
+    split = split.source.lookup
+    assert not set(split.vocab.keys.tolist()) & set(split.vocab.values.tolist())
+    assert np.array_equal(shared.vocab.keys, shared.vocab.values)
+    assert set(shared.vocab.keys.tolist()) == set(split.vocab.keys.tolist()) | set(split.vocab.values.tolist())
+    seps, as_key, as_value = set(shared.vocab.separators), set(), set()
+    for g in range(400):
+        _, block, answers = shared.block(np.random.default_rng([11, g]))  # repeat_share 0: a list
+        cut = next(i for i, t in enumerate(block) if t in seps)
+        parsed = []
+        for part in (block[:cut], block[cut + 1 :]):
+            i, rows = 0, []
+            while i < len(part):  # k v [d]: delimiters are punctuation, never words
+                has_delim = i + 2 < len(part) and part[i + 2] in shared.vocab.delimiters
+                rows.append((int(part[i]), int(part[i + 1])))
+                i += 3 if has_delim else 2
+            parsed.append(rows)
+        records, queries = parsed
+        given = dict(records)
+        assert len(given) == len(records) and not set(given) & set(given.values())
+        assert all(given[k] == v for k, v in queries) and np.array_equal(block[answers], [v for _, v in queries])
+        as_key |= set(given)
+        as_value |= set(given.values())
+    evaluation = set(shared.vocab.eval_keys.tolist()) | set(shared.vocab.eval_values.tolist())
+    assert evaluation <= as_key and evaluation <= as_value
+    keys, values = shared.vocab.eval_keys, shared.vocab.eval_values
+    assert max(longest_record_run(np.append(*shared.sample(g)), keys, values) for g in range(N_SEQUENCES)) < 8
+    note = budget_note(pretrain_config(eval_words, **changes, recall__word_roles="shared"), stream, 8)
+    assert "words (the evaluation's among them: data.recall.pool_eval_words), each a key or a value" in note
+    with pytest.raises(ConfigError, match=re.escape("data.recall.word_roles='both' is not allowed")):
+        pretrain_config(eval_words, recall__word_roles="both")
+
+
 def test_bare_records_start_at_bare_from(cache_dir: str, eval_words, stream) -> None:
     """``bare_from``: retrieval sequence ``g`` (counted over all ranks) has bare records only from ``bare_from`` on;
     before it, the draws of a run without them; the log line says where they start."""

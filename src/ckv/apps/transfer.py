@@ -13,11 +13,16 @@ them asked again), and scores every asked value:
 
 The delimiter and separator are the run's first (``data.recall.delimiters[0]``, ``separators[0]``). Every layout
 draws its lists from its own generator ``(seed, layout index)``, the same draws whatever the model.
+
+``--results CSV`` (an evaluation's ``results.csv`` of the run, no model needed) splits that evaluation's accuracy by
+whether its answer was ever a value of the run's lists: under ``data.recall.word_roles=split`` each pool word is only
+a key or only a value, so some of the evaluation's values never were one.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -71,7 +76,8 @@ def ladder_lists(
         out[name] = []
         for _ in range(n_lists):
             k = rng.choice(keys, n_records, replace=False)
-            x = rng.choice(values, n_records, replace=False)
+            free = values[~np.isin(values, k)] if recall.pool.shared else values  # a list's values: not its keys
+            x = rng.choice(free, n_records, replace=False)
             asked = rng.choice(n_records, n_queries, replace=False)
             records = [t for i in range(n_records) for t in (k[i], x[i], *after)]
             queries = [t for i in asked for t in (k[i], x[i], *after)]
@@ -116,6 +122,30 @@ def format_rows(rows: list[dict]) -> list[str]:
     return lines
 
 
+def by_value_role(recall: RecallSequences, results_csv: str) -> list[dict]:
+    """An evaluation's prompts (its ``results.csv``: ``answer_id``, ``correct``) split by whether the answer is a
+    value of ``recall``'s lists: per part, its prompts, distinct answers and accuracy (a part without prompts is
+    left out)."""
+    with open(results_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not {"answer_id", "correct"} <= set(rows[0]):
+        raise ValueError(f"{results_csv}: not a lookup evaluation's results.csv (no answer_id and correct columns)")
+    values = set(recall.pool.values.tolist())
+    out = []
+    for label, held in (("a list value in training", True), ("never a list value", False)):
+        part = [r for r in rows if (int(r["answer_id"]) in values) == held]
+        if part:
+            out.append(
+                dict(
+                    part=label,
+                    prompts=len(part),
+                    answers=len({r["answer_id"] for r in part}),
+                    accuracy=float(np.mean([float(r["correct"]) for r in part])),
+                )  # fmt: skip
+            )
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """The command: the ladder of one run (at ``--step``, else its final weights) printed as a table."""
     parser = argparse.ArgumentParser(
@@ -129,6 +159,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--records", type=int, default=16, help="records per list (default 16)")
     parser.add_argument("--queries", type=int, default=9, help="asked records per list (default 9)")
     parser.add_argument("--seed", type=int, default=0, help="the lists' seed (default 0)")
+    parser.add_argument(
+        "--results",
+        default=None,
+        help="instead of the ladder: an evaluation's results.csv of this run, split by whether each answer was a "
+        "value of the run's lists",
+    )
     args = parser.parse_args(argv)
     for name in ("lists", "records", "queries"):
         if getattr(args, name) < 1:
@@ -143,6 +179,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"{args.run} was trained on data.kind={data.kind}: the ladder reads a pretrain run's lists"
             )
         recall = build_batches(data, batch_size=1, seed=0).source.lookup
+        if args.results is not None:
+            parts = by_value_role(recall, args.results)
+            held = np.isin(recall.vocab.eval_values, recall.pool.values).sum()
+            print(f"ckv transfer: {args.results}, by the answer's role in {args.run}'s lists")
+            print(f"  (they hold {held} of the evaluation's {len(recall.vocab.eval_values)} values as values):")
+            for r in parts:
+                print(f"  {r['part']:25s} {r['prompts']:6d} prompts {r['answers']:4d} answers {r['accuracy']:7.1%}")
+            return 0
         lists = ladder_lists(recall, args.lists, args.records, args.queries, args.seed)
         model = load_ckv_model(args.run, step=args.step)
     except (ValueError, FileNotFoundError, CheckpointError) as e:  # ConfigError is a ValueError

@@ -284,7 +284,9 @@ class RecallConfig:
     (a curriculum in layout: e.g. the warm-up's lists keep their delimiters).
     ``pool_eval_words``: the evaluation's words join the pool as any other word (the words are not its template: a
     model whose lists never hold them has never predicted one by retrieval, docs/pretrain.md probe 21); false holds
-    them out."""
+    them out. ``word_roles``: ``split`` (the pool's words alternately keys or values: a word is only ever one of
+    the two) or ``shared`` (every word may be a key or a value; a list's values never one of its own keys): under
+    ``split`` half the evaluation's values were only ever list keys (docs/pretrain.md probe 26)."""
 
     eval_keys: Optional[list[str]] = None
     eval_values: Optional[list[str]] = None
@@ -307,12 +309,14 @@ class RecallConfig:
     bare_share: float = 0.0
     bare_from: int = 0
     pool_eval_words: bool = False
+    word_roles: str = "split"
 
     def __post_init__(self) -> None:
         o = "data.recall"
         check_bool(f"{o}.word_fill", self.word_fill)
         check_bool(f"{o}.pool_eval_words", self.pool_eval_words)
         check_choice(f"{o}.loss", self.loss, ("all", "answers"))
+        check_choice(f"{o}.word_roles", self.word_roles, ("split", "shared"))
         if self.word_pool is not None:
             check_int(f"{o}.word_pool", self.word_pool, 2)
         check_int(f"{o}.warmup_sequences", self.warmup_sequences, 0)

@@ -13,7 +13,8 @@ of text), trained with the language-model loss on every token, like text. Two ki
   ``word_delimiter_share`` of the lists; nothing for ``bare_share`` of the records), then a separator ``s``, then
   ``q`` distinct records asked again as ``k v d`` (``d``, ``s`` drawn per sequence from ``delimiters`` /
   ``separators``; keys distinct, values with replacement). Keys and values come from the tokenizer's single-token
-  words (``single_token_words``) other than the evaluation's (all of them with ``pool_eval_words``), alternately;
+  words (``single_token_words``) other than the evaluation's (all of them with ``pool_eval_words``), alternately
+  (``word_roles: split``) or every word in either role (``shared``: a list's values are never its own keys);
 - ``repeat``: a passage of ``repeat_len`` tokens, ``repeat_gap`` tokens of other text, then the same passage again:
   corpus text (induction on natural text), or, for ``word_repeat_share`` of them, words drawn at random from the
   lists' keys and values (the repeated random tokens on which small models form induction heads); with
@@ -85,9 +86,10 @@ def recall_vocab(cfg: RecallConfig, tok: TextTokenizer, vocab_size: int) -> Reca
         )
     (pad,) = _one_token_ids(tok, [cfg.eval_pad], f"{o}.eval_pad")
     rest = np.asarray(words, dtype=np.int64)
+    shared = cfg.word_roles == "shared"
     vocab = RecallVocab(
-        keys=rest[0::2],
-        values=rest[1::2],
+        keys=rest if shared else rest[0::2],
+        values=rest if shared else rest[1::2],
         delimiters=_one_token_ids(tok, cfg.delimiters, f"{o}.delimiters"),
         separators=_one_token_ids(tok, cfg.separators, f"{o}.separators"),
         eval_keys=np.asarray(eval_keys, dtype=np.int64),
@@ -138,15 +140,17 @@ def longest_record_run(tokens: np.ndarray, keys: np.ndarray, values: np.ndarray)
 
 @dataclass(frozen=True)
 class WordPool:
-    """The words a block draws from: list keys (K,), list values (V,) and both, for random passages (K + V,)."""
+    """The words a block draws from: list keys (K,), list values (V,) and both, for random passages (K + V,; the
+    one array when ``shared``: every word both a key and a value)."""
 
     keys: np.ndarray
     values: np.ndarray
     words: np.ndarray
+    shared: bool = False
 
     @classmethod
-    def of(cls, keys: np.ndarray, values: np.ndarray) -> WordPool:
-        return cls(keys, values, np.concatenate([keys, values]))
+    def of(cls, keys: np.ndarray, values: np.ndarray, shared: bool = False) -> WordPool:
+        return cls(keys, values, keys if shared else np.concatenate([keys, values]), shared)
 
 
 class RecallSequences:
@@ -173,7 +177,8 @@ class RecallSequences:
                 f"{seq_len + 1}; add text or lower data.seq_len"
             )
         self.cfg, self.vocab, self.text, self.seq_len = cfg, vocab, text_tokens, seq_len
-        self.pool = WordPool.of(vocab.keys, vocab.values)
+        shared = cfg.word_roles == "shared"
+        self.pool = WordPool.of(vocab.keys, vocab.values, shared)
         self.warm_pool = None  # the first warmup_sequences sequences' words (the first warmup_words of the pool)
         if cfg.warmup_words is not None:
             w = cfg.warmup_words
@@ -183,7 +188,10 @@ class RecallSequences:
                     f"list needs n_records hi {cfg.n_records[1]} keys and as many values, and the warm-up draws from "
                     f"the pool's {len(self.pool.words)} words"
                 )
-            self.warm_pool = WordPool.of(vocab.keys[: (w + 1) // 2], vocab.values[: w // 2])
+            if shared:  # the first w words, each a key or a value
+                self.warm_pool = WordPool.of(vocab.keys[:w], vocab.values[:w], shared)
+            else:  # the first w words of the pool, alternately keys and values
+                self.warm_pool = WordPool.of(vocab.keys[: (w + 1) // 2], vocab.values[: w // 2])
         self.seed, self.split, self.rank, self.world_size = seed, split, rank, world_size
         self.index = 0
 
@@ -227,7 +235,7 @@ class RecallSequences:
         n = int(rng.integers(c.n_records[0], c.n_records[1] + 1))
         q = min(int(rng.integers(c.n_queries[0], c.n_queries[1] + 1)), n)
         keys = rng.choice(pool.keys, n, replace=False)
-        values = rng.choice(pool.values, n, replace=True)
+        values = rng.choice(np.setdiff1d(pool.values, keys) if pool.shared else pool.values, n, replace=True)
         delim = v.delimiters[int(rng.integers(len(v.delimiters)))]
         sep = v.separators[int(rng.integers(len(v.separators)))]
         asked = rng.choice(n, q, replace=False)
