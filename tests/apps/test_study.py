@@ -17,7 +17,15 @@ from ckv.apps.cli import EXIT_NOT_APPLICABLE
 from ckv.apps.study import main
 from ckv.apps.study_config import Run, load_study
 from ckv.apps.study_results import Check, check_lines, exit_code, result_row
-from ckv.apps.study_run import CommandFailed, Timer, command_file, job_env, run_analyses, run_command
+from ckv.apps.study_run import (
+    CommandFailed,
+    Timer,
+    command_file,
+    job_env,
+    run_analyses,
+    run_command,
+    same_command,
+)
 from ckv.checks import ConfigError
 from ckv.eval.summary import results_file
 from ckv.io.layout import CHECKPOINTS_DIR, CONFIG_FILE, STATE_FILE, latest_checkpoint, step_dir_name
@@ -243,12 +251,30 @@ def test_the_generic_command_isolates_a_failed_run_and_reuses_finished_work(tmp_
     assert len(evals) == 1 and "task.name=demo_lookup_b" in evals[0] and "task.n_demos=4" in evals[0]
     assert results[0].stat().st_mtime_ns == stamps[0]
     assert json.loads(command_file(results[1]).read_text()) == {"command": evals[0], "code": "c0ffee"}
+    # the same overrides in another order (another study's spelling of one evaluation) are the same command
+    (tmp_path / "tiny.yaml").write_text(
+        (tmp_path / "tiny.yaml")
+        .read_text()
+        .replace("task.padding=in_sequence, task.n_demos=4]", "task.n_demos=4, task.padding=in_sequence]")
+    )
+    first = len(ran)
+    assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
+    assert sorted(c[1] for c in ran[first:]) == ["train.py", "train.py"]
     # nor results of other code: another commit, or uncommitted changes (no commit names the code)
     for code in ("beef", None):
         monkeypatch.setattr(study_run, "code_version", lambda code=code: code)
         first = len(ran)
         assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
         assert sorted(c[1] for c in ran[first:]) == ["eval.py", "eval.py", "train.py", "train.py"]
+
+
+def test_same_command_ignores_the_order_of_distinct_overrides_only():
+    run = [sys.executable, "eval.py", "model.path='r'", "task=lookup"]
+    assert same_command([*run, "a=1", "b=2"], [*run, "b=2", "a=1"])
+    assert not same_command([*run, "a=1", "a=2"], [*run, "a=2", "a=1"])  # the last of one key wins: order matters
+    assert same_command([*run, "a=1", "a=2"], [*run, "a=1", "a=2"])
+    assert not same_command([*run, "a=1"], [*run, "a=1", "b=2"])
+    assert not same_command([sys.executable, "train.py", "a=1"], [sys.executable, "eval.py", "a=1"])
 
 
 def test_a_failed_command_raises_with_its_exit_code_and_last_line(tmp_path):

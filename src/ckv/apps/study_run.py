@@ -159,20 +159,39 @@ def code_version() -> Optional[str]:
     return None if info["git_dirty"] is not False else info["git_sha"]
 
 
+def same_command(a: list[str], b: list[str]) -> bool:
+    """Whether two job command lines do the same thing: the same program (the arguments before the first
+    ``key=value``) with the same Hydra overrides, in any order; order matters only between overrides of one key, so
+    lines that set a key twice must be equal. Two studies that spell one evaluation's overrides in another order
+    (make paper's and make mitigate's unmitigated lookups) share its results."""
+    if a == b:
+        return True
+
+    def split(cmd: list[str]) -> tuple[list[str], Optional[list[str]]]:
+        i = next((j for j, arg in enumerate(cmd) if "=" in arg), len(cmd))
+        keys = [arg.split("=", 1)[0] for arg in cmd[i:]]
+        return cmd[:i], sorted(cmd[i:]) if len(set(keys)) == len(keys) else None
+
+    (pa, oa), (pb, ob) = split(a), split(b)
+    return pa == pb and oa is not None and oa == ob
+
+
 def is_current(rdir: Path, path: Path, stamp: dict) -> bool:
     """Whether ``path`` (an evaluation's or analysis' results in run folder ``rdir``) was written after the run's last
-    checkpoint by the command and commit in ``stamp`` (its ``command_file``): a rerun reuses it (train.py rewrites
-    the final weights when it resumes a finished run, never the checkpoint it resumed from); results of another
-    command line (other overrides, another task), of other code or of an earlier model are not."""
+    checkpoint by the command (``same_command``) and commit in ``stamp`` (its ``command_file``): a rerun reuses it
+    (train.py rewrites the final weights when it resumes a finished run, never the checkpoint it resumed from);
+    results of another command line (other overrides, another task), of other code or of an earlier model are not."""
     ckpt, written = latest_checkpoint(rdir), command_file(path)
-    return (
+    if not (
         stamp["code"] is not None
         and path.is_file()
         and written.is_file()
         and ckpt is not None
         and path.stat().st_mtime > (ckpt / STATE_FILE).stat().st_mtime
-        and json.loads(written.read_text()) == stamp
-    )
+    ):
+        return False
+    old = json.loads(written.read_text())
+    return old.get("code") == stamp["code"] and same_command(old.get("command", []), stamp["command"])
 
 
 def run_unless_current(cmd: list[str], log: Path, env: dict, rdir: Path, path: Path) -> bool:
