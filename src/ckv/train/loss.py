@@ -5,7 +5,9 @@ ignore_index=...)`` (mean over the labelled positions, 0 when there are none) wi
 the whole micro-batch: each chunk of ``chunk_tokens`` tokens computes its logits (in the input dtype, as the LM
 head would, then fp32), its loss and, when a gradient is needed, its gradients with respect to the hidden states
 and the head weight (the fp32 logits buffer becomes the logits' gradient in place), and drops it before the next
-chunk. Backward then only scales the stored gradients (no logits are kept or recomputed). Peak extra memory: one
+chunk. Backward then only scales the stored gradients (no logits are kept or recomputed). On CPU only the labelled
+rows reach the head (a loss on a retrieval block's answers scores a few positions of each sequence); on an
+accelerator every row does, as counting the labelled ones would be a host sync. Peak extra memory: one
 chunk's fp32 logits (``chunk_tokens * vocab * 4`` bytes, plus the same in the compute dtype when that is not
 fp32), the hidden-state gradient (the size of ``hidden``) and an fp32 accumulator for the weight gradient
 (``vocab * d * 4`` bytes).
@@ -81,9 +83,12 @@ def chunked_cross_entropy(
         raise ValueError(f"hidden (..., {hidden.shape[-1]}) does not match the head weight {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
-    h = hidden.reshape(-1, hidden.shape[-1])  # (N, D)
+    h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, D), (N,)
+    if h.device.type == "cpu":  # only the labelled rows reach the head (a loss on answers scores few of them);
+        keep = y != ignore_index  # (N,) on an accelerator the mask's count would be a host sync: every row goes
+        h, y = h[keep], y[keep]  # (n, D), (n,): the gather's backward scatters dh back, 0 on the ignored rows
     grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)  # forward runs with grad off
-    return _FusedLinearCrossEntropy.apply(h, weight, labels.reshape(-1), chunk_tokens, ignore_index, grads)
+    return _FusedLinearCrossEntropy.apply(h, weight, y, chunk_tokens, ignore_index, grads)
 
 
 def logits_bytes(tokens: int, vocab_size: int, chunk_tokens: Optional[int], compute_bytes: int = 2) -> int:
