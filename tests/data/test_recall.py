@@ -196,6 +196,35 @@ def test_shared_word_roles_let_every_word_be_a_key_and_a_value(cache_dir: str, e
         pretrain_config(eval_words, recall__word_roles="both")
 
 
+def test_eval_word_roles_give_the_evaluations_words_its_roles(cache_dir: str, eval_words, stream) -> None:
+    """``word_roles: eval``: the evaluation's keys are only list keys and its values only list values (the roles of
+    its lookup); every other word alternates as under ``split``; it needs ``pool_eval_words`` (one line)."""
+    changes = {"recall__repeat_share": 0.0, "recall__pool_eval_words": True}
+    roles = build_batches(
+        pretrain_config(eval_words, **changes, recall__word_roles="eval"), batch_size=1, seed=0, cache_dir=cache_dir
+    ).source.lookup
+    split = build_batches(pretrain_config(eval_words, **changes), batch_size=1, seed=0, cache_dir=cache_dir)
+    split = split.source.lookup
+    v = roles.vocab
+    ek, ev = set(v.eval_keys.tolist()), set(v.eval_values.tolist())
+    keys, values = set(v.keys.tolist()), set(v.values.tolist())
+    assert ek <= keys and not ek & values and ev <= values and not ev & keys
+    assert np.all(np.diff(v.keys) > 0) and np.all(np.diff(v.values) > 0)  # id order
+    assert keys | values == set(split.vocab.keys.tolist()) | set(split.vocab.values.tolist())
+    as_value = set()
+    for g in range(400):
+        _, block, answers = roles.block(np.random.default_rng([13, g]))
+        as_value |= set(block[answers].tolist())
+    assert ev <= as_value and not ek & as_value
+    note = budget_note(pretrain_config(eval_words, **changes, recall__word_roles="eval"), stream, 8)
+    assert "each a key or a value" not in note and note.endswith(
+        "words (the evaluation's among them: data.recall.pool_eval_words), the evaluation's in its roles "
+        "(data.recall.word_roles))"
+    )
+    with pytest.raises(ConfigError, match="^" + re.escape("data.recall.word_roles=eval gives the evaluation's")):
+        pretrain_config(eval_words, recall__word_roles="eval")
+
+
 def test_bare_records_start_at_bare_from(cache_dir: str, eval_words, stream) -> None:
     """``bare_from``: retrieval sequence ``g`` (counted over all ranks) has bare records only from ``bare_from`` on;
     before it, the draws of a run without them; the log line says where they start."""

@@ -135,8 +135,9 @@ def budget_note(cfg: DataConfig, stream: BatchStream, rows: int) -> Optional[str
     where += f"; keys, values and random passages from {len(mixture.lookup.pool.words):,} words"
     if r.pool_eval_words:
         where += " (the evaluation's among them: data.recall.pool_eval_words)"
-    if r.word_roles == "shared":
-        where += ", each a key or a value (data.recall.word_roles)"
+    if r.word_roles != "split":
+        roles = {"shared": "each a key or a value", "eval": "the evaluation's in its roles"}[r.word_roles]
+        where += f", {roles} (data.recall.word_roles)"
     if r.warmup_words is not None:
         where += f", the first {r.warmup_sequences:,} from the first {r.warmup_words:,} only (data.recall.warmup_words)"
     if r.word_delimiter_share:

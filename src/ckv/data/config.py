@@ -285,8 +285,10 @@ class RecallConfig:
     ``pool_eval_words``: the evaluation's words join the pool as any other word (the words are not its template: a
     model whose lists never hold them has never predicted one by retrieval, docs/pretrain.md probe 21); false holds
     them out. ``word_roles``: ``split`` (the pool's words alternately keys or values: a word is only ever one of
-    the two) or ``shared`` (every word may be a key or a value; a list's values never one of its own keys): under
-    ``split`` half the evaluation's values were only ever list keys (docs/pretrain.md probe 26)."""
+    the two), ``shared`` (every word may be a key or a value; a list's values never one of its own keys) or ``eval``
+    (as ``split``, but the evaluation's keys only keys and its values only values, the roles of its lookup; needs
+    ``pool_eval_words``): under ``split`` half the evaluation's values were only ever list keys (docs/pretrain.md
+    probe 26)."""
 
     eval_keys: Optional[list[str]] = None
     eval_values: Optional[list[str]] = None
@@ -316,7 +318,12 @@ class RecallConfig:
         check_bool(f"{o}.word_fill", self.word_fill)
         check_bool(f"{o}.pool_eval_words", self.pool_eval_words)
         check_choice(f"{o}.loss", self.loss, ("all", "answers"))
-        check_choice(f"{o}.word_roles", self.word_roles, ("split", "shared"))
+        check_choice(f"{o}.word_roles", self.word_roles, ("split", "shared", "eval"))
+        if self.word_roles == "eval" and not self.pool_eval_words:
+            raise ConfigError(
+                f"{o}.word_roles=eval gives the evaluation's words their roles in the lists, but "
+                f"{o}.pool_eval_words=false holds them out: set {o}.pool_eval_words=true or another word_roles"
+            )
         if self.word_pool is not None:
             check_int(f"{o}.word_pool", self.word_pool, 2)
         check_int(f"{o}.warmup_sequences", self.warmup_sequences, 0)

@@ -14,7 +14,8 @@ of text), trained with the language-model loss on every token, like text. Two ki
   ``q`` distinct records asked again as ``k v d`` (``d``, ``s`` drawn per sequence from ``delimiters`` /
   ``separators``; keys distinct, values with replacement). Keys and values come from the tokenizer's single-token
   words (``single_token_words``) other than the evaluation's (all of them with ``pool_eval_words``), alternately
-  (``word_roles: split``) or every word in either role (``shared``: a list's values are never its own keys);
+  (``word_roles: split``), every word in either role (``shared``: a list's values are never its own keys), or
+  alternately except the evaluation's words, in its roles (``eval``: its keys only keys, its values only values);
 - ``repeat``: a passage of ``repeat_len`` tokens, ``repeat_gap`` tokens of other text, then the same passage again:
   corpus text (induction on natural text), or, for ``word_repeat_share`` of them, words drawn at random from the
   lists' keys and values (the repeated random tokens on which small models form induction heads); with
@@ -85,11 +86,10 @@ def recall_vocab(cfg: RecallConfig, tok: TextTokenizer, vocab_size: int) -> Reca
             "data.recall.n_records"
         )
     (pad,) = _one_token_ids(tok, [cfg.eval_pad], f"{o}.eval_pad")
-    rest = np.asarray(words, dtype=np.int64)
-    shared = cfg.word_roles == "shared"
+    keys, values = word_roles(cfg.word_roles, np.asarray(words, dtype=np.int64), eval_keys, eval_values)
     vocab = RecallVocab(
-        keys=rest if shared else rest[0::2],
-        values=rest if shared else rest[1::2],
+        keys=keys,
+        values=values,
         delimiters=_one_token_ids(tok, cfg.delimiters, f"{o}.delimiters"),
         separators=_one_token_ids(tok, cfg.separators, f"{o}.separators"),
         eval_keys=np.asarray(eval_keys, dtype=np.int64),
@@ -98,6 +98,23 @@ def recall_vocab(cfg: RecallConfig, tok: TextTokenizer, vocab_size: int) -> Reca
     )
     check_held_out(cfg, vocab, tok)
     return vocab
+
+
+def word_roles(
+    roles: str, words: np.ndarray, eval_keys: tuple[int, ...], eval_values: tuple[int, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The pool ``words`` (W,) (ids in order) as list keys and values under ``data.recall.word_roles``: ``split``
+    alternately; ``shared`` every word both; ``eval`` alternately except the evaluation's keys (only keys) and values
+    (only values) among them, each part in id order."""
+    if roles == "shared":
+        return words, words
+    if roles == "split":
+        return words[0::2], words[1::2]
+    is_key, is_value = np.isin(words, eval_keys), np.isin(words, eval_values)
+    other = words[~(is_key | is_value)]
+    return np.sort(np.concatenate([other[0::2], words[is_key]])), np.sort(
+        np.concatenate([other[1::2], words[is_value]])
+    )
 
 
 def check_held_out(cfg: RecallConfig, vocab: RecallVocab, tok: TextTokenizer) -> None:
