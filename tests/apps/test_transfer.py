@@ -58,16 +58,20 @@ def test_the_lists_hold_each_layout_and_their_answers():
     assert list(lists) == list(transfer.LAYOUTS)
     v = recall_like().vocab
     for name, items in lists.items():
-        bare = name.startswith("bare")
-        keys = v.eval_keys if "eval words" in name or name == "eval keys" else v.keys
-        values = v.eval_values if "eval words" in name or name == "eval values" else v.values
+        bare = name.startswith(("bare", "+"))
+        evaluation = "eval words" in name or name.startswith("+")
+        keys = v.eval_keys if evaluation or name == "eval keys" else v.keys
+        values = v.eval_values if evaluation or name == "eval values" else v.values
+        sep = v.eval_structural if name.startswith("+") else SEP
+        pads = transfer.PADS if name == "+ eval pads" else 0
         assert len(items) == 5
         for item in items:
             t = item.tokens
-            cut = int(np.flatnonzero(t == SEP)[0])
+            assert np.all(t[:pads] == v.eval_structural)
+            cut = int(np.flatnonzero(t[pads:] == sep)[0]) + pads
             width = 2 if bare else 3
-            assert cut == RECORDS * width and len(t) == cut + 1 + QUERIES * width
-            records = t[:cut].reshape(RECORDS, width)
+            assert cut == pads + RECORDS * width and len(t) == cut + 1 + QUERIES * width
+            records = t[pads:cut].reshape(RECORDS, width)
             assert set(records[:, 0].tolist()) <= set(keys.tolist())
             assert set(records[:, 1].tolist()) <= set(values.tolist())
             assert bare or set(records[:, 2].tolist()) == {DELIM}
@@ -90,6 +94,8 @@ def test_shared_roles_never_give_a_list_its_own_key_as_a_value():
 
 
 def test_scores_follow_what_each_retriever_can_answer():
+    """The exact retriever answers every rung; one that retrieves only after the run's delimiter or separator
+    answers the delimited rungs, the first query of the bare ones, and nothing after the evaluation's separator."""
     lists = transfer.ladder_lists(recall_like(), 4, RECORDS, QUERIES)
     exact = {r["layout"]: r for r in transfer.score_lists(retriever(False), lists)}
     assert all(r["accuracy"] == 1.0 and r["last"] == 1.0 and r["p_last"] > 0.99 for r in exact.values())
@@ -97,6 +103,8 @@ def test_scores_follow_what_each_retriever_can_answer():
     for name, r in bound.items():
         if name.startswith("bare"):  # only the first query follows the separator
             assert r["accuracy"] == pytest.approx(1 / QUERIES) and r["last"] == 0.0 and r["p_last"] < 0.05
+        elif name.startswith("+"):  # the evaluation's separator is not one it retrieves after
+            assert r["accuracy"] == 0.0
         else:
             assert r["accuracy"] == 1.0
     lines = transfer.format_rows(list(bound.values()))

@@ -9,7 +9,9 @@ them asked again), and scores every asked value:
 - ``eval keys``: the evaluation's keys with list values; ``eval values``: list keys with the evaluation's values;
   ``eval words``: both the evaluation's;
 - ``bare``: list words, records back to back (no delimiter, in the records and the queries); ``bare, eval words``:
-  both changes: the evaluation's words in its back-to-back layout, its pad and its 8-demonstration template aside.
+  both changes: the evaluation's words in its back-to-back layout, its pad and its 8-demonstration template aside;
+- ``+ eval separator``: that, with the evaluation's pad token as the separator (``data.recall.eval_pad``, which the
+  evaluation uses as its separator); ``+ eval pads``: that, after ``PADS`` of its pads (prefix padding's run).
 
 The delimiter and separator are the run's first (``data.recall.delimiters[0]``, ``separators[0]``). Every layout
 draws its lists from its own generator ``(seed, layout index)``, the same draws whatever the model.
@@ -37,7 +39,17 @@ from ckv.eval.models import load_ckv_model
 from ckv.io.layout import CheckpointError, read_run_config
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # ids (B, T) -> logits (B, T, V)
-LAYOUTS = ("list words", "eval keys", "eval values", "eval words", "bare", "bare, eval words")
+LAYOUTS = (
+    "list words",
+    "eval keys",
+    "eval values",
+    "eval words",
+    "bare",
+    "bare, eval words",
+    "+ eval separator",
+    "+ eval pads",
+)
+PADS = 16  # the evaluation's pads before the records in the last rung (its prefix padding puts up to 39 there)
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,8 @@ def ladder_lists(
         "eval words": (v.eval_keys, v.eval_values),
         "bare": (list_keys, list_values),
         "bare, eval words": (v.eval_keys, v.eval_values),
+        "+ eval separator": (v.eval_keys, v.eval_values),
+        "+ eval pads": (v.eval_keys, v.eval_values),
     }
     out: dict[str, list[TransferList]] = {}
     for li, name in enumerate(LAYOUTS):
@@ -71,7 +85,9 @@ def ladder_lists(
             raise ValueError(
                 f"layout {name!r}: {len(keys)} keys and {len(values)} values, fewer than {n_records} records"
             )
-        after = [] if name.startswith("bare") else [v.delimiters[0]]
+        after = [] if name.startswith(("bare", "+")) else [v.delimiters[0]]
+        sep = v.eval_structural if name.startswith("+") else v.separators[0]
+        pads = [v.eval_structural] * (PADS if name == "+ eval pads" else 0)
         rng = np.random.default_rng([seed, li])
         out[name] = []
         for _ in range(n_lists):
@@ -82,8 +98,8 @@ def ladder_lists(
             records = [t for i in range(n_records) for t in (k[i], x[i], *after)]
             queries = [t for i in asked for t in (k[i], x[i], *after)]
             width = 2 + len(after)
-            start = len(records) + 1  # the separator, then the queries
-            tokens = np.array([*records, v.separators[0], *queries], dtype=np.int64)
+            start = len(pads) + len(records) + 1  # the pads, the records, the separator, then the queries
+            tokens = np.array([*pads, *records, sep, *queries], dtype=np.int64)
             out[name].append(TransferList(tokens, start + 1 + width * np.arange(n_queries)))
     return out
 
