@@ -225,6 +225,39 @@ def test_eval_word_roles_give_the_evaluations_words_its_roles(cache_dir: str, ev
         pretrain_config(eval_words, recall__word_roles="eval")
 
 
+def test_a_list_gap_puts_corpus_text_between_the_records_and_the_questions(cache_dir: str, eval_words, stream) -> None:
+    """``list_gap``: that many tokens of corpus text between a list's records and its separator; the list still asks
+    its own records; ``[0, 0]`` leaves every draw as it was; the longest block counts the gap."""
+    changes = {"recall__repeat_share": 0.0}
+    gapped = build_batches(
+        pretrain_config(eval_words, **changes, recall__list_gap=[2, 5]), batch_size=1, seed=0, cache_dir=cache_dir
+    ).source.lookup
+    plain = build_batches(pretrain_config(eval_words, **changes), batch_size=1, seed=0, cache_dir=cache_dir)
+    plain = plain.source.lookup
+    seps, delims, gaps = set(gapped.vocab.separators), set(gapped.vocab.delimiters), []
+    for g in range(60):
+        _, block, answers = gapped.block(np.random.default_rng([17, g]))
+        _, ref, _ = plain.block(np.random.default_rng([17, g]))
+        n_records = next(i for i in range(0, len(ref), 3) if ref[i] in seps) // 3  # the plain list's record count
+        records = block[: 3 * n_records].reshape(-1, 3)
+        cut = len(block) - 1 - 3 * int(answers.sum())  # the separator: the queries follow it, 3 tokens each
+        assert block[cut] in seps and set(records[:, 2]) <= delims
+        gaps.append(cut - 3 * n_records)
+        given = dict(zip(records[:, 0].tolist(), records[:, 1].tolist()))
+        queries = block[cut + 1 :].reshape(-1, 3)
+        assert all(given[k] == v for k, v in queries[:, :2].tolist())
+        assert np.array_equal(block[answers], queries[:, 1])
+    assert min(gaps) >= 2 and max(gaps) <= 5 and len(set(gaps)) > 2
+    note = budget_note(pretrain_config(eval_words, **changes, recall__list_gap=[2, 5]), stream, 8)
+    assert "; 2-5 text tokens between a list's records and its separator" in note
+    default = pretrain_config(eval_words, **changes)  # lists only: the longest block is a list
+    assert pretrain_config(eval_words, **changes, recall__list_gap=[2, 5]).recall.max_block == (
+        default.recall.max_block + 5
+    )
+    with pytest.raises(ConfigError, match=re.escape("data.seq_len=128 is too short for data.recall")):
+        pretrain_config(eval_words, recall__list_gap=[0, 60])
+
+
 def test_bare_records_start_at_bare_from(cache_dir: str, eval_words, stream) -> None:
     """``bare_from``: retrieval sequence ``g`` (counted over all ranks) has bare records only from ``bare_from`` on;
     before it, the draws of a run without them; the log line says where they start."""

@@ -140,6 +140,8 @@ def budget_note(cfg: DataConfig, stream: BatchStream, rows: int) -> Optional[str
         where += f", {roles} (data.recall.word_roles)"
     if r.warmup_words is not None:
         where += f", the first {r.warmup_sequences:,} from the first {r.warmup_words:,} only (data.recall.warmup_words)"
+    if r.list_gap[1]:
+        where += f"; {r.list_gap[0]}-{r.list_gap[1]} text tokens between a list's records and its separator"
     if r.word_delimiter_share:
         where += f"; {r.word_delimiter_share:.0%} of the lists with a random word after each record"
     if r.bare_share:

@@ -264,13 +264,14 @@ class RecallConfig:
     ``min(n_queries, n_records)`` distinct records. ``delimiters`` / ``separators``: one-token texts drawn per list.
     ``repeat_share``: the fraction of blocks that repeat a passage of ``repeat_len`` tokens after ``repeat_gap``
     corpus tokens (the rest are lists); ``word_repeat_share`` of those passages are words drawn at random from the
-    lists' words, the others corpus text. ``text_before``: corpus tokens before the block. ``word_fill``: a sequence
-    whose block repeats random words is random words throughout (its text before, gap and rest drawn from the same
-    words, no corpus text): small models form induction heads on such sequences within a few hundred steps, and do
-    not when corpus text surrounds the repeat (docs/pretrain.md, the recipe's probes). ``loss``: ``all`` (the
-    language-model loss on every token of a sequence with a block, as on text) or ``answers`` (on the block's
-    answers only: the asked records' values, the repeated passage after its first token; text sequences keep the
-    loss on every token). ``word_pool``: the lists' keys and values and the random passages draw from the first
+    lists' words, the others corpus text. ``text_before``: corpus tokens before the block. ``list_gap``: corpus
+    tokens between a list's records and its separator (a list, some text, then the questions; ``[0, 0]``: none).
+    ``word_fill``: a sequence whose block repeats random words is random words throughout (its text before, gap and rest
+    drawn from the same words, no corpus text): small models form induction heads on such sequences within a few hundred
+    steps, and do not when corpus text surrounds the repeat (docs/pretrain.md, the recipe's probes). ``loss``: ``all``
+    (the language-model loss on every token of a sequence with a block, as on text) or ``answers`` (on the block's
+    answers only: the asked records' values, the repeated passage after its first token; text sequences keep the loss on
+    every token). ``word_pool``: the lists' keys and values and the random passages draw from the first
     ``word_pool`` single-token words of the tokenizer (ids in order, the evaluation's words left out; null: all):
     fewer distinct words shorten the plateau before retrieval forms. ``warmup_words`` / ``warmup_sequences``: the
     first ``warmup_sequences`` retrieval sequences (counted over all ranks) draw from the first ``warmup_words`` of
@@ -302,6 +303,7 @@ class RecallConfig:
     repeat_len: Union[int, tuple[int, int], list[int]] = (8, 32)
     repeat_gap: Union[int, tuple[int, int], list[int]] = (0, 32)
     text_before: Union[int, tuple[int, int], list[int]] = (0, 32)
+    list_gap: Union[int, tuple[int, int], list[int]] = (0, 0)
     word_fill: bool = False
     loss: str = "all"
     word_pool: Optional[int] = None
@@ -335,7 +337,7 @@ class RecallConfig:
             )
         if self.warmup_words is not None:
             check_int(f"{o}.warmup_words", self.warmup_words, 2)
-        for name in ("n_records", "n_queries", "repeat_len", "repeat_gap", "text_before"):
+        for name in ("n_records", "n_queries", "repeat_len", "repeat_gap", "text_before", "list_gap"):
             setattr(self, name, _int_range(f"{o}.{name}", getattr(self, name)))
         for name in ("n_records", "n_queries", "repeat_len"):
             if getattr(self, name)[0] < 1:
@@ -368,7 +370,7 @@ class RecallConfig:
     @property
     def max_block(self) -> int:
         """Tokens of the longest block these settings can draw."""
-        longest_list = 3 * self.n_records[1] + 1 + 3 * min(self.n_queries[1], self.n_records[1])
+        longest_list = 3 * self.n_records[1] + self.list_gap[1] + 1 + 3 * min(self.n_queries[1], self.n_records[1])
         longest_repeat = 2 * self.repeat_len[1] + self.repeat_gap[1]
         return max(longest_list if self.repeat_share < 1 else 0, longest_repeat if self.repeat_share > 0 else 0)
 
@@ -503,7 +505,8 @@ class DataConfig:
             raise ConfigError(
                 f"data.seq_len={self.seq_len} is too short for data.recall: its longest block ends at token "
                 f"{self.recall.max_len} (text_before hi {self.recall.text_before[1]} + {self.recall.max_block}); "
-                "raise data.seq_len or lower data.recall.n_records / n_queries / repeat_len / repeat_gap / text_before"
+                "raise data.seq_len or lower data.recall.n_records / n_queries / list_gap / repeat_len / repeat_gap / "
+                "text_before"
             )
 
     @property

@@ -10,7 +10,8 @@ model knows it). A model pretrained here must learn retrieval without ever seein
 of text), trained with the language-model loss on every token, like text. Two kinds of block:
 
 - ``list``: an associative list: ``n`` records ``k v`` each followed by a delimiter ``d`` (a random word for
-  ``word_delimiter_share`` of the lists; nothing for ``bare_share`` of the records), then a separator ``s``, then
+  ``word_delimiter_share`` of the lists; nothing for ``bare_share`` of the records), ``list_gap`` tokens of corpus
+  text, then a separator ``s``, then
   ``q`` distinct records asked again as ``k v d`` (``d``, ``s`` drawn per sequence from ``delimiters`` /
   ``separators``; keys distinct, values with replacement). Keys and values come from the tokenizer's single-token
   words (``single_token_words``) other than the evaluation's (all of them with ``pool_eval_words``), alternately
@@ -263,8 +264,11 @@ class RecallSequences:
             after, after_q = np.full(n, delim), np.full(q, delim)
         records, _ = self._records(rng, keys, values, after, bare)  # k v d ... (bare records: k v)
         queries, asked_values = self._records(rng, keys[asked], values[asked], after_q, bare)
-        tokens = np.concatenate([records, [sep], queries])
-        answers = np.concatenate([np.zeros(len(records) + 1, dtype=bool), asked_values])  # each asked record's value
+        # corpus text between the records and the separator (drawn only when list_gap allows some: the draws of a
+        # run without it are unchanged)
+        gap = self._text(rng, int(rng.integers(c.list_gap[0], c.list_gap[1] + 1))) if c.list_gap[1] else []
+        tokens = np.concatenate([records, gap, [sep], queries]).astype(np.int64)
+        answers = np.concatenate([np.zeros(len(records) + len(gap) + 1, dtype=bool), asked_values])  # asked values
         return "list", tokens, answers
 
     @staticmethod
