@@ -239,27 +239,24 @@ def test_the_generic_command_isolates_a_failed_run_and_reuses_finished_work(tmp_
     assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
     assert sorted(c[1] for c in ran[first:]) == ["train.py", "train.py"]  # no evaluation again
     assert [r.stat().st_mtime_ns for r in results] == stamps
+
+    def rerun_with(old: str, new: str) -> list[list[str]]:
+        """Edit the study's YAML, run it again, return the commands of that run."""
+        study = tmp_path / "tiny.yaml"
+        study.write_text(study.read_text().replace(old, new))
+        first = len(ran)
+        assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
+        return ran[first:]
+
     # results written by another command line are not reused: evaluation b's overrides change, a's do not
-    (tmp_path / "tiny.yaml").write_text(
-        (tmp_path / "tiny.yaml")
-        .read_text()
-        .replace("task.padding=in_sequence]", "task.padding=in_sequence, task.n_demos=4]")
-    )
-    first = len(ran)
-    assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
-    evals = [c for c in ran[first:] if c[1] == "eval.py"]
+    again = rerun_with("task.padding=in_sequence]", "task.padding=in_sequence, task.n_demos=4]")
+    evals = [c for c in again if c[1] == "eval.py"]
     assert len(evals) == 1 and "task.name=demo_lookup_b" in evals[0] and "task.n_demos=4" in evals[0]
     assert results[0].stat().st_mtime_ns == stamps[0]
     assert json.loads(command_file(results[1]).read_text()) == {"command": evals[0], "code": "c0ffee"}
     # the same overrides in another order (another study's spelling of one evaluation) are the same command
-    (tmp_path / "tiny.yaml").write_text(
-        (tmp_path / "tiny.yaml")
-        .read_text()
-        .replace("task.padding=in_sequence, task.n_demos=4]", "task.n_demos=4, task.padding=in_sequence]")
-    )
-    first = len(ran)
-    assert main(["tiny", "--quick", "--out", str(out), "--workers", "2"]) == 1
-    assert sorted(c[1] for c in ran[first:]) == ["train.py", "train.py"]
+    again = rerun_with("task.padding=in_sequence, task.n_demos=4]", "task.n_demos=4, task.padding=in_sequence]")
+    assert sorted(c[1] for c in again) == ["train.py", "train.py"]
     # nor results of other code: another commit, or uncommitted changes (no commit names the code)
     for code in ("beef", None):
         monkeypatch.setattr(study_run, "code_version", lambda code=code: code)
