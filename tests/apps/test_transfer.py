@@ -27,6 +27,7 @@ def recall_like() -> SimpleNamespace:
         values=np.arange(11, 31, 2),
         delimiters=(DELIM, 3),
         separators=(SEP, 4),
+        fillers=(6,),
         eval_keys=np.arange(40, 48),
         eval_values=np.arange(50, 58),
         eval_structural=5,

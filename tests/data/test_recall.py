@@ -258,6 +258,42 @@ def test_a_list_gap_puts_corpus_text_between_the_records_and_the_questions(cache
         pretrain_config(eval_words, recall__list_gap=[0, 60])
 
 
+def test_filler_runs_stand_before_the_records_and_in_the_gap(cache_dir: str, eval_words, stream) -> None:
+    """``filler_share``: that share of lists have a run of one filler token (of ``fillers``) before their records
+    and another in place of the gap's text; the lists still ask their own records, and no sequence holds an
+    evaluation layout; a filler that is the evaluation's pad, or runs without a gap, are one line each."""
+    changes = {"recall__repeat_share": 0.0, "recall__list_gap": [1, 3], "recall__filler_share": 0.5}
+    recall = build_batches(pretrain_config(eval_words, **changes), batch_size=1, seed=0, cache_dir=cache_dir)
+    recall = recall.source.lookup
+    fillers, seps, runs = set(recall.vocab.fillers), set(recall.vocab.separators), 0
+    for g in range(80):
+        _, block, answers = recall.block(np.random.default_rng([19, g]))
+        cut = len(block) - 1 - 3 * int(answers.sum())  # the separator: the queries follow it, 3 tokens each
+        assert block[cut] in seps
+        if block[0] not in fillers:  # corpus text in the gap
+            continue
+        runs += 1  # a run, the records, a run of the same filler, the separator
+        f = block[0]
+        lead = int(np.argmax(block != f))
+        tail = cut - int(np.argmax(block[:cut][::-1] != f))
+        assert 1 <= lead <= 3 and 1 <= cut - tail <= 3 and np.all(block[tail:cut] == f)
+        records = block[lead:tail].reshape(-1, 3)
+        given = dict(zip(records[:, 0].tolist(), records[:, 1].tolist()))
+        queries = block[cut + 1 :].reshape(-1, 3)
+        assert all(given[k] == v for k, v in queries[:, :2].tolist())
+    assert 25 < runs < 55
+    keys, values = recall.vocab.eval_keys, recall.vocab.eval_values
+    assert max(longest_record_run(np.append(*recall.sample(g)), keys, values) for g in range(300)) < 8
+    note = budget_note(pretrain_config(eval_words, **changes), stream, 8)
+    assert "(50% of the lists: a run of one filler there and before the records)" in note
+    with pytest.raises(ConfigError, match=re.escape("data.recall.fillers holds '.', the lookup evaluation's pad")):
+        build_batches(
+            pretrain_config(eval_words, **changes, recall__fillers=["."]), batch_size=1, seed=0, cache_dir=cache_dir
+        )
+    with pytest.raises(ConfigError, match=re.escape("data.recall.filler_share=0.5 sets runs of list_gap tokens")):
+        pretrain_config(eval_words, recall__filler_share=0.5)
+
+
 def test_bare_records_start_at_bare_from(cache_dir: str, eval_words, stream) -> None:
     """``bare_from``: retrieval sequence ``g`` (counted over all ranks) has bare records only from ``bare_from`` on;
     before it, the draws of a run without them; the log line says where they start."""

@@ -142,6 +142,8 @@ def budget_note(cfg: DataConfig, stream: BatchStream, rows: int) -> Optional[str
         where += f", the first {r.warmup_sequences:,} from the first {r.warmup_words:,} only (data.recall.warmup_words)"
     if r.list_gap[1]:
         where += f"; {r.list_gap[0]}-{r.list_gap[1]} text tokens between a list's records and its separator"
+        if r.filler_share:
+            where += f" ({r.filler_share:.0%} of the lists: a run of one filler there and before the records)"
     if r.word_delimiter_share:
         where += f"; {r.word_delimiter_share:.0%} of the lists with a random word after each record"
     if r.bare_share:

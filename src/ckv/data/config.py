@@ -266,6 +266,9 @@ class RecallConfig:
     corpus tokens (the rest are lists); ``word_repeat_share`` of those passages are words drawn at random from the
     lists' words, the others corpus text. ``text_before``: corpus tokens before the block. ``list_gap``: corpus
     tokens between a list's records and its separator (a list, some text, then the questions; ``[0, 0]``: none).
+    ``filler_share``: the share of lists that have, in place of that text, a run of one filler token (drawn per list
+    from ``fillers``, one-token texts other than the evaluation's pad) of ``list_gap`` tokens before their records
+    and another in the gap (real text has runs of one character; the evaluation's prompts have runs of its pad).
     ``word_fill``: a sequence whose block repeats random words is random words throughout (its text before, gap and rest
     drawn from the same words, no corpus text): small models form induction heads on such sequences within a few hundred
     steps, and do not when corpus text surrounds the repeat (docs/pretrain.md, the recipe's probes). ``loss``: ``all``
@@ -304,6 +307,8 @@ class RecallConfig:
     repeat_gap: Union[int, tuple[int, int], list[int]] = (0, 32)
     text_before: Union[int, tuple[int, int], list[int]] = (0, 32)
     list_gap: Union[int, tuple[int, int], list[int]] = (0, 0)
+    filler_share: float = 0.0
+    fillers: list[str] = field(default_factory=lambda: ["-", "*"])
     word_fill: bool = False
     loss: str = "all"
     word_pool: Optional[int] = None
@@ -344,7 +349,7 @@ class RecallConfig:
                 raise ConfigError(f"{o}.{name}={list(getattr(self, name))} must draw at least 1")
         if not isinstance(self.eval_pad, str) or not self.eval_pad:
             raise ConfigError(f"{o}.eval_pad={self.eval_pad!r} must be a non-empty string (one token)")
-        for name in ("delimiters", "separators", "eval_keys", "eval_values"):
+        for name in ("delimiters", "separators", "fillers", "eval_keys", "eval_values"):
             texts = getattr(self, name)
             if texts is None and name.startswith("eval_"):
                 continue
@@ -356,6 +361,12 @@ class RecallConfig:
         check_float(f"{o}.repeat_share", self.repeat_share, 0, 1)
         check_float(f"{o}.word_repeat_share", self.word_repeat_share, 0, 1)
         check_float(f"{o}.word_delimiter_share", self.word_delimiter_share, 0, 1)
+        check_float(f"{o}.filler_share", self.filler_share, 0, 1)
+        if self.filler_share and not self.list_gap[1]:
+            raise ConfigError(
+                f"{o}.filler_share={self.filler_share} sets runs of list_gap tokens, but {o}.list_gap="
+                f"{list(self.list_gap)} allows none: raise data.recall.list_gap"
+            )
         check_float(f"{o}.bare_share", self.bare_share, 0, 1)
 
     def check_eval_words(self) -> None:
@@ -370,7 +381,8 @@ class RecallConfig:
     @property
     def max_block(self) -> int:
         """Tokens of the longest block these settings can draw."""
-        longest_list = 3 * self.n_records[1] + self.list_gap[1] + 1 + 3 * min(self.n_queries[1], self.n_records[1])
+        gaps = self.list_gap[1] * (2 if self.filler_share else 1)  # a filler run before the records too
+        longest_list = 3 * self.n_records[1] + gaps + 1 + 3 * min(self.n_queries[1], self.n_records[1])
         longest_repeat = 2 * self.repeat_len[1] + self.repeat_gap[1]
         return max(longest_list if self.repeat_share < 1 else 0, longest_repeat if self.repeat_share > 0 else 0)
 

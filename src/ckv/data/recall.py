@@ -11,7 +11,8 @@ of text), trained with the language-model loss on every token, like text. Two ki
 
 - ``list``: an associative list: ``n`` records ``k v`` each followed by a delimiter ``d`` (a random word for
   ``word_delimiter_share`` of the lists; nothing for ``bare_share`` of the records), ``list_gap`` tokens of corpus
-  text, then a separator ``s``, then
+  text (for ``filler_share`` of the lists a run of one filler token, and another before the records), then a
+  separator ``s``, then
   ``q`` distinct records asked again as ``k v d`` (``d``, ``s`` drawn per sequence from ``delimiters`` /
   ``separators``; keys distinct, values with replacement). Keys and values come from the tokenizer's single-token
   words (``single_token_words``) other than the evaluation's (all of them with ``pool_eval_words``), alternately
@@ -54,6 +55,7 @@ class RecallVocab:
     values: np.ndarray  # (V,) value ids
     delimiters: tuple[int, ...]
     separators: tuple[int, ...]
+    fillers: tuple[int, ...]
     eval_keys: np.ndarray  # the evaluation's key ids (data.recall.eval_keys)
     eval_values: np.ndarray
     eval_structural: int  # the evaluation's pad and separator (data.recall.eval_pad)
@@ -93,6 +95,7 @@ def recall_vocab(cfg: RecallConfig, tok: TextTokenizer, vocab_size: int) -> Reca
         values=values,
         delimiters=_one_token_ids(tok, cfg.delimiters, f"{o}.delimiters"),
         separators=_one_token_ids(tok, cfg.separators, f"{o}.separators"),
+        fillers=_one_token_ids(tok, cfg.fillers, f"{o}.fillers"),
         eval_keys=np.asarray(eval_keys, dtype=np.int64),
         eval_values=np.asarray(eval_values, dtype=np.int64),
         eval_structural=pad,
@@ -123,7 +126,7 @@ def check_held_out(cfg: RecallConfig, vocab: RecallVocab, tok: TextTokenizer) ->
     or one of its words as a delimiter or separator (its words are list keys or values only with
     ``pool_eval_words``)."""
     eval_words = set(vocab.eval_keys.tolist()) | set(vocab.eval_values.tolist())
-    for name in ("delimiters", "separators"):
+    for name in ("delimiters", "separators", "fillers"):
         for tid, text in zip(getattr(vocab, name), getattr(cfg, name)):
             if tid == vocab.eval_structural:
                 raise ConfigError(
@@ -264,11 +267,19 @@ class RecallSequences:
             after, after_q = np.full(n, delim), np.full(q, delim)
         records, _ = self._records(rng, keys, values, after, bare)  # k v d ... (bare records: k v)
         queries, asked_values = self._records(rng, keys[asked], values[asked], after_q, bare)
-        # corpus text between the records and the separator (drawn only when list_gap allows some: the draws of a
-        # run without it are unchanged)
-        gap = self._text(rng, int(rng.integers(c.list_gap[0], c.list_gap[1] + 1))) if c.list_gap[1] else []
-        tokens = np.concatenate([records, gap, [sep], queries]).astype(np.int64)
-        answers = np.concatenate([np.zeros(len(records) + len(gap) + 1, dtype=bool), asked_values])  # asked values
+        # corpus text between the records and the separator, or (filler_share) a run of one filler token there and
+        # another before the records; drawn only when list_gap allows some (the draws of a run without it unchanged)
+        before, gap = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        if c.list_gap[1]:
+            if c.filler_share and rng.random() < c.filler_share:
+                f = v.fillers[int(rng.integers(len(v.fillers)))]
+                lo, hi = c.list_gap[0], c.list_gap[1] + 1
+                before, gap = np.full(int(rng.integers(lo, hi)), f), np.full(int(rng.integers(lo, hi)), f)
+            else:
+                gap = self._text(rng, int(rng.integers(c.list_gap[0], c.list_gap[1] + 1)))
+        tokens = np.concatenate([before, records, gap, [sep], queries]).astype(np.int64)
+        lead = len(before) + len(records) + len(gap) + 1  # everything before the queries
+        answers = np.concatenate([np.zeros(lead, dtype=bool), asked_values])  # each asked record's value
         return "list", tokens, answers
 
     @staticmethod
