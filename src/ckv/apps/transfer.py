@@ -34,7 +34,7 @@ import torch
 
 from ckv.checks import ConfigError, error_message
 from ckv.data import DataConfig, build_batches
-from ckv.data.recall import RecallSequences
+from ckv.data.recall import RecallSequences, values_besides
 from ckv.eval.models import load_ckv_model
 from ckv.io.layout import CheckpointError, read_run_config
 
@@ -92,8 +92,7 @@ def ladder_lists(
         out[name] = []
         for _ in range(n_lists):
             k = rng.choice(keys, n_records, replace=False)
-            free = values[~np.isin(values, k)] if recall.pool.shared else values  # a list's values: not its keys
-            x = rng.choice(free, n_records, replace=False)
+            x = rng.choice(values_besides(values, k) if recall.pool.shared else values, n_records, replace=False)
             asked = rng.choice(n_records, n_queries, replace=False)
             records = [t for i in range(n_records) for t in (k[i], x[i], *after)]
             queries = [t for i in asked for t in (k[i], x[i], *after)]

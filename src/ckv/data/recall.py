@@ -121,6 +121,12 @@ def word_roles(
     )
 
 
+def values_besides(values: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """The ``values`` (V,) that are none of a list's ``keys`` (its candidate values when every word may be both,
+    ``word_roles: shared``), in id order."""
+    return np.setdiff1d(values, keys)
+
+
 def check_held_out(cfg: RecallConfig, vocab: RecallVocab, tok: TextTokenizer) -> None:
     """``ConfigError`` naming the clash when a list block could use what the evaluation uses: its pad/separator
     or one of its words as a delimiter or separator (its words are list keys or values only with
@@ -256,7 +262,7 @@ class RecallSequences:
         n = int(rng.integers(c.n_records[0], c.n_records[1] + 1))
         q = min(int(rng.integers(c.n_queries[0], c.n_queries[1] + 1)), n)
         keys = rng.choice(pool.keys, n, replace=False)
-        values = rng.choice(np.setdiff1d(pool.values, keys) if pool.shared else pool.values, n, replace=True)
+        values = rng.choice(values_besides(pool.values, keys) if pool.shared else pool.values, n, replace=True)
         delim = v.delimiters[int(rng.integers(len(v.delimiters)))]
         sep = v.separators[int(rng.integers(len(v.separators)))]
         asked = rng.choice(n, q, replace=False)
@@ -270,13 +276,13 @@ class RecallSequences:
         # corpus text between the records and the separator, or (filler_share) a run of one filler token there and
         # another before the records; drawn only when list_gap allows some (the draws of a run without it unchanged)
         before, gap = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        lo, hi = c.list_gap[0], c.list_gap[1] + 1
         if c.list_gap[1]:
             if c.filler_share and rng.random() < c.filler_share:
                 f = v.fillers[int(rng.integers(len(v.fillers)))]
-                lo, hi = c.list_gap[0], c.list_gap[1] + 1
                 before, gap = np.full(int(rng.integers(lo, hi)), f), np.full(int(rng.integers(lo, hi)), f)
             else:
-                gap = self._text(rng, int(rng.integers(c.list_gap[0], c.list_gap[1] + 1)))
+                gap = self._text(rng, int(rng.integers(lo, hi)))
         tokens = np.concatenate([before, records, gap, [sep], queries]).astype(np.int64)
         lead = len(before) + len(records) + len(gap) + 1  # everything before the queries
         answers = np.concatenate([np.zeros(lead, dtype=bool), asked_values])  # each asked record's value
