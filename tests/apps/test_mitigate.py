@@ -16,7 +16,7 @@ from ckv.apps.study import n_jobs
 from ckv.apps.study_config import load_study, select_runs
 from ckv.apps.study_run import eval_commands, run_dir, train_command
 from ckv.eval.stats import StatsOptions
-from ckv.io.results import read_json
+from ckv.io.results import read_json, write_json
 
 from .helpers import run_quick
 
@@ -140,6 +140,20 @@ def test_the_tuning_rule_and_the_verdicts_count_learned_models_only():
     too_dear = [dict(r, flops_ratio=2.5) if r["mitigation"] == "shift_mean" else r for r in rows]
     found, _ = mitigate.checks(study, too_dear)
     assert not next(ch for ch in found if ch.claim.startswith("shift_mean prefix: useful")).passed
+
+
+def test_the_summary_is_one_line_per_model_and_padding_from_the_record(tmp_path):
+    rows = [row("v/seed=42", "tune", "none"), row("v/seed=42", "tune", "dual", True, 1.05)]
+    rows += [row("x/seed=42", "tune", "none", learned=False), row("x/seed=42", "tune", "dual", False, 1.05)]
+    rows = [dict(r, worst=[0.25, 0.2, 0.3], kv_ratio=1.5) for r in rows]
+    text = mitigate.summary(rows, ("dual",)).splitlines()
+    assert len(text) == 4 and text[0].startswith("| model | padding |")
+    assert text[2] == "| v/seed=42 | prefix | 25.0 | 25.0, 10.0 [5.0, 20.0], 0.0 (-0.5) | 1.05 / 1.50 |"
+    assert text[3].startswith("| x/seed=42 | prefix | 25.0 (not learned) |") and text[3].endswith(" no | 1.05 / 1.50 |")
+    record = write_json(tmp_path / "mitigate.json", {"mitigation_rows": rows})
+    with pytest.raises(SystemExit) as e:
+        mitigate.main(["--summary", str(record), "--mitigations", "shift_mean"])
+    assert e.value.code == 2  # a mitigation the record does not hold: one usage line
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,8 @@
 
 The generic command (``python -m ckv.apps.study mitigate``) calls ``report`` after the runs; ``python -m
 ckv.apps.mitigate --costs`` prints, before any training, what each mitigation costs each ckv model of the study by
-ckv's accounting (``costs``: the numbers its evaluations record). Per model,
+ckv's accounting (``costs``: the numbers its evaluations record); ``--summary <mitigate.json>`` prints a finished
+study as a Markdown table (``summary``, docs/mitigation.md's). Per model,
 padding and mitigation it prints the unmitigated and the mitigated evaluation's worst group, mean and gap (mod the
 task's modulus, cluster-bootstrap intervals), the paired differences of the worst group (95% interval) and of the
 mean (one-sided 95% lower bound), from ``ckv.analysis.paired`` (the same prompts, one resample of the key->value
@@ -39,7 +40,7 @@ from ckv.eval.mitigation import config_cost, plan_mitigation
 from ckv.eval.plots import plot_gain_vs_cost
 from ckv.eval.stats import StatsOptions
 from ckv.eval.summary import results_file
-from ckv.io.results import RESULTS_CSV
+from ckv.io.results import RESULTS_CSV, read_json
 from ckv.train.plan import compose_train_config, model_config
 
 NONE = "none"
@@ -286,14 +287,60 @@ def costs(study: Study) -> list[dict]:
     return out
 
 
+def summary(rows_: list[dict], mitigations: tuple[str, ...]) -> str:
+    """A Markdown table of a study's rows (``mitigate.json``'s ``mitigation_rows``), one line per model x padding:
+    the unmitigated worst group (% , "not learned" under the bar), then per mitigation its worst group, the paired
+    worst-group gain [95%] and mean change (one-sided lower bound), in pp, "no" where it does not work; then the
+    prefill FLOPs / KV ratios of the last mitigation. The table docs/mitigation.md shows."""
+    by = {(r["label"], r["padding"], r["mitigation"]): r for r in rows_}
+    head = ["model", "padding", "worst, unmitigated %"] + [
+        f"{m}: worst %, gain pp [95%], mean pp (>=)" for m in mitigations
+    ]
+    lines = ["| " + " | ".join(head + [f"{mitigations[-1]}: FLOPs x / KV x"]) + " |", "|---" * (len(head) + 1) + "|"]
+    for (label, padding, name), base in by.items():
+        if name != NONE:
+            continue
+        cells = [label, padding, pp(base["worst"][0]) + ("" if base["learned"] else " (not learned)")]
+        for m in mitigations:
+            r = by[label, padding, m]
+            w = r["worst_diff"]
+            cells.append(
+                f"{pp(r['worst'][0])}, {pp(w['value'])} [{pp(w['lower'])}, {pp(w['upper'])}], {pp(r['mean_diff'])} "
+                f"({pp(r['mean_diff_lower'])})" + ("" if r["works"] else " no")
+            )
+        last = by[label, padding, mitigations[-1]]
+        cells.append(f"{last['flops_ratio']:.2f} / {last['kv_ratio']:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m ckv.apps.mitigate --costs [--study NAME]``: print ``costs`` of a study (default mitigate)."""
+    """``python -m ckv.apps.mitigate --costs [--study NAME]``: print ``costs`` of a study (default mitigate);
+    ``--summary RECORD [--mitigations A,B]``: print a finished study's record (``mitigate.json``) as ``summary``'s
+    Markdown table."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--costs", action="store_true", help="print each mitigation's cost for each ckv model")
     ap.add_argument("--study", default="mitigate", help="the study (conf/study/<name>.yaml)")
+    ap.add_argument("--summary", type=Path, help="a finished study's record (outputs/paper/mitigate.json)")
+    ap.add_argument(
+        "--mitigations", default="shift_mean,dual", help="the summary's mitigations (its evaluation labels)"
+    )
     args = ap.parse_args(argv)
+    if args.summary is not None:
+        rows_ = read_json(args.summary).get("mitigation_rows")
+        wanted = tuple(m for m in args.mitigations.split(",") if m)
+        have = {r["mitigation"] for r in rows_ or []}
+        if not rows_ or not wanted or not set(wanted) <= have:
+            ap.error(
+                f"--summary {args.summary}: the record has mitigations {sorted(have - {NONE}) or 'none'}; "
+                f"--mitigations={args.mitigations} asks for {sorted(set(wanted) - have) or 'nothing'}"
+            )
+        print(summary(rows_, wanted))
+        return 0
     if not args.costs:
-        ap.error("nothing to do: give --costs (the study itself runs with python -m ckv.apps.study mitigate)")
+        ap.error(
+            "nothing to do: give --costs or --summary (the study itself runs with python -m ckv.apps.study mitigate)"
+        )
     lines = [f"{'run':32s} {'S':>3s} {'evaluation':24s} {'tokens':>6s} {'prefill FLOPs x':>15s} {'KV cache x':>10s}"]
     for r in costs(load_study(args.study)):
         lines.append(
