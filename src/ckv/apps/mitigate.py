@@ -123,6 +123,20 @@ def _cell(v: tuple) -> str:
     return "n/a" if value is None else f"{pp(value)} [{pp(lo)}, {pp(hi)}]"
 
 
+def _paired_cells(r: dict) -> tuple[str, str]:
+    """A mitigated row's paired differences as printed: the worst group's ``gain [lower, upper]`` and the mean's
+    ``change (one-sided lower bound)``, in pp."""
+    w = r["worst_diff"]
+    return (
+        f"{pp(w['value'])} [{pp(w['lower'])}, {pp(w['upper'])}]",
+        f"{pp(r['mean_diff'])} ({pp(r['mean_diff_lower'])})",
+    )
+
+
+def _ratio(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
 def table(rows_: list[dict]) -> str:
     """The table: per run and padding the unmitigated row, then one row per mitigation with its paired
     differences, cost ratios and verdict."""
@@ -137,14 +151,10 @@ def table(rows_: list[dict]) -> str:
         if r["mitigation"] == NONE:
             lines.append(cells + ("" if r["learned"] else f" {'':>22s} {'':>15s} {'':>8s} {'':>6s}  not learned"))
             continue
-        w = r["worst_diff"]
-        diff = f"{pp(w['value'])} [{pp(w['lower'])}, {pp(w['upper'])}]"
-        ratio = "n/a" if r["flops_ratio"] is None else f"{r['flops_ratio']:.2f}"
-        kv = "n/a" if r["kv_ratio"] is None else f"{r['kv_ratio']:.2f}"
+        diff, mean = _paired_cells(r)
         verdict = "works" if r["works"] else "does not work"
         lines.append(
-            cells + f" {diff:>22s} {pp(r['mean_diff']) + ' (' + pp(r['mean_diff_lower']) + ')':>15s} {ratio:>8s} "
-            f"{kv:>6s}  {verdict}"
+            cells + f" {diff:>22s} {mean:>15s} {_ratio(r['flops_ratio']):>8s} {_ratio(r['kv_ratio']):>6s}  {verdict}"
         )
     return "\n".join(lines)
 
@@ -293,23 +303,16 @@ def summary(rows_: list[dict], mitigations: tuple[str, ...]) -> str:
     worst-group gain [95%] and mean change (one-sided lower bound), in pp, "no" where it does not work; then the
     prefill FLOPs / KV ratios of the last mitigation. The table docs/mitigation.md shows."""
     by = {(r["label"], r["padding"], r["mitigation"]): r for r in rows_}
-    head = ["model", "padding", "worst, unmitigated %"] + [
-        f"{m}: worst %, gain pp [95%], mean pp (>=)" for m in mitigations
-    ]
-    lines = ["| " + " | ".join(head + [f"{mitigations[-1]}: FLOPs x / KV x"]) + " |", "|---" * (len(head) + 1) + "|"]
-    for (label, padding, name), base in by.items():
-        if name != NONE:
-            continue
-        cells = [label, padding, pp(base["worst"][0]) + ("" if base["learned"] else " (not learned)")]
+    head = ["model", "padding", "worst, unmitigated %"]
+    head += [f"{m}: worst %, gain pp [95%], mean pp (>=)" for m in mitigations] + [f"{mitigations[-1]}: FLOPs x / KV x"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for base in (r for r in rows_ if r["mitigation"] == NONE):
+        key = (base["label"], base["padding"])
+        cells = [*key, pp(base["worst"][0]) + ("" if base["learned"] else " (not learned)")]
         for m in mitigations:
-            r = by[label, padding, m]
-            w = r["worst_diff"]
-            cells.append(
-                f"{pp(r['worst'][0])}, {pp(w['value'])} [{pp(w['lower'])}, {pp(w['upper'])}], {pp(r['mean_diff'])} "
-                f"({pp(r['mean_diff_lower'])})" + ("" if r["works"] else " no")
-            )
-        last = by[label, padding, mitigations[-1]]
-        cells.append(f"{last['flops_ratio']:.2f} / {last['kv_ratio']:.2f}")
+            r = by[(*key, m)]
+            cells.append(f"{pp(r['worst'][0])}, " + ", ".join(_paired_cells(r)) + ("" if r["works"] else " no"))
+        cells.append(f"{_ratio(r['flops_ratio'])} / {_ratio(r['kv_ratio'])}")  # the last mitigation's
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
