@@ -64,6 +64,20 @@ def test_every_evaluation_is_a_padding_unmitigated_or_mitigated_and_the_dry_run_
     assert n_jobs(STUDY) == len(STUDY.runs) * (1 + len(STUDY.evals))
 
 
+def test_a_label_scored_from_another_evaluations_runs_reads_its_rule():
+    """params.also: shift_max is the shift_mean evaluation's runs combined by max_confidence (mitigation.also), its
+    statistics that run's ``also`` and its paired column ``correct_max_confidence``; a run without them is an error."""
+    evals = {(e.padding, e.mitigation): e for e in mitigate.evaluations(STUDY)}
+    for padding in STUDY.params["paddings"]:
+        e = evals[(padding, "shift_max")]
+        assert (e.key, e.rule, e.column) == (f"{padding}_shift_mean", "max_confidence", "correct_max_confidence")
+        assert "mitigation.also=[max_confidence]" in STUDY.evals[e.key]
+        assert e.report({"also": {"max_confidence": {"headline": 1}}}) == {"headline": 1}
+        with pytest.raises(ValueError, match="has no results of combine rule max_confidence"):
+            e.report({"headline": 0})
+        assert evals[(padding, "shift_mean")].report({"headline": 0}) == {"headline": 0}
+
+
 def write_csv(path: Path, correct: np.ndarray, modulus: int) -> Path:
     """A results.csv of ``correct`` (n_base, modulus): base, shift, target_position, residue, correct."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +190,7 @@ def test_quick_mitigate_on_a_baseline_seed_and_the_deepseek_v4_needle(tmp_path, 
     assert [r["label"] for r in record["runs"]] == [r.label for r in study.runs]
     text = proc.stdout.splitlines()
     rows = record["mitigation_rows"]
-    assert len(rows) == len(study.runs) * len(study.evals)
+    assert len(rows) == len(study.runs) * len(mitigate.evaluations(study)) > len(study.runs) * len(study.evals)
     for r in rows:
         line = next(x for x in text if x.split()[:3] == [r["label"], r["padding"], r["mitigation"]])
         assert mitigate._cell(r["worst"]) in line

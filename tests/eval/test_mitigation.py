@@ -21,7 +21,7 @@ from ckv.eval import LookupSpec, RunOptions, build_task, evaluate, load_ckv_mode
 from ckv.eval.mitigation import MitigationSpec, config_cost, plan_mitigation, spread_shifts
 from ckv.eval.models import CkvLastLogits
 from ckv.eval.registry import task_type
-from ckv.eval.scoring import score_next_token
+from ckv.eval.scoring import COMBINES, score_next_token
 from ckv.geometry import num_entries
 
 from .helpers import ReadingOracle, make_run, run_eval, save_tiny, tiny_deepseek_v4, tiny_qwen3
@@ -54,7 +54,7 @@ def outcome(run: Path, mitigation: dict, tmp_path: Path, name: str) -> tuple[dic
 # ---- the spec --------------------------------------------------------------------------------------------------
 def test_the_spec_resolves_defaults_and_refuses_settings_of_another_mitigation() -> None:
     assert MitigationSpec.parse({"name": "shift_ensemble"}).describe() == {
-        "name": "shift_ensemble", "shifts": 2, "combine": "mean_logprob"
+        "name": "shift_ensemble", "shifts": 2, "combine": "mean_logprob", "also": ()
     }  # fmt: skip
     assert MitigationSpec().describe() == {"name": "none"}
     assert spread_shifts(2, 8) == (0, 4) and spread_shifts(3, 8) == (0, 2, 5) and spread_shifts(4, 4) == (0, 1, 2, 3)
@@ -64,6 +64,10 @@ def test_the_spec_resolves_defaults_and_refuses_settings_of_another_mitigation()
         ({"name": "shift_ensemble", "shifts": -1}, "mitigation.shifts=-1 must be an integer >= 1"),
         ({"name": "shift_ensemble", "shifts": 0}, "mitigation.shifts=0 must be an integer >= 1"),
         ({"name": "shift_ensemble", "combine": "vote"}, "mitigation.combine='vote' is not allowed"),
+        ({"name": "shift_ensemble", "also": ["vote"]}, "mitigation.also='vote' is not allowed"),
+        ({"name": "shift_ensemble", "also": ["mean_logprob"]}, "mitigation.also=['mean_logprob'] repeats a rule"),
+        ({"name": "shift_ensemble", "also": ["max_confidence"] * 2}, "mitigation.also=['max_confidence', 'max_"),
+        ({"name": "dual_offset", "also": ["max_confidence"]}, "mitigation.also is a setting of shift_ensemble"),
         ({"name": "dual_offset", "offset": 0}, "mitigation.offset=0 must be an integer >= 1"),
         ({"name": "fix"}, "mitigation.name='fix' is not allowed"),
         ({"name": "none", "typo": 1}, "unknown mitigation field(s) ['typo']"),
@@ -76,7 +80,8 @@ def test_the_spec_resolves_defaults_and_refuses_settings_of_another_mitigation()
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(MitigationSpec)])
 @pytest.mark.parametrize("value", ["x", 1.5, True, -1, [1], {"a": 1}])
 def test_every_field_refuses_wrong_types_in_one_line(field: str, value: Any) -> None:
-    name = {"shifts": "shift_ensemble", "combine": "shift_ensemble", "offset": "dual_offset"}.get(field, "none")
+    name = {"shifts": "shift_ensemble", "combine": "shift_ensemble", "also": "shift_ensemble", "offset": "dual_offset"}
+    name = name.get(field, "none")
     with pytest.raises(ConfigError) as e:
         MitigationSpec.parse({"name": name, field: value} if field != "name" else {"name": value})
     assert f"mitigation.{field}" in str(e.value) and "\n" not in str(e.value)
@@ -126,16 +131,19 @@ def test_the_ensemble_is_the_runs_combined_by_hand(combine: str) -> None:
     inner = CkvLastLogits(model)
     prompts = [np.random.default_rng(i).integers(3, model.config.vocab_size, 21) for i in range(5)]
     variants = [[np.roll(p, k) for p in prompts] for k in (1, 3)]  # any other versions of equal length
+    other = next(rule for rule in COMBINES if rule != combine)
     scores = score_next_token(inner, prompts, np.zeros((5, 1), dtype=np.int64), batch_size=2, progress=False,
-                              variants=variants, combine=combine)  # fmt: skip
+                              variants=variants, combine=combine, also=[other])  # fmt: skip
+    assert list(scores.also) == [other]
     for b in range(5):
         runs = [torch.log_softmax(inner(torch.as_tensor(v[b])[None])[0], -1) for v in (prompts, *variants)]
-        if combine == "mean_logprob":
-            expected = torch.log_softmax(sum(runs) / 3, -1)
-        else:
-            expected = max(runs, key=lambda r: r.max().item())
-        assert scores.top1[b] == int(expected.argmax())
-        assert scores.probs[b, 0] == pytest.approx(float(expected[0].exp()), rel=1e-5)
+        for rule, got in ((combine, scores), (other, scores.also[other])):  # both rules from the same runs
+            if rule == "mean_logprob":
+                expected = torch.log_softmax(sum(runs) / 3, -1)
+            else:
+                expected = max(runs, key=lambda r: r.max().item())
+            assert got.top1[b] == int(expected.argmax())
+            assert got.probs[b, 0] == pytest.approx(float(expected[0].exp()), rel=1e-5)
 
 
 def test_two_shifts_recover_a_weak_phase() -> None:
@@ -175,9 +183,28 @@ def test_one_shift_is_the_unmitigated_evaluation_and_groups_keep_their_labels(ru
     assert one_rows == plain_rows and one["headline"] == plain["headline"]  # one shift: the prompt itself
     columns = plain_rows[0].split(",").index("phase")  # the group label: the target's phase unshifted
     assert [r.split(",")[: columns + 1] for r in two_rows] == [r.split(",")[: columns + 1] for r in plain_rows]
-    assert two["mitigation"]["settings"] == {"shifts": [0, 2], "combine": "mean_logprob"}
+    assert two["mitigation"]["settings"] == {"shifts": [0, 2], "combine": "mean_logprob", "also": []}
     cost = two["mitigation"]["cost"]
     assert cost["flops_ratio"] == pytest.approx(2.0) and cost["kv_ratio"] == pytest.approx(2.0)  # 2 equal prompts
+
+
+def test_other_rules_from_the_same_runs_are_their_own_evaluations(runs, tmp_path) -> None:
+    """``also``: the other rule scored from the ensemble's runs is, column for column and headline for headline, the
+    evaluation with that rule as its own; the combine rule's rows and report are unchanged beside it."""
+    both, both_rows = outcome(runs["compressed"], {"name": "shift_ensemble", "also": ["max_confidence"]}, tmp_path, "a")
+    mean, mean_rows = outcome(runs["compressed"], {"name": "shift_ensemble"}, tmp_path, "b")
+    most, most_rows = outcome(
+        runs["compressed"], {"name": "shift_ensemble", "combine": "max_confidence"}, tmp_path, "c"
+    )
+    header, most_header = both_rows[0].split(","), most_rows[0].split(",")
+    assert header[-2:] == ["correct_max_confidence", "p_answer_max_confidence"]
+    assert [",".join(r.split(",")[:-2]) for r in both_rows] == mean_rows
+    for name in ("correct", "p_answer"):
+        got = [r.split(",")[header.index(f"{name}_max_confidence")] for r in both_rows[1:]]
+        assert got == [r.split(",")[most_header.index(name)] for r in most_rows[1:]], name
+    assert both["headline"] == mean["headline"] and both["also"]["max_confidence"]["headline"] == most["headline"]
+    assert both["mitigation"]["cost"] == mean["mitigation"]["cost"] and "also" not in mean
+    assert both["mitigation"]["settings"]["also"] == ["max_confidence"]
 
 
 # ---- dual-offset compression -----------------------------------------------------------------------------------

@@ -50,20 +50,47 @@ CLAIM_ROLES = TUNE + CONFIRM + V4
 
 @dataclass(frozen=True)
 class Evaluation:
-    """One evaluation key of the study (``prefix_shift2_mean``): its padding and its mitigation's label (``none``
-    for the unmitigated ones, which carry the padding's name alone)."""
+    """One evaluation of the study: the key of the eval.py run it reads (``prefix_shift_mean``), its padding, its
+    mitigation's label (``none`` for the unmitigated ones, which carry the padding's name alone) and ``rule``: for a
+    label scored from another evaluation's runs (``params.also``), the combine rule it reads from that run's
+    ``also`` (``mitigation.also``), else ``None``."""
 
     key: str
     padding: str
     mitigation: str
+    rule: Optional[str] = None
+
+    @property
+    def column(self) -> str:
+        """Its per-prompt 0/1 column in the run's results.csv."""
+        return "correct" if self.rule is None else f"correct_{self.rule}"
+
+    def report(self, report: dict) -> dict:
+        """Its statistics in the run's ``report``: the report itself, or the rule's from the same runs."""
+        if self.rule is None:
+            return report
+        also = report.get("also") or {}
+        if self.rule not in also:
+            raise ValueError(
+                f"evaluation {self.key} has no results of combine rule {self.rule} (its mitigation.also: "
+                f"{sorted(also)}): params.also.{self.mitigation} reads them"
+            )
+        return also[self.rule]
 
 
 def evaluations(study: Study) -> list[Evaluation]:
-    """The study's evaluations by padding (``params.paddings``) and mitigation label (the key's rest)."""
-    out = []
+    """The study's evaluations by padding (``params.paddings``) and mitigation label (the key's rest), then the
+    labels scored from another evaluation's runs (``params.also``: label -> [that evaluation's label, its rule]),
+    in each padding."""
+    paddings, out = study.params["paddings"], []
     for key in study.evals:
-        padding = next(p for p in study.params["paddings"] if key == p or key.startswith(p + "_"))
+        padding = next(p for p in paddings if key == p or key.startswith(p + "_"))
         out.append(Evaluation(key, padding, key[len(padding) + 1 :] or NONE))
+    for label, (source, rule) in (study.params.get("also") or {}).items():
+        for padding in paddings:
+            if f"{padding}_{source}" not in study.evals:
+                raise ValueError(f"params.also.{label} reads evaluation {padding}_{source}, which the study lacks")
+            out.append(Evaluation(f"{padding}_{source}", padding, label, rule))
     return out
 
 
@@ -73,16 +100,23 @@ def _column(path: Path, name: str) -> np.ndarray:
 
 
 def paired(
-    base_csv: Path, other_csv: Path, modulus: int, options: StatsOptions, level: float, mean_drop: float
+    base_csv: Path,
+    other_csv: Path,
+    modulus: int,
+    options: StatsOptions,
+    level: float,
+    mean_drop: float,
+    column: str = "correct",
 ) -> dict:
     """The paired worst-group and mean differences (fractions) of two evaluations of the same prompts (their
-    ``results.csv``): the observed values, the worst group's two-sided ``level`` interval and the mean's one-sided
-    lower bound, from the same bootstrap replicates (``paired_replicates``), and whether the mitigated one works."""
+    ``results.csv``; the other's 0/1 ``column``): the observed values, the worst group's two-sided ``level``
+    interval and the mean's one-sided lower bound, from the same bootstrap replicates (``paired_replicates``), and
+    whether the mitigated one works."""
     cols = ("base", "shift", "target_position", "residue")
     if any(not np.array_equal(_column(base_csv, c), _column(other_csv, c)) for c in cols):
         raise ValueError(f"{other_csv} does not score the prompts of {base_csv}: no paired difference")
     groups, clusters = _column(base_csv, "residue"), _column(base_csv, "base")
-    correct = [_column(base_csv, "correct"), _column(other_csv, "correct")]
+    correct = [_column(base_csv, "correct"), _column(other_csv, column)]
     boot = paired_replicates(correct, groups, modulus, clusters, options)  # (n_bootstrap, 2, groups)
     observed = np.stack([[c[groups == g].mean() for g in range(modulus)] for c in correct])  # (2, groups)
     worst = boot.min(-1)[:, 1] - boot.min(-1)[:, 0]
@@ -105,15 +139,17 @@ def rows(study: Study, done: list[dict], quick: bool) -> list[dict]:
         run, task = d["run"], d["run"].task or study.task
         csvs = {e.key: results_file(d["dir"], f"{task}_{e.key}").with_name(RESULTS_CSV) for e in evals}
         for e in evals:
-            report = d["evaluations"][e.key]
+            run_report = d["evaluations"][e.key]
+            report = e.report(run_report)
             row = {"label": run.label, "role": run.role, "task": task, "padding": e.padding,
                    "mitigation": e.mitigation, **measured(report)}  # fmt: skip
             best = report["headline"]["worst_residue_accuracy"] + report["headline"]["residue_gap"]
             row["learned"] = best >= c["learned_best"]
             if e.mitigation != NONE:
-                cost = (report.get("mitigation") or {}).get("cost") or {}
+                cost = (run_report.get("mitigation") or {}).get("cost") or {}
                 row.update(flops_ratio=cost.get("flops_ratio"), kv_ratio=cost.get("kv_ratio"))
-                row.update(paired(csvs[e.padding], csvs[e.key], report["modulus"], options, c["level"], c["mean_drop"]))
+                args = (report["modulus"], options, c["level"], c["mean_drop"], e.column)
+                row.update(paired(csvs[e.padding], csvs[e.key], *args))
             out.append(row)
     return out
 
@@ -293,7 +329,9 @@ def costs(study: Study) -> list[dict]:
             kind = task_type(spec)
             built = kind.build(spec, facts, 1)
             cost = config_cost(plan_mitigation(options.mitigation, kind, facts, built), config) or {}
-            out.append({"label": run.label, "stride": facts.stride, "evaluation": e.key, **cost})
+            out.append(
+                {"label": run.label, "stride": facts.stride, "evaluation": f"{e.padding}_{e.mitigation}", **cost}
+            )
     return out
 
 

@@ -35,7 +35,7 @@ from ckv.eval.mitigation import ensemble_shifts
 from ckv.eval.models import ModelFacts
 from ckv.eval.plots import plot_lookup
 from ckv.eval.registry import EvalTask, RunOptions, TaskResult, check_name, register_task
-from ckv.eval.scoring import LazyPrompts, LogitsFn, prompt_lengths, score_next_token
+from ckv.eval.scoring import LazyPrompts, LogitsFn, Scores, prompt_lengths, score_next_token
 from ckv.eval.stats import StatsOptions
 from ckv.eval.vocab import VocabSpec, build_codec, vocab_spec
 from ckv.geometry import phase
@@ -128,16 +128,21 @@ def resolve_stride(requested: Optional[int], model_stride: Optional[int], modulu
 class LookupOutcome:
     """Per-prompt results of one evaluation: the task's ``table`` columns plus ``predicted`` (top-1 id),
     ``correct`` (0/1) and ``p_answer`` (probability of the answer token); all arrays (P,). ``logits``: the scored
-    last-position logits (V,) of the prompts the evaluation was asked to keep."""
+    last-position logits (V,) of the prompts the evaluation was asked to keep. ``also``: the shift ensemble's runs
+    combined by other rules (``LookupTask.evaluate``), one outcome each; its rows carry their ``correct_<rule>``
+    and ``p_answer_<rule>`` columns."""
 
     table: dict[str, np.ndarray]
     predicted: np.ndarray
     correct: np.ndarray
     p_answer: np.ndarray
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    also: dict[str, LookupOutcome] = field(default_factory=dict)
 
     def rows(self) -> list[dict]:
         cols = {**self.table, "predicted_id": self.predicted, "correct": self.correct, "p_answer": self.p_answer}
+        for rule, other in self.also.items():
+            cols.update({f"correct_{rule}": other.correct, f"p_answer_{rule}": other.p_answer})
         return [{k: v[i].item() for k, v in cols.items()} for i in range(len(self.correct))]
 
 
@@ -305,11 +310,13 @@ class LookupTask:
         keep: Sequence[int] = (),
         shifts: Sequence[int] = (),
         combine: str = "mean_logprob",
+        also: Sequence[str] = (),
     ) -> LookupOutcome:
         """Score every prompt with ``model`` (``input_ids -> logits``), keeping the logits of the prompts in
         ``keep`` (indices). ``shifts``: the shift ensemble (``ckv.eval.mitigation``): each prompt also runs moved
         by each of these (``shifted``), the runs combined by ``combine`` (``scoring.combine_runs``) and the
-        combined distribution scored as one prompt's."""
+        combined distribution scored as one prompt's; ``also``: other rules scored from the same runs
+        (``LookupOutcome.also``)."""
         scores = score_next_token(
             model,
             self.prompts,
@@ -321,9 +328,16 @@ class LookupTask:
             keep=keep,
             variants=[self.shifted(s) for s in shifts if s],
             combine=combine,
+            also=also,
         )
-        correct = (scores.top1 == self.table["answer_id"]).astype(np.int64)
-        return LookupOutcome(self.table, scores.top1, correct, scores.probs[:, 0], scores.logits)
+
+        def outcome(s: Scores) -> LookupOutcome:
+            correct = (s.top1 == self.table["answer_id"]).astype(np.int64)
+            return LookupOutcome(self.table, s.top1, correct, s.probs[:, 0], s.logits)
+
+        result = outcome(scores)
+        result.also = {rule: outcome(other) for rule, other in scores.also.items()}
+        return result
 
     def position_moments(self) -> list[dict]:
         """Mean and variance of the target position in each residue group (the design's balance check)."""
@@ -460,7 +474,7 @@ class LookupKind(EvalTask):
         return chunk_check(logits, prompt_lengths(built.prompts), 0)
 
     def run(self, built: LookupTask, logits: LogitsFn, options: RunOptions, device: Any) -> TaskResult:
-        shifts, combine = ensemble_shifts(options.mitigation, built.stride)
+        shifts, combine, also = ensemble_shifts(options.mitigation, built.stride)
         check = None if shifts else self.chunking(built, logits)  # an ensemble's score is no single forward's
         keep = check.indices if check is not None else ()
         outcome = built.evaluate(
@@ -471,8 +485,11 @@ class LookupKind(EvalTask):
             keep=keep,
             shifts=shifts,
             combine=combine,
+            also=also,
         )
         report = built.report(outcome, options.stats)
+        if outcome.also:  # the other combine rules' statistics, from the same runs
+            report["also"] = {rule: built.report(other, options.stats) for rule, other in outcome.also.items()}
         if check is not None:
             report["chunking"] = check.measure(built.prompts, built.table["answer_id"], outcome.logits, device)
         return TaskResult(report, outcome.rows())

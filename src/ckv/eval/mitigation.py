@@ -9,8 +9,9 @@ option group (``conf/eval/mitigation/<name>.yaml``), applied where every task pa
   position and its group (the target's residue and phase in the unshifted prompt). The runs' last-position
   distributions are combined by ``combine`` (``scoring.combine_runs``): ``mean_logprob`` (the mean of the runs'
   log-probabilities, renormalised: a log-linear pool; its full-vocabulary top-1 is the answer) or
-  ``max_confidence`` (the run whose top-1 probability is highest). Prompt-level: any causal LM, ckv or
-  transformers, any task whose groups are the target's position (lookup, needle: ``EvalTask.shift_stride``).
+  ``max_confidence`` (the run whose top-1 probability is highest); ``also``: other rules scored from the same runs
+  (no more forwards: ``results.also.<rule>`` and a ``correct_<rule>`` column each). Prompt-level: any causal LM,
+  ckv or transformers, any task whose groups are the target's position (lookup, needle: ``EvalTask.shift_stride``).
 - ``dual_offset``: each compressed layer also pools its windows moved by ``offset`` (null: half its stride) with
   the same trained compressor, and every query attends to both sets of entries in one joint softmax; one forward
   pass, more compressed KV memory. ckv models: ``attention.dual_offset`` (``ckv.attention``) of every compressed
@@ -47,7 +48,7 @@ from ckv.geometry import num_entries
 from ckv.model import Transformer
 
 MITIGATIONS = ("none", "shift_ensemble", "dual_offset")
-SETTINGS = {"none": (), "shift_ensemble": ("shifts", "combine"), "dual_offset": ("offset",)}
+SETTINGS = {"none": (), "shift_ensemble": ("shifts", "combine", "also"), "dual_offset": ("offset",)}
 DEFAULT_SHIFTS, DEFAULT_COMBINE = 2, "mean_logprob"
 
 
@@ -55,17 +56,19 @@ DEFAULT_SHIFTS, DEFAULT_COMBINE = 2, "mean_logprob"
 class MitigationSpec:
     """eval.py's ``mitigation`` group: ``name`` (``MITIGATIONS``) and its settings; ``shift_ensemble``: ``shifts``
     (runs per prompt, their targets moved evenly over one stride; null: 2) and ``combine`` (``COMBINES``; null:
-    ``mean_logprob``); ``dual_offset``: ``offset`` (null: half the stride). A setting of another mitigation is
-    refused (one line naming ``mitigation.<field>``)."""
+    ``mean_logprob``) and ``also`` (other rules of ``COMBINES`` scored from the same runs; null: none);
+    ``dual_offset``: ``offset`` (null: half the stride). A setting of another mitigation is refused (one line
+    naming ``mitigation.<field>``)."""
 
     name: str = "none"
     shifts: Optional[int] = None
     combine: Optional[str] = None
+    also: Optional[tuple[str, ...]] = None
     offset: Optional[int] = None
 
     def __post_init__(self) -> None:
         check_choice("mitigation.name", self.name, MITIGATIONS)
-        for key in ("shifts", "combine", "offset"):
+        for key in ("shifts", "combine", "also", "offset"):
             if getattr(self, key) is not None and key not in SETTINGS[self.name]:
                 raise ConfigError(
                     f"mitigation.{key} is a setting of "
@@ -80,6 +83,19 @@ class MitigationSpec:
         if self.name == "shift_ensemble":
             object.__setattr__(self, "shifts", DEFAULT_SHIFTS if self.shifts is None else self.shifts)
             object.__setattr__(self, "combine", self.combine or DEFAULT_COMBINE)
+            object.__setattr__(self, "also", self._other_rules())
+
+    def _other_rules(self) -> tuple[str, ...]:
+        also = self.also or ()
+        if not isinstance(also, (list, tuple)) or not all(isinstance(rule, str) for rule in also):
+            raise ConfigError(f"mitigation.also={also!r} must be a list of combine rules, of {list(COMBINES)}")
+        for rule in also:
+            check_choice("mitigation.also", rule, COMBINES)
+        if self.combine in also or len(set(also)) < len(also):
+            raise ConfigError(
+                f"mitigation.also={list(also)} repeats a rule (the combine rule is {self.combine}): each rule once"
+            )
+        return tuple(also)
 
     @classmethod
     def parse(cls, value: Any) -> MitigationSpec:
@@ -101,12 +117,12 @@ def spread_shifts(count: int, stride: int) -> tuple[int, ...]:
     return tuple((i * stride) // count for i in range(count))
 
 
-def ensemble_shifts(spec: MitigationSpec, stride: Optional[int]) -> tuple[tuple[int, ...], str]:
-    """The shift ensemble's shifts over ``stride`` (the task's phase stride) and its combine rule; ``((), rule)``
-    for any other mitigation (the prompts run once)."""
+def ensemble_shifts(spec: MitigationSpec, stride: Optional[int]) -> tuple[tuple[int, ...], str, tuple[str, ...]]:
+    """The shift ensemble's shifts over ``stride`` (the task's phase stride), its combine rule and its other rules
+    (``also``); ``((), rule, ())`` for any other mitigation (the prompts run once)."""
     if spec.name != "shift_ensemble" or stride is None:
-        return (), spec.combine or DEFAULT_COMBINE
-    return spread_shifts(spec.shifts, stride), spec.combine
+        return (), spec.combine or DEFAULT_COMBINE, ()
+    return spread_shifts(spec.shifts, stride), spec.combine, spec.also
 
 
 @dataclass
@@ -150,7 +166,7 @@ class MitigationPlan:
     def settings(self) -> dict:
         """The resolved settings: shifts and combine rule, or the offset(s)."""
         if self.spec.name == "shift_ensemble":
-            return {"shifts": list(self.shifts), "combine": self.spec.combine}
+            return {"shifts": list(self.shifts), "combine": self.spec.combine, "also": list(self.spec.also)}
         if self.spec.name == "dual_offset" and self.config is not None:
             offsets = {i: a.dual_offset for i, a in _compressed_attention(self.config)}
             one = set(offsets.values())

@@ -72,11 +72,13 @@ class LazyPrompts(Sequence[np.ndarray]):
 class Scores:
     """``top1`` (P,): the full-vocabulary argmax after each prompt; ``probs`` (P, C): the softmax probability of
     each prompt's candidate ids; ``logits``: the scored last-position logits (V,) (float32, CPU) of the prompts
-    asked for by index (``keep``)."""
+    asked for by index (``keep``); ``also``: the same runs combined by other rules (``score_next_token``'s
+    ``also``), one ``Scores`` each."""
 
     top1: np.ndarray
     probs: np.ndarray
     logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    also: dict[str, Scores] = field(default_factory=dict)
 
 
 def prompt_lengths(prompts: Union[Sequence[np.ndarray], LazyPrompts]) -> np.ndarray:
@@ -110,22 +112,28 @@ def score_next_token(
     keep: Sequence[int] = (),
     variants: Sequence[Sequence[np.ndarray]] = (),
     combine: str = "mean_logprob",
+    also: Sequence[str] = (),
 ) -> Scores:
     """Score the token after each prompt: its full-vocabulary top-1 and the probabilities of ``candidates``
     (P, C) ids, and keep the logits of the prompts in ``keep`` (indices) as scored. Runs under
     ``torch.inference_mode``, in float32 softmax, with a progress bar over the prompts (``progress``).
     ``LazyPrompts`` are built batch by batch. ``variants``: other versions of each prompt, of its length (the shift
     ensemble's, ``ckv.eval.mitigation``), run beside it; the runs' distributions are combined by ``combine_runs``
-    and the combined one is scored (no logits are kept)."""
+    and the combined one is scored (no logits are kept); ``also``: other rules scored from the same runs (no more
+    forwards), each returned in ``Scores.also``."""
     cand = np.asarray(candidates, dtype=np.int64)
     if cand.ndim != 2 or cand.shape[0] != len(prompts):
         raise ValueError(f"candidates must be (n_prompts={len(prompts)}, C), got {cand.shape}")
-    check_choice("combine", combine, COMBINES)
+    rules = (combine, *also)
+    for rule in rules:
+        check_choice("combine", rule, COMBINES)
+    if len(set(rules)) < len(rules):
+        raise ValueError(f"combine rules {list(rules)} repeat one")
     lengths = prompt_lengths(prompts)
     if any(not np.array_equal(prompt_lengths(v), lengths) for v in variants):
         raise ValueError("every variant of a prompt must have its length")
-    top1 = np.zeros(len(prompts), dtype=np.int64)
-    probs = np.zeros(cand.shape, dtype=np.float64)
+    top1 = {rule: np.zeros(len(prompts), dtype=np.int64) for rule in rules}
+    probs = {rule: np.zeros(cand.shape, dtype=np.float64) for rule in rules}
     kept: dict[int, torch.Tensor] = {}
     wanted = {int(i) for i in keep}
     batches = length_batches(lengths, batch_size)
@@ -138,13 +146,15 @@ def score_next_token(
                 logits = model(ids)
                 logits = logits[:, -1] if logits.dim() == 3 else logits  # (B, V)
                 runs.append(torch.log_softmax(logits.float(), dim=-1))
-            logp = runs[0] if not variants else combine_runs(torch.stack(runs), combine)
-            top1[idx] = logp.argmax(-1).cpu().numpy()
-            probs[idx] = logp.gather(1, torch.as_tensor(cand[idx], device=logp.device)).exp().cpu().numpy()
+            for rule in rules:
+                logp = runs[0] if not variants else combine_runs(torch.stack(runs), rule)
+                top1[rule][idx] = logp.argmax(-1).cpu().numpy()
+                probs[rule][idx] = logp.gather(1, torch.as_tensor(cand[idx], device=logp.device)).exp().cpu().numpy()
             if not variants:
                 kept.update({int(i): logits[j].float().cpu() for j, i in enumerate(idx) if int(i) in wanted})  # (V,)
             bar.update(len(idx))
-    return Scores(top1=top1, probs=probs, logits=kept)
+    others = {rule: Scores(top1=top1[rule], probs=probs[rule]) for rule in also}
+    return Scores(top1=top1[combine], probs=probs[combine], logits=kept, also=others)
 
 
 def combine_runs(logp: torch.Tensor, rule: str) -> torch.Tensor:
