@@ -18,6 +18,7 @@ import torch
 from ckv import ModelConfig, Transformer
 from ckv.config import ConfigError
 from ckv.eval import LookupSpec, RunOptions, build_task, evaluate, load_ckv_model
+from ckv.eval.lookup import lookup_summary
 from ckv.eval.mitigation import MitigationSpec, config_cost, plan_mitigation, spread_shifts
 from ckv.eval.models import CkvLastLogits
 from ckv.eval.registry import task_type
@@ -205,6 +206,9 @@ def test_other_rules_from_the_same_runs_are_their_own_evaluations(runs, tmp_path
     assert both["headline"] == mean["headline"] and both["also"]["max_confidence"]["headline"] == most["headline"]
     assert both["mitigation"]["cost"] == mean["mitigation"]["cost"] and "also" not in mean
     assert both["mitigation"]["settings"]["also"] == ["max_confidence"]
+    lines = lookup_summary(both)
+    at = lines.index("combined by max_confidence (the same runs):")
+    assert lines[:at] == lookup_summary(mean) and lines[at + 1 :] == [f"  {x}" for x in lookup_summary(most)]
 
 
 # ---- dual-offset compression -----------------------------------------------------------------------------------

@@ -443,6 +443,8 @@ def lookup_summary(report: dict) -> list[str]:
         per = "  ".join(f"{g['group']}: {percent(g['accuracy'])}" for g in phases["groups"])
         lines += [f"accuracy per phase (mod {report['stride']}, %): {per}", *gap_lines(phases, "phase")]
     lines += gap_lines(report["residue"], f"residue (mod {report['modulus']})")[:1]
+    for rule, other in (report.get("also") or {}).items():  # the shift ensemble's other combine rules
+        lines += [f"combined by {rule} (the same runs):", *(f"  {line}" for line in lookup_summary(other))]
     return lines
 
 
