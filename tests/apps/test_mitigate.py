@@ -76,6 +76,13 @@ def test_a_label_scored_from_another_evaluations_runs_reads_its_rule():
         with pytest.raises(ValueError, match="has no results of combine rule max_confidence"):
             e.report({"headline": 0})
         assert evals[(padding, "shift_mean")].report({"headline": 0}) == {"headline": 0}
+    order = [e.mitigation for e in mitigate.evaluations(STUDY) if e.padding == "prefix"]
+    assert order.index("shift_max") == order.index("shift_mean") + 1  # beside the evaluation it reads
+    broken = STUDY.__class__(
+        **{**STUDY.__dict__, "params": {**STUDY.params, "also": {"x": ["nope", "max_confidence"]}}}
+    )
+    with pytest.raises(ValueError, match=r"params.also.x reads evaluation\(s\) \['prefix_nope', 'in_sequence_nope'\]"):
+        mitigate.evaluations(broken)
 
 
 def write_csv(path: Path, correct: np.ndarray, modulus: int) -> Path:

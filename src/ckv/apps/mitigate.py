@@ -79,18 +79,19 @@ class Evaluation:
 
 
 def evaluations(study: Study) -> list[Evaluation]:
-    """The study's evaluations by padding (``params.paddings``) and mitigation label (the key's rest), then the
-    labels scored from another evaluation's runs (``params.also``: label -> [that evaluation's label, its rule]),
-    in each padding."""
+    """The study's evaluations by padding (``params.paddings``) and mitigation label (the key's rest), each followed
+    by the labels scored from its runs (``params.also``: label -> [that evaluation's label, its rule])."""
     paddings, out = study.params["paddings"], []
+    also = study.params.get("also") or {}
+    for label, (source, _) in also.items():
+        missing = [f"{p}_{source}" for p in paddings if f"{p}_{source}" not in study.evals]
+        if missing:
+            raise ValueError(f"params.also.{label} reads evaluation(s) {missing}, which the study lacks")
     for key in study.evals:
         padding = next(p for p in paddings if key == p or key.startswith(p + "_"))
-        out.append(Evaluation(key, padding, key[len(padding) + 1 :] or NONE))
-    for label, (source, rule) in (study.params.get("also") or {}).items():
-        for padding in paddings:
-            if f"{padding}_{source}" not in study.evals:
-                raise ValueError(f"params.also.{label} reads evaluation {padding}_{source}, which the study lacks")
-            out.append(Evaluation(f"{padding}_{source}", padding, label, rule))
+        own = key[len(padding) + 1 :] or NONE
+        out.append(Evaluation(key, padding, own))
+        out += [Evaluation(key, padding, label, rule) for label, (source, rule) in also.items() if source == own]
     return out
 
 
