@@ -21,7 +21,6 @@ prefill FLOPs ratio, one point per model x mitigation x padding.
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from ckv.eval.mitigation import config_cost, plan_mitigation
 from ckv.eval.plots import plot_gain_vs_cost
 from ckv.eval.stats import StatsOptions
 from ckv.eval.summary import results_file
-from ckv.io.results import RESULTS_CSV, read_json
+from ckv.io.results import RESULTS_CSV, read_int_columns, read_json
 from ckv.train.plan import compose_train_config, model_config
 
 NONE = "none"
@@ -95,11 +94,6 @@ def evaluations(study: Study) -> list[Evaluation]:
     return out
 
 
-def _column(path: Path, name: str) -> np.ndarray:
-    with open(path, newline="") as f:
-        return np.array([int(float(r[name])) for r in csv.DictReader(f)], dtype=np.int64)
-
-
 def paired(
     base_csv: Path,
     other_csv: Path,
@@ -114,10 +108,11 @@ def paired(
     interval and the mean's one-sided lower bound, from the same bootstrap replicates (``paired_replicates``), and
     whether the mitigated one works."""
     cols = ("base", "shift", "target_position", "residue")
-    if any(not np.array_equal(_column(base_csv, c), _column(other_csv, c)) for c in cols):
+    base, other = read_int_columns(base_csv, (*cols, "correct")), read_int_columns(other_csv, (*cols, column))
+    if any(not np.array_equal(base[c], other[c]) for c in cols):
         raise ValueError(f"{other_csv} does not score the prompts of {base_csv}: no paired difference")
-    groups, clusters = _column(base_csv, "residue"), _column(base_csv, "base")
-    correct = [_column(base_csv, "correct"), _column(other_csv, column)]
+    groups, clusters = base["residue"], base["base"]
+    correct = [base["correct"], other[column]]
     boot = paired_replicates(correct, groups, modulus, clusters, options)  # (n_bootstrap, 2, groups)
     observed = np.stack([[c[groups == g].mean() for g in range(modulus)] for c in correct])  # (2, groups)
     worst = boot.min(-1)[:, 1] - boot.min(-1)[:, 0]
@@ -320,16 +315,19 @@ def costs(study: Study) -> list[dict]:
             lookup_format=fmt,
             config=config,
         )
+        by_key: dict[str, dict] = {}  # a label read from another evaluation's runs (params.also) costs what it costs
         for e in evaluations(study):
             if e.mitigation == NONE:
                 continue
-            overrides = [f"task={run.task or study.task}", *run.eval_overrides, *study.evals[e.key]]
-            with initialize_config_dir(config_dir=str(ROOT / "conf" / "eval"), version_base="1.3"):
-                c = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
-            spec, options = task_from_dict(c["task"]), RunOptions(mitigation=c["mitigation"])
-            kind = task_type(spec)
-            built = kind.build(spec, facts, 1)
-            cost = config_cost(plan_mitigation(options.mitigation, kind, facts, built), config) or {}
+            if e.key not in by_key:
+                overrides = [f"task={run.task or study.task}", *run.eval_overrides, *study.evals[e.key]]
+                with initialize_config_dir(config_dir=str(ROOT / "conf" / "eval"), version_base="1.3"):
+                    c = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+                spec, options = task_from_dict(c["task"]), RunOptions(mitigation=c["mitigation"])
+                kind = task_type(spec)
+                built = kind.build(spec, facts, 1)
+                by_key[e.key] = config_cost(plan_mitigation(options.mitigation, kind, facts, built), config) or {}
+            cost = by_key[e.key]
             out.append(
                 {"label": run.label, "stride": facts.stride, "evaluation": f"{e.padding}_{e.mitigation}", **cost}
             )

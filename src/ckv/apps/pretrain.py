@@ -11,7 +11,6 @@ interval is a cluster bootstrap over the mappings that resamples both at once (`
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 from typing import Optional
 
@@ -44,7 +43,7 @@ from ckv.apps.study_run import eval_names
 from ckv.eval.plots import plot_residue_curves
 from ckv.eval.stats import StatsOptions
 from ckv.io.layout import eval_dir, read_run_config
-from ckv.io.results import RESULTS_CSV, read_json
+from ckv.io.results import RESULTS_CSV, read_int_columns, read_json
 
 TASK_TRAINED = "task_trained"  # make paper's recipe: the rows the three questions compare with
 BOUNDARY_ROLES = ("baseline", "kv8", "no_rope")  # W = S scalar gates: the weakest phase should be S - 1
@@ -57,9 +56,7 @@ def outcomes(d: dict, task_name: str) -> Optional[dict[str, np.ndarray]]:
     path = eval_dir(d["dir"], task_name) / RESULTS_CSV
     if not path.is_file():
         return None
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    cols = {k: np.asarray([int(r[k]) for r in rows], dtype=np.int64) for k in ("base", "shift", "residue", "correct")}
+    cols = read_int_columns(path, ("base", "shift", "residue", "correct"))
     order = np.lexsort((cols["shift"], cols["base"]))
     return {k: v[order] for k, v in cols.items()}
 

@@ -127,8 +127,6 @@ def score_next_token(
     rules = (combine, *also)
     for rule in rules:
         check_choice("combine", rule, COMBINES)
-    if len(set(rules)) < len(rules):
-        raise ValueError(f"combine rules {list(rules)} repeat one")
     lengths = prompt_lengths(prompts)
     if any(not np.array_equal(prompt_lengths(v), lengths) for v in variants):
         raise ValueError("every variant of a prompt must have its length")
@@ -146,8 +144,9 @@ def score_next_token(
                 logits = model(ids)
                 logits = logits[:, -1] if logits.dim() == 3 else logits  # (B, V)
                 runs.append(torch.log_softmax(logits.float(), dim=-1))
+            stacked = torch.stack(runs) if variants else None  # (k, B, V)
             for rule in rules:
-                logp = runs[0] if not variants else combine_runs(torch.stack(runs), rule)
+                logp = runs[0] if stacked is None else combine_runs(stacked, rule)
                 top1[rule][idx] = logp.argmax(-1).cpu().numpy()
                 probs[rule][idx] = logp.gather(1, torch.as_tensor(cand[idx], device=logp.device)).exp().cpu().numpy()
             if not variants:

@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -60,3 +61,14 @@ def write_csv(path: PathLike, rows: list[dict]) -> Path:
         w.writeheader()
         w.writerows(to_jsonable(rows))
     return p
+
+
+def read_int_columns(path: PathLike, names: Sequence[str]) -> dict[str, np.ndarray]:
+    """The integer columns ``names`` of a ``results.csv`` (P,) each, read in one pass (``ValueError`` naming a
+    missing column)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    missing = [n for n in names if rows and n not in rows[0]]
+    if missing:
+        raise ValueError(f"{path} has no column(s) {missing}")
+    return {n: np.array([int(float(r[n])) for r in rows], dtype=np.int64) for n in names}
