@@ -39,7 +39,7 @@ def test_the_dry_run_lists_the_runs_their_twins_and_the_checkpoint_evaluations(c
     assert checkpoint and all("model.step=<step>" in x and "task.padding=prefix" in x for x in checkpoint)
     picked = {x.split()[1] for x in checkpoint}
     assert picked == {r.label for r in STUDY.runs if STUDY.checkpoints.applies_to(r)}
-    assert {"full_kv1/seed=42", "deepseek_w8s4/seed=42", "w8s8/seed=44"} <= picked
+    assert {"full_kv1/seed=42", "deepseek_w8s4/seed=42", "w4s4/seed=44"} <= picked
     assert not any(x.startswith("paper_") for x in picked)
 
 
@@ -218,14 +218,14 @@ def test_quick_pretrain_pairs_a_pretrained_run_with_its_task_trained_row_and_eva
     evaluated, the baseline's gap paired with its task-trained row's (the designs match: the pretrained prompt opens
     with the end-of-document token where the synthetic layout has its bos), each kept checkpoint of the runs the
     study's ``checkpoints`` names evaluated, the claims and both figures written."""
-    proc = run_quick("ckv.apps.study", tmp_path, "pretrain", "--runs", "full_kv1/*,w8s8/seed=42,paper_w8s8/seed=42")
-    table = next(line for line in proc.stdout.splitlines() if line.startswith("w8s8/seed=42") and "prefix" in line)
-    assert "paper_w8s8" in table and table.count("n/a") == 0  # the task-trained gap and the paired difference
-    for label in ("full_kv1/seed=42", "w8s8/seed=42"):
+    proc = run_quick("ckv.apps.study", tmp_path, "pretrain", "--runs", "full_kv1/*,w4s4/seed=42,paper_w4s4/seed=42")
+    table = next(line for line in proc.stdout.splitlines() if line.startswith("w4s4/seed=42") and "prefix" in line)
+    assert "paper_w4s4" in table and table.count("n/a") == 0  # the task-trained gap and the paired difference
+    for label in ("full_kv1/seed=42", "w4s4/seed=42"):
         run = next(r for r in STUDY.runs if r.label == label)
         for step, results, _ in checkpoint_commands(STUDY, run, tmp_path, True):
             assert results.is_file(), (label, step)
     assert (tmp_path / "pretrain_curves.png").is_file() and (tmp_path / "pretrain_emergence.png").is_file()
     claims = [line for line in proc.stdout.splitlines() if line.startswith("  [")]
     assert any("precondition: every full-attention control learned" in line for line in claims)
-    assert sum("the weakest phase group is the boundary phase" in line for line in claims) == 2  # w8s8, both paddings
+    assert sum("the weakest phase group is the boundary phase" in line for line in claims) == 2  # w4s4, both paddings
