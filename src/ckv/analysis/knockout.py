@@ -14,7 +14,6 @@ models, Qwen-like HF models).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ from ckv.eval.lookup import LookupOutcome, LookupTask
 from ckv.eval.scoring import score_next_token
 from ckv.eval.stats import group_accuracy, with_cluster_intervals
 from ckv.geometry import phase
-from ckv.io.results import write_csv
+from ckv.io.results import read_int_columns, write_csv
 
 log = logging.getLogger(__name__)
 UNIT_KINDS = ("layers", "heads")
@@ -256,15 +255,14 @@ def effect_table(units: list[dict], residue_effect: np.ndarray, stride: int) -> 
 
 def table_from_prompts(result: dict, path: Path) -> Optional[dict]:
     """Rebuild ``result["table"]`` of a knock-out result from its per-prompt file ``path`` (``PROMPTS_FILE``)."""
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    residue = np.array([int(r["residue"]) for r in rows])
+    labels = [u["label"] for u in result["units"]]
+    cols = read_int_columns(path, ("residue", "clean", *labels))
 
     def accuracy(column: str) -> np.ndarray:
-        return group_accuracy(np.array([int(r[column]) for r in rows]), residue, result["modulus"]).accuracy
+        return group_accuracy(cols[column], cols["residue"], result["modulus"]).accuracy
 
     clean = accuracy("clean")
-    effects = np.stack([relative_change(clean, accuracy(u["label"])) for u in result["units"]])
+    effects = np.stack([relative_change(clean, accuracy(label)) for label in labels])
     return effect_table(result["units"], effects, result["stride"])
 
 
