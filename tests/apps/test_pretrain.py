@@ -5,17 +5,19 @@ criteria read from the study), the paired differences against the task-trained r
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ckv.analysis import plots as analysis_plots
-from ckv.apps import pretrain, study_config
+from ckv.apps import pretrain, study_config, study_run
 from ckv.apps.study import main
 from ckv.apps.study_config import Run, load_study
 from ckv.apps.study_run import checkpoint_commands
 from ckv.checks import ConfigError
+from ckv.io.layout import STATE_FILE
 from tests.helpers import kept_figures
 
 from .helpers import claim_row, run_quick
@@ -37,18 +39,25 @@ def test_the_dry_run_lists_the_runs_their_twins_and_the_checkpoint_evaluations(c
     assert all(roles[t] == pretrain.TASK_TRAINED for t in STUDY.params["task_trained"].values())
     checkpoint = [x for x in lines if "of every kept checkpoint" in x]
     assert checkpoint and all("model.step=<step>" in x and "task.padding=prefix" in x for x in checkpoint)
+    assert all(x.endswith("limit=144 model.step=<step>") for x in checkpoint)  # the key's overrides, last
     picked = {x.split()[1] for x in checkpoint}
     assert picked == {r.label for r in STUDY.runs if STUDY.checkpoints.applies_to(r)}
     assert {"full_kv1/seed=42", "deepseek_w8s4/seed=42", "w4s4/seed=44"} <= picked
     assert not any(x.startswith("paper_") for x in picked)
+    # the filler-length probe on every pretrained run (a control's phases mod W4/S4's stride), no task-trained twin
+    probed = {x.split()[1].rstrip(":"): x for x in lines if x.startswith("probe ")}
+    assert set(probed) == {r.label for r in STUDY.runs if r.role != pretrain.TASK_TRAINED}
+    assert all("task=probe_bible" in x for x in probed.values()) and "task.stride=4" in probed["full_kv1/seed=42"]
+    assert lines[-1].endswith(f"{len(STUDY.runs)} runs, {3 * len(STUDY.runs) + 4 + len(probed)} jobs")
 
 
 @pytest.mark.parametrize(
     ("checkpoints", "message"),
     [
-        ("{runs: [], eval: prefix}", "checkpoints takes runs (a list of label patterns) and eval"),
+        ("{runs: [], eval: prefix}", "checkpoints takes runs (a list of label patterns), eval and optionally"),
         ("{runs: ['a/*'], eval: nothing}", "checkpoints.eval='nothing' is not one of the study's evaluations"),
-        ("{runs: ['a/*'], every: 2}", "checkpoints takes runs (a list of label patterns) and eval"),
+        ("{runs: ['a/*'], every: 2}", "checkpoints takes runs (a list of label patterns), eval and optionally"),
+        ("{runs: ['a/*'], overrides: {limit: 2}}", "checkpoints: overrides are a list of strings"),
     ],
 )
 def test_a_bad_checkpoints_key_is_one_line(tmp_path, monkeypatch, checkpoints: str, message: str) -> None:
@@ -60,6 +69,83 @@ def test_a_bad_checkpoints_key_is_one_line(tmp_path, monkeypatch, checkpoints: s
     with pytest.raises(ConfigError) as err:
         load_study("s")
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("probes", "message"),
+    [
+        ("{runs: ['a/*']}", "probes.task=None is not a task of conf/eval/task; known: ["),
+        ("{runs: ['a/*'], task: nothing}", "probes.task='nothing' is not a task of conf/eval/task"),
+        ("{runs: [], task: probe_bible}", "probes takes runs (a list of label patterns) and task"),
+        ("{runs: ['a/*'], task: probe_bible, eval: x}", "probes takes runs (a list of label patterns) and task"),
+    ],
+)
+def test_a_bad_probes_key_is_one_line(tmp_path, monkeypatch, probes: str, message: str) -> None:
+    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
+    (tmp_path / "s.yaml").write_text(f"out: o\nruns: [{{experiment: cpu_smoke, role: x}}]\nprobes: {probes}\n")
+    with pytest.raises(ConfigError) as err:
+        load_study("s")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def probe_report(top1: list[bool], best: list[bool], stride: int = 4) -> dict:
+    """A constructed probe report (``ckv.eval.probe``'s keys the study's table reads) over ``len(top1)`` lengths."""
+    phases = [
+        {"phase": ph, "expected_top1_share": float(np.mean(top1[ph::stride]))} for ph in range(min(stride, len(top1)))
+    ]
+    headline = {
+        "expected_top1_share": float(np.mean(top1)),
+        "expected_best_share": float(np.mean(best)),
+        "dominant_period": stride,
+    }
+    return {
+        "stride": stride,
+        "flips": int(np.sum(np.diff(top1) != 0)),
+        "labels": [" Bethel", " Luz"],
+        "lengths": [{} for _ in top1],
+        "phases": phases,
+        "headline": headline,
+        "periodicity": {"score": 0.9, "chance": 0.13, "dominant_p_value": 0.004},
+    }
+
+
+def test_the_probe_table_reads_each_pretrained_runs_probe() -> None:
+    top1 = [True, True, True, False] * 6
+    done = [
+        {"run": Run("pretrain_cpu", 42, "baseline", name="w4s4"), "probe": probe_report(top1, [True] * 24)},
+        {"run": Run("paper_cpu", 42, pretrain.TASK_TRAINED, name="paper_w4s4")},  # no probe: no row
+    ]
+    lines, record = pretrain.probe_lines(STUDY, done)
+    assert "task=probe_bible: 24 filler lengths; ' Bethel' expected, ' Luz' the other candidates" in lines[0]
+    rows = [x for x in lines if x.startswith("  w4s4/seed=42")]
+    assert len(rows) == 1 and not any("paper_w4s4" in x for x in lines)
+    assert rows[0].split()[1:4] == ["4", "11", "75.0%"] and "100 100 100   0" in rows[0]
+    assert "100.0%" in rows[0] and "0.90 (0.13)" in rows[0] and "4 (p=0.004)" in rows[0]
+    assert record == {
+        "w4s4/seed=42": {
+            "stride": 4,
+            "flips": 11,
+            "expected_top1_share": 0.75,
+            "expected_best_share": 1.0,
+            "per_phase": {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.0},
+            "periodicity": {"score": 0.9, "chance": 0.13, "dominant_p_value": 0.004},
+        }
+    }
+    assert pretrain.probe_lines(STUDY, done[1:]) == ([], {})
+
+
+def test_a_quick_study_keeps_its_own_limit_on_the_checkpoint_evaluations(tmp_path) -> None:
+    run = next(r for r in STUDY.runs if r.label == "w4s4/seed=42")
+    study = dataclasses.replace(
+        STUDY, checkpoints=study_config.CheckpointEvals(("w4s4/*",), "prefix", ("limit=144", "stats.ci=0.9"))
+    )
+    assert study_run.checkpoint_overrides(study, quick=False) == ("limit=144", "stats.ci=0.9")
+    assert study_run.checkpoint_overrides(study, quick=True) == ("stats.ci=0.9",)  # quick's limit=64 stays
+    step_dir = tmp_path / "runs" / "w4s4" / "seed=42" / "checkpoints" / "step_00000250"
+    (step_dir / "weights").mkdir(parents=True)
+    (step_dir / STATE_FILE).write_text("{}")  # a complete checkpoint, as list_checkpoints reads one
+    found = study_run.checkpoint_commands(study, run, tmp_path, quick=False)
+    assert [c[-3:] for _, _, c in found] == [["limit=144", "stats.ci=0.9", "model.step=250"]]
 
 
 def test_checkpoint_evaluations_apply_to_the_runs_their_patterns_match() -> None:
@@ -229,3 +315,7 @@ def test_quick_pretrain_pairs_a_pretrained_run_with_its_task_trained_row_and_eva
     claims = [line for line in proc.stdout.splitlines() if line.startswith("  [")]
     assert any("precondition: every full-attention control learned" in line for line in claims)
     assert sum("the weakest phase group is the boundary phase" in line for line in claims) == 2  # w4s4, both paddings
+    # the filler-length probe ran on the pretrained runs, not on the task-trained twin
+    probe = proc.stdout[proc.stdout.index("filler-length probe (task=probe_bible") :].splitlines()
+    assert all(any(x.startswith(f"  {lab} ") for x in probe) for lab in ("full_kv1/seed=42", "w4s4/seed=42"))
+    assert not any(x.startswith("  paper_w4s4") for x in probe)

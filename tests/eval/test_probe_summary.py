@@ -55,6 +55,8 @@ def test_probe_finds_period_of_a_phase_sensitive_model() -> None:
     assert rep["flips"] == 8
     shares = {p["phase"]: p["expected_top1_share"] for p in rep["phases"]}
     assert sorted(shares.values()) == [0.0, 1.0, 1.0, 1.0]
+    # off the boundary phase the target's value is also the more probable candidate; on it, the next record's
+    assert rep["headline"]["expected_best_share"] == pytest.approx(12 / 16)
 
 
 def test_probe_limit_and_context_errors() -> None:

@@ -296,9 +296,50 @@ def emergence(done: list[dict]) -> list[dict]:
     return series
 
 
+def probe_lines(study: Study, done: list[dict]) -> tuple[list[str], dict[str, dict]]:
+    """The filler-length probe's table (the study's ``probes``: every pretrained run, none of the task-trained twins,
+    whose synthetic vocabulary has no text): per run, its flips of the top-1 over the filler lengths, the share of
+    lengths whose top-1 is the expected answer (overall and per phase, filler tokens mod the run's stride), the share
+    where the expected answer is more probable than the other candidates, and the periodicity of its probability at
+    that stride against chance; and those numbers by run for the record. Descriptive: no claim reads it (the
+    criteria were committed before it joined the study)."""
+    runs = [d for d in done if "probe" in d]
+    if study.probes is None or not runs:
+        return [], {}
+    first = runs[0]["probe"]
+    lines = [
+        f"filler-length probe (task={study.probes.task}: {len(first['lengths'])} filler lengths; "
+        f"'{first['labels'][0]}' expected, {', '.join(repr(x) for x in first['labels'][1:])} the other candidates; "
+        "descriptive, not a claim):",
+        f"  {'run':<26} {'S':>2} {'flips':>5} {'top-1 = expected':>16}  per phase (%)            "
+        f"{'expected > others':>17}  periodicity (chance)  dominant period",
+    ]
+    record = {}
+    for d in runs:
+        r, h = d["probe"], d["probe"]["headline"]
+        per = " ".join(f"{100 * x['expected_top1_share']:3.0f}" for x in r["phases"])
+        pe = r["periodicity"] or {}
+        score = "n/a" if pe.get("score") is None else f"{pe['score']:.2f} ({pe['chance']:.2f})"
+        dom = "none" if h["dominant_period"] is None else f"{h['dominant_period']} (p={pe['dominant_p_value']:.3f})"
+        lines.append(
+            f"  {d['run'].label:<26} {r['stride']:>2} {r['flips']:>5} {pp(h['expected_top1_share']) + '%':>16}  "
+            f"{per:<24} {pp(h['expected_best_share']) + '%':>17}  {score:<21} {dom}"
+        )
+        record[d["run"].label] = {
+            "stride": r["stride"],
+            "flips": r["flips"],
+            "expected_top1_share": h["expected_top1_share"],
+            "expected_best_share": h["expected_best_share"],
+            "per_phase": {x["phase"]: x["expected_top1_share"] for x in r["phases"]},
+            "periodicity": pe,
+        }
+    return lines, record
+
+
 def report(study: Study, done: list[dict], out: Path, quick: bool) -> tuple[list[Check], dict]:
-    """Print and write (``<out>/pretrain_table.txt``) the table beside make paper's rows and the paper's, the claims
-    and the figures' paths; return the claims as checks and the figures for the record."""
+    """Print and write (``<out>/pretrain_table.txt``) the table beside make paper's rows and the paper's, the claims,
+    the filler-length probe's table and the figures' paths; return the claims as checks and the figures and probe
+    numbers for the record."""
     paper, why = read_paper(paper_path(study))
     roles = {r.label: r.role for r in study.runs}
     ids = study.params["paper_ids"]
@@ -312,6 +353,8 @@ def report(study: Study, done: list[dict], out: Path, quick: bool) -> tuple[list
     text = [table(rows, pretrained, compared, paper, ids)] + ([why] if why else [])
     checks = claims(study, claim_rows, roles, learned, compared, ranks)
     text += check_lines(checks, ("PASS", "FAIL", "undecided"))
+    probe, probes = probe_lines(study, done)
+    text += probe
     panels = curve_panels(done, pretrained, roles, ids, paper)
     paths = {"curves": str(plot_residue_curves(panels, out / "pretrain_curves.png"))}
     series = emergence(done)
@@ -320,4 +363,4 @@ def report(study: Study, done: list[dict], out: Path, quick: bool) -> tuple[list
     text += ["figures:", *(f"  {name}: {p}" for name, p in paths.items())]
     print("\n" + "\n".join(text) + "\n")
     (out / "pretrain_table.txt").write_text("\n".join(text) + "\n")
-    return checks, {"figures": paths}
+    return checks, {"figures": paths, **({"probes": probes} if probes else {})}

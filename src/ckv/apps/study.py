@@ -33,7 +33,10 @@ A study's YAML (``Study``; every key optional but ``out``):
     analyses:               # eval.py analysis=<name> (conf/eval/analysis/) on the first evaluation of every finished
       knockout: {roles: [baseline], eval: [analysis.units=layers]}   # run of these roles (none: every run)
     checkpoints:            # one of the evaluations repeated on every kept checkpoint of the runs whose label
-      {runs: ["w8s8/*"], eval: prefix}     # matches (model.step=<step>): the numbers over training
+      {runs: ["w8s8/*"], eval: prefix, overrides: [limit=144]}   # matches (model.step=<step>), overrides added:
+                                                                  # the numbers over training
+    probes:                 # a second eval.py task run once on every finished run whose label matches (its
+      {runs: ["w8s8/*"], task: probe_bible}   # results in the run's eval/<task>/), e.g. the filler-length probe
 
 The generic command runs any of them: ``python -m ckv.apps.study NAME [--quick] [--out DIR] [--workers N]
 [--scale S] [--runs PATTERN,...] [--dry-run]`` (``main``; ``NAME``: a YAML of ``conf/study/`` by its name, never a
@@ -65,11 +68,14 @@ from ckv.apps.study_config import Study, default_workers, known_studies, load_st
 from ckv.apps.study_results import exit_code, run_records, table, write_study_record
 from ckv.apps.study_run import (
     analysis_command,
+    checkpoint_overrides,
     eval_commands,
     eval_names,
+    probe_command,
     run_analyses,
     run_checkpoint_evals,
     run_plan,
+    run_probe_evals,
     start,
     train_command,
 )
@@ -146,14 +152,22 @@ def dry_run(study: Study, out: Path, quick: bool) -> list[str]:
         if study.checkpoints is not None and study.checkpoints.applies_to(run):
             key = study.checkpoints.eval
             cmd = eval_commands(run, out, quick, study.task, study.evals)[key][1]
-            lines.append(f"eval  {run.label} [{key}] of every kept checkpoint: {' '.join(cmd)} model.step=<step>")
+            extra = " ".join((*checkpoint_overrides(study, quick), "model.step=<step>"))
+            lines.append(f"eval  {run.label} [{key}] of every kept checkpoint: {' '.join(cmd)} {extra}")
+        if study.probes is not None and study.probes.applies_to(run):
+            lines.append(f"probe {run.label}: {' '.join(probe_command(study, run, out, quick)[1])}")
     return lines
 
 
 def n_jobs(study: Study) -> int:
-    """How many jobs the study runs: per run, its training, its evaluations and the analyses of its role."""
+    """How many jobs the study runs: per run, its training, its evaluations, the analyses of its role and its probe
+    (checkpoint evaluations not counted: how many depends on the checkpoints kept)."""
     per_run = 1 + len(eval_names(study.task, study.evals))
-    return sum(per_run + sum(a.applies_to(r) for a in study.analyses) for r in study.runs)
+    probes = study.probes
+    return sum(
+        per_run + sum(a.applies_to(r) for a in study.analyses) + (probes is not None and probes.applies_to(r))
+        for r in study.runs
+    )
 
 
 def study_report(study: Study) -> Optional[Any]:
@@ -223,6 +237,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ok = [d for d in done if "error" not in d]
     analyses = run_analyses(study, ok, out, args.quick, workers, env, clock)
     run_checkpoint_evals(study, ok, out, args.quick, workers, env, clock)
+    run_probe_evals(study, ok, out, args.quick, workers, env, clock)
     for key in eval_names(study.task, study.evals):
         print(f"\n{key}:\n" + table([{**d, "results": d["evaluations"][key]} for d in ok]))
     checks, extra = report(study, ok, out, args.quick) if report is not None and ok else ([], {})

@@ -23,6 +23,7 @@ from ckv.train.plan import compose_train_config, model_config
 ROOT = Path(__file__).resolve().parents[3]  # the checkout: train.py, eval.py and conf/ live here
 STUDY_DIR = ROOT / "conf" / "study"
 ANALYSIS_DIR = ROOT / "conf" / "eval" / "analysis"  # eval.py's analyses (analysis=<name>)
+TASK_DIR = ROOT / "conf" / "eval" / "task"  # eval.py's tasks (task=<name>)
 TASK = "demo_lookup"  # the lookup task of every study so far (a study's ``task`` key)
 STUDY_KEYS = {
     "base",
@@ -40,11 +41,13 @@ STUDY_KEYS = {
     "report",
     "analyses",
     "checkpoints",
+    "probes",
 }
 SCALE_KEYS = {"params", "train", "eval", "launcher"}
 RUN_KEYS = {"experiment", "role", "name", "train", "eval", "entry", "seeds", "phase_of", "task"}
 ANALYSIS_KEYS = {"roles", "eval"}
-CHECKPOINT_KEYS = {"runs", "eval"}
+CHECKPOINT_KEYS = {"runs", "eval", "overrides"}
+PROBE_KEYS = {"runs", "task"}
 
 
 @dataclass(frozen=True)
@@ -79,16 +82,32 @@ class Analysis:
 
 
 @dataclass(frozen=True)
-class CheckpointEvals:
-    """A study's ``checkpoints``: its evaluation ``eval`` (a name of its ``evals``, or its task without ``evals``)
-    repeated on every kept checkpoint of each finished run whose label matches one of ``runs`` (fnmatch patterns):
-    how the measured numbers grow over training."""
+class RunPatterns:
+    """A study key that applies to the runs whose label matches one of ``runs`` (fnmatch patterns)."""
 
     runs: tuple[str, ...]
-    eval: str
 
     def applies_to(self, run: Run) -> bool:
         return any(fnmatch.fnmatchcase(run.label, p) for p in self.runs)
+
+
+@dataclass(frozen=True)
+class CheckpointEvals(RunPatterns):
+    """A study's ``checkpoints``: its evaluation ``eval`` (a name of its ``evals``, or its task without ``evals``)
+    repeated on every kept checkpoint of each finished run ``runs`` matches, with ``overrides`` added (e.g. a
+    ``limit`` on the prompts: a trajectory costs less than a verdict): how the measured numbers grow over training."""
+
+    eval: str = ""
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProbeEvals(RunPatterns):
+    """A study's ``probes``: a second ``eval.py`` task (``task``, a YAML of conf/eval/task/, e.g. the filler-length
+    probe ``probe_bible``) run once on each finished run ``runs`` matches, beside the study's own evaluations (its
+    results in the run's ``eval/<task>/``; the run's eval overrides, e.g. a control's ``task.stride``, apply)."""
+
+    task: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,7 @@ class Study:
     launcher: str = ""  # the chosen scale's Hydra launcher (conf/hydra/launcher/): training is submitted through it
     analyses: tuple[Analysis, ...] = ()  # run after the evaluations (``run_analyses``)
     checkpoints: Optional[CheckpointEvals] = None  # evaluations of the runs' checkpoints (``run_checkpoint_evals``)
+    probes: Optional[ProbeEvals] = None  # a second task on some runs (``run_probe_evals``)
 
     def workers_for(self, n_runs: int) -> int:
         """Models trained at once when ``--workers`` is not given: ``workers`` (``all``: ``n_runs``), else
@@ -225,17 +245,37 @@ def _analyses(value: Any, where: str) -> tuple[Analysis, ...]:
 
 
 def _checkpoints(value: Any, evals: dict, task: str, where: str) -> Optional[CheckpointEvals]:
-    """A study's ``checkpoints``: ``{runs: [patterns], eval: <name of evals>}``."""
+    """A study's ``checkpoints``: ``{runs: [patterns], eval: <name of evals>, overrides: [eval.py overrides]}``."""
     if value is None:
         return None
     names = list(evals) or [task]
-    ok = isinstance(value, dict) and not set(value) - CHECKPOINT_KEYS and isinstance(value.get("runs"), list)
-    if not ok or not value["runs"] or not all(isinstance(p, str) and p for p in value["runs"]):
-        raise ConfigError(f"{where}: checkpoints takes runs (a list of label patterns) and eval; got {value!r}")
+    what = "runs (a list of label patterns), eval and optionally overrides"
+    runs = _patterns(value, CHECKPOINT_KEYS, "checkpoints", what, where)
     name = value.get("eval", names[0])
     if name not in names:
         raise ConfigError(f"{where}: checkpoints.eval={name!r} is not one of the study's evaluations {names}")
-    return CheckpointEvals(tuple(value["runs"]), name)
+    return CheckpointEvals(runs, name, _overrides(value.get("overrides"), f"{where} checkpoints"))
+
+
+def _patterns(value: Any, keys: set[str], key: str, what: str, where: str) -> tuple[str, ...]:
+    """The label patterns of a study key ``key`` that takes ``keys`` (``runs`` among them; ``what`` says what it
+    takes): a non-empty list of non-empty strings, else ``ConfigError`` (one line)."""
+    ok = isinstance(value, dict) and not set(value) - keys and isinstance(value.get("runs"), list)
+    if not ok or not value["runs"] or not all(isinstance(p, str) and p for p in value["runs"]):
+        raise ConfigError(f"{where}: {key} takes {what}; got {value!r}")
+    return tuple(value["runs"])
+
+
+def _probes(value: Any, where: str) -> Optional[ProbeEvals]:
+    """A study's ``probes``: ``{runs: [patterns], task: <a YAML of conf/eval/task/>}``."""
+    if value is None:
+        return None
+    runs = _patterns(value, PROBE_KEYS, "probes", "runs (a list of label patterns) and task", where)
+    task = value.get("task")
+    if not isinstance(task, str) or not (TASK_DIR / f"{task}.yaml").is_file():
+        known = sorted(p.stem for p in TASK_DIR.glob("*.yaml"))
+        raise ConfigError(f"{where}: probes.task={task!r} is not a task of conf/eval/task; known: {known}")
+    return ProbeEvals(runs, task)
 
 
 def load_study(name: str, scale: str = "") -> Study:
@@ -300,6 +340,7 @@ def load_study(name: str, scale: str = "") -> Study:
         checkpoints=_checkpoints(
             raw.get("checkpoints"), raw.get("evals") or {}, raw.get("task", TASK), f"conf/study/{name}.yaml"
         ),
+        probes=_probes(raw.get("probes"), f"conf/study/{name}.yaml"),
     )
 
 

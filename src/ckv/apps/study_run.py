@@ -7,11 +7,13 @@ checkpoint are reused (``is_current``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,6 +298,17 @@ def analysis_command(study: Study, run: Run, analysis: Analysis, out: Path, quic
     ]
 
 
+Outcome = tuple[tuple, Optional[dict], Optional[BaseException]]  # a pooled job, its result, its failure
+
+
+def _in_pool(jobs: list[tuple], one: Callable[..., dict], workers: int) -> list[Outcome]:
+    """``one(*job)`` for every job, ``workers`` at a time: ``(job, result, exception)`` per job in order (a failed
+    job's result is None; the others go on)."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(one, *job) for job in jobs]
+    return [(job, None if f.exception() else f.result(), f.exception()) for job, f in zip(jobs, futures)]
+
+
 def run_analyses(
     study: Study, done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer
 ) -> list[dict]:
@@ -319,27 +332,33 @@ def run_analyses(
         return {**record, "file": str(path)}
 
     jobs = [(d, a) for d in done for a in study.analyses if a.applies_to(d["run"])]
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(one, d, a) for d, a in jobs]
     records = []
-    for (d, a), fut in zip(jobs, futures):
-        if fut.exception() is None:
-            records.append(fut.result())
+    for (d, a), result, error in _in_pool(jobs, one, workers):
+        if error is None:
+            records.append(result)
         else:
-            print(f"[{clock}] {d['run'].label}: {a.name} FAILED ({str(fut.exception()).splitlines()[0]})", flush=True)
-            records.append({"label": d["run"].label, "analysis": a.name, "error": str(fut.exception())})
+            print(f"[{clock}] {d['run'].label}: {a.name} FAILED ({str(error).splitlines()[0]})", flush=True)
+            records.append({"label": d["run"].label, "analysis": a.name, "error": str(error)})
         d.setdefault("analyses", {})[a.name] = records[-1]
     return records
 
 
+def checkpoint_overrides(study: Study, quick: bool) -> tuple[str, ...]:
+    """The study's ``checkpoints.overrides`` as its checkpoint evaluations take them: under ``quick`` those of keys
+    ``QUICK_EVAL`` sets are left out (a pipeline check keeps its own few prompts)."""
+    assert study.checkpoints is not None
+    quick_keys = {q.split("=", 1)[0] for q in QUICK_EVAL} if quick else set()
+    return tuple(o for o in study.checkpoints.overrides if o.split("=", 1)[0] not in quick_keys)
+
+
 def checkpoint_commands(study: Study, run: Run, out: Path, quick: bool) -> list[tuple[int, Path, list[str]]]:
     """For each kept checkpoint of ``run`` (already trained), ``(step, results file, eval.py command)`` of the study's
-    ``checkpoints.eval`` evaluation of that checkpoint (``model.step=<step>``; results in the checkpoint's own
-    ``eval/<task name>/``)."""
+    ``checkpoints.eval`` evaluation of that checkpoint with the key's ``overrides`` (``model.step=<step>``; results in
+    the checkpoint's own ``eval/<task name>/``)."""
     assert study.checkpoints is not None
     name, cmd = eval_commands(run, out, quick, study.task, study.evals)[study.checkpoints.eval]
     return [
-        (step, results_file(path, name), [*cmd, f"model.step={step}"])
+        (step, results_file(path, name), [*cmd, *checkpoint_overrides(study, quick), f"model.step={step}"])
         for step, path in list_checkpoints(run_dir(out, run))
     ]
 
@@ -363,16 +382,43 @@ def run_checkpoint_evals(
         run_unless_current(cmd, log_file(out, d["run"], f"eval_step{step}"), env, d["dir"], path)
         return read_json(path)["results"]
 
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(one, *job) for job in jobs]
-    for (d, step, _, _), fut in zip(jobs, futures):
-        if fut.exception() is not None:
-            print(
-                f"[{clock}] {d['run'].label} step {step}: FAILED ({str(fut.exception()).splitlines()[0]})", flush=True
-            )
+    for (d, step, _, _), result, error in _in_pool(jobs, one, workers):
+        if error is not None:
+            print(f"[{clock}] {d['run'].label} step {step}: FAILED ({str(error).splitlines()[0]})", flush=True)
             continue
-        d.setdefault("checkpoints", {})[step] = fut.result()
+        d.setdefault("checkpoints", {})[step] = result
     print(f"[{clock}] evaluated {len(jobs)} checkpoints", flush=True)
+
+
+def probe_command(study: Study, run: Run, out: Path, quick: bool) -> tuple[Path, list[str]]:
+    """The study's ``probes`` task on ``run``: its results file (the run's ``eval/<task>/``) and ``eval.py``'s
+    command line (the run's eval overrides, e.g. a control's ``task.stride``, included)."""
+    assert study.probes is not None
+    task = study.probes.task
+    _, cmd = eval_commands(dataclasses.replace(run, task=task), out, quick)[task]
+    return results_file(run_dir(out, run), task), cmd
+
+
+def run_probe_evals(
+    study: Study, done: list[dict], out: Path, quick: bool, workers: int, env: dict, clock: Timer
+) -> None:
+    """The study's ``probes`` task on the finished runs (``done``) it applies to, ``workers`` at a time (one still
+    current is not rerun); each report goes under its run's ``done`` record as ``probe``. A failed one is printed and
+    left out (the others go on)."""
+    if study.probes is None:
+        return
+    jobs = [(d, *probe_command(study, d["run"], out, quick)) for d in done if study.probes.applies_to(d["run"])]
+
+    def one(d: dict, path: Path, cmd: list[str]) -> dict:
+        run_unless_current(cmd, log_file(out, d["run"], f"eval_{study.probes.task}"), env, d["dir"], path)
+        return read_json(path)["results"]
+
+    for (d, _, _), result, error in _in_pool(jobs, one, workers):
+        if error is not None:
+            print(f"[{clock}] {d['run'].label} {study.probes.task}: FAILED ({str(error).splitlines()[0]})", flush=True)
+            continue
+        d["probe"] = result
+    print(f"[{clock}] {study.probes.task} on {len(jobs)} runs", flush=True)
 
 
 def start(study: Study, runs: tuple[Run, ...], out: Path, quick: bool, workers: int) -> tuple[Timer, dict]:

@@ -381,6 +381,7 @@ class ProbeTask:
             "flips": flips,
             "candidate_flips": int(np.sum(bst[1:] != bst[:-1])),
             "expected_top1_share": float(expected_top[kept].mean()),
+            "expected_best_share": float((bst == 0).mean()),  # lengths where it beats every other candidate
             "top1_by_length": {r["filler_tokens"]: r["top1_token"] if self.tokenizer else r["top1_id"] for r in rows},
             "dominant_period": (periodicity or {}).get("dominant_period"),
             "non_canonical_lengths": left_out,
@@ -412,6 +413,8 @@ def probe_summary(report: dict) -> list[str]:
         f"({h['candidate_flips']} swaps of the candidates' order)",
         f"'{labels[0]}' is the top-1 at {100 * h['expected_top1_share']:.0f}% of lengths; per phase "
         f"(filler tokens mod {report['stride']}, %): {per}",
+        f"'{labels[0]}' is more probable than every other candidate at {100 * h['expected_best_share']:.0f}% of "
+        "lengths",
     ]
     per_ = report["periodicity"]
     if per_ is not None:
