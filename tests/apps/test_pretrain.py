@@ -52,37 +52,35 @@ def test_the_dry_run_lists_the_runs_their_twins_and_the_checkpoint_evaluations(c
 
 
 @pytest.mark.parametrize(
-    ("checkpoints", "message"),
+    ("key", "message"),
     [
-        ("{runs: [], eval: prefix}", "checkpoints takes runs (a list of label patterns), eval and optionally"),
-        ("{runs: ['a/*'], eval: nothing}", "checkpoints.eval='nothing' is not one of the study's evaluations"),
-        ("{runs: ['a/*'], every: 2}", "checkpoints takes runs (a list of label patterns), eval and optionally"),
-        ("{runs: ['a/*'], overrides: {limit: 2}}", "checkpoints: overrides are a list of strings"),
+        (
+            "checkpoints: {runs: [], eval: prefix}",
+            "checkpoints takes runs (a list of label patterns), eval and optionally",
+        ),
+        (
+            "checkpoints: {runs: ['a/*'], eval: nothing}",
+            "checkpoints.eval='nothing' is not one of the study's evaluations",
+        ),
+        (
+            "checkpoints: {runs: ['a/*'], every: 2}",
+            "checkpoints takes runs (a list of label patterns), eval and optionally",
+        ),
+        ("checkpoints: {runs: ['a/*'], overrides: {limit: 2}}", "checkpoints: overrides are a list of strings"),
+        ("probes: {runs: ['a/*']}", "probes.task=None is not a task of conf/eval/task; known: ["),
+        ("probes: {runs: ['a/*'], task: nothing}", "probes.task='nothing' is not a task of conf/eval/task"),
+        ("probes: {runs: [], task: probe_bible}", "probes takes runs (a list of label patterns) and task"),
+        (
+            "probes: {runs: ['a/*'], task: probe_bible, eval: x}",
+            "probes takes runs (a list of label patterns) and task",
+        ),
     ],
 )
-def test_a_bad_checkpoints_key_is_one_line(tmp_path, monkeypatch, checkpoints: str, message: str) -> None:
+def test_a_bad_checkpoints_or_probes_key_is_one_line(tmp_path, monkeypatch, key: str, message: str) -> None:
     monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
     (tmp_path / "s.yaml").write_text(
-        "out: o\nevals: {prefix: [task.padding=prefix]}\nruns: [{experiment: cpu_smoke, role: x}]\n"
-        f"checkpoints: {checkpoints}\n"
+        f"out: o\nevals: {{prefix: [task.padding=prefix]}}\nruns: [{{experiment: cpu_smoke, role: x}}]\n{key}\n"
     )
-    with pytest.raises(ConfigError) as err:
-        load_study("s")
-    assert message in str(err.value) and "\n" not in str(err.value)
-
-
-@pytest.mark.parametrize(
-    ("probes", "message"),
-    [
-        ("{runs: ['a/*']}", "probes.task=None is not a task of conf/eval/task; known: ["),
-        ("{runs: ['a/*'], task: nothing}", "probes.task='nothing' is not a task of conf/eval/task"),
-        ("{runs: [], task: probe_bible}", "probes takes runs (a list of label patterns) and task"),
-        ("{runs: ['a/*'], task: probe_bible, eval: x}", "probes takes runs (a list of label patterns) and task"),
-    ],
-)
-def test_a_bad_probes_key_is_one_line(tmp_path, monkeypatch, probes: str, message: str) -> None:
-    monkeypatch.setattr(study_config, "STUDY_DIR", tmp_path)
-    (tmp_path / "s.yaml").write_text(f"out: o\nruns: [{{experiment: cpu_smoke, role: x}}]\nprobes: {probes}\n")
     with pytest.raises(ConfigError) as err:
         load_study("s")
     assert message in str(err.value) and "\n" not in str(err.value)
