@@ -68,7 +68,7 @@ from ckv.apps.study_config import Study, default_workers, known_studies, load_st
 from ckv.apps.study_results import exit_code, run_records, table, write_study_record
 from ckv.apps.study_run import (
     analysis_command,
-    checkpoint_overrides,
+    checkpoint_command,
     eval_commands,
     eval_names,
     probe_command,
@@ -150,10 +150,8 @@ def dry_run(study: Study, out: Path, quick: bool) -> list[str]:
                     f"analyse {run.label} [{a.name}]: {' '.join(analysis_command(study, run, a, out, quick)[1])}"
                 )
         if study.checkpoints is not None and study.checkpoints.applies_to(run):
-            key = study.checkpoints.eval
-            cmd = eval_commands(run, out, quick, study.task, study.evals)[key][1]
-            extra = " ".join((*checkpoint_overrides(study, quick), "model.step=<step>"))
-            lines.append(f"eval  {run.label} [{key}] of every kept checkpoint: {' '.join(cmd)} {extra}")
+            cmd = checkpoint_command(study, run, out, quick, "<step>")[1]
+            lines.append(f"eval  {run.label} [{study.checkpoints.eval}] of every kept checkpoint: {' '.join(cmd)}")
         if study.probes is not None and study.probes.applies_to(run):
             lines.append(f"probe {run.label}: {' '.join(probe_command(study, run, out, quick)[1])}")
     return lines

@@ -351,16 +351,42 @@ def checkpoint_overrides(study: Study, quick: bool) -> tuple[str, ...]:
     return tuple(o for o in study.checkpoints.overrides if o.split("=", 1)[0] not in quick_keys)
 
 
-def checkpoint_commands(study: Study, run: Run, out: Path, quick: bool) -> list[tuple[int, Path, list[str]]]:
-    """For each kept checkpoint of ``run`` (already trained), ``(step, results file, eval.py command)`` of the study's
-    ``checkpoints.eval`` evaluation of that checkpoint with the key's ``overrides`` (``model.step=<step>``; results in
-    the checkpoint's own ``eval/<task name>/``)."""
+def checkpoint_command(study: Study, run: Run, out: Path, quick: bool, step: object) -> tuple[str, list[str]]:
+    """The study's ``checkpoints.eval`` evaluation of ``run`` at checkpoint ``step`` (a step, or a placeholder for
+    the dry run): its task name and ``eval.py`` command, the key's ``overrides`` (``checkpoint_overrides``) and
+    ``model.step=<step>`` added."""
     assert study.checkpoints is not None
     name, cmd = eval_commands(run, out, quick, study.task, study.evals)[study.checkpoints.eval]
-    return [
-        (step, results_file(path, name), [*cmd, *checkpoint_overrides(study, quick), f"model.step={step}"])
-        for step, path in list_checkpoints(run_dir(out, run))
-    ]
+    return name, [*cmd, *checkpoint_overrides(study, quick), f"model.step={step}"]
+
+
+def checkpoint_commands(study: Study, run: Run, out: Path, quick: bool) -> list[tuple[int, Path, list[str]]]:
+    """For each kept checkpoint of ``run`` (already trained), ``(step, results file, eval.py command)`` of
+    ``checkpoint_command`` (results in the checkpoint's own ``eval/<task name>/``)."""
+    found = []
+    for step, path in list_checkpoints(run_dir(out, run)):
+        name, cmd = checkpoint_command(study, run, out, quick, step)
+        found.append((step, results_file(path, name), cmd))
+    return found
+
+
+def _evaluate_in_pool(
+    jobs: list[tuple[dict, str, Path, list[str]]], out: Path, workers: int, env: dict, clock: Timer
+) -> list[Optional[dict]]:
+    """Each job ``(done record, stage, results file, eval.py command)`` run unless current (``run_unless_current``;
+    its log ``eval_<stage>``), ``workers`` at a time: each job's report in order, ``None`` for a failed one (printed;
+    the others go on)."""
+
+    def one(d: dict, stage: str, path: Path, cmd: list[str]) -> dict:
+        run_unless_current(cmd, log_file(out, d["run"], f"eval_{stage}"), env, d["dir"], path)
+        return read_json(path)["results"]
+
+    reports = []
+    for (d, stage, _, _), result, error in _in_pool(jobs, one, workers):
+        if error is not None:
+            print(f"[{clock}] {d['run'].label} {stage}: FAILED ({str(error).splitlines()[0]})", flush=True)
+        reports.append(result)
+    return reports
 
 
 def run_checkpoint_evals(
@@ -377,16 +403,10 @@ def run_checkpoint_evals(
         if study.checkpoints.applies_to(d["run"])
         for step, path, cmd in checkpoint_commands(study, d["run"], out, quick)
     ]
-
-    def one(d: dict, step: int, path: Path, cmd: list[str]) -> dict:
-        run_unless_current(cmd, log_file(out, d["run"], f"eval_step{step}"), env, d["dir"], path)
-        return read_json(path)["results"]
-
-    for (d, step, _, _), result, error in _in_pool(jobs, one, workers):
-        if error is not None:
-            print(f"[{clock}] {d['run'].label} step {step}: FAILED ({str(error).splitlines()[0]})", flush=True)
-            continue
-        d.setdefault("checkpoints", {})[step] = result
+    reports = _evaluate_in_pool([(d, f"step{step}", p, c) for d, step, p, c in jobs], out, workers, env, clock)
+    for (d, step, _, _), report in zip(jobs, reports):
+        if report is not None:
+            d.setdefault("checkpoints", {})[step] = report
     print(f"[{clock}] evaluated {len(jobs)} checkpoints", flush=True)
 
 
@@ -407,18 +427,12 @@ def run_probe_evals(
     left out (the others go on)."""
     if study.probes is None:
         return
-    jobs = [(d, *probe_command(study, d["run"], out, quick)) for d in done if study.probes.applies_to(d["run"])]
-
-    def one(d: dict, path: Path, cmd: list[str]) -> dict:
-        run_unless_current(cmd, log_file(out, d["run"], f"eval_{study.probes.task}"), env, d["dir"], path)
-        return read_json(path)["results"]
-
-    for (d, _, _), result, error in _in_pool(jobs, one, workers):
-        if error is not None:
-            print(f"[{clock}] {d['run'].label} {study.probes.task}: FAILED ({str(error).splitlines()[0]})", flush=True)
-            continue
-        d["probe"] = result
-    print(f"[{clock}] {study.probes.task} on {len(jobs)} runs", flush=True)
+    task, runs = study.probes.task, [d for d in done if study.probes.applies_to(d["run"])]
+    jobs = [(d, task, *probe_command(study, d["run"], out, quick)) for d in runs]
+    for d, report in zip(runs, _evaluate_in_pool(jobs, out, workers, env, clock)):
+        if report is not None:
+            d["probe"] = report
+    print(f"[{clock}] {task} on {len(jobs)} runs", flush=True)
 
 
 def start(study: Study, runs: tuple[Run, ...], out: Path, quick: bool, workers: int) -> tuple[Timer, dict]:
