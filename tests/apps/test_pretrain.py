@@ -132,13 +132,18 @@ def test_the_probe_table_reads_each_pretrained_runs_probe() -> None:
     assert pretrain.probe_lines(STUDY, done[1:]) == ([], {})
 
 
-def test_a_quick_study_keeps_its_own_limit_on_the_checkpoint_evaluations(tmp_path) -> None:
+def test_a_quick_study_keeps_its_own_limit_on_the_checkpoint_evaluations_and_analyses(tmp_path) -> None:
     run = next(r for r in STUDY.runs if r.label == "w4s4/seed=42")
     study = dataclasses.replace(
         STUDY, checkpoints=study_config.CheckpointEvals(("w4s4/*",), "prefix", ("limit=144", "stats.ci=0.9"))
     )
-    assert study_run.checkpoint_overrides(study, quick=False) == ("limit=144", "stats.ci=0.9")
-    assert study_run.checkpoint_overrides(study, quick=True) == ("stats.ci=0.9",)  # quick's limit=64 stays
+    assert study_run.past_quick(("limit=144", "stats.ci=0.9"), quick=False) == ("limit=144", "stats.ci=0.9")
+    assert study_run.past_quick(("limit=144", "stats.ci=0.9"), quick=True) == ("stats.ci=0.9",)  # limit=64 stays
+    gates = next(a for a in STUDY.analyses if a.name == "gates")
+    assert "limit=144" in gates.overrides  # make pretrain's gates read the checkpoint evaluations' prompts
+    for quick, limit in ((False, "limit=144"), (True, "limit=64")):
+        cmd = study_run.analysis_command(STUDY, run, gates, tmp_path, quick)[1]
+        assert [o for o in cmd if o.startswith("limit=")][-1] == limit
     step_dir = tmp_path / "runs" / "w4s4" / "seed=42" / "checkpoints" / "step_00000250"
     (step_dir / "weights").mkdir(parents=True)
     (step_dir / STATE_FILE).write_text("{}")  # a complete checkpoint, as list_checkpoints reads one

@@ -289,12 +289,13 @@ def run_plan(
 
 def analysis_command(study: Study, run: Run, analysis: Analysis, out: Path, quick: bool) -> tuple[Path, list[str]]:
     """``eval.py analysis=<name>``'s command line for ``run``, on the study's first evaluation (its task and
-    overrides, so its results sit in that evaluation's folder), and the analysis' results file."""
+    overrides, so its results sit in that evaluation's folder) with the analysis' ``overrides`` (``past_quick``),
+    and the analysis' results file."""
     task_name, cmd = next(iter(eval_commands(run, out, quick, study.task, study.evals).values()))
     return analysis_file(eval_dir(run_dir(out, run), task_name), analysis.name), [
         *cmd,
         f"analysis={analysis.name}",
-        *analysis.overrides,
+        *past_quick(analysis.overrides, quick),
     ]
 
 
@@ -343,21 +344,21 @@ def run_analyses(
     return records
 
 
-def checkpoint_overrides(study: Study, quick: bool) -> tuple[str, ...]:
-    """The study's ``checkpoints.overrides`` as its checkpoint evaluations take them: under ``quick`` those of keys
-    ``QUICK_EVAL`` sets are left out (a pipeline check keeps its own few prompts)."""
-    assert study.checkpoints is not None
+def past_quick(overrides: tuple[str, ...], quick: bool) -> tuple[str, ...]:
+    """A study key's eval overrides (an analysis', the checkpoint evaluations') as they follow an evaluation's
+    command: under ``quick`` those of keys ``QUICK_EVAL`` sets are left out (a pipeline check keeps its own few
+    prompts)."""
     quick_keys = {q.split("=", 1)[0] for q in QUICK_EVAL} if quick else set()
-    return tuple(o for o in study.checkpoints.overrides if o.split("=", 1)[0] not in quick_keys)
+    return tuple(o for o in overrides if o.split("=", 1)[0] not in quick_keys)
 
 
 def checkpoint_command(study: Study, run: Run, out: Path, quick: bool, step: object) -> tuple[str, list[str]]:
     """The study's ``checkpoints.eval`` evaluation of ``run`` at checkpoint ``step`` (a step, or a placeholder for
-    the dry run): its task name and ``eval.py`` command, the key's ``overrides`` (``checkpoint_overrides``) and
+    the dry run): its task name and ``eval.py`` command, the key's ``overrides`` (``past_quick``) and
     ``model.step=<step>`` added."""
     assert study.checkpoints is not None
     name, cmd = eval_commands(run, out, quick, study.task, study.evals)[study.checkpoints.eval]
-    return name, [*cmd, *checkpoint_overrides(study, quick), f"model.step={step}"]
+    return name, [*cmd, *past_quick(study.checkpoints.overrides, quick), f"model.step={step}"]
 
 
 def checkpoint_commands(study: Study, run: Run, out: Path, quick: bool) -> list[tuple[int, Path, list[str]]]:
